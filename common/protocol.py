@@ -1,0 +1,293 @@
+"""The gateway <-> worker wire protocol: message types and their codec, nothing else.
+
+Every message is two ZeroMQ frames: a one-byte type, then a msgpack array holding the
+message's fields in declaration order. (A ROUTER socket prepends the peer identity.)
+Decoding is defensive: a frame that is too large, of an unknown type, or with fields of
+the wrong type raises `ProtocolError`, which receive loops log and drop.
+
+Sockets (see docs/protocol.md):
+- gateway ROUTER  <- worker DEALER : HELLO, HEARTBEAT, DRAIN, ERROR   (worker -> gateway)
+                  -> worker DEALER : READY, SUBMIT, ABORT, CREDIT, HEARTBEAT, DRAIN, SHUTDOWN
+- gateway PULL    <- worker PUSH   : TOKENS (one message per engine step, all streams)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import MISSING as _MISSING
+from dataclasses import astuple, dataclass, field, fields
+from typing import Any, ClassVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 16 * 1024 * 1024  # a 1M-token prompt still fits; anything bigger is garbage
+MAX_LIST_ITEMS = 2_000_000
+
+
+class ProtocolError(ValueError):
+    """A frame we refuse to decode. Receivers log it and carry on."""
+
+
+class MsgType(enum.IntEnum):
+    HELLO = 1
+    READY = 2
+    SUBMIT = 3
+    ABORT = 4
+    CREDIT = 5
+    TOKENS = 6
+    HEARTBEAT = 7
+    DRAIN = 8
+    ERROR = 9
+    SHUTDOWN = 10
+
+
+class WorkerState(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+
+
+# Finish reasons on the wire are the strings of worker.sequence.FinishReason.
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass
+class Message:
+    TYPE: ClassVar[MsgType]
+    # Field name -> accepted Python types after msgpack decoding. Checked on decode.
+    SCHEMA: ClassVar[dict[str, tuple[type, ...]]]
+
+
+_INT = (int,)
+_STR = (str,)
+_FLOAT = (float, int)
+_OPT_STR = (str, type(None))
+_OPT_INT = (int, type(None))
+_LIST = (list,)
+_DICT = (dict,)
+_BOOL = (bool,)
+
+
+@dataclass
+class Hello(Message):
+    """Worker -> gateway, once its model is loaded (and again after a reconnect)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.HELLO
+    SCHEMA: ClassVar = {
+        "protocol_version": _INT, "worker_id": _STR, "model": _STR, "max_model_len": _INT,
+        "num_kv_blocks": _INT, "block_size": _INT, "max_num_seqs": _INT, "device": _STR,
+        "pid": _INT,
+    }
+    protocol_version: int
+    worker_id: str
+    model: str
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    max_num_seqs: int
+    device: str
+    pid: int
+
+
+@dataclass
+class Ready(Message):
+    """Gateway -> worker, the answer to HELLO. A refused worker exits with the reason."""
+
+    TYPE: ClassVar[MsgType] = MsgType.READY
+    SCHEMA: ClassVar = {"accepted": _BOOL, "reason": _STR, "heartbeat_interval_s": _FLOAT}
+    accepted: bool
+    reason: str = ""
+    heartbeat_interval_s: float = 1.0
+
+
+@dataclass
+class Submit(Message):
+    """Gateway -> worker: start generating. `params` holds SamplingParams fields by name."""
+
+    TYPE: ClassVar[MsgType] = MsgType.SUBMIT
+    SCHEMA: ClassVar = {"request_id": _STR, "prompt_token_ids": _LIST, "params": _DICT,
+                        "credit": _INT}
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict[str, Any]
+    credit: int  # initial window: tokens the worker may send before more credit arrives
+
+    def validate(self) -> None:
+        if not all(type(t) is int for t in self.prompt_token_ids):
+            raise ProtocolError("prompt_token_ids must be ints")
+        if self.credit < 1:
+            raise ProtocolError("credit must be >= 1")
+
+
+@dataclass
+class Abort(Message):
+    """Gateway -> worker: drop these requests now and free their KV blocks."""
+
+    TYPE: ClassVar[MsgType] = MsgType.ABORT
+    SCHEMA: ClassVar = {"request_ids": _LIST}
+    request_ids: list[str]
+
+    def validate(self) -> None:
+        if not all(isinstance(r, str) for r in self.request_ids):
+            raise ProtocolError("request_ids must be strings")
+
+
+@dataclass
+class Credit(Message):
+    """Gateway -> worker: the client took these many tokens; the worker may send more."""
+
+    TYPE: ClassVar[MsgType] = MsgType.CREDIT
+    SCHEMA: ClassVar = {"grants": _LIST}
+    grants: list[list]  # [[request_id, n], ...]
+
+    def validate(self) -> None:
+        for g in self.grants:
+            if not (isinstance(g, list) and len(g) == 2 and isinstance(g[0], str)
+                    and type(g[1]) is int and g[1] > 0):
+                raise ProtocolError("grants must be [request_id, n > 0] pairs")
+
+
+@dataclass
+class TokenOutput:
+    """One stream's news from one engine step (an element of Tokens.outputs)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None  # one of FINISH_REASONS, or None while running
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+    # Per new token: [logprob, [[token_id, logprob], ...]] when logprobs were asked for.
+    logprobs: list | None = None
+    error: str | None = None
+
+    @classmethod
+    def from_wire(cls, item: Any) -> TokenOutput:
+        if not isinstance(item, list) or len(item) != 8:
+            raise ProtocolError("token output must be an 8-item array")
+        out = cls(*item)
+        if not isinstance(out.request_id, str) or not isinstance(out.new_token_ids, list):
+            raise ProtocolError("bad token output")
+        if out.finish_reason is not None and out.finish_reason not in FINISH_REASONS:
+            raise ProtocolError(f"unknown finish reason {out.finish_reason!r}")
+        return out
+
+
+@dataclass
+class Tokens(Message):
+    """Worker -> gateway over PUSH: every stream's new tokens from one engine step."""
+
+    TYPE: ClassVar[MsgType] = MsgType.TOKENS
+    SCHEMA: ClassVar = {"worker_id": _STR, "step": _INT, "outputs": _LIST}
+    worker_id: str
+    step: int
+    outputs: list[TokenOutput] = field(default_factory=list)
+
+    def to_wire(self) -> list:
+        return [self.worker_id, self.step, [list(astuple(o)) for o in self.outputs]]
+
+    def validate(self) -> None:
+        self.outputs = [TokenOutput.from_wire(o) for o in self.outputs]
+
+
+@dataclass
+class Heartbeat(Message):
+    """Both ways. From a worker it carries its load; from the gateway the counts are 0."""
+
+    TYPE: ClassVar[MsgType] = MsgType.HEARTBEAT
+    SCHEMA: ClassVar = {
+        "worker_id": _STR, "state": _STR, "num_running": _INT, "num_waiting": _INT,
+        "num_paused": _INT, "num_free_blocks": _INT, "num_total_blocks": _INT,
+        "time": _FLOAT,
+    }
+    worker_id: str
+    state: str = WorkerState.READY.value
+    num_running: int = 0
+    num_waiting: int = 0
+    num_paused: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    time: float = 0.0
+
+
+@dataclass
+class Drain(Message):
+    """Gateway -> worker: take no new work, finish within deadline_s. Worker -> gateway: I am
+    draining (route nothing new here)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.DRAIN
+    SCHEMA: ClassVar = {"worker_id": _STR, "deadline_s": _FLOAT}
+    worker_id: str
+    deadline_s: float = 30.0
+
+
+@dataclass
+class Error(Message):
+    """Either way: a failure not tied to one stream's tokens (those travel in TOKENS)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.ERROR
+    SCHEMA: ClassVar = {"request_id": _OPT_STR, "code": _STR, "message": _STR}
+    request_id: str | None
+    code: str
+    message: str
+
+
+@dataclass
+class Shutdown(Message):
+    """Gateway -> worker: exit now (after freeing everything)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.SHUTDOWN
+    SCHEMA: ClassVar = {"reason": _STR}
+    reason: str = ""
+
+
+MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (Hello, Ready, Submit, Abort, Credit, Tokens, Heartbeat, Drain, Error, Shutdown)
+}
+
+
+def encode(msg: Message) -> list[bytes]:
+    """Message -> [type frame, body frame]."""
+    body = msg.to_wire() if isinstance(msg, Tokens) else list(astuple(msg))
+    return [bytes([msg.TYPE]), msgpack.packb(body, use_bin_type=True)]
+
+
+def decode(frames: list[bytes]) -> Message:
+    """[type frame, body frame] -> Message, or ProtocolError. Never anything else."""
+    if len(frames) != 2:
+        raise ProtocolError(f"expected 2 frames, got {len(frames)}")
+    type_frame, body = frames
+    if len(type_frame) != 1:
+        raise ProtocolError("type frame must be one byte")
+    try:
+        cls = MESSAGE_CLASSES[MsgType(type_frame[0])]
+    except ValueError:
+        raise ProtocolError(f"unknown message type {type_frame[0]}") from None
+    if len(body) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"{cls.__name__} body of {len(body)} bytes exceeds the limit")
+    try:
+        values = msgpack.unpackb(
+            body, raw=False, strict_map_key=True, max_array_len=MAX_LIST_ITEMS,
+            max_map_len=1024, max_str_len=MAX_FRAME_BYTES, max_bin_len=MAX_FRAME_BYTES,
+        )
+    except Exception as e:  # msgpack raises several unrelated types
+        raise ProtocolError(f"{cls.__name__}: undecodable body: {e}") from None
+    if not isinstance(values, list):
+        raise ProtocolError(f"{cls.__name__}: body must be an array")
+    names = [f.name for f in fields(cls)]
+    required = sum(1 for f in fields(cls) if f.default is f.default_factory is _MISSING)
+    if not required <= len(values) <= len(names):
+        raise ProtocolError(f"{cls.__name__}: expected {len(names)} fields, got {len(values)}")
+    for name, value in zip(names, values, strict=False):
+        accepted = cls.SCHEMA[name]
+        # bool is an int subclass; keep them apart so True never passes as a count.
+        if not isinstance(value, accepted) or (isinstance(value, bool) and bool not in accepted):
+            raise ProtocolError(f"{cls.__name__}.{name}: unexpected {type(value).__name__}")
+    msg = cls(*values)
+    validate = getattr(msg, "validate", None)
+    if validate is not None:
+        validate()
+    return msg
+

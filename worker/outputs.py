@@ -1,0 +1,54 @@
+"""What the engine returns from a step: plain data that the worker process puts on the wire."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from worker.sequence import FinishReason
+
+
+@dataclass
+class RequestOutput:
+    """New tokens of one request from one step (possibly none, when it only finished)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int  # total so far, including new_token_ids
+    num_cached_tokens: int = 0
+    # One entry per new token when logprobs were asked for: (logprob, [(id, logprob), ...]).
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    error: str | None = None  # user-facing message when finish_reason is ERROR
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StepTiming:
+    schedule_s: float = 0.0
+    prepare_s: float = 0.0  # building input tensors
+    forward_s: float = 0.0  # the model forward itself
+    sample_s: float = 0.0
+    update_s: float = 0.0  # scheduler state update and output building
+    num_tokens: int = 0
+    num_seqs: int = 0
+
+    @property
+    def total_s(self) -> float:
+        return self.schedule_s + self.prepare_s + self.forward_s + self.sample_s + self.update_s
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_paused: int
+    num_free_blocks: int
+    num_cached_blocks: int  # free but still holding a reusable prefix
+    num_total_blocks: int
+    num_preemptions: int
+    num_steps: int
+    last_step: StepTiming = field(default_factory=StepTiming)

@@ -1,0 +1,56 @@
+"""What the scheduler hands the model runner each step: plain data, no torch.
+
+The scheduler *plans*; the runner *executes* a plan and returns sampled tokens; only
+`Scheduler.update()` changes scheduler state from the result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from worker.sequence import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """A contiguous run of one sequence's tokens to push through the model this step."""
+
+    request_id: str
+    token_ids: list[int]  # tokens whose K/V are computed now (a prefill chunk, or 1 for decode)
+    start_pos: int  # position of token_ids[0]; K/V for positions < start_pos are in the cache
+    block_table: list[int]  # covers positions [0, start_pos + len(token_ids))
+    do_sample: bool  # True when this chunk reaches the sequence's end: sample one new token
+    params: SamplingParams
+    # Tokens generated so far (for penalties) and the prompt (for repetition penalty).
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's batch. Decode chunks come first, then prefill chunks."""
+
+    chunks: list[ScheduledChunk]
+    preempted: list[str] = field(default_factory=list)  # request ids sent back to waiting
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """The runner's answer for one chunk with do_sample=True."""
+
+    request_id: str
+    token_id: int
+    logprob: float | None = None  # logprob of token_id, when params.logprobs is not None
+    top_logprobs: list[tuple[int, float]] | None = None  # top-N (token id, logprob)

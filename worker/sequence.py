@@ -1,0 +1,108 @@
+"""One request's state inside a worker: the scheduler owns it, the others borrow it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued; holds no blocks (new, or preempted for recompute)
+    RUNNING = "running"  # holds blocks; scheduled every step
+    PAUSED = "paused"  # holds blocks; left out of the batch until resumed (no credit)
+    FINISHED = "finished"  # blocks released
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS or a stop token id
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # caller aborted (client gone, stop string seen by the gateway)
+    ERROR = "error"  # worker-side failure (slow client timeout, engine error)
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take (too long, bad parameters). Message is user-facing."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings. Validated here so every entry point shares the checks."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 means disabled
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per sampled token; None means off
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise RequestError("max_tokens must be at least 1")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise RequestError("min_tokens must be between 0 and max_tokens")
+        if self.temperature < 0:
+            raise RequestError("temperature must be >= 0")
+        if self.top_k < 0:
+            raise RequestError("top_k must be >= 0 (0 disables it)")
+        if not 0 < self.top_p <= 1:
+            raise RequestError("top_p must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise RequestError("min_p must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise RequestError("repetition_penalty must be > 0")
+        if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
+            raise RequestError("presence_penalty and frequency_penalty must be in [-2, 2]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise RequestError("logprobs must be between 0 and 20")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass
+class Sequence:
+    """A request as the engine sees it. Token lists grow; blocks come and go."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # KV state: physical block ids in logical order, and how many tokens have K/V in them.
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Prompt tokens served from the prefix cache at the last admission (for stats/usage).
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    # Output tokens not yet handed out by engine.step() (kept across preemption).
+    num_emitted_tokens: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
