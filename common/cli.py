@@ -1,0 +1,448 @@
+"""The `zeroserve` command line: `serve` (gateway + supervised workers), `gateway`, `worker`,
+and `check` (a container health check).
+
+Every flag also reads `ZEROSERVE_<FLAG>` (dashes become underscores: `--max-num-seqs` reads
+`ZEROSERVE_MAX_NUM_SEQS`); an explicit flag wins. Flags become the frozen configs
+(EngineConfig, GatewayConfig, WorkerConfig); an invalid value is a usage error, never a
+traceback. The `*_args` functions turn configs back into flags, which is how `serve` hands
+each child process its configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from worker.config import BatchingMode, EngineConfig
+
+ENV_PREFIX = "ZEROSERVE_"
+LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def env_name(flag: str) -> str:
+    """'--max-num-seqs' -> 'ZEROSERVE_MAX_NUM_SEQS'."""
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def option(*decls: str, **kwargs: Any) -> Callable:
+    """click.option with its ZEROSERVE_<FLAG> variable set explicitly (click's automatic
+    prefix would add the command name: ZEROSERVE_SERVE_PORT)."""
+    flag = next(d for d in decls if d.startswith("--")).split("/")[0]
+    kwargs.setdefault("envvar", env_name(flag))
+    kwargs.setdefault("show_envvar", True)
+    kwargs.setdefault("show_default", True)
+    return click.option(*decls, **kwargs)
+
+
+def _default(cls: type, name: str) -> Any:
+    return {f.name: f.default for f in dataclasses.fields(cls)}[name]
+
+
+class ByteSize(click.ParamType):
+    """'4GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
+
+    name = "bytes"
+    _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+              "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+              "tib": 2**40}
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        if isinstance(value, int):
+            return value
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+        unit = match and self._UNITS.get(match.group(2).lower())
+        if not match or unit is None:
+            self.fail(f"{value!r} is not a size (examples: 4GiB, 512MiB, 1000000)", param, ctx)
+        size = int(float(match.group(1)) * unit)
+        if size < 1:
+            self.fail(f"{value!r} must be at least one byte", param, ctx)
+        return size
+
+
+def _check_device(ctx: Any, param: Any, value: str) -> str:
+    if not _DEVICE_RE.match(value):
+        raise click.BadParameter(f"{value!r}: use auto, cpu, cuda or cuda:N")
+    return value
+
+
+def _positive(ctx: Any, param: Any, value: float | None) -> float | None:
+    if value is not None and value <= 0:
+        raise click.BadParameter("must be > 0")
+    return value
+
+
+def _options(decorators: list[Callable]) -> Callable:
+    def apply(fn: Callable) -> Callable:
+        for decorator in reversed(decorators):
+            fn = decorator(fn)
+        return fn
+
+    return apply
+
+
+MODEL_OPTION = option("--model", default="default",
+                      help='"default" (the embedded SmolLM2-135M-Instruct), a .gguf file or a '
+                           "Hugging Face model directory.")
+
+LOG_OPTIONS = [
+    option("--log-format", type=click.Choice(LOG_FORMATS), default="text",
+           help="text for terminals, json for one object a line."),
+    option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), default="info"),
+]
+
+ENGINE_OPTIONS = [
+    option("--device", default="auto", callback=_check_device,
+           help="auto, cpu, cuda or cuda:N."),
+    option("--dtype", type=click.Choice(DTYPES), default="auto"),
+    option("--max-num-seqs", type=click.IntRange(min=1),
+           default=_default(EngineConfig, "max_num_seqs"),
+           help="Most sequences in one batch."),
+    option("--max-num-batched-tokens", type=click.IntRange(min=1),
+           default=_default(EngineConfig, "max_num_batched_tokens"),
+           help="Token budget of one step (prefill chunks + decodes)."),
+    option("--max-model-len", type=click.IntRange(min=1), default=None,
+           help="Context length cap. [default: the model's own]"),
+    option("--block-size", type=click.IntRange(min=1), default=_default(EngineConfig, "block_size"),
+           help="Tokens per KV block (a power of two)."),
+    option("--num-kv-blocks", type=click.IntRange(min=1), default=None,
+           help="KV pool size in blocks; wins over --kv-cache-memory."),
+    option("--kv-cache-memory", type=ByteSize(), default=None,
+           help="KV pool size in bytes, e.g. 4GiB. [default: from free memory]"),
+    option("--enable-prefix-caching/--no-enable-prefix-caching",
+           default=_default(EngineConfig, "enable_prefix_caching")),
+    option("--batching-mode", type=click.Choice([m.value for m in BatchingMode]),
+           default=BatchingMode.CONTINUOUS.value,
+           help="continuous is the product; static and dynamic are benchmark baselines."),
+    option("--batch-wait-ms", type=click.FloatRange(min=0),
+           default=_default(EngineConfig, "batch_wait_ms"), help="dynamic mode's window."),
+    option("--num-threads", type=click.IntRange(min=1), default=None,
+           help="torch CPU threads. [default: torch's]"),
+    option("--backend", type=click.Choice(["model", "fake"]), default="model",
+           help="fake emits tokens without a model (tests and benchmarks only)."),
+    option("--seed", type=int, default=_default(EngineConfig, "seed")),
+    option("--fake-forward-ms", type=click.FloatRange(min=0), default=0.0,
+           help="--backend fake only: simulated milliseconds per forward."),
+]
+
+GATEWAY_OPTIONS = [
+    option("--host", default="127.0.0.1", help="HTTP bind address."),
+    option("--port", type=click.IntRange(0, 65535), default=8000, help="HTTP port."),
+    option("--served-model-name", default=None,
+           help="The model id clients use. [default: from the model file]"),
+    option("--credit-window", type=click.IntRange(min=1), default=32,
+           help="Tokens of one stream in flight before the client must read."),
+    option("--slow-client-timeout", type=float, default=30.0, callback=_positive,
+           help="Seconds a stream may make no progress before it is aborted."),
+    option("--max-queued-requests", type=click.IntRange(min=0), default=256,
+           help="Requests waiting for a worker; beyond: 429."),
+    option("--queue-timeout", type=float, default=60.0, callback=_positive,
+           help="Seconds a queued request waits for a worker before a 503."),
+    option("--worker-timeout", type=float, default=3.0, callback=_positive,
+           help="Seconds without a heartbeat before a worker counts as lost."),
+]
+
+ADDRESS_OPTIONS = [
+    option("--router-address", default=None,
+           help="Gateway ROUTER endpoint (ipc:// or tcp://). [default: ipc, from --port]"),
+    option("--tokens-address", default=None,
+           help="Gateway PULL endpoint for tokens. [default: ipc, from --port]"),
+]
+
+WORKER_PROCESS_OPTIONS = [
+    option("--heartbeat-interval", type=float, default=0.5, callback=_positive,
+           help="Seconds between heartbeats to the gateway."),
+    option("--gateway-timeout", type=float, default=5.0, callback=_positive,
+           help="Seconds of gateway silence before failing in-flight work and saying HELLO "
+                "again."),
+    option("--drain-timeout", type=click.FloatRange(min=0), default=30.0,
+           help="On SIGTERM, seconds to finish in-flight requests before failing them."),
+]
+
+
+# -- flags -> configs ------------------------------------------------------------------------
+
+
+def _build(cls: type, **kwargs: Any) -> Any:
+    """Construct a config; its validation errors become usage errors."""
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def engine_config(opts: dict[str, Any], device: str | None = None) -> EngineConfig:
+    return _build(
+        EngineConfig, model=opts["model"], device=device or opts["device"],
+        dtype=opts["dtype"], max_num_seqs=opts["max_num_seqs"],
+        max_num_batched_tokens=opts["max_num_batched_tokens"],
+        max_model_len=opts["max_model_len"], block_size=opts["block_size"],
+        num_kv_blocks=opts["num_kv_blocks"], kv_cache_memory=opts["kv_cache_memory"],
+        enable_prefix_caching=opts["enable_prefix_caching"],
+        batching_mode=BatchingMode(opts["batching_mode"]), batch_wait_ms=opts["batch_wait_ms"],
+        num_threads=opts["num_threads"], seed=opts["seed"],
+    )
+
+
+def gateway_config(opts: dict[str, Any]):
+    from gateway.config import GatewayConfig
+
+    return _build(
+        GatewayConfig, host=opts["host"], port=opts["port"], model=opts["model"],
+        served_model_name=opts["served_model_name"], router_address=opts["router_address"],
+        tokens_address=opts["tokens_address"], credit_window=opts["credit_window"],
+        slow_client_timeout_s=opts["slow_client_timeout"],
+        max_queued_requests=opts["max_queued_requests"], queue_timeout_s=opts["queue_timeout"],
+        worker_timeout_s=opts["worker_timeout"], log_format=opts["log_format"],
+        log_level=opts["log_level"].lower(),
+    )
+
+
+def worker_config(opts: dict[str, Any], engine: EngineConfig, worker_id: str,
+                  router_address: str, tokens_address: str):
+    from worker.process import WorkerConfig
+
+    return _build(
+        WorkerConfig, worker_id=worker_id, router_address=router_address,
+        tokens_address=tokens_address, engine=engine, backend=opts["backend"],
+        heartbeat_interval_s=opts["heartbeat_interval"],
+        gateway_timeout_s=opts["gateway_timeout"], drain_timeout_s=opts["drain_timeout"],
+        fake_forward_s=opts["fake_forward_ms"] / 1000,
+    )
+
+
+# -- configs -> flags (for child processes) --------------------------------------------------
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def engine_args(config: EngineConfig) -> list[str]:
+    """Flags that make `zeroserve worker` build exactly this EngineConfig."""
+    args = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if value is None:
+            continue
+        if f.name == "enable_prefix_caching":
+            args.append("--enable-prefix-caching" if value else "--no-enable-prefix-caching")
+        else:
+            args += [_flag(f.name), str(value.value if isinstance(value, BatchingMode) else value)]
+    return args
+
+
+def worker_args(config: Any) -> list[str]:
+    """Flags for `zeroserve worker` / `python -m worker` that rebuild this WorkerConfig."""
+    return [
+        "--worker-id", config.worker_id, "--router-address", config.router_address,
+        "--tokens-address", config.tokens_address, "--backend", config.backend,
+        "--heartbeat-interval", str(config.heartbeat_interval_s),
+        "--gateway-timeout", str(config.gateway_timeout_s),
+        "--drain-timeout", str(config.drain_timeout_s),
+        "--fake-forward-ms", str(config.fake_forward_s * 1000),
+        *engine_args(config.engine),
+    ]
+
+
+def gateway_args(config: Any) -> list[str]:
+    """Flags for `zeroserve gateway` that rebuild this GatewayConfig."""
+    router, tokens = config.endpoints
+    args = [
+        "--host", config.host, "--port", str(config.port), "--model", config.model,
+        "--router-address", router, "--tokens-address", tokens,
+        "--credit-window", str(config.credit_window),
+        "--slow-client-timeout", str(config.slow_client_timeout_s),
+        "--max-queued-requests", str(config.max_queued_requests),
+        "--queue-timeout", str(config.queue_timeout_s),
+        "--worker-timeout", str(config.worker_timeout_s),
+        "--log-format", config.log_format, "--log-level", config.log_level,
+    ]
+    if config.served_model_name is not None:
+        args += ["--served-model-name", config.served_model_name]
+    return args
+
+
+# -- devices ---------------------------------------------------------------------------------
+
+
+def count_cuda_devices() -> int:
+    """GPUs this process may use, without importing torch (the supervisor stays light)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
+                                 timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
+
+
+def worker_devices(device: str, num_workers: int | None, num_gpus: int) -> list[str]:
+    """One device per local worker: auto -> cuda:i when there are GPUs, else the CPU."""
+    if num_workers is None:
+        num_workers = max(1, num_gpus) if device in ("auto", "cuda") else 1
+    if device == "auto":
+        device = "cuda" if num_gpus else "cpu"
+    if device == "cuda":
+        if num_gpus == 0:
+            raise click.UsageError("--device cuda asked for, but no CUDA device is visible")
+        return [f"cuda:{i % num_gpus}" for i in range(num_workers)]
+    return [device] * num_workers
+
+
+# -- commands --------------------------------------------------------------------------------
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="zeroserve", prog_name="zeroserve",
+                      message="%(prog)s %(version)s")
+def main() -> None:
+    """zeroserve: an OpenAI-compatible LLM server (an HTTP gateway and ZeroMQ workers)."""
+
+
+@main.command()
+@MODEL_OPTION
+@_options(GATEWAY_OPTIONS)
+@_options(ADDRESS_OPTIONS)
+@_options(ENGINE_OPTIONS)
+@option("--workers", type=click.IntRange(min=1), default=None,
+        help="Local worker processes. [default: one per CUDA GPU, else 1]")
+@option("--drain-timeout", type=click.FloatRange(min=0), default=30.0,
+        help="On SIGTERM, seconds workers get to finish in-flight requests.")
+@_options(LOG_OPTIONS)
+def serve(**opts: Any) -> None:
+    """Run the gateway and supervise N local workers (restarted with backoff if they exit).
+
+    SIGTERM or Ctrl-C: workers drain (finish in-flight requests, up to --drain-timeout),
+    then the gateway stops. Killing one worker's pid restarts just that worker.
+    """
+    from common.logging_setup import setup_logging
+    from common.supervisor import RestartPolicy, Supervisor, serve_children
+
+    setup_logging(opts["log_format"], opts["log_level"])
+    gateway = gateway_config(opts)
+    router, tokens = gateway.endpoints
+    opts.update(heartbeat_interval=gateway.heartbeat_interval_s,
+                gateway_timeout=max(5.0, 2 * gateway.worker_timeout_s))
+    devices = worker_devices(opts["device"], opts["workers"],
+                             count_cuda_devices() if opts["device"] in ("auto", "cuda") else 0)
+    workers = [
+        worker_config(opts, engine_config(opts, device=device), f"worker-{i}", router, tokens)
+        for i, device in enumerate(devices)
+    ]
+    children = serve_children(gateway, workers, log_args=_log_args(opts))
+    sys.exit(Supervisor(children, RestartPolicy()).run())
+
+
+@main.command()
+@MODEL_OPTION
+@_options(GATEWAY_OPTIONS)
+@_options(ADDRESS_OPTIONS)
+@_options(LOG_OPTIONS)
+def gateway(**opts: Any) -> None:
+    """Run only the HTTP gateway; workers connect to its --router-address/--tokens-address."""
+    from common.supervisor import die_with_parent
+
+    config = gateway_config(opts)
+    die_with_parent()
+    from gateway.server import run_gateway
+
+    run_gateway(config)
+
+
+@main.command()
+@option("--worker-id", default=None,
+        help="Stable id (a restarted worker with the same id takes its place). "
+             "[default: <hostname>-<pid>]")
+@_options(ADDRESS_OPTIONS)
+@option("--port", type=click.IntRange(0, 65535), default=8000,
+        help="The gateway's HTTP port; picks the default ipc endpoints.")
+@MODEL_OPTION
+@_options(ENGINE_OPTIONS)
+@_options(WORKER_PROCESS_OPTIONS)
+@_options(LOG_OPTIONS)
+def worker(**opts: Any) -> None:
+    """Run one worker: load the model once, connect to the gateway, serve until SIGTERM."""
+    from common.logging_setup import setup_logging
+    from common.supervisor import die_with_parent
+    from worker.process import run_worker
+
+    setup_logging(opts["log_format"], opts["log_level"])
+    router, tokens = _default_endpoints(opts["port"])
+    config = worker_config(
+        opts, engine_config(opts), opts["worker_id"] or f"{socket.gethostname()}-{os.getpid()}",
+        opts["router_address"] or router, opts["tokens_address"] or tokens,
+    )
+    die_with_parent()
+    sys.exit(run_worker(config))
+
+
+@main.command()
+@option("--url", default="http://127.0.0.1:8000", help="The gateway's base URL.")
+@option("--worker-id", default=None,
+        help="Check that this worker is registered and ready, not just the gateway.")
+@option("--timeout", type=float, default=5.0, callback=_positive, help="Seconds to wait.")
+def check(url: str, worker_id: str | None, timeout: float) -> None:
+    """Health check for containers: exit 0 if the gateway serves (or the worker is ready).
+
+    Without --worker-id: GET /health answers 200 (at least one worker is ready). With it:
+    /health lists that worker as ready (it said HELLO and keeps heartbeating).
+    """
+    import json
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as response:
+            status, body = response.status, response.read()
+    except urllib.error.HTTPError as e:
+        status, body = e.code, e.read()
+    except OSError as e:
+        raise click.ClickException(f"{url} does not answer: {e}") from None
+    try:
+        workers = json.loads(body).get("workers", [])
+    except (ValueError, AttributeError):
+        workers = []
+    if worker_id is None:
+        if status != 200:
+            raise click.ClickException(f"/health answered {status}: no worker is ready")
+        click.echo(f"ok: {len(workers)} worker(s)")
+        return
+    states = {w.get("worker_id"): w.get("status") for w in workers if isinstance(w, dict)}
+    if states.get(worker_id) != "ready":
+        raise click.ClickException(f"worker {worker_id} is {states.get(worker_id, 'unknown')}")
+    click.echo(f"ok: {worker_id} is ready")
+
+
+def _default_endpoints(port: int) -> tuple[str, str]:
+    from gateway.config import default_endpoints
+
+    return default_endpoints(port)
+
+
+def _log_args(opts: dict[str, Any]) -> list[str]:
+    return ["--log-format", opts["log_format"], "--log-level", opts["log_level"].lower()]
+
+
+def worker_main() -> None:
+    """`python -m worker ARGS` is `zeroserve worker ARGS`."""
+    worker.main(prog_name="python -m worker")
+
+
+if __name__ == "__main__":
+    main(prog_name="zeroserve")

@@ -1,0 +1,86 @@
+"""Admission control: a bounded FIFO of requests waiting for worker capacity.
+
+A request goes straight to a worker when one can take it and nobody is queued ahead.
+Otherwise it waits here, up to `max_queued` requests (beyond that: 429 with Retry-After)
+and up to `timeout_s` (then 503). With no live worker, requests wait too, so a worker
+restart does not fail the requests that arrive meanwhile. Whoever frees capacity (a
+request ending, a worker saying HELLO) calls `wake()`, which hands workers out in order.
+The worker is reserved for the request before its waiter resumes, so two waiters never
+count the same free slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+from gateway.errors import no_worker, queue_full
+from gateway.registry import WorkerHandle, WorkerRegistry
+
+
+class Admission:
+    def __init__(self, registry: WorkerRegistry, max_queued: int, timeout_s: float,
+                 retry_after_s: int = 1):
+        self.registry = registry
+        self.max_queued = max_queued
+        self.timeout_s = timeout_s
+        self.retry_after_s = retry_after_s
+        self._waiters: deque[tuple[str, asyncio.Future]] = deque()
+
+    @property
+    def num_queued(self) -> int:
+        return sum(1 for _, f in self._waiters if not f.done())
+
+    def check_room(self, num_requests: int = 1) -> None:
+        """Raise 429 now if these many new requests could not all be queued."""
+        if self._waiters or self.registry.pick() is None:
+            if self.num_queued + num_requests > self.max_queued:
+                raise queue_full(self.retry_after_s)
+
+    async def acquire(self, request_id: str) -> WorkerHandle:
+        """A worker with the request already assigned to it; 429 or 503 otherwise."""
+        if not self._waiters:
+            worker = self.registry.pick()
+            if worker is not None:
+                self.registry.assign(worker, request_id)
+                return worker
+        if self.num_queued >= self.max_queued:
+            raise queue_full(self.retry_after_s)
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        entry = (request_id, future)
+        self._waiters.append(entry)
+        is_handed_over = False
+        try:
+            worker = await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
+            is_handed_over = True
+            return worker
+        except asyncio.TimeoutError:
+            raise no_worker(f"No worker became available within {self.timeout_s:g}s.") from None
+        finally:
+            if entry in self._waiters:
+                self._waiters.remove(entry)
+            if not is_handed_over:
+                self._give_back(future, request_id)
+
+    def _give_back(self, future: asyncio.Future, request_id: str) -> None:
+        """We stopped waiting (timeout, cancel); if a worker was reserved meanwhile, free it."""
+        if not future.done():
+            future.cancel()
+        elif not future.cancelled() and future.exception() is None:
+            self.registry.release(future.result().worker_id, request_id)
+            self.wake()
+
+    def wake(self) -> None:
+        """Hand free capacity to waiters, oldest first."""
+        while self._waiters:
+            request_id, future = self._waiters[0]
+            if future.done():
+                self._waiters.popleft()
+                continue
+            worker = self.registry.pick()
+            if worker is None:
+                return
+            self._waiters.popleft()
+            self.registry.assign(worker, request_id)
+            future.set_result(worker)
+

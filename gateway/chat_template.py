@@ -1,0 +1,66 @@
+"""Chat templates: the model's own jinja2 template, rendered in a sandbox.
+
+The environment matches what Hugging Face's `apply_chat_template` gives templates
+(trim_blocks, lstrip_blocks, loop controls, `raise_exception`, a non-escaping `tojson`,
+`strftime_now`), so a template renders here exactly as it does there.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# SmolLM-style ChatML, for models whose files carry no template.
+FALLBACK_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class ChatTemplateError(ValueError):
+    """The template refused the conversation (raise_exception) or failed to render."""
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: Any = None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class ChatTemplate:
+    def __init__(self, source: str | None, bos_token: str | None = None,
+                 eos_token: str | None = None):
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        self.source = source or FALLBACK_TEMPLATE
+        self.template = env.from_string(self.source)
+        self.bos_token = bos_token or ""
+        self.eos_token = eos_token or ""
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               **extra: Any) -> str:
+        try:
+            return self.template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token, eos_token=self.eos_token, **extra)
+        except jinja2.exceptions.TemplateError as e:
+            raise ChatTemplateError(str(e)) from None
+        except Exception as e:  # a template is code; its failures are about the input
+            raise ChatTemplateError(f"chat template failed: {e}") from None

@@ -1,0 +1,82 @@
+"""Gateway configuration: one frozen dataclass, validated on creation."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+LOG_FORMATS = ("text", "json")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str = "default"  # for the tokenizer and chat template; as EngineConfig.model
+    served_model_name: str | None = None
+    router_address: str | None = None  # None -> default_endpoints(port)
+    tokens_address: str | None = None
+    credit_window: int = 32
+    slow_client_timeout_s: float = 30.0
+    max_queued_requests: int = 256  # beyond: 429 with Retry-After
+    heartbeat_interval_s: float = 0.5
+    worker_timeout_s: float = 3.0  # no heartbeat for this long -> worker lost
+    log_format: str = "text"  # "text" or "json"
+    # Added beyond docs/architecture.md (all defaulted):
+    queue_timeout_s: float = 60.0  # a queued request waits this long for a worker, then 503
+    # Requests a worker may hold beyond max_num_seqs (its own waiting queue); None -> as many
+    # again as its max_num_seqs. More than that waits in the gateway's bounded queue.
+    max_waiting_per_worker: int | None = None
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError("port must be in [0, 65535]")
+        if self.credit_window < 1:
+            raise ValueError("credit_window must be >= 1")
+        if self.slow_client_timeout_s <= 0:
+            raise ValueError("slow_client_timeout_s must be > 0")
+        if self.max_queued_requests < 0:
+            raise ValueError("max_queued_requests must be >= 0")
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError("heartbeat_interval_s must be > 0")
+        if self.worker_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError("worker_timeout_s must exceed heartbeat_interval_s")
+        if self.queue_timeout_s <= 0:
+            raise ValueError("queue_timeout_s must be > 0")
+        if self.max_waiting_per_worker is not None and self.max_waiting_per_worker < 0:
+            raise ValueError("max_waiting_per_worker must be >= 0")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be one of {LOG_FORMATS}")
+
+    @property
+    def endpoints(self) -> tuple[str, str]:
+        """(router, tokens) addresses in effect."""
+        router, tokens = default_endpoints(self.port)
+        return self.router_address or router, self.tokens_address or tokens
+
+
+def _ipc_dir() -> Path:
+    return Path(tempfile.gettempdir()) / f"zeroserve-{os.getuid()}"
+
+
+def default_endpoints(port: int) -> tuple[str, str]:
+    """ipc:// router and tokens addresses, one pair per gateway port, under the temp dir."""
+    base = _ipc_dir() / f"gw-{port}"
+    return f"ipc://{base}-router.sock", f"ipc://{base}-tokens.sock"
+
+
+def prepare_ipc_endpoint(address: str) -> None:
+    """Make an ipc:// endpoint bindable: create its folder, remove a stale socket file.
+
+    A gateway that died leaves its socket file behind; binding over it works in ZeroMQ, but
+    a leftover file of another kind would not, so remove whatever is there first.
+    """
+    if not address.startswith("ipc://"):
+        return
+    path = Path(address[len("ipc://"):])
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if path.exists() or path.is_symlink():
+        path.unlink()

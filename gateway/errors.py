@@ -1,0 +1,65 @@
+"""Typed errors that become OpenAI-shaped JSON responses.
+
+Every failure a client can see is an `APIError`: the caller's mistakes are 4xx
+(`invalid_request_error`), capacity and worker trouble are 429/503, and only genuine
+server faults are 500. Body: {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(404, f"The model `{model}` does not exist.", param="model",
+                    code="model_not_found")
+
+
+def queue_full(retry_after_s: int) -> APIError:
+    return APIError(429, "The server is at capacity: too many requests are queued. "
+                         "Retry later.", type="rate_limit_error", code="queue_full",
+                    headers={"Retry-After": str(retry_after_s)})
+
+
+def no_worker(message: str = "No worker is available to serve the request.") -> APIError:
+    return APIError(503, message, type="service_unavailable", code="no_worker",
+                    headers={"Retry-After": "1"})
+
+
+def worker_failed(message: str) -> APIError:
+    return APIError(503, message, type="service_unavailable", code="worker_lost")
+
+
+def server_error(message: str) -> APIError:
+    return APIError(500, message, type="server_error", code="internal_error")
+
+
+def client_too_slow(timeout_s: float) -> APIError:
+    return APIError(408, f"The client read nothing for {timeout_s:g}s; the stream was aborted.",
+                    type="timeout_error", code="slow_client")

@@ -1,0 +1,146 @@
+"""From worker token batches to client text: one `Choice` per engine request, grouped per
+HTTP request in a `RequestGroup`.
+
+A choice runs each batch through the incremental detokenizer, then the stop-string
+matcher; a stop string ends the choice here and aborts it in the worker. The group owns
+the engine requests of one HTTP request (n choices x prompts), submits them, yields
+updates in arrival order, and on close ends whatever is still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from common.protocol import TokenOutput
+from gateway.core import Gateway
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.errors import APIError, server_error, worker_failed
+from gateway.stop_strings import StopStringMatcher
+from gateway.streams import RequestState
+from gateway.tokenizer import TextTokenizer
+
+
+@dataclass
+class ChoiceUpdate:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list | None  # the worker's entries for token_ids: [logprob, [[id, lp], ...]]
+    finish_reason: str | None
+
+
+@dataclass
+class Choice:
+    index: int
+    state: RequestState
+    detokenizer: IncrementalDetokenizer
+    stop: StopStringMatcher
+    num_prompt_tokens: int
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+
+    def consume(self, out: TokenOutput) -> ChoiceUpdate:
+        """One batch from the worker -> text to emit (maybe "") and maybe a finish."""
+        self.num_output_tokens += len(out.new_token_ids)
+        self.num_cached_tokens = out.num_cached_tokens
+        if out.finish_reason in ("abort", "error"):
+            detail = out.error or "the worker aborted the request"
+            raise (server_error if out.finish_reason == "error" else worker_failed)(
+                f"Generation failed: {detail}")
+        text = self.stop.push(self.detokenizer.push(out.new_token_ids))
+        if not self.stop.is_stopped and out.finish_reason is not None:
+            text += self.stop.push(self.detokenizer.flush())
+            text += self.stop.flush()
+        if self.stop.is_stopped:
+            self.finish_reason = "stop"
+        elif out.finish_reason is not None:
+            self.finish_reason = out.finish_reason
+        return ChoiceUpdate(self.index, text, out.new_token_ids, out.logprobs,
+                            self.finish_reason)
+
+
+@dataclass
+class RequestGroup:
+    gateway: Gateway
+    choices: list[Choice] = field(default_factory=list)
+    prompt_lengths: list[int] = field(default_factory=list)  # per prompt, once
+    sink: asyncio.Queue = field(default_factory=asyncio.Queue)
+    _params: list[dict] = field(default_factory=list)
+
+    def add(self, prompt_ids: list[int], params: dict, tokenizer: TextTokenizer,
+            stop: tuple[str, ...], skip_special_tokens: bool) -> None:
+        index = len(self.choices)
+        state = self.gateway.new_request(index, prompt_ids, self.sink)
+        detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+        self.choices.append(Choice(index, state, detok, StopStringMatcher(list(stop)),
+                                   len(prompt_ids)))
+        self._params.append(params)
+
+    async def submit(self) -> None:
+        """Admit and send every choice; on any failure (429, 503) raise and end them all."""
+        self.gateway.admission.check_room(len(self.choices))
+        tasks = [asyncio.ensure_future(self.gateway.submit(c.state, p))
+                 for c, p in zip(self.choices, self._params, strict=True)]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.close()
+            raise
+
+    @property
+    def is_finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    async def update_batches(self) -> AsyncIterator[list[tuple[ChoiceUpdate, RequestState]]]:
+        """Updates in arrival order, batched: everything already queued comes together, so a
+        backlogged stream costs one client write per batch, not per token. Ends when every
+        choice finished; raises APIError when a choice fails (worker lost, worker error),
+        after yielding what came before the failure. The caller grants credit for the
+        tokens of each update once it has delivered them."""
+        while not self.is_finished:
+            items = [await self.sink.get()]
+            while not self.sink.empty():
+                items.append(self.sink.get_nowait())
+            batch, error = [], None
+            for state, item in items:
+                choice = self.choices[state.index]
+                if choice.finish_reason is not None:
+                    continue  # stale: arrived after the choice ended
+                if isinstance(item, APIError):
+                    error = item
+                    break
+                try:
+                    update = choice.consume(item)
+                except APIError as e:
+                    error = e
+                    break
+                if update.finish_reason is not None:
+                    # A worker finish means the worker already forgot it; a stop string
+                    # means it is still generating.
+                    self.gateway.finish(state, abort=item.finish_reason is None)
+                batch.append((update, state))
+            if batch:
+                yield batch
+            if error is not None:
+                raise error
+
+    def close(self) -> None:
+        """End every choice still open (client gone, error, slow client)."""
+        for choice in self.choices:
+            self.gateway.finish(choice.state, abort=True)
+
+    def usage(self) -> dict[str, int]:
+        prompt = sum(self.prompt_lengths)
+        completion = sum(c.num_output_tokens for c in self.choices)
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion,
+                 "total_tokens": prompt + completion}
+        cached = sum(c.num_cached_tokens for c in self.choices)
+        if cached:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage

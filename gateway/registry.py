@@ -1,0 +1,148 @@
+"""Worker registry: who is connected, how loaded, who is alive; and routing.
+
+A worker says HELLO once its model is loaded (and again after reconnecting); we answer
+READY and from then on expect a HEARTBEAT every interval. A worker silent for
+`worker_timeout_s` is lost. A HELLO from a known id replaces the old incarnation (its
+requests are gone with it). A worker that says DRAIN gets nothing new.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from common.protocol import Heartbeat, Hello, WorkerState
+
+
+class WorkerStatus(enum.Enum):
+    READY = "ready"
+    DRAINING = "draining"
+
+
+@dataclass
+class WorkerHandle:
+    hello: Hello
+    last_seen: float
+    max_waiting: int  # requests it may hold beyond max_num_seqs
+    status: WorkerStatus = WorkerStatus.READY
+    # Last reported load.
+    num_running: int = 0
+    num_waiting: int = 0
+    num_paused: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    # Requests routed here since its last heartbeat (not yet in the reported counts).
+    num_sent_since_heartbeat: int = 0
+    request_ids: set[str] = field(default_factory=set)  # in flight here, as we see it
+
+    @property
+    def worker_id(self) -> str:
+        return self.hello.worker_id
+
+    @property
+    def capacity(self) -> int:
+        return self.hello.max_num_seqs + self.max_waiting
+
+    @property
+    def can_accept(self) -> bool:
+        return self.status is WorkerStatus.READY and len(self.request_ids) < self.capacity
+
+    @property
+    def load(self) -> int:
+        return self.num_running + self.num_waiting + self.num_sent_since_heartbeat
+
+    def describe(self) -> dict:
+        return {
+            "worker_id": self.worker_id, "status": self.status.value, "pid": self.hello.pid,
+            "device": self.hello.device, "model": self.hello.model,
+            "max_model_len": self.hello.max_model_len, "num_running": self.num_running,
+            "num_waiting": self.num_waiting, "num_paused": self.num_paused,
+            "num_free_blocks": self.num_free_blocks, "num_total_blocks": self.num_total_blocks,
+            "num_in_flight": len(self.request_ids),
+        }
+
+
+class WorkerRegistry:
+    def __init__(self, max_waiting_per_worker: int | None = None):
+        self.max_waiting_per_worker = max_waiting_per_worker
+        self.workers: dict[str, WorkerHandle] = {}
+        self.last_max_model_len: int | None = None
+
+    def register(self, hello: Hello, now: float) -> WorkerHandle | None:
+        """Add a worker; return the incarnation it replaces (whose requests are lost)."""
+        old = self.workers.pop(hello.worker_id, None)
+        max_waiting = (hello.max_num_seqs if self.max_waiting_per_worker is None
+                       else self.max_waiting_per_worker)
+        self.workers[hello.worker_id] = WorkerHandle(
+            hello=hello, last_seen=now, max_waiting=max_waiting,
+            num_free_blocks=hello.num_kv_blocks, num_total_blocks=hello.num_kv_blocks)
+        self.last_max_model_len = hello.max_model_len
+        return old
+
+    def get(self, worker_id: str) -> WorkerHandle | None:
+        return self.workers.get(worker_id)
+
+    def on_heartbeat(self, hb: Heartbeat, now: float) -> WorkerHandle | None:
+        worker = self.workers.get(hb.worker_id)
+        if worker is None:
+            return None
+        worker.last_seen = now
+        worker.num_running, worker.num_waiting = hb.num_running, hb.num_waiting
+        worker.num_paused = hb.num_paused
+        worker.num_free_blocks, worker.num_total_blocks = hb.num_free_blocks, hb.num_total_blocks
+        worker.num_sent_since_heartbeat = 0
+        if hb.state == WorkerState.DRAINING.value:
+            worker.status = WorkerStatus.DRAINING
+        return worker
+
+    def touch(self, worker_id: str, now: float) -> None:
+        """Any message from a worker proves it alive."""
+        worker = self.workers.get(worker_id)
+        if worker is not None:
+            worker.last_seen = now
+
+    def mark_draining(self, worker_id: str) -> WorkerHandle | None:
+        worker = self.workers.get(worker_id)
+        if worker is not None:
+            worker.status = WorkerStatus.DRAINING
+        return worker
+
+    def expire(self, now: float, timeout_s: float) -> list[WorkerHandle]:
+        """Remove and return the workers silent for longer than timeout_s."""
+        lost = [w for w in self.workers.values() if now - w.last_seen > timeout_s]
+        for w in lost:
+            del self.workers[w.worker_id]
+        return lost
+
+    def remove(self, worker_id: str) -> WorkerHandle | None:
+        return self.workers.pop(worker_id, None)
+
+    def pick(self) -> WorkerHandle | None:
+        """The least-loaded worker that can take a request, or None."""
+        candidates = [w for w in self.workers.values() if w.can_accept]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda w: (max(w.load, len(w.request_ids)),
+                                               -w.num_free_blocks, w.worker_id))
+
+    def assign(self, worker: WorkerHandle, request_id: str) -> None:
+        worker.request_ids.add(request_id)
+        worker.num_sent_since_heartbeat += 1
+
+    def release(self, worker_id: str, request_id: str) -> None:
+        worker = self.workers.get(worker_id)
+        if worker is not None:
+            worker.request_ids.discard(request_id)
+
+    @property
+    def num_live(self) -> int:
+        return len(self.workers)
+
+    @property
+    def has_ready(self) -> bool:
+        return any(w.status is WorkerStatus.READY for w in self.workers.values())
+
+    def max_model_len(self) -> int | None:
+        """The context limit live workers enforce (the smallest), or the last one seen."""
+        lens = [w.hello.max_model_len for w in self.workers.values()]
+        return min(lens) if lens else self.last_max_model_len

@@ -1,0 +1,237 @@
+"""HTTP handlers: validate, tokenize, admit, then stream or collect the result."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.chat_template import ChatTemplate, ChatTemplateError
+from gateway.config import GatewayConfig
+from gateway.core import Gateway
+from gateway.errors import APIError, client_too_slow, invalid_request
+from gateway.generation import RequestGroup
+from gateway.logging import get_logger
+from gateway.openai_schema import (
+    ChatRequest,
+    SamplingOptions,
+    check_context,
+    check_token_ids,
+    parse_chat,
+    parse_completion,
+    parse_json_body,
+    parse_tokenize,
+)
+from gateway.responses import (
+    SSE_DONE,
+    LogprobsFormatter,
+    ResponseContext,
+    chat_chunk,
+    chat_response,
+    chat_role_chunk,
+    completion_chunk,
+    completion_response,
+    sse,
+    usage_chunk,
+)
+from gateway.sse import SSEResponse, race_disconnect
+from gateway.tokenizer import TextTokenizer
+
+log = get_logger("api")
+
+# When no worker ever said HELLO and the model files do not say either.
+_FALLBACK_MAX_MODEL_LEN = 2048
+
+
+class Api:
+    def __init__(self, config: GatewayConfig, gateway: Gateway, tokenizer: TextTokenizer,
+                 template: ChatTemplate, served_names: tuple[str, ...]):
+        self.config = config
+        self.gateway = gateway
+        self.tokenizer = tokenizer
+        self.template = template
+        self.served_names = served_names  # the first is the one /v1/models lists
+        self.started = int(time.time())
+
+    @property
+    def max_model_len(self) -> int:
+        return (self.gateway.registry.max_model_len() or self.tokenizer.max_model_len
+                or _FALLBACK_MAX_MODEL_LEN)
+
+    # --- simple endpoints ------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.served_names[0], "object": "model", "created": self.started,
+            "owned_by": "zeroserve", "root": self.config.model,
+            "max_model_len": self.max_model_len}]})
+
+    async def health(self, request: Request) -> Response:
+        registry = self.gateway.registry
+        body = {"status": "ok" if registry.has_ready else "unavailable",
+                "workers": [w.describe() for w in registry.workers.values()],
+                "num_requests": len(self.gateway.streams),
+                "num_queued": self.gateway.admission.num_queued}
+        return JSONResponse(body, status_code=200 if registry.has_ready else 503)
+
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            spec = parse_tokenize(parse_json_body(await request.body()), self.served_names)
+            if "messages" in spec:
+                text = self._render(spec["messages"], spec["add_generation_prompt"], {})
+            else:
+                text = spec["prompt"]
+            ids = self.tokenizer.encode(text, add_special_tokens=spec["add_special_tokens"])
+        except APIError as e:
+            return e.response()
+        return JSONResponse({"tokens": ids, "count": len(ids),
+                             "max_model_len": self.max_model_len})
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            body = parse_json_body(await request.body())
+            ids = body.get("tokens")
+            if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+                raise invalid_request("'tokens' must be an array of token ids.", param="tokens")
+            check_token_ids(ids, self.tokenizer.vocab_size)
+        except APIError as e:
+            return e.response()
+        return JSONResponse({"prompt": self.tokenizer.decode(ids, skip_special_tokens=False)})
+
+    # --- generation ------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        try:
+            req = parse_completion(parse_json_body(await request.body()), self.served_names)
+            prompts = []
+            for p in req.prompts:
+                ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+                check_token_ids(ids, self.tokenizer.vocab_size)
+                prompts.append(ids)
+            ctx = ResponseContext("completion", req.model, req.include_usage)
+            return await self._generate(request, ctx, prompts, req.sampling, req.stream)
+        except APIError as e:
+            return e.response()
+
+    async def chat(self, request: Request) -> Response:
+        try:
+            req = parse_chat(parse_json_body(await request.body()), self.served_names)
+            text = self._render(req.messages, req.add_generation_prompt,
+                                req.extra_template_kwargs)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            ctx = ResponseContext("chat", req.model, req.include_usage)
+            return await self._generate(request, ctx, [ids], req.sampling, req.stream,
+                                        what="messages")
+        except APIError as e:
+            return e.response()
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, extra: dict) -> str:
+        try:
+            return self.template.render(messages, add_generation_prompt, **extra)
+        except ChatTemplateError as e:
+            raise invalid_request(f"The chat template rejected the messages: {e}",
+                                  param="messages") from None
+
+    async def _generate(self, request: Request, ctx: ResponseContext, prompts: list[list[int]],
+                        sampling: SamplingOptions, stream: bool, what: str = "prompt"
+                        ) -> Response:
+        group = RequestGroup(self.gateway)
+        for ids in prompts:
+            max_tokens = check_context(len(ids), sampling.max_tokens, self.max_model_len, what)
+            group.prompt_lengths.append(len(ids))
+            for i in range(sampling.n):
+                group.add(ids, sampling.worker_params(max_tokens, i), self.tokenizer,
+                          sampling.stop, sampling.skip_special_tokens)
+        log.info("request", extra={"request_id": ctx.id, "kind": ctx.kind,
+                                   "num_choices": len(group.choices), "stream": stream,
+                                   "num_prompt_tokens": sum(group.prompt_lengths)})
+        try:
+            is_gone, _ = await race_disconnect(group.submit(), request.receive)
+        except APIError:
+            group.close()
+            raise
+        if is_gone:
+            group.close()
+            return Response(status_code=499)
+        if stream:
+            return SSEResponse(self._events(group, ctx, sampling),
+                               self.config.slow_client_timeout_s,
+                               on_slow_client=lambda: sse(client_too_slow(
+                                   self.config.slow_client_timeout_s).body()) + SSE_DONE,
+                               request_id=ctx.id)
+        try:
+            is_gone, result = await race_disconnect(self._collect(group, ctx, sampling),
+                                                    request.receive)
+        finally:
+            group.close()
+        if is_gone:
+            log.info("client disconnected", extra={"request_id": ctx.id})
+            return Response(status_code=499)
+        return JSONResponse(result)
+
+    def _logprobs(self, ctx: ResponseContext, update, offset: int) -> dict | None:
+        if update.logprobs is None or not update.token_ids:
+            return None
+        fmt = LogprobsFormatter(self.tokenizer, ctx.kind)
+        if ctx.kind == "chat":
+            return fmt.chat(update.token_ids, update.logprobs)
+        return fmt.completion(update.token_ids, update.logprobs, offset)
+
+    async def _events(self, group: RequestGroup, ctx: ResponseContext,
+                      sampling: SamplingOptions) -> AsyncIterator[bytes]:
+        offsets = [0] * len(group.choices)
+        try:
+            if ctx.kind == "chat":
+                for choice in group.choices:
+                    yield sse(chat_role_chunk(ctx, choice.index))
+            build = chat_chunk if ctx.kind == "chat" else completion_chunk
+            async for batch in group.update_batches():
+                out = []
+                for update, _ in batch:
+                    lp = self._logprobs(ctx, update, offsets[update.index])
+                    offsets[update.index] += len(update.text)
+                    if update.text or update.finish_reason is not None or lp is not None:
+                        out.append(sse(build(ctx, update, lp)))
+                if out:
+                    yield b"".join(out)
+                # Those chunks are on the client's socket (or there was nothing to send).
+                for update, state in batch:
+                    self.gateway.grant(state, len(update.token_ids))
+            if ctx.include_usage:
+                yield sse(usage_chunk(ctx, group.usage()))
+            yield SSE_DONE
+        except APIError as e:
+            log.warning("stream failed", extra={"request_id": ctx.id, "error": e.message})
+            yield sse(e.body()) + SSE_DONE
+        finally:
+            group.close()
+
+    async def _collect(self, group: RequestGroup, ctx: ResponseContext,
+                       sampling: SamplingOptions) -> dict:
+        texts = [""] * len(group.choices)
+        logprobs: list[dict | None] = [None] * len(group.choices)
+        async for batch in group.update_batches():
+            for update, state in batch:
+                lp = self._logprobs(ctx, update, len(texts[update.index]))
+                if lp is not None:
+                    logprobs[update.index] = LogprobsFormatter.merge(logprobs[update.index], lp)
+                texts[update.index] += update.text
+                self.gateway.grant(state, len(update.token_ids))
+        if sampling.logprobs is not None and ctx.kind == "chat":
+            logprobs = [lp or {"content": []} for lp in logprobs]
+        choices = []
+        for c in group.choices:
+            if ctx.kind == "chat":
+                choices.append({"index": c.index, "message": {"role": "assistant",
+                                                               "content": texts[c.index]},
+                                "logprobs": logprobs[c.index], "finish_reason": c.finish_reason})
+            else:
+                choices.append({"index": c.index, "text": texts[c.index],
+                                "logprobs": logprobs[c.index], "finish_reason": c.finish_reason})
+        build = chat_response if ctx.kind == "chat" else completion_response
+        return build(ctx, choices, group.usage())
+
+
+__all__ = ["Api", "ChatRequest"]

@@ -1,0 +1,98 @@
+"""Per-request state inside the gateway, and the credit ledger.
+
+One `RequestState` per engine request (an HTTP request with n choices has n). The receive
+loop puts each TOKENS output, or a failure, on the request's sink queue; the HTTP handler
+consumes it. Several choices of one HTTP request share one sink, so one task serves them.
+
+Credit: the worker may have at most `credit_window` tokens of a stream sent and not
+credited. The handler credits tokens once they reached the client socket (or, for
+non-stream requests, once it consumed them); `CreditLedger` batches the grants of one
+event-loop iteration into one CREDIT message per worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from common.protocol import TokenOutput
+from gateway.errors import APIError
+
+
+class RequestPhase(enum.Enum):
+    QUEUED = "queued"  # waiting in admission for a worker
+    RUNNING = "running"  # submitted to a worker
+    DONE = "done"  # finished, aborted or failed; removed from the table
+
+
+@dataclass(eq=False)
+class RequestState:
+    request_id: str
+    index: int  # choice index within its HTTP request
+    prompt_token_ids: list[int]
+    sink: asyncio.Queue  # items: (RequestState, TokenOutput | APIError)
+    phase: RequestPhase = RequestPhase.QUEUED
+    worker_id: str | None = None
+    num_received: int = 0  # tokens the worker sent us
+    num_credited: int = 0  # tokens we gave back as credit
+
+    def deliver(self, item: TokenOutput | APIError) -> None:
+        self.sink.put_nowait((self, item))
+
+    @property
+    def num_uncredited(self) -> int:
+        return self.num_received - self.num_credited
+
+
+@dataclass
+class StreamTable:
+    """request id -> state. Everything that ends a request goes through `remove`."""
+
+    states: dict[str, RequestState] = field(default_factory=dict)
+
+    def add(self, state: RequestState) -> None:
+        if state.request_id in self.states:
+            raise ValueError(f"duplicate request id {state.request_id}")
+        self.states[state.request_id] = state
+
+    def get(self, request_id: str) -> RequestState | None:
+        return self.states.get(request_id)
+
+    def remove(self, request_id: str) -> RequestState | None:
+        state = self.states.pop(request_id, None)
+        if state is not None:
+            state.phase = RequestPhase.DONE
+        return state
+
+    def on_worker(self, worker_id: str) -> list[RequestState]:
+        return [s for s in self.states.values() if s.worker_id == worker_id]
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+
+class CreditLedger:
+    """Collects grants and flushes them once per event-loop iteration."""
+
+    def __init__(self, send: Callable[[str, list[list]], None]):
+        self._send = send  # (worker_id, [[request_id, n], ...])
+        self._pending: dict[str, dict[str, int]] = {}
+        self._scheduled = False
+
+    def grant(self, state: RequestState, n: int) -> None:
+        if n <= 0 or state.worker_id is None or state.phase is not RequestPhase.RUNNING:
+            return
+        state.num_credited += n
+        per_worker = self._pending.setdefault(state.worker_id, {})
+        per_worker[state.request_id] = per_worker.get(state.request_id, 0) + n
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._scheduled = False
+        pending, self._pending = self._pending, {}
+        for worker_id, grants in pending.items():
+            self._send(worker_id, [[rid, n] for rid, n in grants.items()])

@@ -1,0 +1,268 @@
+"""Gateway relay benchmark: how many tokens/s the gateway delivers to many concurrent SSE
+streams, and how much latency it adds per token, with a fake engine behind it.
+
+It starts `zeroserve gateway` and one worker, opens N concurrent streaming completions
+(default 1,000) with a lean raw-socket HTTP/1.1 client, and reports:
+
+- delivered tokens/s (server-reported usage.completion_tokens over the wall time, and
+  chunks/s seen by the clients);
+- with `--worker stamped` (default): the added latency per token = client receive time -
+  the time the worker put that token on the wire (both CLOCK_MONOTONIC, same machine), as
+  p50/p90/p99. The stamped worker is the gateway tests' fake worker in its own process; it
+  emits one whole-word token per step per stream, so the i-th SSE chunk of a stream is its
+  i-th token.
+- with `--worker fake`: the real `zeroserve worker --backend fake` (FakeRunner behind the
+  real engine loop); latency is then reported as the inter-chunk gap (ITL), which includes
+  the fake forward time.
+
+    python scripts/bench_gateway_relay.py --streams 1000 --tokens 100 --step-ms 50
+    python scripts/bench_gateway_relay.py --worker fake --streams 1000 --tokens 100 \\
+        --step-ms 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+PROMPT_BASE_ID = 1000  # stream k sends the one-token prompt [PROMPT_BASE_ID + k]
+
+
+# --- the stamped fake worker (its own process) ------------------------------------------
+
+def run_stamped_worker(router: str, tokens: str, step_s: float, word_id: int, out_path: str,
+                       stop_path: str) -> None:
+    """Emit `word_id` once per step per stream; record when each token left."""
+    from tests.gateway.helpers import FakeWorker
+
+    stamps: list[tuple[int, int, float]] = []  # (stream k, token index, monotonic time)
+
+    class StampedWorker(FakeWorker):
+        def _step(self):
+            outputs = super()._step()
+            now = time.monotonic()
+            for out in outputs:
+                k = self._stream_of[out.request_id]
+                first = out.num_output_tokens - len(out.new_token_ids)
+                stamps.extend((k, first + j, now) for j in range(len(out.new_token_ids)))
+            return outputs
+
+        def _handle(self, msg):
+            from common.protocol import Submit
+
+            if isinstance(msg, Submit):
+                self._stream_of[msg.request_id] = msg.prompt_token_ids[0] - PROMPT_BASE_ID
+            super()._handle(msg)
+
+    worker = StampedWorker(router, tokens, worker_id="stamped-0", step_s=step_s,
+                           max_num_seqs=4096, max_model_len=8192, heartbeat_s=0.5,
+                           reply=lambda prompt, params: [word_id] * params["max_tokens"])
+    worker._stream_of = {}
+    worker.start()
+    while not os.path.exists(stop_path):
+        time.sleep(0.2)
+    worker.stop()
+    with open(out_path, "w") as f:
+        json.dump(stamps, f)
+
+
+# --- the client ----------------------------------------------------------------------------
+
+async def one_stream(port: int, k: int, max_tokens: int, arrivals: list[list[float]],
+                     usage: list[int], errors: list[str]) -> None:
+    body = json.dumps({"prompt": [PROMPT_BASE_ID + k], "max_tokens": max_tokens,
+                       "stream": True, "ignore_eos": True, "temperature": 0,
+                       "stream_options": {"include_usage": True}}).encode()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError as e:
+        errors.append(f"connect: {e}")
+        return
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: "
+                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+    times = arrivals[k]
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+        if b" 200 " not in head.split(b"\r\n", 1)[0]:
+            errors.append(head.split(b"\r\n", 1)[0].decode())
+            return
+        while True:  # chunked transfer encoding; one chunk per SSE send
+            size = int((await reader.readline()).strip(), 16)
+            if size == 0:
+                break
+            data = await reader.readexactly(size + 2)
+            now = time.monotonic()
+            for event in data.split(b"\n\n"):
+                if event.startswith(b'data: {"id"'):
+                    if b'"choices":[]' in event:
+                        usage[k] = json.loads(event[6:])["usage"]["completion_tokens"]
+                    else:
+                        times.append(now)
+                elif event.startswith(b'data: {"error"'):
+                    errors.append(event.decode()[:200])
+    except (OSError, asyncio.IncompleteReadError, ValueError) as e:
+        errors.append(f"read: {e!r}")
+    finally:
+        writer.close()
+
+
+async def run_clients(port: int, num_streams: int, max_tokens: int):
+    arrivals: list[list[float]] = [[] for _ in range(num_streams)]
+    usage = [0] * num_streams
+    errors: list[str] = []
+    start = time.monotonic()
+    await asyncio.gather(*(one_stream(port, k, max_tokens, arrivals, usage, errors)
+                           for k in range(num_streams)))
+    return start, time.monotonic(), arrivals, usage, errors
+
+
+# --- orchestration ----------------------------------------------------------------------
+
+def wait_healthy(port: int, timeout_s: float = 120) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("gateway did not become healthy")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """user + system CPU time a process used so far (Linux /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q / 100 * len(values)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--streams", type=int, default=1000)
+    ap.add_argument("--tokens", type=int, default=100, help="output tokens per stream")
+    ap.add_argument("--step-ms", type=float, default=50.0,
+                    help="fake engine step time (one token per stream per step)")
+    ap.add_argument("--worker", choices=["stamped", "fake"], default="stamped")
+    ap.add_argument("--port", type=int, default=18765)
+    ap.add_argument("--credit-window", type=int, default=32)
+    ap.add_argument("--result-json", default=None)
+    args = ap.parse_args()
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 4 * args.streams + 256)),
+                                                hard))
+    from gateway.config import default_endpoints
+
+    router, tokens = default_endpoints(args.port)
+    py = sys.executable
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    gateway = subprocess.Popen(
+        [py, "-m", "common.cli", "gateway", "--port", str(args.port), "--log-level", "warning",
+         "--max-queued-requests", str(args.streams * 2),
+         "--credit-window", str(args.credit_window)], env=env, cwd=ROOT)
+    procs = [gateway]
+    tmp = tempfile.mkdtemp(prefix="relay-bench-")
+    stamps_path, stop_path = os.path.join(tmp, "stamps.json"), os.path.join(tmp, "stop")
+    stamped = None
+    try:
+        if args.worker == "stamped":
+            from gateway.tokenizer import load_tokenizer
+
+            (word_id,) = load_tokenizer("default").encode(" hello", add_special_tokens=False)
+            ctx = multiprocessing.get_context("spawn")
+            stamped = ctx.Process(target=run_stamped_worker, args=(
+                router, tokens, args.step_ms / 1000, word_id, stamps_path, stop_path))
+            stamped.start()
+        else:
+            procs.append(subprocess.Popen(
+                [py, "-m", "common.cli", "worker", "--port", str(args.port), "--backend", "fake",
+                 "--fake-forward-ms", str(args.step_ms), "--max-num-seqs",
+                 str(max(args.streams, 64)), "--max-num-batched-tokens",
+                 str(max(args.streams, 512)), "--num-kv-blocks",
+                 str(args.streams * (args.tokens // 16 + 3)), "--log-level", "warning"],
+                env=env, cwd=ROOT))
+        wait_healthy(args.port)
+        worker_pid = stamped.pid if stamped is not None else procs[1].pid
+        cpu_before = {"gateway": cpu_seconds(gateway.pid), "worker": cpu_seconds(worker_pid),
+                      "client": time.process_time()}
+        start, end, arrivals, usage, errors = asyncio.run(
+            run_clients(args.port, args.streams, args.tokens))
+        cpu_used = {"gateway": cpu_seconds(gateway.pid), "worker": cpu_seconds(worker_pid),
+                    "client": time.process_time()}
+        cpu_used = {k: (v - cpu_before[k]) if v is not None and cpu_before[k] is not None
+                    else None for k, v in cpu_used.items()}
+    finally:
+        if stamped is not None:
+            Path(stop_path).touch()
+            stamped.join(30)
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+    wall = end - start
+    num_tokens = sum(usage)
+    num_chunks = sum(len(a) for a in arrivals)
+    result = {
+        "worker": args.worker, "streams": args.streams, "tokens_per_stream": args.tokens,
+        "step_ms": args.step_ms, "credit_window": args.credit_window,
+        "wall_s": round(wall, 3), "completed_streams": sum(1 for u in usage if u),
+        "errors": len(errors), "usage_tokens": num_tokens, "chunks": num_chunks,
+        "tokens_per_s": round(num_tokens / wall, 1),
+        "chunks_per_s": round(num_chunks / wall, 1),
+        "offered_tokens_per_s": round(args.streams * 1000 / args.step_ms, 1),
+    }
+    # CPU per delivered token is robust to a shared, noisy machine, unlike tokens/s.
+    result["cpu_s"] = {k: round(v, 2) for k, v in cpu_used.items() if v is not None}
+    if cpu_used.get("gateway") and num_tokens:
+        result["gateway_cpu_us_per_token"] = round(cpu_used["gateway"] / num_tokens * 1e6, 1)
+        result["gateway_tokens_per_cpu_s"] = round(num_tokens / cpu_used["gateway"], 1)
+    gaps = [b - a for times in arrivals for a, b in zip(times, times[1:], strict=False)]
+    result["itl_ms"] = {q: round(pct(gaps, q) * 1000, 2) for q in (50, 90, 99)}
+    if args.worker == "stamped" and os.path.exists(stamps_path):
+        with open(stamps_path) as f:
+            sent = {(k, i): t for k, i, t in json.load(f)}
+        added = [t - sent[(k, i)] for k, times in enumerate(arrivals)
+                 for i, t in enumerate(times) if (k, i) in sent]
+        result["added_latency_ms"] = {q: round(pct(added, q) * 1000, 2) for q in (50, 90, 99)}
+        result["added_latency_ms"]["mean"] = round(statistics.fmean(added) * 1000, 2) \
+            if added else None
+    if errors:
+        result["first_errors"] = errors[:3]
+    print(json.dumps(result, indent=2))
+    if args.result_json:
+        Path(args.result_json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Time the model runner's decode step at several batch sizes (no scheduler, no HTTP).
+
+    python scripts/profile_runner.py --batch 1 16 32 --context 256 --steps 20 [--profile]
+
+Each sequence gets a fresh block table covering `context` tokens (the pool content does not
+matter for timing); every step is one decode token per sequence, as in steady-state serving.
+Prints ms/step, tokens/s and the share of the step spent outside the model forward; on a
+shared machine also look at `min` and `cpu` (process CPU time per step, all threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from worker.config import EngineConfig  # noqa: E402
+from worker.model_runner import ModelRunner  # noqa: E402
+from worker.plan import ScheduledChunk, SchedulerOutput  # noqa: E402
+from worker.sequence import SamplingParams  # noqa: E402
+
+
+def decode_plan(batch: int, context: int, block_size: int, params: SamplingParams,
+                num_blocks: int) -> SchedulerOutput:
+    blocks_per_seq = (context + block_size) // block_size
+    chunks = []
+    for i in range(batch):
+        first = (i * blocks_per_seq) % max(1, num_blocks - blocks_per_seq)
+        table = list(range(first, first + blocks_per_seq))
+        chunks.append(ScheduledChunk(f"r{i}", [100 + i], context, table, True, params,
+                                     [1] * context, []))
+    return SchedulerOutput(chunks)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 32])
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--profile", action="store_true", help="print torch.profiler top ops")
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    runner = ModelRunner(EngineConfig(dtype=args.dtype, num_kv_blocks=1200))
+    params = SamplingParams(temperature=args.temperature, max_tokens=1000)
+    print(f"device={runner.info.device} dtype={runner.info.dtype} threads={torch.get_num_threads()}"
+          f" context={args.context}")
+    for batch in args.batch:
+        plan = decode_plan(batch, args.context, runner.block_size, params, runner.num_kv_blocks)
+        for _ in range(3):
+            runner.execute(plan)
+        totals, forwards, outside, cpu = [], [], [], []
+        for _ in range(args.steps):
+            started = time.perf_counter()
+            cpu_started = time.process_time()
+            runner.execute(plan)
+            cpu.append(time.process_time() - cpu_started)
+            total = time.perf_counter() - started
+            timing = runner.last_timing
+            totals.append(total)
+            forwards.append(timing.forward_s)
+            outside.append(total - timing.forward_s)
+        ms = statistics.median(totals) * 1e3
+        print(f"batch {batch:3d}: {ms:7.2f} ms/step  {batch / ms * 1e3:7.1f} tok/s  "
+              f"forward {statistics.median(forwards) * 1e3:7.2f} ms  "
+              f"outside forward {statistics.median(outside) * 1e3:5.2f} ms "
+              f"({statistics.median(outside) / statistics.median(totals):.1%})  "
+              f"min {min(totals) * 1e3:.2f} ms, cpu {statistics.median(cpu) * 1e3:.2f} ms/step")
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(5):
+                    runner.execute(plan)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+
+
+if __name__ == "__main__":
+    main()

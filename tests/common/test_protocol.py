@@ -1,0 +1,205 @@
+"""The wire codec: every message survives a round trip, and every bad frame is a ProtocolError."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import astuple, fields
+
+import msgpack
+import pytest
+
+from common.protocol import (
+    MAX_FRAME_BYTES,
+    MESSAGE_CLASSES,
+    PROTOCOL_VERSION,
+    Abort,
+    Credit,
+    Drain,
+    Error,
+    Heartbeat,
+    Hello,
+    Message,
+    MsgType,
+    ProtocolError,
+    Ready,
+    Shutdown,
+    Submit,
+    TokenOutput,
+    Tokens,
+    WorkerState,
+    decode,
+    encode,
+)
+
+
+def sample_messages() -> list[Message]:
+    """One fully populated instance of every message type (and some edge values)."""
+    return [
+        Hello(PROTOCOL_VERSION, "worker-0", "SmolLM2-135M-Instruct", 8192, 1024, 16, 64,
+              "cuda:0", 4242),
+        Ready(True),
+        Ready(False, "protocol version 9 is not supported", 0.25),
+        Submit("req-1", [1, 2, 3, 65535], {"max_tokens": 8, "temperature": 0.0,
+                                           "stop_token_ids": [2], "seed": None}, 32),
+        Submit("req-ü", [], {}, 1),
+        Abort(["req-1", "req-2"]),
+        Abort([]),
+        Credit([["req-1", 4], ["req-2", 1]]),
+        Tokens("worker-0", 7, [
+            TokenOutput("req-1", [42, 43], None, 5, 2, 0),
+            TokenOutput("req-2", [], "stop", 3, 9, 2),
+            TokenOutput("req-3", [7], "length", 3, 1, 0, [[-0.5, [[7, -0.5], [8, -1.25]]]]),
+            TokenOutput("req-4", [], "error", 3, 0, 0, None, "prompt is too long"),
+        ]),
+        Tokens("worker-1", 0, []),
+        Heartbeat("worker-0", WorkerState.DRAINING.value, 3, 2, 1, 100, 1024, 1234.5),
+        Heartbeat("gateway"),
+        Drain("worker-0", 12.5),
+        Error(None, "overloaded", "no KV blocks"),
+        Error("req-9", "internal", "boom"),
+        Shutdown("operator asked"),
+    ]
+
+
+def test_every_message_type_is_covered():
+    assert {type(m) for m in sample_messages()} == set(MESSAGE_CLASSES.values())
+    assert set(MESSAGE_CLASSES) == set(MsgType)
+
+
+@pytest.mark.parametrize("msg", sample_messages(), ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    frames = encode(msg)
+    assert len(frames) == 2 and frames[0] == bytes([msg.TYPE])
+    assert decode(frames) == msg
+
+
+def test_tokens_round_trip_gives_token_output_objects():
+    msg = decode(encode(Tokens("w", 1, [TokenOutput("r", [1], None, 2, 1)])))
+    assert isinstance(msg.outputs[0], TokenOutput)
+    assert msg.outputs[0].new_token_ids == [1]
+
+
+def test_trailing_default_fields_may_be_omitted():
+    # A peer built before a defaulted field existed still decodes (forward compatibility).
+    body = msgpack.packb([True])
+    assert decode([bytes([MsgType.READY]), body]) == Ready(True, "", 1.0)
+
+
+def _frames(msg_type: MsgType, body: object) -> list[bytes]:
+    return [bytes([msg_type]), msgpack.packb(body, use_bin_type=True)]
+
+
+BAD_FRAMES = {
+    "no frames": [],
+    "one frame": [bytes([MsgType.HEARTBEAT])],
+    "three frames": encode(Heartbeat("w")) + [b"extra"],
+    "empty type frame": [b"", msgpack.packb(["w"])],
+    "two-byte type frame": [b"\x07\x00", msgpack.packb(["w"])],
+    "unknown type": [bytes([200]), msgpack.packb([])],
+    "type zero": [bytes([0]), msgpack.packb([])],
+    "not msgpack": [bytes([MsgType.HEARTBEAT]), b"\xc1\xc1\xc1"],
+    "truncated body": [bytes([MsgType.HELLO]), encode(Hello(1, "w", "m", 1, 1, 1, 1, "cpu", 1))[1][:-3]],
+    "trailing garbage": [bytes([MsgType.SHUTDOWN]), msgpack.packb(["x"]) + b"\x00"],
+    "body not an array": _frames(MsgType.HEARTBEAT, {"worker_id": "w"}),
+    "body a scalar": _frames(MsgType.HEARTBEAT, 5),
+    "too few fields": _frames(MsgType.HELLO, [1, "w"]),
+    "too many fields": _frames(MsgType.ABORT, [["a"], "extra"]),
+    "string for int": _frames(MsgType.HELLO, ["1", "w", "m", 1, 1, 1, 1, "cpu", 1]),
+    "bool for int": _frames(MsgType.HELLO, [True, "w", "m", 1, 1, 1, 1, "cpu", 1]),
+    "int for bool": _frames(MsgType.READY, [1]),
+    "int for str": _frames(MsgType.DRAIN, [5, 1.0]),
+    "bytes for str": _frames(MsgType.SHUTDOWN, [b"reason"]),
+    "nil for required str": _frames(MsgType.ERROR, [None, None, "m"]),
+    "map for list": _frames(MsgType.ABORT, [{"a": 1}]),
+    "non-int prompt token": _frames(MsgType.SUBMIT, ["r", [1, "2"], {}, 4]),
+    "float prompt token": _frames(MsgType.SUBMIT, ["r", [1, 2.0], {}, 4]),
+    "zero credit": _frames(MsgType.SUBMIT, ["r", [1], {}, 0]),
+    "non-str param key": _frames(MsgType.SUBMIT, ["r", [1], {1: 2}, 4]),
+    "non-str abort id": _frames(MsgType.ABORT, [["a", 3]]),
+    "credit grant not a pair": _frames(MsgType.CREDIT, [[["r", 1, 2]]]),
+    "credit grant of zero": _frames(MsgType.CREDIT, [[["r", 0]]]),
+    "credit grant negative": _frames(MsgType.CREDIT, [[["r", -3]]]),
+    "credit grant bool": _frames(MsgType.CREDIT, [[["r", True]]]),
+    "token output short": _frames(MsgType.TOKENS, ["w", 1, [["r", [1], None]]]),
+    "token output not an array": _frames(MsgType.TOKENS, ["w", 1, ["r"]]),
+    "token output bad reason": _frames(MsgType.TOKENS, ["w", 1, [["r", [1], "done", 1, 1, 0, None, None]]]),
+    "token output list reason": _frames(MsgType.TOKENS, ["w", 1, [["r", [1], [], 1, 1, 0, None, None]]]),
+    "token output str token": _frames(MsgType.TOKENS, ["w", 1, [["r", ["x"], None, 1, 1, 0, None, None]]]),
+    "token output str count": _frames(MsgType.TOKENS, ["w", 1, [["r", [1], None, "1", 1, 0, None, None]]]),
+    "token output negative count": _frames(MsgType.TOKENS, ["w", 1, [["r", [1], None, 1, -1, 0, None, None]]]),
+    "token output int error": _frames(MsgType.TOKENS, ["w", 1, [["r", [1], "error", 1, 1, 0, None, 5]]]),
+    "token output map logprobs": _frames(MsgType.TOKENS, ["w", 1, [["r", [1], None, 1, 1, 0, {}, None]]]),
+    "tokens id not str": _frames(MsgType.TOKENS, [1, 1, []]),
+    "msgpack ext type": [bytes([MsgType.SHUTDOWN]), msgpack.packb([msgpack.ExtType(5, b"x")])],
+}
+
+
+@pytest.mark.parametrize("frames", BAD_FRAMES.values(), ids=list(BAD_FRAMES))
+def test_bad_frames_raise_protocol_error(frames):
+    with pytest.raises(ProtocolError):
+        decode(frames)
+
+
+def test_oversized_body_is_refused_before_unpacking():
+    body = b"\x00" * (MAX_FRAME_BYTES + 1)
+    with pytest.raises(ProtocolError, match="exceeds"):
+        decode([bytes([MsgType.SUBMIT]), body])
+
+
+def test_protocol_error_is_a_value_error():
+    # Receive loops may catch ValueError broadly; ProtocolError must be caught by it too.
+    assert issubclass(ProtocolError, ValueError)
+
+
+def _mutations(rng: random.Random, frames: list[bytes]) -> list[bytes]:
+    type_frame, body = frames
+    choice = rng.randrange(5)
+    if choice == 0:  # pure noise
+        return [bytes([rng.randrange(256)]), rng.randbytes(rng.randrange(64))]
+    if choice == 1:  # flip bytes of a valid body
+        data = bytearray(body)
+        for _ in range(rng.randrange(1, 4)):
+            if data:
+                data[rng.randrange(len(data))] = rng.randrange(256)
+        return [type_frame, bytes(data)]
+    if choice == 2:  # truncate
+        return [type_frame, body[: rng.randrange(len(body) + 1)]]
+    if choice == 3:  # a valid body under another message type
+        return [bytes([rng.choice(list(MsgType))]), body]
+    # random frame count
+    return [rng.randbytes(rng.randrange(3)) for _ in range(rng.randrange(5))]
+
+
+def test_fuzz_never_raises_anything_but_protocol_error():
+    rng = random.Random(1234)
+    valid = [encode(m) for m in sample_messages()]
+    num_decoded = 0
+    for _ in range(5000):
+        frames = _mutations(rng, rng.choice(valid))
+        try:
+            msg = decode(frames)
+        except ProtocolError:
+            continue
+        # Whatever decodes must be a well-formed message that encodes again.
+        num_decoded += 1
+        assert isinstance(msg, Message)
+        for f in fields(msg):
+            accepted = msg.SCHEMA[f.name]
+            value = getattr(msg, f.name)
+            if isinstance(msg, Tokens) and f.name == "outputs":
+                assert all(isinstance(o, TokenOutput) for o in value)
+            else:
+                assert isinstance(value, accepted)
+        encode(msg)
+    # The mutations must not be so destructive that nothing ever decodes.
+    assert num_decoded > 0
+
+
+def test_fields_travel_in_declaration_order():
+    # The docs promise positional arrays; a reordering of fields would break old peers.
+    hb = Heartbeat("w", "ready", 1, 2, 3, 4, 5, 6.0)
+    assert msgpack.unpackb(encode(hb)[1]) == list(astuple(hb))
+    assert [f.name for f in fields(Heartbeat)] == [
+        "worker_id", "state", "num_running", "num_waiting", "num_paused",
+        "num_free_blocks", "num_total_blocks", "time",
+    ]

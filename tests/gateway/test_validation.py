@@ -1,0 +1,131 @@
+"""Request validation (no server): typed requests out, OpenAI-shaped 4xx errors otherwise."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from gateway.errors import APIError
+from gateway.logging import JsonFormatter
+from gateway.openai_schema import (
+    check_context,
+    parse_chat,
+    parse_completion,
+    parse_json_body,
+    parse_tokenize,
+)
+
+NAMES = ("served", "SmolLM2-135M-Instruct")
+
+
+def error_of(fn, *args) -> APIError:
+    with pytest.raises(APIError) as e:
+        fn(*args)
+    return e.value
+
+
+def test_completion_defaults_and_params():
+    req = parse_completion({"model": "served", "prompt": "hi"}, NAMES)
+    assert req.prompts == ["hi"] and req.sampling.max_tokens == 16 and not req.stream
+    req = parse_completion({"prompt": [[1, 2], [3]], "n": 3, "seed": 5, "stop": "x",
+                            "stream": True, "stream_options": {"include_usage": True},
+                            "top_k": -1, "logprobs": 2}, NAMES)
+    assert req.prompts == [[1, 2], [3]] and req.include_usage and req.sampling.top_k == 0
+    assert req.sampling.stop == ("x",) and req.sampling.logprobs == 2
+    seeds = [req.sampling.worker_params(10, i)["seed"] for i in range(3)]
+    assert seeds == [5, 6, 7]
+    assert parse_completion({"prompt": "x"}, NAMES).sampling.worker_params(4, 1)["seed"] is None
+
+
+def test_chat_max_completion_tokens_wins_and_logprobs():
+    req = parse_chat({"messages": [{"role": "user", "content": "x"}], "max_tokens": 5,
+                      "max_completion_tokens": 7, "logprobs": True, "top_logprobs": 3}, NAMES)
+    assert req.sampling.max_tokens == 7 and req.sampling.logprobs == 3
+    req = parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True},
+                     NAMES)
+    assert req.sampling.logprobs == 0  # chosen-token logprobs, no alternatives
+    req = parse_chat({"messages": [{"role": "user", "content": "x"}]}, NAMES)
+    assert req.sampling.max_tokens is None and req.sampling.logprobs is None
+
+
+def test_content_parts_are_joined_and_assistant_may_be_empty():
+    req = parse_chat({"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text",
+                                                                     "text": "b"}]},
+        {"role": "assistant", "content": None}]}, NAMES)
+    assert [m["content"] for m in req.messages] == ["a\nb", ""]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "min_p": -0.1}, "min_p"),
+    ({"prompt": "x", "top_k": -2}, "top_k"),
+    ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+    ({"prompt": "x", "stop": ["a"] * 17}, "stop"),
+    ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": ["a", [1]]}, "prompt"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+])
+def test_completion_mistakes(body, param):
+    e = error_of(parse_completion, body, NAMES)
+    assert e.status == 400 and e.param == param
+    assert e.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_model_is_404_and_missing_model_is_the_served_one():
+    e = error_of(parse_completion, {"model": "nope", "prompt": "x"}, NAMES)
+    assert e.status == 404 and e.code == "model_not_found"
+    assert parse_completion({"prompt": "x"}, NAMES).model == "served"
+    assert parse_completion({"prompt": "x", "model": NAMES[1]}, NAMES).model == NAMES[1]
+
+
+def test_chat_rejects_tools_and_json_mode():
+    msgs = [{"role": "user", "content": "x"}]
+    assert error_of(parse_chat, {"messages": msgs, "tools": [{"type": "function"}]},
+                    NAMES).param == "tools"
+    assert error_of(parse_chat, {"messages": msgs, "response_format": {
+        "type": "json_object"}}, NAMES).param == "response_format"
+    parse_chat({"messages": msgs, "tools": [], "response_format": {"type": "text"}}, NAMES)
+
+
+def test_bad_json_bodies():
+    assert error_of(parse_json_body, b"{").status == 400
+    assert error_of(parse_json_body, b"[1]").status == 400
+    assert error_of(parse_json_body, b"\xff\xfe").status == 400
+    assert parse_json_body(b'{"a": 1}') == {"a": 1}
+
+
+def test_context_checks():
+    assert check_context(10, None, 100) == 90  # chat default: the rest of the context
+    assert check_context(10, 90, 100) == 90
+    e = error_of(check_context, 10, 91, 100)
+    assert e.param == "max_tokens" and "101 tokens" in e.message
+    assert error_of(check_context, 100, 1, 100).param == "prompt"
+    assert error_of(check_context, 0, 1, 100).message == "The prompt is empty."
+
+
+def test_tokenize_bodies():
+    assert parse_tokenize({"prompt": "x"}, NAMES) == {"prompt": "x",
+                                                      "add_special_tokens": True}
+    spec = parse_tokenize({"messages": [{"role": "user", "content": "x"}]}, NAMES)
+    assert spec["add_special_tokens"] is False and spec["add_generation_prompt"] is True
+    assert error_of(parse_tokenize, {}, NAMES).status == 400
+
+
+def test_json_log_lines_carry_request_ids():
+    record = logging.LogRecord("zeroserve.api", logging.INFO, __file__, 1, "request", (),
+                               None)
+    record.request_id = "cmpl-1"
+    line = json.loads(JsonFormatter().format(record))
+    assert line["message"] == "request" and line["request_id"] == "cmpl-1"
+    assert line["level"] == "info" and line["time"].endswith("Z")

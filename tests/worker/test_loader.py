@@ -1,0 +1,123 @@
+"""Loading tiny random Llama models from a HF directory and from GGUF (every supported tensor
+type), checked against transformers' LlamaForCausalLM on the same weights."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tests.worker.conftest import make_tiny_hf_model, save_hf_dir, write_gguf
+from worker.model.gguf_weights import unpermute_qk
+from worker.model.llama_config import UnsupportedModelError
+from worker.model.loader import load_model
+
+Q = gguf.GGMLQuantizationType
+CPU = torch.device("cpu")
+TOKENS = [1, 17, 250, 3, 99, 42, 42, 7, 128, 64, 5, 200]
+
+
+def hf_logits(model, tokens=TOKENS) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+def our_logits(path, tokens=TOKENS, dtype=torch.float32) -> torch.Tensor:
+    model, _info = load_model(str(path), CPU, dtype)
+    with torch.inference_mode():
+        return model.forward_unpaged(tokens)
+
+
+def roundtrip(model, qtype):
+    """A copy of `model` whose matrices went through qtype and back (what GGUF stores)."""
+    copy = make_tiny_hf_model(tie_word_embeddings=model.config.tie_word_embeddings)
+    copy.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for _name, param in copy.named_parameters():
+            if param.ndim == 2:
+                array = param.numpy()
+                restored = gguf.quants.dequantize(gguf.quants.quantize(array, qtype), qtype)
+                param.copy_(torch.from_numpy(np.asarray(restored, dtype=np.float32)))
+    return copy
+
+
+def test_hf_directory_matches_transformers(tiny_hf_model, tiny_hf_dir):
+    torch.testing.assert_close(our_logits(tiny_hf_dir), hf_logits(tiny_hf_model),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_untied_lm_head_and_odd_head_dim(tmp_path):
+    # head_dim 32 with hidden 64 and 4 heads: q_proj is wider than hidden.
+    model = make_tiny_hf_model(seed=3, tie_word_embeddings=False, head_dim=32)
+    save_hf_dir(model, tmp_path / "hf")
+    torch.testing.assert_close(our_logits(tmp_path / "hf"), hf_logits(model), atol=1e-4, rtol=1e-4)
+    write_gguf(model, tmp_path / "m.gguf")
+    torch.testing.assert_close(our_logits(tmp_path / "m.gguf"), hf_logits(model),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_gguf_f32_matches_transformers_despite_qk_permutation(tiny_hf_model, tmp_path):
+    path = write_gguf(tiny_hf_model, tmp_path / "tiny.gguf")
+    torch.testing.assert_close(our_logits(path), hf_logits(tiny_hf_model), atol=1e-4, rtol=1e-4)
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    from tests.worker.conftest import permute_qk_like_llama_cpp
+
+    weight = np.arange(8 * 16 * 3, dtype=np.float32).reshape(8 * 16, 3)
+    assert not np.array_equal(permute_qk_like_llama_cpp(weight, 8), weight)
+    assert np.array_equal(unpermute_qk(permute_qk_like_llama_cpp(weight, 8), 8), weight)
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_gguf_quantized_types_match_transformers_on_dequantized_weights(tiny_hf_model, tmp_path,
+                                                                         qtype):
+    path = write_gguf(tiny_hf_model, tmp_path / f"tiny-{qtype.name}.gguf", qtype)
+    reader = gguf.GGUFReader(str(path))
+    assert {t.tensor_type for t in reader.tensors if len(t.shape) == 2} == {qtype}
+    expected = hf_logits(roundtrip(tiny_hf_model, qtype))
+    torch.testing.assert_close(our_logits(path), expected, atol=2e-4, rtol=2e-4)
+
+
+def test_gguf_model_info(tiny_hf_model, tmp_path):
+    path = write_gguf(tiny_hf_model, tmp_path / "my-model.gguf")
+    _model, info = load_model(str(path), CPU, torch.bfloat16, max_model_len=100)
+    assert info.name == "my-model"
+    assert info.eos_token_ids == (2, 3)  # eos and end-of-turn
+    assert info.bos_token_id == 1
+    assert info.max_model_len == 100
+    assert (info.vocab_size, info.num_layers, info.num_kv_heads, info.head_dim) == (256, 2, 2, 16)
+    assert (info.device, info.dtype) == ("cpu", "bfloat16")
+    _model, info = load_model(str(path), CPU, torch.float32, max_model_len=None)
+    assert info.max_model_len == 512
+
+
+def test_hf_model_info_merges_generation_config(tiny_hf_dir):
+    _model, info = load_model(str(tiny_hf_dir), CPU, torch.float32)
+    assert info.eos_token_ids == (2, 3)
+    assert info.bos_token_id == 1
+    assert info.name == tiny_hf_dir.name
+
+
+def test_real_default_model_info():
+    from common.model_files import default_model_path
+    from worker.model.gguf_weights import read_config
+
+    config = read_config(gguf.GGUFReader(str(default_model_path())))
+    assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (
+        30, 576, 9, 3)
+    assert config.tie_word_embeddings and config.rope_theta == 100000.0
+    assert config.max_position_embeddings == 8192
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path, tiny_hf_dir):
+    config = json.loads((tiny_hf_dir / "config.json").read_text())
+    config["model_type"] = "gpt2"
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        load_model(str(bad), CPU, torch.float32)

@@ -1,0 +1,444 @@
+"""The worker process loop against a scripted engine and a hand-driven fake gateway.
+
+The real sockets are used (ipc in a temp dir); only the engine is a stand-in, so these tests
+pin the loop's promises: HELLO/READY, credits and pauses, rejections, heartbeats during long
+steps, drain, gateway loss.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+import zmq
+
+from common.protocol import (
+    Abort,
+    Credit,
+    Drain,
+    Heartbeat,
+    Hello,
+    Message,
+    Ready,
+    Shutdown,
+    Submit,
+    Tokens,
+    decode,
+    encode,
+)
+from worker.model.info import ModelInfo
+from worker.outputs import EngineStats, RequestOutput
+from worker.process import WorkerConfig, run_worker
+from worker.sequence import FinishReason, RequestError, SamplingParams
+
+NUM_BLOCKS = 64
+BLOCKS_PER_REQUEST = 2
+
+
+@dataclass
+class _Req:
+    prompt: list[int]
+    params: SamplingParams
+    num_out: int = 0
+    is_paused: bool = False
+
+
+class ScriptedEngine:
+    """Engine stand-in: one token per running request per step, finishes at max_tokens."""
+
+    def __init__(self, step_s: float = 0.0):
+        self.step_s = step_s
+        self.info = ModelInfo("fake-model", "", 128, 1000, (0,), None, 1, 1, 1, "cpu", "float32")
+        self.reqs: dict[str, _Req] = {}
+        self.aborted: list[RequestOutput] = []
+        self.num_steps = 0
+        self.num_paused_calls = 0
+
+    def add_request(self, request_id, prompt_token_ids, params):
+        if not prompt_token_ids:
+            raise RequestError("prompt is empty")
+        if request_id in self.reqs:
+            raise RequestError("duplicate request id")
+        self.reqs[request_id] = _Req(list(prompt_token_ids), params)
+
+    def abort(self, request_id):
+        req = self.reqs.pop(request_id, None)
+        if req is None:
+            return False
+        self.aborted.append(RequestOutput(request_id, [], FinishReason.ABORT,
+                                          len(req.prompt), req.num_out))
+        return True
+
+    def pause(self, request_id):
+        self.num_paused_calls += 1
+        self.reqs[request_id].is_paused = True
+        return True
+
+    def resume(self, request_id):
+        self.reqs[request_id].is_paused = False
+        return True
+
+    def has_unfinished(self):
+        return bool(self.reqs or self.aborted)
+
+    def step(self):
+        self.num_steps += 1
+        time.sleep(self.step_s)
+        outputs, self.aborted = self.aborted, []
+        for rid, req in list(self.reqs.items()):
+            if req.is_paused:
+                continue
+            req.num_out += 1
+            done = req.num_out >= req.params.max_tokens
+            outputs.append(RequestOutput(rid, [100 + req.num_out],
+                                         FinishReason.LENGTH if done else None,
+                                         len(req.prompt), req.num_out))
+            if done:
+                del self.reqs[rid]
+        return outputs
+
+    def stats(self):
+        num_paused = sum(r.is_paused for r in self.reqs.values())
+        return EngineStats(
+            num_running=len(self.reqs) - num_paused, num_waiting=0, num_paused=num_paused,
+            num_free_blocks=NUM_BLOCKS - BLOCKS_PER_REQUEST * len(self.reqs),
+            num_cached_blocks=0, num_total_blocks=NUM_BLOCKS, num_preemptions=0,
+            num_steps=self.num_steps,
+        )
+
+
+class FakeGateway:
+    """Binds what a gateway binds and lets a test speak for it."""
+
+    def __init__(self, tmp_path, worker_id: str):
+        self.ctx = zmq.Context()
+        self.identity = worker_id.encode()
+        self.router_address = f"ipc://{tmp_path}/router"
+        self.tokens_address = f"ipc://{tmp_path}/tokens"
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.bind(self.router_address)
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.bind(self.tokens_address)
+        self.heartbeats: list[Heartbeat] = []
+
+    def recv(self, kind: type[Message], timeout_s: float = 5.0) -> Message:
+        """The next message of `kind` from the worker's DEALER (heartbeats are recorded)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.router.poll(int((deadline - time.monotonic()) * 1000) + 1):
+                identity, *frames = self.router.recv_multipart()
+                assert identity == self.identity
+                msg = decode(frames)
+                if isinstance(msg, Heartbeat):
+                    self.heartbeats.append(msg)
+                if isinstance(msg, kind):
+                    return msg
+        raise TimeoutError(f"no {kind.__name__} within {timeout_s}s")
+
+    def send(self, msg: Message) -> None:
+        self.router.send_multipart([self.identity, *encode(msg)])
+
+    def tokens(self, timeout_s: float = 5.0) -> Tokens | None:
+        if not self.pull.poll(int(timeout_s * 1000)):
+            return None
+        return decode(self.pull.recv_multipart())
+
+    def collect(self, until_finished: set[str], timeout_s: float = 5.0) -> dict[str, list]:
+        """Token outputs per request until all of `until_finished` have a finish reason."""
+        per_request: dict[str, list] = {}
+        deadline = time.monotonic() + timeout_s
+        pending = set(until_finished)
+        while pending and time.monotonic() < deadline:
+            msg = self.tokens(deadline - time.monotonic())
+            if msg is None:
+                break
+            for out in msg.outputs:
+                per_request.setdefault(out.request_id, []).append(out)
+                if out.finish_reason is not None:
+                    pending.discard(out.request_id)
+        assert not pending, f"unfinished: {pending}"
+        return per_request
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+
+class RunningWorker:
+    def __init__(self, config: WorkerConfig, engine: ScriptedEngine):
+        self.exit_code: int | None = None
+        self.thread = threading.Thread(target=self._run, args=(config, engine), daemon=True)
+        self.thread.start()
+
+    def _run(self, config, engine):
+        self.exit_code = run_worker(config, engine=engine)
+
+    def wait(self, timeout_s: float = 5.0) -> int | None:
+        self.thread.join(timeout_s)
+        return self.exit_code
+
+
+WORKER_ID = "worker-test"
+
+
+@pytest.fixture
+def gateway(tmp_path):
+    gw = FakeGateway(tmp_path, WORKER_ID)
+    yield gw
+    gw.close()
+
+
+def start(gateway: FakeGateway, engine: ScriptedEngine | None = None, **overrides):
+    engine = engine or ScriptedEngine()
+    config = WorkerConfig(
+        worker_id=WORKER_ID, router_address=gateway.router_address,
+        tokens_address=gateway.tokens_address, heartbeat_interval_s=0.05,
+        gateway_timeout_s=overrides.pop("gateway_timeout_s", 5.0), **overrides,
+    )
+    worker = RunningWorker(config, engine)
+    hello = gateway.recv(Hello)
+    gateway.send(Ready(True))
+    return worker, engine, hello
+
+
+def stop(gateway: FakeGateway, worker: RunningWorker) -> None:
+    gateway.send(Shutdown("test over"))
+    assert worker.wait() == 0
+
+
+def test_hello_describes_the_worker(gateway):
+    worker, engine, hello = start(gateway)
+    assert hello.worker_id == WORKER_ID and hello.model == "fake-model"
+    assert hello.max_model_len == 128 and hello.num_kv_blocks == NUM_BLOCKS
+    assert hello.device == "cpu" and hello.pid > 0
+    stop(gateway, worker)
+
+
+def test_submit_streams_every_token_then_finishes(gateway):
+    worker, engine, _ = start(gateway)
+    gateway.send(Submit("a", [1, 2, 3], {"max_tokens": 5}, 32))
+    gateway.send(Submit("b", [4], {"max_tokens": 3, "stop_token_ids": [9]}, 32))
+    outs = gateway.collect({"a", "b"})
+    assert [t for o in outs["a"] for t in o.new_token_ids] == [101, 102, 103, 104, 105]
+    assert outs["a"][-1].finish_reason == "length" and outs["a"][-1].num_output_tokens == 5
+    assert len([t for o in outs["b"] for t in o.new_token_ids]) == 3
+    stop(gateway, worker)
+
+
+def test_one_tokens_message_carries_all_streams_of_a_step(gateway):
+    engine = ScriptedEngine(step_s=0.05)  # slow steps, so both submits land before step 1
+    worker, _, _ = start(gateway, engine)
+    gateway.send(Submit("a", [1], {"max_tokens": 4}, 32))
+    gateway.send(Submit("b", [1], {"max_tokens": 4}, 32))
+    seen_together = False
+    for _ in range(8):
+        msg = gateway.tokens()
+        ids = {o.request_id for o in msg.outputs}
+        seen_together |= ids == {"a", "b"}
+        if any(o.finish_reason for o in msg.outputs if o.request_id == "b"):
+            break
+    assert seen_together
+    stop(gateway, worker)
+
+
+def test_stream_pauses_at_the_window_and_resumes_on_credit(gateway):
+    worker, engine, _ = start(gateway)
+    gateway.send(Submit("slow", [1], {"max_tokens": 10}, 3))
+    got = []
+    while len(got) < 3:
+        got += gateway.tokens().outputs[0].new_token_ids
+    # The window is spent: nothing more may arrive, and the engine holds it paused.
+    assert gateway.tokens(timeout_s=0.3) is None
+    assert engine.reqs["slow"].is_paused
+    beat = gateway.recv(Heartbeat)
+    beat = gateway.recv(Heartbeat)
+    assert beat.num_paused == 1 and beat.num_running == 0
+    gateway.send(Credit([["slow", 2]]))
+    while len(got) < 5:
+        got += gateway.tokens().outputs[0].new_token_ids
+    assert gateway.tokens(timeout_s=0.3) is None
+    gateway.send(Credit([["slow", 100]]))
+    outs = gateway.collect({"slow"})
+    got += [t for o in outs["slow"] for t in o.new_token_ids]
+    assert got == list(range(101, 111))
+    stop(gateway, worker)
+
+
+def test_a_paused_stream_does_not_slow_the_others(gateway):
+    worker, engine, _ = start(gateway)
+    gateway.send(Submit("stuck", [1], {"max_tokens": 50}, 2))
+    gateway.send(Submit("fast", [1], {"max_tokens": 20}, 32))
+    outs = gateway.collect({"fast"})
+    assert sum(len(o.new_token_ids) for o in outs["fast"]) == 20
+    assert sum(len(o.new_token_ids) for o in outs["stuck"]) == 2
+    stop(gateway, worker)
+
+
+@pytest.mark.parametrize("params,prompt,fragment", [
+    ({"max_tokens": 0}, [1], "max_tokens"),
+    ({"temperature": -1.0}, [1], "temperature"),
+    ({"no_such_param": 1}, [1], "no_such_param"),
+    ({"max_tokens": "many"}, [1], ""),
+    ({}, [], "empty"),
+])
+def test_bad_requests_become_error_outputs(gateway, params, prompt, fragment):
+    worker, engine, _ = start(gateway)
+    gateway.send(Submit("bad", prompt, params, 8))
+    out = gateway.collect({"bad"})["bad"][-1]
+    assert out.finish_reason == "error" and fragment in out.error and out.new_token_ids == []
+    # The worker keeps serving after a rejection.
+    gateway.send(Submit("good", [1], {"max_tokens": 2}, 8))
+    assert gateway.collect({"good"})["good"][-1].finish_reason == "length"
+    stop(gateway, worker)
+
+
+def test_abort_frees_the_request_at_once(gateway):
+    worker, engine, _ = start(gateway)
+    gateway.send(Submit("a", [1], {"max_tokens": 1000}, 5))
+    gateway.tokens()
+    gateway.send(Abort(["a", "never-heard-of"]))
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        beat = gateway.recv(Heartbeat)
+        if beat.num_running == 0 and beat.num_paused == 0:
+            break
+    assert beat.num_free_blocks == NUM_BLOCKS and "a" not in engine.reqs
+    stop(gateway, worker)
+
+
+def test_heartbeats_keep_pace_during_a_long_step(gateway):
+    engine = ScriptedEngine(step_s=0.6)
+    worker, _, _ = start(gateway, engine)
+    gateway.send(Submit("a", [1], {"max_tokens": 1}, 4))
+    time.sleep(0.1)  # the step has begun
+    started = time.monotonic()
+    gateway.heartbeats.clear()
+    while time.monotonic() - started < 0.45:
+        gateway.recv(Heartbeat)
+    assert len(gateway.heartbeats) >= 4  # at 50 ms, while the engine thread was busy
+    stop(gateway, worker)
+
+
+def test_idle_worker_does_not_spin(gateway):
+    worker, engine, _ = start(gateway)
+    time.sleep(0.2)
+    cpu_before, wall_before = time.process_time(), time.monotonic()
+    time.sleep(1.0)
+    cpu = time.process_time() - cpu_before
+    assert cpu < 0.15 * (time.monotonic() - wall_before)
+    assert engine.num_steps == 0
+    stop(gateway, worker)
+
+
+def test_drain_finishes_in_flight_refuses_new_and_exits_zero(gateway):
+    engine = ScriptedEngine(step_s=0.01)
+    worker, _, _ = start(gateway, engine)
+    gateway.send(Submit("old", [1], {"max_tokens": 20}, 32))
+    gateway.tokens()
+    gateway.send(Drain("gateway", 10.0))
+    gateway.send(Submit("new", [1], {"max_tokens": 5}, 32))
+    outs = gateway.collect({"old", "new"})
+    assert outs["new"][-1].finish_reason == "error" and "draining" in outs["new"][-1].error
+    assert outs["old"][-1].finish_reason == "length"
+    assert worker.wait() == 0
+
+
+def test_drain_timeout_fails_the_stragglers(gateway):
+    worker, engine, _ = start(gateway)
+    gateway.send(Submit("stuck", [1], {"max_tokens": 100}, 1))  # pauses after one token
+    gateway.tokens()
+    gateway.send(Drain("gateway", 0.3))
+    outs = gateway.collect({"stuck"})
+    assert outs["stuck"][-1].finish_reason == "error"
+    assert "drain timeout" in outs["stuck"][-1].error
+    assert worker.wait() == 0
+    assert not engine.reqs  # its blocks were freed
+
+
+def test_request_drain_tells_the_gateway(gateway, tmp_path):
+    from worker.process import WorkerLoop
+
+    config = WorkerConfig(WORKER_ID, gateway.router_address, gateway.tokens_address,
+                          heartbeat_interval_s=0.05, drain_timeout_s=5.0)
+    loop = WorkerLoop(config, ScriptedEngine())
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    gateway.recv(Hello)
+    gateway.send(Ready(True))
+    loop.request_drain()  # what the SIGTERM handler does
+    drain = gateway.recv(Drain)
+    assert drain.worker_id == WORKER_ID and drain.deadline_s == 5.0
+    thread.join(5)
+    assert loop.exit_code == 0
+
+
+def test_silent_gateway_fails_in_flight_and_says_hello_again(gateway):
+    worker, engine, _ = start(gateway, gateway_timeout_s=0.5)
+    gateway.send(Submit("a", [1], {"max_tokens": 1000}, 2))
+    # The fake gateway never heartbeats, so after 0.5 s the worker gives up on it.
+    hello = gateway.recv(Hello, timeout_s=3)
+    assert hello.worker_id == WORKER_ID
+    outs = gateway.collect({"a"})
+    assert outs["a"][-1].finish_reason == "error" and "gateway" in outs["a"][-1].error
+    assert not engine.reqs
+    gateway.send(Ready(True))
+    gateway.send(Submit("b", [1], {"max_tokens": 2}, 8))
+    assert gateway.collect({"b"})["b"][-1].finish_reason == "length"
+    stop(gateway, worker)
+
+
+def test_refused_worker_exits_nonzero(tmp_path):
+    gateway = FakeGateway(tmp_path, WORKER_ID)
+    try:
+        config = WorkerConfig(WORKER_ID, gateway.router_address, gateway.tokens_address)
+        worker = RunningWorker(config, ScriptedEngine())
+        gateway.recv(Hello)
+        gateway.send(Ready(False, "wrong model"))
+        assert worker.wait() == 3
+    finally:
+        gateway.close()
+
+
+def test_bad_frames_from_the_gateway_are_dropped(gateway):
+    worker, engine, _ = start(gateway)
+    gateway.router.send_multipart([gateway.identity, b"\xff", b"junk"])
+    gateway.router.send_multipart([gateway.identity, b"\x03"])
+    gateway.send(Tokens("not-for-workers", 1, []))  # well-formed, but not a G->W message
+    gateway.send(Submit("a", [1], {"max_tokens": 2}, 8))
+    assert gateway.collect({"a"})["a"][-1].finish_reason == "length"
+    stop(gateway, worker)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        WorkerConfig("w", "ipc://a", "ipc://b", backend="gpu-magic")
+    with pytest.raises(ValueError):
+        WorkerConfig("", "ipc://a", "ipc://b")
+    with pytest.raises(ValueError):
+        WorkerConfig("w", "ipc://a", "ipc://b", heartbeat_interval_s=2, gateway_timeout_s=1)
+
+
+def test_a_late_gateway_gets_exactly_one_hello(tmp_path):
+    router, tokens = f"ipc://{tmp_path}/router", f"ipc://{tmp_path}/tokens"
+    config = WorkerConfig(WORKER_ID, router, tokens, heartbeat_interval_s=0.05,
+                          gateway_timeout_s=0.3)
+    worker = RunningWorker(config, ScriptedEngine())
+    time.sleep(1.0)  # several gateway timeouts pass with nobody listening
+    gateway = FakeGateway(tmp_path, WORKER_ID)
+    try:
+        gateway.recv(Hello)
+        gateway.send(Ready(True))
+        num_hellos = 0
+        until = time.monotonic() + 1.0
+        while time.monotonic() < until:
+            gateway.send(Heartbeat("gateway"))  # a live gateway keeps the worker's trust
+            try:
+                gateway.recv(Hello, timeout_s=0.1)
+                num_hellos += 1
+            except TimeoutError:
+                pass
+        assert num_hellos == 0
+        stop(gateway, worker)
+    finally:
+        gateway.close()

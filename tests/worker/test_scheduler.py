@@ -1,0 +1,261 @@
+from __future__ import annotations
+
+import pytest
+
+from tests.worker.factories import FakeClock, make_scheduler, make_seq, prompt, run_step
+from worker.config import BatchingMode
+from worker.sequence import FinishReason, RequestError, SequenceStatus
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def add(scheduler, num_prompt_tokens=8, start=None, **params):
+    start = 100 * (len(scheduler._requests) + 1) if start is None else start
+    seq = make_seq(prompt_token_ids=prompt(num_prompt_tokens, start=start), **params)
+    scheduler.add(seq)
+    return seq
+
+
+def run_until_idle(scheduler, runner, max_steps=5000):
+    plans = []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished():
+            return plans
+        plan, _ = run_step(scheduler, runner)
+        plans.append(plan)
+    raise AssertionError("scheduler did not drain")
+
+
+def test_each_step_respects_the_token_budget_and_the_sequence_cap():
+    scheduler, runner = make_scheduler(max_num_batched_tokens=20, max_num_seqs=3)
+    seqs = [add(scheduler, 9, max_tokens=6) for _ in range(7)]
+    plans = run_until_idle(scheduler, runner)
+    assert all(p.num_tokens <= 20 and len(p.chunks) <= 3 for p in plans)
+    assert max(p.num_tokens for p in plans) == 20  # the budget is actually used
+    assert all(s.num_output_tokens == 6 and s.finish_reason is FinishReason.LENGTH for s in seqs)
+
+
+def test_decodes_come_before_prefill_chunks():
+    scheduler, runner = make_scheduler(max_num_batched_tokens=16)
+    first = add(scheduler, 6, max_tokens=10)
+    second = add(scheduler, 6, max_tokens=10)
+    run_step(scheduler, runner)  # both prefilled
+    late = add(scheduler, 40, max_tokens=2)
+    plan, _ = run_step(scheduler, runner)
+    assert [c.request_id for c in plan.chunks] == [
+        first.request_id,
+        second.request_id,
+        late.request_id,
+    ]
+    assert [len(c.token_ids) for c in plan.chunks] == [1, 1, 14]
+    assert [c.do_sample for c in plan.chunks] == [True, True, False]
+
+
+def test_a_long_prompt_is_chunked_while_running_streams_keep_decoding():
+    scheduler, runner = make_scheduler(max_num_batched_tokens=16, max_model_len=512)
+    streams = [add(scheduler, 4, max_tokens=40) for _ in range(2)]
+    run_step(scheduler, runner)
+    long = add(scheduler, 100, max_tokens=3)
+    steps_to_prefill = 0
+    while long.num_output_tokens == 0:
+        before = [s.num_output_tokens for s in streams]
+        plan, _ = run_step(scheduler, runner)
+        steps_to_prefill += 1
+        # Every step: one new token per running stream, and the prompt advances by the rest.
+        assert [s.num_output_tokens for s in streams] == [n + 1 for n in before]
+        assert plan.num_tokens <= 16
+    assert steps_to_prefill == -(-100 // 14)
+    assert long.num_computed_tokens == 100
+
+
+def test_a_finished_slot_is_refilled_in_the_next_plan():
+    scheduler, runner = make_scheduler(max_num_seqs=2)
+    short = add(scheduler, 4, max_tokens=1)
+    long = add(scheduler, 4, max_tokens=5)
+    queued = add(scheduler, 4, max_tokens=2)
+    _, changed = run_step(scheduler, runner)
+    assert short.finish_reason is FinishReason.LENGTH and short in changed
+    plan, _ = run_step(scheduler, runner)
+    assert [c.request_id for c in plan.chunks] == [long.request_id, queued.request_id]
+
+
+def test_stop_conditions_eos_stop_ids_and_min_tokens():
+    scheduler, runner = make_scheduler()
+    runner.eos_after = 2  # the third output token of everyone is EOS
+    eos = add(scheduler, 4, max_tokens=10)
+    ignored = add(scheduler, 4, max_tokens=10, ignore_eos=True)
+    late = add(scheduler, 4, max_tokens=10, min_tokens=3)
+    run_until_idle(scheduler, runner)
+    assert eos.finish_reason is FinishReason.STOP and eos.num_output_tokens == 3
+    assert ignored.finish_reason is FinishReason.LENGTH and ignored.num_output_tokens == 10
+    # EOS as the 3rd token is ignored under min_tokens=3; the fake never sends another.
+    assert late.finish_reason is FinishReason.LENGTH and late.num_output_tokens == 10
+
+    scheduler, runner = make_scheduler()
+    probe = add(scheduler, 4, max_tokens=3, start=7)
+    run_until_idle(scheduler, runner)
+    stop_id = probe.output_token_ids[1]
+    stopped = add(scheduler, 4, max_tokens=10, start=7, stop_token_ids=(stop_id,))
+    run_until_idle(scheduler, runner)
+    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.output_token_ids == probe.output_token_ids[:2]
+
+
+def test_requests_longer_than_max_model_len_are_rejected_at_add():
+    scheduler, _ = make_scheduler(max_model_len=100)
+    with pytest.raises(RequestError) as error:
+        add(scheduler, 90, max_tokens=20)
+    assert "maximum context length is 100 tokens" in str(error.value)
+    assert "you requested 110 tokens (90 in the messages, 20 in the completion)" in str(error.value)
+    with pytest.raises(RequestError, match="at least one token"):
+        scheduler.add(make_seq(prompt_token_ids=[]))
+    add(scheduler, 90, max_tokens=10)  # exactly at the limit is fine
+    assert scheduler.num_unfinished == 1
+
+
+def test_a_request_that_cannot_fit_the_pool_alone_is_rejected_not_looped():
+    scheduler, _ = make_scheduler(num_kv_blocks=4, block_size=4, max_model_len=1000)
+    with pytest.raises(RequestError, match="KV cache"):
+        add(scheduler, 10, max_tokens=7)
+    add(scheduler, 10, max_tokens=6)
+
+
+def test_duplicate_ids_are_rejected():
+    scheduler, _ = make_scheduler()
+    scheduler.add(make_seq(request_id="x"))
+    with pytest.raises(RequestError, match="already in use"):
+        scheduler.add(make_seq(request_id="x"))
+
+
+def test_preemption_under_a_tiny_pool_finishes_everything_with_correct_counts():
+    scheduler, runner = make_scheduler(
+        num_kv_blocks=10, block_size=4, max_num_seqs=6, max_num_batched_tokens=24
+    )
+    seqs = [add(scheduler, 5 + 3 * i, max_tokens=12 + i) for i in range(6)]
+    plans = run_until_idle(scheduler, runner)
+    assert scheduler.num_preemptions > 0
+    assert any(p.preempted for p in plans)
+    assert [s.num_output_tokens for s in seqs] == [12 + i for i in range(6)]
+    assert all(s.finish_reason is FinishReason.LENGTH for s in seqs)
+    assert scheduler.block_manager.num_free_blocks == 10
+
+
+def test_preemption_takes_the_newest_sequence_and_requeues_it_first():
+    scheduler, runner = make_scheduler(num_kv_blocks=7, block_size=4, max_num_seqs=4)
+    oldest = add(scheduler, 8, max_tokens=12)
+    middle = add(scheduler, 8, max_tokens=12)
+    newest = add(scheduler, 8, max_tokens=12)
+    waiting = add(scheduler, 8, max_tokens=12)
+    run_step(scheduler, runner)  # three take 2 blocks each; the fourth does not fit
+    assert waiting.status is SequenceStatus.WAITING
+    outputs_before = list(newest.output_token_ids)
+    # Next step all three cross into a third block; only one block is free.
+    plan, _ = run_step(scheduler, runner)
+    assert plan.preempted == [newest.request_id]
+    assert [c.request_id for c in plan.chunks] == [oldest.request_id, middle.request_id]
+    assert newest.status is SequenceStatus.WAITING and newest.block_table == []
+    assert scheduler.waiting[0] is newest  # ahead of the never-admitted request
+    assert outputs_before  # what it generated is kept, and recomputed as context later
+    run_until_idle(scheduler, runner)
+    assert newest.output_token_ids[: len(outputs_before)] == outputs_before
+    assert [s.num_output_tokens for s in (oldest, middle, newest, waiting)] == [12] * 4
+
+
+def test_pause_keeps_blocks_out_of_the_batch_and_resume_rejoins():
+    scheduler, runner = make_scheduler()
+    paused = add(scheduler, 6, max_tokens=10)
+    other = add(scheduler, 6, max_tokens=10)
+    run_step(scheduler, runner)
+    table = list(paused.block_table)
+    free_before = scheduler.block_manager.num_free_blocks
+    assert scheduler.pause(paused.request_id)
+    for _ in range(3):
+        plan, _ = run_step(scheduler, runner)
+        assert [c.request_id for c in plan.chunks] == [other.request_id]
+    assert paused.block_table == table and paused.num_output_tokens == 1
+    assert scheduler.block_manager.num_free_blocks <= free_before
+    assert scheduler.resume(paused.request_id)
+    plan, _ = run_step(scheduler, runner)
+    assert paused.request_id in [c.request_id for c in plan.chunks]
+    assert plan.chunks[-1].start_pos == 6  # continues where it stopped, no recompute
+    assert not scheduler.pause("unknown") and not scheduler.resume("unknown")
+
+
+def test_abort_frees_blocks_immediately():
+    scheduler, runner = make_scheduler()
+    seq = add(scheduler, 30, max_tokens=10)
+    run_step(scheduler, runner)
+    assert scheduler.block_manager.num_used_blocks > 0
+    assert scheduler.abort(seq.request_id) is seq
+    assert seq.finish_reason is FinishReason.ABORT and seq.block_table == []
+    assert scheduler.block_manager.num_used_blocks == 0
+    assert scheduler.abort(seq.request_id) is None
+    assert scheduler.schedule().is_empty
+
+
+def test_a_fully_cached_prompt_recomputes_only_its_last_block():
+    scheduler, runner = make_scheduler()
+    first = add(scheduler, 12, start=500, max_tokens=1)
+    run_until_idle(scheduler, runner)
+    again = add(scheduler, 12, start=500, max_tokens=1)
+    plan, _ = run_step(scheduler, runner)
+    assert plan.chunks[0].start_pos == 8 and plan.chunks[0].token_ids == prompt(12, start=500)[8:]
+    assert again.num_cached_tokens == 8
+    assert again.output_token_ids == first.output_token_ids
+
+
+def test_static_batches_wait_for_the_slowest_and_pad_finished_members():
+    scheduler, runner = make_scheduler(batching_mode=BatchingMode.STATIC, max_num_seqs=3)
+    quick = add(scheduler, 5, max_tokens=2)
+    slow = add(scheduler, 30, max_tokens=6)
+    plan, _ = run_step(scheduler, runner)
+    # Whole prompts together, beyond the continuous token budget is fine in static mode.
+    assert sorted(len(c.token_ids) for c in plan.chunks) == [5, 30]
+    late = add(scheduler, 4, max_tokens=2)
+    num_rows = []
+    while slow.num_output_tokens < 6:
+        plan, _ = run_step(scheduler, runner)
+        num_rows.append(len(plan.chunks))
+        assert late.request_id not in [c.request_id for c in plan.chunks]
+    assert quick.finish_reason is FinishReason.LENGTH and quick.num_output_tokens == 2
+    assert num_rows == [2] * 5  # the finished member still costs a row each step
+    assert quick.block_table == []  # released once the batch ended
+    plan, _ = run_step(scheduler, runner)
+    assert [c.request_id for c in plan.chunks] == [late.request_id]
+
+
+def test_dynamic_batches_gather_for_the_wait_window_then_run_to_completion():
+    clock = FakeClock(10.0)
+    scheduler, runner = make_scheduler(
+        clock=clock, batching_mode=BatchingMode.DYNAMIC, batch_wait_ms=50.0, max_num_seqs=3
+    )
+    first = add(scheduler, 4, max_tokens=2)
+    clock.now += 0.02
+    second = add(scheduler, 4, max_tokens=5)
+    assert scheduler.schedule().is_empty  # 20 ms since the first arrival: keep gathering
+    scheduler.update(scheduler._last_plan, [])
+    clock.now += 0.031
+    plan, _ = run_step(scheduler, runner)
+    assert {c.request_id for c in plan.chunks} == {first.request_id, second.request_id}
+    late = add(scheduler, 4, max_tokens=1)
+    clock.now += 1.0
+    while second.num_output_tokens < 5:
+        first_was_finished = first.is_finished
+        plan, _ = run_step(scheduler, runner)
+        assert late.request_id not in [c.request_id for c in plan.chunks]
+        if first_was_finished:
+            assert first.request_id not in [c.request_id for c in plan.chunks]  # no padding
+    plan, _ = run_step(scheduler, runner)
+    assert [c.request_id for c in plan.chunks] == [late.request_id]
+
+
+def test_dynamic_starts_at_once_when_max_num_seqs_are_waiting():
+    scheduler, runner = make_scheduler(
+        clock=FakeClock(), batching_mode=BatchingMode.DYNAMIC, batch_wait_ms=1e6, max_num_seqs=2
+    )
+    add(scheduler, 4)
+    assert scheduler.schedule().is_empty
+    scheduler.update(scheduler._last_plan, [])
+    add(scheduler, 4)
+    plan, _ = run_step(scheduler, runner)
+    assert len(plan.chunks) == 2

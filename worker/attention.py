@@ -1,0 +1,136 @@
+"""Attention over the paged KV cache.
+
+The KV pool is one K and one V tensor per layer, `[num_blocks, block_size, kv_heads, head_dim]`.
+A token at position p of a sequence lives in slot `block_table[p // block_size] * block_size +
+p % block_size` of the flattened pool `[num_blocks * block_size, kv_heads, head_dim]`.
+
+Every step the runner builds one `AttentionMetadata` (index tensors and masks for the whole
+batch); all layers reuse it. The projections and MLP see the flattened batch without padding;
+only attention pads: decode rows are batched together, each prefill chunk runs on its own.
+
+Grouped-query attention never copies K/V per query head: the query heads that share a KV head
+are folded into the query-length axis (`[kv_heads, group * q_len, head_dim]`), so one SDPA call
+covers the group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """One prefill chunk: rows [start, end) of the batch, at positions start_pos.. ."""
+
+    start: int
+    end: int
+    # [context_len] pool slots of positions 0 .. context_len-1; None when the chunk is the
+    # whole context (start_pos == 0), so it attends to its own fresh K/V without a gather.
+    context_slots: torch.Tensor | None
+    # [group * num_tokens, context_len] True where a query may attend (causal, offset by
+    # start_pos); rows repeat per query head of a KV group.
+    mask: torch.Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    # [num_tokens] pool slot for each new token's K/V; None runs without a cache (reference).
+    slot_mapping: torch.Tensor | None
+    # The first num_decode rows are single-token decodes of distinct sequences.
+    num_decode: int
+    # [num_decode * max_decode_context] pool slots of each decode row's context, padded.
+    decode_slots: torch.Tensor | None
+    # [num_decode, 1, 1, max_decode_context] True for real (unpadded) context positions.
+    decode_mask: torch.Tensor | None
+    max_decode_context: int
+    prefills: list[PrefillSpan]
+
+
+def causal_mask(start_pos: int, num_tokens: int, group: int, device: torch.device) -> torch.Tensor:
+    """[group * num_tokens, start_pos + num_tokens]: query i sees keys 0 .. start_pos + i."""
+    query_pos = torch.arange(start_pos, start_pos + num_tokens, device=device)
+    key_pos = torch.arange(start_pos + num_tokens, device=device)
+    mask = key_pos[None, :] <= query_pos[:, None]  # [num_tokens, context_len]
+    return mask.repeat(group, 1)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K/V ([num_tokens, kv_heads, head_dim]) in their slots."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def _fold_group(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[n, heads, d] -> [kv_heads, group * n, d] (head h = kv * group + g, as HF repeat_kv)."""
+    n, num_heads, head_dim = q.shape
+    group = num_heads // num_kv_heads
+    return q.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(
+        num_kv_heads, group * n, head_dim
+    )
+
+
+def _unfold_group(out: torch.Tensor, n: int) -> torch.Tensor:
+    """[kv_heads, group * n, d] -> [n, heads * d]."""
+    num_kv_heads, rows, head_dim = out.shape
+    group = rows // n
+    return out.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, -1)
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [num_decode, heads, d] -> [num_decode, heads * d], reading K/V from the pool."""
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    ctx_shape = (n, meta.max_decode_context, num_kv_heads, head_dim)
+    k = k_flat.index_select(0, meta.decode_slots).view(ctx_shape).transpose(1, 2)
+    v = v_flat.index_select(0, meta.decode_slots).view(ctx_shape).transpose(1, 2)
+    # [num_decode, kv_heads, group, d]: the group's query heads share one K/V head.
+    q = q.view(n, num_kv_heads, group, head_dim)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
+    return out.reshape(n, num_heads * head_dim)
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
+                       span: PrefillSpan, scale: float) -> torch.Tensor:
+    """One chunk: q [n, heads, d], its fresh k/v [n, kv_heads, d] -> [n, heads * d]."""
+    n = q.shape[0]
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    if span.context_slots is not None:
+        # Earlier positions are in the pool (this chunk's K/V were just written there too).
+        k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, span.context_slots)
+        v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, span.context_slots)
+    out = F.scaled_dot_product_attention(
+        _fold_group(q, num_kv_heads), k.transpose(0, 1), v.transpose(0, 1),
+        attn_mask=span.mask, scale=scale,
+    )
+    return _unfold_group(out, n)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [num_tokens, heads, d], k/v [num_tokens, kv_heads, d] -> [num_tokens, heads * d].
+
+    Writes the new K/V into the pool first, so every row reads its full context from it.
+    """
+    if meta.slot_mapping is not None:
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    if not meta.prefills:
+        return _decode_attention(q, k_cache, v_cache, meta, scale)
+    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    if meta.num_decode:
+        nd = meta.num_decode
+        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
+    for span in meta.prefills:
+        rows = slice(span.start, span.end)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, span, scale)
+    return out

@@ -1,0 +1,223 @@
+"""Paged KV cache bookkeeping: block ids, reference counts and the prefix cache. No torch.
+
+The runner preallocates one pool per layer of `[num_blocks, block_size, kv_heads, head_dim]`;
+this module only decides which block ids each sequence uses. A sequence's block table covers
+exactly the tokens whose K/V are computed or being computed this step:
+ceil(tokens / block_size) blocks, never a max-length reservation.
+
+Prefix caching: once a block is full of computed K/V it is keyed by a chained hash of
+(parent block hash, its tokens), so equal prefixes share physical blocks. A hit is verified
+against the block's stored tokens, so a hash collision costs a miss, never wrong K/V. Blocks
+with no users keep their contents and stay findable until a new allocation needs them; they
+are evicted lazily in least-recently-freed order.
+
+Invariants:
+- every block is in exactly one place: held (ref_count > 0), free-uncached or evictable;
+- a block another sequence may share is always full and is never written again (a sequence
+  only writes positions >= its num_computed_tokens, which lie in its private tail blocks).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable
+
+from worker.sequence import Sequence
+
+HashFn = Callable[[int | None, tuple[int, ...]], int]
+
+
+def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Key of a full block: depends on every token before it through the parent hash."""
+    return hash((parent_hash, token_ids))
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None  # set while the block is registered in the prefix cache
+        self.token_ids: tuple[int, ...] | None = None  # kept to verify prefix-cache hits
+
+
+class BlockManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        hash_fn: HashFn = chain_hash,
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.num_total_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._hash_fn = hash_fn
+        self._blocks = [Block(i) for i in range(num_blocks)]
+        self._free_uncached: deque[int] = deque(range(num_blocks))
+        # Unreferenced blocks still holding a cached prefix; oldest-freed first (LRU order).
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._cached: dict[int, int] = {}  # chained hash -> block id
+        # Per request: hashes of its full blocks so far (kept across preemption, since the
+        # tokens only grow), and how many of its current blocks are registered in the cache.
+        self._hash_chains: dict[str, list[int]] = {}
+        self._num_registered: dict[str, int] = {}
+
+    # ---- counts -------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (including evictable cached ones)."""
+        return len(self._free_uncached) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Free blocks that still hold a reusable prefix."""
+        return len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_total_blocks - self.num_free_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._blocks[block_id].ref_count
+
+    # ---- admission with prefix-cache hits ------------------------------------------------
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached prefix of seq's tokens. No side effects.
+
+        At most (num_tokens - 1) tokens are matched: the last token is always recomputed so
+        the runner has logits to sample from. When the whole sequence is cached this drops
+        the last cached block rather than writing into a block others may share.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        chain = self._hash_chain(seq, max_blocks)
+        hits: list[int] = []
+        for i in range(max_blocks):
+            block_id = self._cached.get(chain[i])
+            if block_id is None:
+                break
+            if self._blocks[block_id].token_ids != self._block_tokens(seq, i):
+                break  # hash collision: different tokens, so different K/V
+            hits.append(block_id)
+        return hits
+
+    def can_admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
+        """Whether seq (holding no blocks) can take `hits` and room for num_new_tokens more."""
+        num_needed = self.num_blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
+        # Hit blocks nobody holds are counted as free now; taking them makes them unavailable.
+        num_free_hits = sum(1 for b in hits if self._blocks[b].ref_count == 0)
+        return num_needed <= self.num_free_blocks - num_free_hits
+
+    def admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> None:
+        """Give seq the hit blocks plus fresh ones for num_new_tokens (check can_admit first)."""
+        assert not seq.block_table, "admit() is for sequences holding no blocks"
+        for block_id in hits:
+            block = self._blocks[block_id]
+            if block.ref_count == 0:
+                del self._evictable[block_id]
+            block.ref_count += 1
+        seq.block_table = list(hits)
+        self._num_registered[seq.request_id] = len(hits)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+        self.allocate(seq, num_new_tokens)
+
+    # ---- growth and release ----------------------------------------------------------------
+
+    def num_new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
+        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
+        return max(0, needed - len(seq.block_table))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.num_new_blocks(seq, num_new_tokens) <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Extend seq's block table to cover num_computed_tokens + num_new_tokens."""
+        num_needed = self.num_new_blocks(seq, num_new_tokens)
+        if num_needed > self.num_free_blocks:
+            raise RuntimeError("KV block pool exhausted (call can_allocate first)")
+        for _ in range(num_needed):
+            seq.block_table.append(self._take_free_block())
+
+    def free(self, seq: Sequence) -> None:
+        """Release seq's blocks (finish, abort or preemption); computed K/V stays findable."""
+        # Tail blocks first, so a sequence's last blocks are evicted before its first ones.
+        for block_id in reversed(seq.block_table):
+            block = self._blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is None:
+                    self._free_uncached.append(block_id)
+                else:
+                    self._evictable[block_id] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        self._num_registered.pop(seq.request_id, None)
+
+    def forget(self, seq: Sequence) -> None:
+        """Free seq's blocks and drop its hash chain: it will never be scheduled again."""
+        self.free(seq)
+        self._hash_chains.pop(seq.request_id, None)
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register seq's blocks that are now full of computed K/V in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        start = self._num_registered.get(seq.request_id, 0)
+        if num_full <= start:
+            return
+        chain = self._hash_chain(seq, num_full)
+        for i in range(start, num_full):
+            block = self._blocks[seq.block_table[i]]
+            if block.hash is None and chain[i] not in self._cached:
+                block.hash = chain[i]
+                block.token_ids = self._block_tokens(seq, i)
+                self._cached[chain[i]] = block.block_id
+            # Otherwise it is a hit block (already registered) or an equal block computed
+            # concurrently by another sequence; the first one stays the cached copy.
+        self._num_registered[seq.request_id] = num_full
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _take_free_block(self) -> int:
+        if self._free_uncached:
+            block_id = self._free_uncached.popleft()
+        else:
+            block_id, _ = self._evictable.popitem(last=False)  # least recently freed
+            block = self._blocks[block_id]
+            if self._cached.get(block.hash) == block_id:
+                del self._cached[block.hash]
+            block.hash = None
+            block.token_ids = None
+        self._blocks[block_id].ref_count = 1
+        return block_id
+
+    def _block_tokens(self, seq: Sequence, index: int) -> tuple[int, ...]:
+        start = index * self.block_size
+        end = start + self.block_size
+        prompt = seq.prompt_token_ids
+        num_prompt = len(prompt)
+        if end <= num_prompt:
+            return tuple(prompt[start:end])
+        if start >= num_prompt:
+            return tuple(seq.output_token_ids[start - num_prompt : end - num_prompt])
+        return tuple(prompt[start:]) + tuple(seq.output_token_ids[: end - num_prompt])
+
+    def _hash_chain(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """Hashes of seq's first num_blocks full blocks, extending the cached chain as needed."""
+        chain = self._hash_chains.setdefault(seq.request_id, [])
+        while len(chain) < num_blocks:
+            parent = chain[-1] if chain else None
+            chain.append(self._hash_fn(parent, self._block_tokens(seq, len(chain))))
+        return chain

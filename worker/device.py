@@ -1,0 +1,85 @@
+"""Choosing the device, the compute dtype and the KV cache budget for this worker."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+# On the CPU the KV pool takes a share of the RAM available at start, never more than this.
+CPU_KV_CACHE_FRACTION = 0.25
+CPU_KV_CACHE_CAP_BYTES = 4 << 30
+# On CUDA it takes this share of the memory still free after the weights are loaded; the rest
+# is headroom for activations and the CUDA allocator.
+CUDA_KV_CACHE_FRACTION = 0.85
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' -> the first CUDA device if there is one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} asked for, but CUDA is not available")
+        if device.index is None:
+            device = torch.device("cuda:0")
+    elif device.type != "cpu":
+        raise ValueError(f"unsupported device {name!r} (use auto, cpu or cuda[:N])")
+    return device
+
+
+def cpu_supports_bf16() -> bool:
+    """True when the CPU has native bf16 dot products (AVX512-BF16 or AMX), where bf16
+    matmuls run several times faster than fp32; without them bf16 is emulated and slower."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        flags = cpuinfo.read_text(errors="replace")
+        return "avx512_bf16" in flags or "amx_bf16" in flags
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(probe()) if probe is not None else False
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' -> bf16 on CUDA (fp16 on GPUs without bf16) and on CPUs with native bf16,
+    fp32 otherwise. An explicit name always wins."""
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ValueError(f"unsupported dtype {name!r} (use auto, float32, bfloat16, float16)")
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def available_cpu_memory() -> int:
+    """Bytes of RAM the kernel says can be had without swapping (MemAvailable)."""
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def default_kv_cache_bytes(device: torch.device) -> int:
+    """The KV budget when the operator gave none; call after the weights are loaded."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * CUDA_KV_CACHE_FRACTION)
+    return min(int(available_cpu_memory() * CPU_KV_CACHE_FRACTION), CPU_KV_CACHE_CAP_BYTES)

@@ -1,0 +1,212 @@
+"""Engine: the in-process API a worker wraps. One step = schedule, execute, update, emit."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Protocol
+
+from worker.block_manager import BlockManager
+from worker.config import EngineConfig
+from worker.model.info import ModelInfo
+from worker.outputs import EngineStats, RequestOutput, StepTiming
+from worker.plan import SampledToken, SchedulerOutput
+from worker.scheduler import Scheduler
+from worker.sequence import RequestError, SamplingParams, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    info: ModelInfo
+    num_kv_blocks: int  # the pool size the runner allocated
+    block_size: int
+    last_timing: StepTiming  # prepare_s, forward_s, sample_s of the last execute()
+
+    def execute(self, plan: SchedulerOutput) -> list[SampledToken]:
+        """One SampledToken per chunk with do_sample=True, in chunk order."""
+        ...
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, runner: Runner | None = None) -> None:
+        if runner is None:
+            from worker.model_runner import ModelRunner  # torch stays out of engine imports
+
+            runner = ModelRunner(config)
+        self.config = config
+        self.runner = runner
+        self.info: ModelInfo = runner.info
+        self.block_manager = BlockManager(
+            runner.num_kv_blocks, runner.block_size, config.enable_prefix_caching
+        )
+        # The longest sequence this worker can hold: the model's context, the configured cap,
+        # and the KV pool (a sequence must fit the pool alone, or it could never finish).
+        limits = [self.info.max_model_len, runner.num_kv_blocks * runner.block_size]
+        if config.max_model_len is not None:
+            limits.append(config.max_model_len)
+        self.max_model_len = min(limits)
+        self.scheduler = Scheduler(
+            config, self.block_manager, self.max_model_len, self.info.eos_token_ids
+        )
+        self._pending: list[RequestOutput] = []  # finished between steps (aborts)
+        self._num_steps = 0
+        self._last_step = StepTiming()
+        self._generate_ids = itertools.count()
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        """Queue a request. Raises RequestError (user-facing message) if it can never run."""
+        vocab_size = self.info.vocab_size
+        if any(not 0 <= t < vocab_size for t in prompt_token_ids):
+            raise RequestError(f"Prompt token ids must be in [0, {vocab_size}).")
+        seq = Sequence(request_id, list(prompt_token_ids), params)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a request now, freeing its KV blocks; it is reported once by the next step."""
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return False
+        self._pending.append(self._output(seq, None))
+        return True
+
+    def pause(self, request_id: str) -> bool:
+        """Leave the batch but keep the KV blocks (a stream out of credit)."""
+        return self.scheduler.pause(request_id)
+
+    def resume(self, request_id: str) -> bool:
+        return self.scheduler.resume(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if plan.is_empty:
+            sampled: list[SampledToken] = []
+            runner_timing = StepTiming()
+        else:
+            try:
+                sampled = self.runner.execute(plan)
+            except RuntimeError as exc:  # device OOM and the like: fail the batch, keep serving
+                logger.exception("runner failed on a batch of %d sequences", len(plan.chunks))
+                return self._fail(plan, exc)
+            runner_timing = self.runner.last_timing
+        t2 = time.perf_counter()
+        changed = self.scheduler.update(plan, sampled)
+        outputs = self._pending
+        self._pending = []
+        outputs += self._outputs(changed, sampled)
+        t3 = time.perf_counter()
+        self._num_steps += not plan.is_empty
+        self._last_step = StepTiming(
+            schedule_s=t1 - t0,
+            prepare_s=runner_timing.prepare_s,
+            forward_s=runner_timing.forward_s,
+            sample_s=runner_timing.sample_s,
+            update_s=t3 - t2,
+            num_tokens=plan.num_tokens,
+            num_seqs=len(plan.chunks),
+        )
+        return outputs
+
+    def stats(self) -> EngineStats:
+        scheduler = self.scheduler
+        return EngineStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_paused=len(scheduler.paused),
+            num_free_blocks=self.block_manager.num_free_blocks,
+            num_cached_blocks=self.block_manager.num_cached_blocks,
+            num_total_blocks=self.block_manager.num_total_blocks,
+            num_preemptions=scheduler.num_preemptions,
+            num_steps=self._num_steps,
+            last_step=self._last_step,
+        )
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+    ) -> list[list[int]]:
+        """Run prompts to completion (alongside anything already queued); their output ids."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("need one SamplingParams per prompt")
+        batch = next(self._generate_ids)
+        request_ids = [f"generate-{batch}-{i}" for i in range(len(prompts))]
+        try:
+            for request_id, prompt, p in zip(request_ids, prompts, params, strict=True):
+                self.add_request(request_id, prompt, p)
+        except RequestError:
+            for request_id in request_ids:
+                self.abort(request_id)
+            raise
+        results: dict[str, list[int]] = {request_id: [] for request_id in request_ids}
+        num_left = len(request_ids)
+        while num_left:
+            for output in self.step():
+                tokens = results.get(output.request_id)
+                if tokens is None:
+                    continue
+                tokens.extend(output.new_token_ids)
+                num_left -= output.is_finished
+            if self._last_step.num_seqs == 0:
+                time.sleep(0.0005)  # dynamic batching gathering arrivals: nothing to run yet
+        return [results[request_id] for request_id in request_ids]
+
+    # ---- outputs ---------------------------------------------------------------------------------
+
+    def _outputs(self, changed: list[Sequence], sampled: list[SampledToken]) -> list[RequestOutput]:
+        by_id: dict[str, SampledToken] | None = None
+        outputs = []
+        for seq in changed:
+            token = None
+            if seq.params.logprobs is not None:
+                if by_id is None:
+                    by_id = {s.request_id: s for s in sampled}
+                token = by_id.get(seq.request_id)
+            outputs.append(self._output(seq, token))
+        return outputs
+
+    @staticmethod
+    def _output(
+        seq: Sequence, token: SampledToken | None, error: str | None = None
+    ) -> RequestOutput:
+        new_token_ids = seq.output_token_ids[seq.num_emitted_tokens :]
+        seq.num_emitted_tokens = seq.num_output_tokens
+        logprobs = None
+        if token is not None and token.logprob is not None and new_token_ids:
+            logprobs = [(token.logprob, list(token.top_logprobs or []))]
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_token_ids,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            logprobs=logprobs,
+            error=error,
+        )
+
+    def _fail(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """Finish every sequence of a batch the runner could not compute, with ERROR."""
+        message = f"The worker failed to run this request: {type(exc).__name__}"
+        outputs = self._pending
+        self._pending = []
+        for chunk in plan.chunks:
+            seq = self.scheduler.finish_with_error(chunk.request_id)
+            if seq is not None:
+                outputs.append(self._output(seq, None, message))
+        self._num_steps += 1
+        return outputs

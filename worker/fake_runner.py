@@ -1,0 +1,191 @@
+"""FakeRunner: a Runner with no model, for tests and for benchmarking everything around the model.
+
+Next tokens are a cheap deterministic function of (last token, position, seed), never an EOS
+id unless `eos_after` asks for one. It keeps a simulated KV cache (the token written at every
+slot of the pool) and checks every plan it gets, so engine tests catch scheduler and block
+manager bugs the way a real model would show them as garbage text: block tables must cover
+the context, the cached positions must hold this sequence's tokens (prefix caching and
+preemption), no two chunks may write into the same block or into a block another chunk reads,
+and the batch must respect the token budget and the sequence cap.
+"""
+
+from __future__ import annotations
+
+import time
+
+from worker.config import BatchingMode, EngineConfig
+from worker.model.info import ModelInfo
+from worker.outputs import StepTiming
+from worker.plan import SampledToken, ScheduledChunk, SchedulerOutput
+
+DEFAULT_NUM_KV_BLOCKS = 2048
+DEFAULT_MAX_MODEL_LEN = 8192
+VOCAB_SIZE = 49152
+EOS_TOKEN_ID = 2
+
+
+class InvalidPlanError(AssertionError):
+    """The scheduler produced a plan a real runner would compute garbage (or crash) on."""
+
+
+class FakeRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        forward_time_s: float = 0.0,  # sleep per execute(), to simulate a forward
+        per_token_time_s: float = 0.0,  # extra sleep per scheduled token
+        eos_after: int | None = None,  # emit EOS as output token number eos_after + 1
+        check_plans: bool = True,  # validate plans and simulate the KV cache (O(context))
+    ) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.num_kv_blocks = config.num_kv_blocks or DEFAULT_NUM_KV_BLOCKS
+        self.info = ModelInfo(
+            name="fake",
+            path="fake",
+            max_model_len=config.max_model_len or DEFAULT_MAX_MODEL_LEN,
+            vocab_size=VOCAB_SIZE,
+            eos_token_ids=(EOS_TOKEN_ID,),
+            bos_token_id=1,
+            num_layers=30,
+            num_kv_heads=3,
+            head_dim=64,
+            device="cpu",
+            dtype="float32",
+        )
+        self.last_timing = StepTiming()
+        self.forward_time_s = forward_time_s
+        self.per_token_time_s = per_token_time_s
+        self.eos_after = eos_after
+        self.check_plans = check_plans
+        self.num_steps = 0
+        self.num_computed_tokens = 0
+        # The token whose K/V each slot of the pool holds; None if never written.
+        self._slots: list[int | None] = [None] * (self.num_kv_blocks * self.block_size)
+
+    def execute(self, plan: SchedulerOutput) -> list[SampledToken]:
+        t0 = time.perf_counter()
+        if self.check_plans:
+            self._check_plan(plan)
+            for chunk in plan.chunks:
+                self._check_context(chunk)
+                self._write(chunk)
+        t1 = time.perf_counter()
+        sleep_s = self.forward_time_s + self.per_token_time_s * plan.num_tokens
+        if sleep_s > 0:
+            time.sleep(sleep_s)
+        t2 = time.perf_counter()
+        sampled = [self._sample(chunk) for chunk in plan.chunks if chunk.do_sample]
+        t3 = time.perf_counter()
+        self.num_steps += 1
+        self.num_computed_tokens += plan.num_tokens
+        self.last_timing = StepTiming(
+            prepare_s=t1 - t0,
+            forward_s=t2 - t1,
+            sample_s=t3 - t2,
+            num_tokens=plan.num_tokens,
+            num_seqs=len(plan.chunks),
+        )
+        return sampled
+
+    def next_token(self, chunk: ScheduledChunk) -> int:
+        """The token sampled after chunk: a function of its last token, position and seed."""
+        num_output = len(chunk.output_token_ids)
+        if self.eos_after is not None and num_output == self.eos_after:
+            return EOS_TOKEN_ID
+        seed = self.config.seed + (chunk.params.seed or 0)
+        position = chunk.context_len - 1
+        token = (chunk.token_ids[-1] * 7919 + position * 104729 + seed * 31 + 17) % VOCAB_SIZE
+        if token == EOS_TOKEN_ID:
+            token += 1
+        return token
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _sample(self, chunk: ScheduledChunk) -> SampledToken:
+        token = self.next_token(chunk)
+        num_logprobs = chunk.params.logprobs
+        if num_logprobs is None:
+            return SampledToken(chunk.request_id, token)
+        top = [(token, -0.25)] + [
+            ((token + i) % VOCAB_SIZE, -1.0 - i) for i in range(1, num_logprobs)
+        ]
+        return SampledToken(chunk.request_id, token, logprob=-0.25, top_logprobs=top[:num_logprobs])
+
+    def _check_plan(self, plan: SchedulerOutput) -> None:
+        config = self.config
+        _require(
+            len(plan.chunks) <= config.max_num_seqs, f"{len(plan.chunks)} chunks > max_num_seqs"
+        )
+        if config.batching_mode is BatchingMode.CONTINUOUS:
+            _require(
+                plan.num_tokens <= config.max_num_batched_tokens,
+                f"{plan.num_tokens} tokens > max_num_batched_tokens",
+            )
+        request_ids = [chunk.request_id for chunk in plan.chunks]
+        _require(len(set(request_ids)) == len(request_ids), "a request appears twice in a plan")
+        written: dict[int, str] = {}
+        for chunk in plan.chunks:
+            self._check_chunk(chunk)
+            first = chunk.start_pos // self.block_size
+            last = (chunk.context_len - 1) // self.block_size
+            for block_id in chunk.block_table[first : last + 1]:
+                _require(block_id not in written, f"block {block_id} written by two chunks")
+                written[block_id] = chunk.request_id
+        for chunk in plan.chunks:
+            for block_id in chunk.block_table:
+                owner = written.get(block_id, chunk.request_id)
+                _require(
+                    owner == chunk.request_id,
+                    f"{chunk.request_id} reads block {block_id} that {owner} writes",
+                )
+
+    def _check_chunk(self, chunk: ScheduledChunk) -> None:
+        rid = chunk.request_id
+        num_known = len(chunk.prompt_token_ids) + len(chunk.output_token_ids)
+        _require(len(chunk.token_ids) > 0, f"{rid}: empty chunk")
+        _require(0 <= chunk.start_pos and chunk.context_len <= num_known, f"{rid}: bad positions")
+        _require(
+            chunk.context_len <= self.info.max_model_len, f"{rid}: context beyond max_model_len"
+        )
+        _require(
+            len(chunk.block_table) * self.block_size >= chunk.context_len,
+            f"{rid}: block table too short for {chunk.context_len} tokens",
+        )
+        _require(
+            all(0 <= b < self.num_kv_blocks for b in chunk.block_table), f"{rid}: bad block id"
+        )
+        _require(
+            chunk.do_sample == (chunk.context_len == num_known),
+            f"{rid}: do_sample must be set exactly when the chunk reaches the end",
+        )
+        known = chunk.prompt_token_ids + chunk.output_token_ids
+        _require(
+            chunk.token_ids == known[chunk.start_pos : chunk.context_len],
+            f"{rid}: chunk tokens are not the sequence's tokens",
+        )
+
+    def _check_context(self, chunk: ScheduledChunk) -> None:
+        """The K/V the chunk attends to must be this sequence's tokens at their positions."""
+        known = chunk.prompt_token_ids + chunk.output_token_ids
+        for position in range(chunk.start_pos):
+            slot = self._slot(chunk, position)
+            if self._slots[slot] != known[position]:
+                raise InvalidPlanError(
+                    f"{chunk.request_id}: position {position} of the cache holds "
+                    f"{self._slots[slot]}, expected {known[position]}"
+                )
+
+    def _write(self, chunk: ScheduledChunk) -> None:
+        for i, token in enumerate(chunk.token_ids):
+            self._slots[self._slot(chunk, chunk.start_pos + i)] = token
+
+    def _slot(self, chunk: ScheduledChunk, position: int) -> int:
+        block_id = chunk.block_table[position // self.block_size]
+        return block_id * self.block_size + position % self.block_size
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise InvalidPlanError(message)

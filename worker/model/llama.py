@@ -1,0 +1,145 @@
+"""The Llama architecture in plain torch, over a flattened batch of tokens.
+
+Every projection and the MLP run on `[num_tokens, hidden]` with no padding; only attention
+(worker.attention) knows where one sequence ends and the next begins. Q/K/V and gate/up are
+each one fused weight, so a layer is four matmuls. The layers are plain objects rather than
+nn.Modules: nothing here trains, and module call overhead adds up at 30 layers per step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker.attention import AttentionMetadata, paged_attention
+from worker.model.linear import Linear
+from worker.model.llama_config import LlamaConfig
+from worker.model.quant import Int4Blocks, PackedInt4, PackedInt8, int4_kernels_available
+from worker.model.weights import ModelWeights
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each [num_blocks, block_size, kv_heads, head_dim]
+
+
+class RotaryEmbedding:
+    """cos/sin tables for positions 0 .. max_len-1, in fp32 as Hugging Face computes them."""
+
+    def __init__(self, config: LlamaConfig, max_len: int, device: torch.device):
+        dim = config.head_dim
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        inv_freq = 1.0 / (config.rope_theta**exponents)  # [head_dim / 2]
+        positions = torch.arange(max_len, dtype=torch.float32) / config.rope_scaling_factor
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_len, head_dim / 2]
+        self.cos = freqs.cos().to(device)
+        self.sin = freqs.sin().to(device)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num_tokens, 1, head_dim / 2] cos and sin for these positions, once per step."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, heads, head_dim], rotate-half layout: dim i pairs with i + head_dim/2."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def build_linear(weights: ModelWeights, names: list[str], device: torch.device,
+                 dtype: torch.dtype, pack: bool) -> Linear:
+    """One projection from the row-wise concatenation of `names` (fused QKV, gate/up)."""
+    blocks = [weights.int4.pop(name, None) for name in names]
+    dense = torch.cat([weights.take(name) for name in names])
+    packed = None
+    if pack and all(b is not None for b in blocks):
+        merged = Int4Blocks.concat(blocks)
+        packed = PackedInt4(merged, dtype)
+        dense = merged.dequantize(dtype)  # the very values the int4 kernel uses
+    return Linear(dense.to(device=device, dtype=dtype).contiguous(), packed)
+
+
+class LlamaLayer:
+    def __init__(self, config: LlamaConfig, weights: ModelWeights, index: int,
+                 device: torch.device, dtype: torch.dtype, pack: bool):
+        prefix = f"model.layers.{index}."
+
+        def linear(*names: str) -> Linear:
+            return build_linear(weights, [f"{prefix}{n}.weight" for n in names], device, dtype,
+                                pack)
+
+        def norm(name: str) -> torch.Tensor:
+            return weights.take(f"{prefix}{name}.weight").to(device=device, dtype=dtype)
+
+        self.config = config
+        self.input_norm = norm("input_layernorm")
+        self.qkv = linear("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        self.o_proj = linear("self_attn.o_proj")
+        self.post_norm = norm("post_attention_layernorm")
+        self.gate_up = linear("mlp.gate_proj", "mlp.up_proj")
+        self.down = linear("mlp.down_proj")
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache | None, meta: AttentionMetadata) -> torch.Tensor:
+        cfg = self.config
+        n = x.shape[0]
+        h = F.rms_norm(x, (cfg.hidden_size,), self.input_norm, cfg.rms_norm_eps)
+        qkv = self.qkv(h)  # [num_tokens, q_size + 2 * kv_size]
+        # Rotate q and k in one go: [num_tokens, heads + kv_heads, head_dim]
+        qk = apply_rotary(qkv[:, : cfg.q_size + cfg.kv_size].view(n, -1, cfg.head_dim), cos, sin)
+        q = qk[:, : cfg.num_heads]
+        k = qk[:, cfg.num_heads :]
+        v = qkv[:, cfg.q_size + cfg.kv_size :].view(n, cfg.num_kv_heads, cfg.head_dim)
+        k_cache, v_cache = kv_cache if kv_cache is not None else (None, None)
+        attn = paged_attention(q, k, v, k_cache, v_cache, meta, cfg.head_dim**-0.5)
+        x = x + self.o_proj(attn)
+        h = F.rms_norm(x, (cfg.hidden_size,), self.post_norm, cfg.rms_norm_eps)
+        gate, up = self.gate_up(h).chunk(2, dim=-1)  # [num_tokens, intermediate] each
+        return x + self.down(F.silu(gate) * up)
+
+
+class LlamaModel:
+    def __init__(self, weights: ModelWeights, max_len: int, device: torch.device,
+                 dtype: torch.dtype):
+        config = weights.config
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        # Low-bit copies for small batches only where the kernels exist and the dense path is
+        # bf16 anyway; fp32 stays bit-faithful to the file (the reference path).
+        pack = device.type == "cpu" and dtype == torch.bfloat16 and int4_kernels_available()
+        self.embed = weights.take("model.embed_tokens.weight").to(device=device, dtype=dtype)
+        self.layers = [LlamaLayer(config, weights, i, device, dtype, pack)
+                       for i in range(config.num_layers)]
+        self.norm = weights.take("model.norm.weight").to(device=device, dtype=dtype)
+        lm_head = self.embed
+        if not config.tie_word_embeddings and "lm_head.weight" in weights.tensors:
+            lm_head = weights.take("lm_head.weight").to(device=device, dtype=dtype)
+        self.lm_head = Linear(lm_head, PackedInt8(lm_head, dtype) if pack else None)
+        self.rotary = RotaryEmbedding(config, max_len, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, kv_caches: list[KVCache] | None) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden] (pre-norm)."""
+        cos, sin = self.rotary.tables(positions, self.dtype)
+        x = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(x, cos, sin, None if kv_caches is None else kv_caches[i], meta)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [num_rows, hidden] -> fp32 logits [num_rows, vocab]."""
+        h = F.rms_norm(hidden, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
+        return self.lm_head(h).float()
+
+    def forward_unpaged(self, token_ids: list[int]) -> torch.Tensor:
+        """Reference path: one sequence from scratch, no cache -> fp32 logits [len, vocab]."""
+        from worker.attention import PrefillSpan, causal_mask
+
+        n = len(token_ids)
+        meta = AttentionMetadata(
+            slot_mapping=None, num_decode=0, decode_slots=None, decode_mask=None,
+            max_decode_context=0,
+            prefills=[PrefillSpan(0, n, None,
+                                  causal_mask(0, n, self.config.num_queries_per_kv, self.device))],
+        )
+        ids = torch.tensor(token_ids, device=self.device)
+        positions = torch.arange(n, device=self.device)
+        return self.compute_logits(self.forward(ids, positions, meta, None))

@@ -1,0 +1,100 @@
+"""4-bit and 8-bit weight-only kernels for small batches on the CPU.
+
+A decode step with few sequences is bound by reading the weights (a bf16 matrix-vector product
+runs at ~5 GB/s here), so it pays to read 4-bit weights instead: torch's CPU int4 kernel
+(`_weight_int4pack_mm_for_cpu`) is ~5x faster than bf16 at one row. GGUF Q4_0/Q4_1 tensors are
+already 4-bit with a scale (and offset) per group of 32 inputs, which is exactly the kernel's
+format, so no extra quantization error is added beyond rounding scales to bf16. Larger batches
+are compute-bound and use the dense bf16 copy (same values), where oneDNN is faster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+import torch
+
+GROUP_SIZE = 32
+Q = gguf.GGMLQuantizationType
+
+
+@dataclass
+class Int4Blocks:
+    """w[r, c] = (q[r, c] - 8) * scale[r, c // 32] + zero[r, c // 32], rows in HF layout."""
+
+    q: np.ndarray  # [rows, cols] uint8 in 0..15
+    scale: np.ndarray  # [rows, cols / 32] float32
+    zero: np.ndarray  # [rows, cols / 32] float32
+
+    def map_rows(self, fn) -> Int4Blocks:
+        return Int4Blocks(fn(self.q), fn(self.scale), fn(self.zero))
+
+    def dequantize(self, scale_dtype: torch.dtype) -> torch.Tensor:
+        """[rows, cols] fp32: the values the int4 kernel computes with (scales in scale_dtype),
+        so the dense copy used for large batches matches the kernel for small ones."""
+        rows, cols = self.q.shape
+        scale = torch.from_numpy(self.scale).to(scale_dtype).float()[..., None]
+        zero = torch.from_numpy(self.zero).to(scale_dtype).float()[..., None]
+        q = torch.from_numpy(self.q).float().view(rows, cols // GROUP_SIZE, GROUP_SIZE)
+        return ((q - 8) * scale + zero).view(rows, cols)
+
+    @staticmethod
+    def concat(parts: list[Int4Blocks]) -> Int4Blocks:
+        return Int4Blocks(*(np.concatenate(a) for a in zip(*((p.q, p.scale, p.zero) for p in parts),
+                                                           strict=True)))
+
+
+def int4_blocks_from_gguf(raw: np.ndarray, qtype: Q) -> Int4Blocks | None:
+    """Unpack Q4_0 (d, 16 bytes) or Q4_1 (d, m, 16 bytes) blocks; None for other types."""
+    if qtype not in (Q.Q4_0, Q.Q4_1):
+        return None
+    header = 2 if qtype == Q.Q4_0 else 4
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, header + 16)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    nibbles = blocks[..., header:]
+    # Low nibbles hold elements 0..15 of a block, high nibbles 16..31.
+    q = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=-1).reshape(rows, -1)
+    if qtype == Q.Q4_0:  # w = d * (q - 8)
+        zero = np.zeros_like(d)
+    else:  # w = d * q + m = d * (q - 8) + (m + 8 d)
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        zero = m + 8 * d
+    return Int4Blocks(q, d, zero)
+
+
+class PackedInt4:
+    """An Int4Blocks matrix in torch's CPU int4 kernel layout."""
+
+    def __init__(self, blocks: Int4Blocks, dtype: torch.dtype):
+        q = torch.from_numpy(blocks.q.astype(np.int32))
+        self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        # [cols / 32, rows, 2]
+        self.scales_and_zeros = torch.stack(
+            [torch.from_numpy(blocks.scale).t(), torch.from_numpy(blocks.zero).t()], dim=-1
+        ).to(dtype).contiguous()
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, GROUP_SIZE,
+                                                          self.scales_and_zeros)
+
+
+class PackedInt8:
+    """Per-row symmetric int8 (for the lm_head, which GGUF keeps at 8 bits or more)."""
+
+    def __init__(self, dense: torch.Tensor, dtype: torch.dtype):
+        w = dense.float()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)  # [rows]
+        self.weight = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.scales = scale.to(dtype)
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.weight, self.scales)
+
+
+def int4_kernels_available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
+        torch, "_weight_int8pack_mm"
+    )

@@ -1,0 +1,29 @@
+"""What a loader hands the model: hyper-parameters, special tokens and named weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from worker.model.llama_config import LlamaConfig
+from worker.model.quant import Int4Blocks
+
+
+@dataclass
+class ModelWeights:
+    config: LlamaConfig
+    # Hugging Face names ("model.layers.0.self_attn.q_proj.weight") in HF layout, on the CPU.
+    tensors: dict[str, torch.Tensor]
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    # The original 4-bit blocks of GGUF Q4_0/Q4_1 tensors (same names, HF layout), for the
+    # small-batch int4 kernels; `tensors` holds their dequantized values as well.
+    int4: dict[str, Int4Blocks] = field(default_factory=dict)
+
+    def take(self, name: str) -> torch.Tensor:
+        """Remove and return one tensor, so the loader's copy is freed as the model is built."""
+        try:
+            return self.tensors.pop(name)
+        except KeyError:
+            raise KeyError(f"the model file has no tensor {name}") from None

@@ -1,0 +1,195 @@
+"""ModelRunner: a scheduler plan -> one forward over the flattened batch -> sampled tokens."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from worker.attention import AttentionMetadata, PrefillSpan, causal_mask
+from worker.config import EngineConfig
+from worker.device import default_kv_cache_bytes, resolve_device, resolve_dtype
+from worker.model.info import ModelInfo
+from worker.model.llama import KVCache
+from worker.model.loader import load_model
+from worker.outputs import StepTiming
+from worker.plan import SampledToken, ScheduledChunk, SchedulerOutput
+from worker.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInputs:
+    """The tensors of one step. Rows are ordered decodes first, then prefill chunks."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [num_sampled] row of each sampling chunk's last token
+    sample_chunks: list[ScheduledChunk]  # in plan order, matching sample_rows
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        started = time.perf_counter()
+        self.model, self.info = load_model(config.model, self.device, self.dtype,
+                                           config.max_model_len)
+        self.block_size = config.block_size
+        self.num_kv_blocks = self._pool_size(config, self.info)
+        self.kv_caches = self._allocate_kv(self.info)
+        self.sampler = Sampler(self.info.vocab_size, self.info.eos_token_ids, self.device,
+                               config.seed)
+        self.group = self.model.config.num_queries_per_kv
+        self.last_timing = StepTiming()
+        logger.info(
+            "loaded %s on %s (%s) in %.1fs: %d KV blocks of %d tokens, context %d",
+            self.info.name, self.info.device, self.info.dtype, time.perf_counter() - started,
+            self.num_kv_blocks, self.block_size, self.info.max_model_len,
+        )
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of one block across all layers, K and V."""
+        info = self.info
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * info.num_layers * self.block_size * info.num_kv_heads * info.head_dim * element
+
+    def _pool_size(self, config: EngineConfig, info: ModelInfo) -> int:
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        if config.kv_cache_memory is not None:
+            num_blocks = config.kv_cache_memory // self.kv_block_bytes
+        else:
+            # More blocks than every sequence at full length could use is wasted memory.
+            useful = config.max_num_seqs * math.ceil(info.max_model_len / self.block_size)
+            num_blocks = min(default_kv_cache_bytes(self.device) // self.kv_block_bytes, useful)
+        if num_blocks < 1:
+            raise ValueError("the KV cache budget is smaller than one block")
+        return int(num_blocks)
+
+    def _allocate_kv(self, info: ModelInfo) -> list[KVCache]:
+        shape = (self.num_kv_blocks, self.block_size, info.num_kv_heads, info.head_dim)
+        # Zeroed, not empty: padded attention reads unwritten slots, and 0 * NaN would leak.
+        return [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(info.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> list[SampledToken]:
+        timing = StepTiming(num_tokens=plan.num_tokens, num_seqs=len(plan.chunks))
+        self.last_timing = timing
+        if plan.is_empty:
+            return []
+        started = time.perf_counter()
+        inputs = self._prepare(plan.chunks)
+        prepared = time.perf_counter()
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta,
+                                    self.kv_caches)
+        logits = None
+        if inputs.sample_chunks:
+            logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        forwarded = time.perf_counter()
+        sampled = [] if logits is None else self.sampler.sample(logits, inputs.sample_chunks)
+        finished = time.perf_counter()
+        timing.prepare_s = prepared - started
+        timing.forward_s = forwarded - prepared
+        timing.sample_s = finished - forwarded
+        return sampled
+
+    def _slots(self, block_tables: list[list[int]], length: int) -> torch.Tensor:
+        """[num_seqs, length] pool slots of positions 0 .. length-1 (tables padded with 0)."""
+        num_blocks = math.ceil(length / self.block_size)
+        padded = [t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks])) for t in block_tables]
+        tables = torch.tensor(padded, dtype=torch.long)  # [num_seqs, num_blocks]
+        offsets = torch.arange(self.block_size)
+        slots = (tables[:, :, None] * self.block_size + offsets).view(len(block_tables), -1)
+        return slots[:, :length]
+
+    def _prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
+        decodes = [c for c in chunks if len(c.token_ids) == 1]
+        prefills = [c for c in chunks if len(c.token_ids) != 1]
+        ordered = decodes + prefills
+        input_ids: list[int] = []
+        positions: list[int] = []
+        last_row: dict[int, int] = {}  # id(chunk) -> its last row
+        for chunk in ordered:
+            input_ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start_pos, chunk.context_len))
+            last_row[id(chunk)] = len(input_ids) - 1
+        positions_t = torch.tensor(positions, dtype=torch.long)
+        blocks = torch.tensor([t for c in ordered for t in
+                               _row_blocks(c, self.block_size)], dtype=torch.long)
+        slot_mapping = blocks * self.block_size + positions_t % self.block_size
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping, num_decode=len(decodes), decode_slots=None,
+            decode_mask=None, max_decode_context=0, prefills=[],
+        )
+        if decodes:
+            self._add_decode_meta(meta, decodes)
+        row = len(decodes)
+        for chunk in prefills:
+            meta.prefills.append(self._prefill_span(chunk, row))
+            row += len(chunk.token_ids)
+        sample_chunks = [c for c in chunks if c.do_sample]
+        sample_rows = [last_row[id(c)] for c in sample_chunks]
+        return self._to_device(StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.long),
+            positions=positions_t,
+            meta=meta,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long),
+            sample_chunks=sample_chunks,
+        ))
+
+    def _add_decode_meta(self, meta: AttentionMetadata, decodes: list[ScheduledChunk]) -> None:
+        context_lens = torch.tensor([c.context_len for c in decodes], dtype=torch.long)
+        # Whole blocks: padding up to a block boundary costs little and keeps shapes regular.
+        max_context = math.ceil(int(context_lens.max()) / self.block_size) * self.block_size
+        slots = self._slots([c.block_table for c in decodes], max_context)
+        meta.decode_slots = slots.reshape(-1)
+        meta.max_decode_context = max_context
+        meta.decode_mask = (torch.arange(max_context)[None, :] < context_lens[:, None]).view(
+            len(decodes), 1, 1, max_context
+        )
+
+    def _prefill_span(self, chunk: ScheduledChunk, row: int) -> PrefillSpan:
+        n = len(chunk.token_ids)
+        context_slots = None
+        if chunk.start_pos > 0:
+            context_slots = self._slots([chunk.block_table], chunk.context_len)[0]
+        mask = causal_mask(chunk.start_pos, n, self.group, torch.device("cpu"))
+        return PrefillSpan(row, row + n, context_slots, mask)
+
+    def _to_device(self, inputs: StepInputs) -> StepInputs:
+        if self.device.type == "cpu":
+            return inputs
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.pin_memory().to(self.device, non_blocking=True)
+
+        meta = inputs.meta
+        meta.slot_mapping = move(meta.slot_mapping)
+        meta.decode_slots = move(meta.decode_slots)
+        meta.decode_mask = move(meta.decode_mask)
+        for span in meta.prefills:
+            span.context_slots = move(span.context_slots)
+            span.mask = move(span.mask)
+        inputs.input_ids = move(inputs.input_ids)
+        inputs.positions = move(inputs.positions)
+        inputs.sample_rows = move(inputs.sample_rows)
+        return inputs
+
+
+def _row_blocks(chunk: ScheduledChunk, block_size: int) -> list[int]:
+    """The physical block of each of the chunk's new tokens."""
+    table = chunk.block_table
+    return [table[p // block_size] for p in range(chunk.start_pos, chunk.context_len)]

@@ -1,0 +1,550 @@
+"""The worker process: one Engine behind two ZeroMQ sockets.
+
+The engine thread runs the loop: receive, schedule + execute + update (`engine.step()`),
+emit. Socket I/O stays at the edges: a link thread owns the DEALER (gateway commands in,
+HELLO/DRAIN/heartbeats out) so heartbeats keep their pace while a long step runs, and the
+engine thread owns only the PUSH socket that carries one TOKENS message per step.
+
+Flow control: each stream has a credit (the window the gateway granted, plus later grants,
+minus tokens sent). At 0 the stream is paused in the engine (it keeps its KV blocks and
+leaves the batch) until CREDIT arrives, so no more than a window of a stream's tokens is
+ever in flight.
+
+Lifecycle: HELLO -> READY -> serve. SIGTERM or a gateway DRAIN: tell the gateway, refuse
+new work, finish in-flight requests within the drain timeout, fail the rest, exit 0. A
+gateway silent for `gateway_timeout_s`: fail in-flight requests (nobody reads them) and
+say HELLO again until a gateway answers.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from common.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Credit,
+    Drain,
+    Error,
+    Heartbeat,
+    Hello,
+    Message,
+    MsgType,
+    ProtocolError,
+    Ready,
+    Shutdown,
+    Submit,
+    TokenOutput,
+    Tokens,
+    WorkerState,
+    decode,
+    encode,
+)
+from worker.config import EngineConfig
+from worker.outputs import RequestOutput
+from worker.sequence import RequestError, SamplingParams
+
+log = logging.getLogger("zeroserve.worker")
+
+BACKENDS = ("model", "fake")
+_LINGER_MS = 2000  # on exit, how long queued messages (final tokens, DRAIN) may take to leave
+_SNDHWM = 100_000  # messages queued while the gateway is away; beyond this we drop, never block
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    worker_id: str
+    router_address: str  # gateway ROUTER; worker connects a DEALER with identity worker_id
+    tokens_address: str  # gateway PULL; worker connects a PUSH
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    backend: str = "model"  # "model" or "fake" (FakeRunner, tests/benchmarks only)
+    heartbeat_interval_s: float = 0.5
+    gateway_timeout_s: float = 5.0  # no gateway heartbeat for this long -> say HELLO again
+    drain_timeout_s: float = 30.0
+    fake_forward_s: float = 0.0  # backend "fake" only: simulated time of one forward
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            raise ValueError("worker_id must not be empty")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, not {self.backend!r}")
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError("heartbeat_interval_s must be > 0")
+        if self.gateway_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError("gateway_timeout_s must be longer than heartbeat_interval_s")
+        if self.drain_timeout_s < 0:
+            raise ValueError("drain_timeout_s must be >= 0")
+        if self.fake_forward_s < 0:
+            raise ValueError("fake_forward_s must be >= 0")
+
+
+def run_worker(config: WorkerConfig, engine: Any | None = None) -> int:
+    """Load the model (unless an engine is given, as tests do), serve until told to stop.
+
+    Returns the process exit code: 0 after a drain or SHUTDOWN, 3 when the gateway refused us.
+    """
+    if engine is None:
+        engine = build_engine(config)
+    return WorkerLoop(config, engine).run()
+
+
+def build_engine(config: WorkerConfig):
+    if config.engine.num_threads is not None:
+        import torch
+
+        torch.set_num_threads(config.engine.num_threads)
+    from worker.engine import Engine
+
+    runner = None
+    if config.backend == "fake":
+        from worker.fake_runner import FakeRunner
+
+        # Plan checks simulate the KV cache at O(context) per step: right for engine tests,
+        # too slow for a server that streams long outputs.
+        runner = FakeRunner(config.engine, forward_time_s=config.fake_forward_s,
+                            check_plans=False)
+    started = time.monotonic()
+    engine = Engine(config.engine, runner=runner)
+    log.info("engine ready", extra={"worker_id": config.worker_id, "backend": config.backend,
+                                    "load_s": round(time.monotonic() - started, 2)})
+    return engine
+
+
+class LinkState(enum.Enum):
+    CONNECTING = "connecting"  # HELLO sent, no READY yet
+    CONNECTED = "connected"
+
+
+@dataclass
+class _Stream:
+    credit: int  # tokens we may still send before the gateway grants more
+    is_paused: bool = False  # paused in the engine by us for lack of credit
+
+
+class _GatewayLink(threading.Thread):
+    """Owns the DEALER: decoded gateway messages go to `inbox`; frames that the engine
+    thread pushes into the inproc outbox go out; heartbeats go out on their own clock.
+
+    The DEALER queues only to a live connection (ZMQ_IMMEDIATE), so nothing piles up for a
+    gateway that is down: heartbeats are dropped, and a HELLO is held here and retried until
+    a connection takes it (then `hello_sent_at` says when).
+    """
+
+    _HELLO_RETRY_S = 0.1
+
+    def __init__(self, ctx: zmq.Context, config: WorkerConfig, outbox_address: str):
+        super().__init__(name="gateway-link", daemon=True)
+        self.config = config
+        self.inbox: queue.Queue[Message] = queue.Queue()
+        self.last_heard = time.monotonic()  # monotonic time of the last gateway message
+        self.hello_sent_at: float | None = None  # when the last HELLO reached a connection
+        # The engine thread replaces this object (never mutates it) after every step.
+        self.load = Heartbeat(config.worker_id, WorkerState.STARTING.value)
+        self._pending_hello: list[bytes] | None = None
+        self._dealer = ctx.socket(zmq.DEALER)
+        self._dealer.setsockopt(zmq.IDENTITY, config.worker_id.encode())
+        self._dealer.setsockopt(zmq.IMMEDIATE, 1)
+        self._dealer.setsockopt(zmq.LINGER, _LINGER_MS)
+        self._dealer.setsockopt(zmq.SNDHWM, _SNDHWM)
+        self._dealer.connect(config.router_address)
+        self._outbox = ctx.socket(zmq.PULL)
+        self._outbox.bind(outbox_address)
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._dealer, zmq.POLLIN)
+        poller.register(self._outbox, zmq.POLLIN)
+        # The first beat waits one interval so the engine thread's HELLO goes out first.
+        next_beat = time.monotonic() + self.config.heartbeat_interval_s
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= next_beat:
+                    self._send(encode(self._heartbeat()))
+                    next_beat = now + self.config.heartbeat_interval_s
+                if self._pending_hello is not None and self._send(self._pending_hello):
+                    self._pending_hello = None
+                    self.hello_sent_at = now
+                wake_at = next_beat if self._pending_hello is None else now + self._HELLO_RETRY_S
+                ready = dict(poller.poll(max(0.0, min(wake_at, next_beat) - now) * 1000))
+                if self._dealer in ready:
+                    self._receive_all()
+                if self._outbox in ready and not self._forward_outbox():
+                    return
+        finally:
+            self._dealer.close()
+            self._outbox.close()
+
+    def _heartbeat(self) -> Heartbeat:
+        load = self.load
+        load.time = time.time()
+        return load
+
+    def _receive_all(self) -> None:
+        while True:
+            try:
+                frames = self._dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.last_heard = time.monotonic()
+            try:
+                self.inbox.put(decode(frames))
+            except ProtocolError as e:
+                log.warning("dropped a bad frame from the gateway: %s", e,
+                            extra={"worker_id": self.config.worker_id})
+
+    def _forward_outbox(self) -> bool:
+        """Send what the engine thread queued; False when it asked us to stop."""
+        while True:
+            try:
+                frames = self._outbox.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            if frames == [b"stop"]:
+                return False
+            if frames[0] == bytes([MsgType.HELLO]):
+                self._pending_hello = frames  # sent (and retried) by the loop
+                self.hello_sent_at = None
+            elif not self._send(frames):
+                log.warning("no gateway connection; dropped a %s message",
+                            MsgType(frames[0][0]).name, extra={"worker_id": self.config.worker_id})
+
+    def _send(self, frames: list[bytes]) -> bool:
+        try:
+            self._dealer.send_multipart(frames, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+
+class WorkerLoop:
+    """The engine thread's loop. One instance per process run."""
+
+    def __init__(self, config: WorkerConfig, engine: Any):
+        self.config = config
+        self.engine = engine
+        self.state = WorkerState.STARTING
+        self.link_state = LinkState.CONNECTING
+        self.streams: dict[str, _Stream] = {}
+        self.num_steps = 0
+        self.exit_code: int | None = None  # set when the loop should end
+        self._pending: list[TokenOutput] = []  # outputs made outside a step (rejections, aborts)
+        self._drain_deadline: float | None = None
+        self._num_signals = 0
+        self._first_signal_at = 0.0
+        self._is_last_step_empty = False
+        self._log_extra = {"worker_id": config.worker_id}
+        self._handlers = {
+            Ready: self._on_ready, Submit: self._on_submit, Abort: self._on_abort,
+            Credit: self._on_credit, Drain: self._on_drain, Shutdown: self._on_shutdown,
+            Heartbeat: self._on_heartbeat, Error: self._on_error,
+        }
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> int:
+        ctx = zmq.Context()
+        outbox_address = f"inproc://worker-outbox-{id(self)}"
+        self.link = _GatewayLink(ctx, self.config, outbox_address)
+        self._to_link = ctx.socket(zmq.PUSH)
+        self._to_link.connect(outbox_address)
+        self._tokens = ctx.socket(zmq.PUSH)
+        self._tokens.setsockopt(zmq.LINGER, _LINGER_MS)
+        self._tokens.setsockopt(zmq.SNDHWM, _SNDHWM)
+        self._tokens.connect(self.config.tokens_address)
+        self.link.start()
+        restore_signals = self._install_signal_handlers()
+        try:
+            self._publish_load()
+            self._say_hello()
+            while self.exit_code is None:
+                self._receive(self._receive_timeout())
+                self._check_signals()
+                self._check_gateway()
+                self._check_drain()
+                outputs = self._step()
+                self._emit(outputs)
+                self._publish_load()
+            self._emit([])
+        finally:
+            restore_signals()
+            self._to_link.send_multipart([b"stop"])
+            self.link.join(timeout=_LINGER_MS / 1000 + 1)
+            self._to_link.close(linger=0)
+            self._tokens.close()
+            ctx.term()
+        log.info("worker exiting", extra={**self._log_extra, "exit_code": self.exit_code})
+        return self.exit_code
+
+    def _has_work(self) -> bool:
+        return any(not s.is_paused for s in self.streams.values()) and self.engine.has_unfinished()
+
+    def _step(self) -> list[RequestOutput]:
+        if not self._has_work():
+            return []
+        self.num_steps += 1
+        try:
+            outputs = self.engine.step()
+            self._is_last_step_empty = not outputs
+            return outputs
+        except Exception as e:  # the engine's state is suspect: fail what it holds and exit
+            log.exception("engine step failed", extra=self._log_extra)
+            self._fail_all(f"internal error in the worker: {e}")
+            self.exit_code = 1
+            return []
+
+    def _receive_timeout(self) -> float:
+        """How long to wait for messages: not at all while there is work; a moment when the
+        last step ran nothing (dynamic batching gathering arrivals); else until the next
+        housekeeping tick, asleep in the queue (no spinning)."""
+        if not self._has_work():
+            return self.config.heartbeat_interval_s
+        return 0.001 if self._is_last_step_empty else 0.0
+
+    def _receive(self, timeout: float) -> None:
+        try:
+            msg = self.link.inbox.get(timeout=timeout) if timeout else self.link.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            handler = self._handlers.get(type(msg))
+            if handler is None:
+                log.warning("ignored a %s from the gateway", type(msg).__name__,
+                            extra=self._log_extra)
+            else:
+                handler(msg)
+            try:
+                msg = self.link.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        wire = self._pending
+        self._pending = []
+        for out in outputs:
+            stream = self.streams.get(out.request_id)
+            if stream is None:
+                continue  # the gateway aborted it already and forgot it
+            wire.append(_to_wire(out))
+            stream.credit -= len(out.new_token_ids)
+            if out.is_finished:
+                del self.streams[out.request_id]
+            elif stream.credit <= 0 and not stream.is_paused:
+                stream.is_paused = self.engine.pause(out.request_id)
+        if wire:
+            self._send_tokens(Tokens(self.config.worker_id, self.num_steps, wire))
+
+    # -- message handlers -------------------------------------------------------------------
+
+    def _on_ready(self, msg: Ready) -> None:
+        if not msg.accepted:
+            log.error("the gateway refused this worker: %s", msg.reason, extra=self._log_extra)
+            self._fail_all("the gateway refused this worker")
+            self.exit_code = 3
+            return
+        if self.link_state is not LinkState.CONNECTED:
+            log.info("connected to the gateway", extra=self._log_extra)
+        self.link_state = LinkState.CONNECTED
+        if self.state is WorkerState.STARTING:
+            self.state = WorkerState.READY
+
+    def _on_submit(self, msg: Submit) -> None:
+        rid = msg.request_id
+        if self.state is WorkerState.DRAINING:
+            self._reject(rid, "worker is draining; retry on another worker")
+            return
+        try:
+            params = _sampling_params(msg.params)
+            self.engine.add_request(rid, msg.prompt_token_ids, params)
+        except (RequestError, TypeError, ValueError) as e:
+            self._reject(rid, str(e), num_prompt_tokens=len(msg.prompt_token_ids))
+            return
+        except Exception as e:  # an engine bug must not take the other streams down
+            log.exception("add_request failed", extra={**self._log_extra, "request_id": rid})
+            self._reject(rid, f"internal error: {e}", num_prompt_tokens=len(msg.prompt_token_ids))
+            return
+        self.streams[rid] = _Stream(credit=msg.credit)
+        log.debug("request added", extra={**self._log_extra, "request_id": rid,
+                                          "num_prompt_tokens": len(msg.prompt_token_ids)})
+
+    def _on_abort(self, msg: Abort) -> None:
+        for rid in msg.request_ids:
+            self.engine.abort(rid)
+            if self.streams.pop(rid, None) is not None:
+                log.debug("request aborted", extra={**self._log_extra, "request_id": rid})
+
+    def _on_credit(self, msg: Credit) -> None:
+        for rid, n in msg.grants:
+            stream = self.streams.get(rid)
+            if stream is None:
+                continue  # finished while the credit was on its way
+            stream.credit += n
+            if stream.is_paused and stream.credit > 0:
+                self.engine.resume(rid)
+                stream.is_paused = False
+
+    def _on_drain(self, msg: Drain) -> None:
+        self._begin_drain(msg.deadline_s, tell_gateway=False)
+
+    def _on_shutdown(self, msg: Shutdown) -> None:
+        log.info("shutdown requested by the gateway: %s", msg.reason, extra=self._log_extra)
+        self._fail_all(f"worker shut down ({msg.reason or 'gateway request'})")
+        self.exit_code = 0
+
+    def _on_heartbeat(self, msg: Heartbeat) -> None:
+        pass  # liveness is tracked by the link thread for every message
+
+    def _on_error(self, msg: Error) -> None:
+        log.warning("gateway error %s: %s", msg.code, msg.message,
+                    extra={**self._log_extra, "request_id": msg.request_id})
+
+    # -- housekeeping -----------------------------------------------------------------------
+
+    def _say_hello(self) -> None:
+        info = self.engine.info
+        hello = Hello(
+            protocol_version=PROTOCOL_VERSION, worker_id=self.config.worker_id,
+            model=info.name,
+            # The engine's limit also counts the KV pool (a sequence must fit it alone).
+            max_model_len=getattr(self.engine, "max_model_len", info.max_model_len),
+            num_kv_blocks=self.engine.stats().num_total_blocks,
+            block_size=self.config.engine.block_size,
+            max_num_seqs=self.config.engine.max_num_seqs, device=info.device, pid=os.getpid(),
+        )
+        self.link.hello_sent_at = None  # so the next check waits for this HELLO's fate
+        self._to_link.send_multipart(encode(hello))
+
+    def _check_gateway(self) -> None:
+        now = time.monotonic()
+        timeout = self.config.gateway_timeout_s
+        if self.link_state is LinkState.CONNECTED and now - self.link.last_heard > timeout:
+            log.warning("gateway silent for %.1fs; failing %d in-flight requests and saying "
+                        "HELLO again", now - self.link.last_heard, len(self.streams),
+                        extra=self._log_extra)
+            self._fail_all("lost contact with the gateway")
+            self.link_state = LinkState.CONNECTING
+            self._say_hello()
+        elif self.link_state is LinkState.CONNECTING:
+            # A HELLO that reached a gateway and got no READY: that gateway may have died
+            # with it. (One still waiting for a connection is retried by the link thread.)
+            sent_at = self.link.hello_sent_at
+            if sent_at is not None and now - sent_at > timeout:
+                self._say_hello()
+
+    def _begin_drain(self, deadline_s: float, tell_gateway: bool) -> None:
+        deadline = time.monotonic() + deadline_s
+        if self._drain_deadline is not None:
+            self._drain_deadline = min(self._drain_deadline, deadline)
+            return
+        log.info("draining: %d requests in flight, deadline %.1fs", len(self.streams),
+                 deadline_s, extra=self._log_extra)
+        self.state = WorkerState.DRAINING
+        self._drain_deadline = deadline
+        if tell_gateway:
+            self._to_link.send_multipart(encode(Drain(self.config.worker_id, deadline_s)))
+
+    def _check_drain(self) -> None:
+        if self._drain_deadline is None:
+            return
+        if not self.streams:
+            log.info("drained", extra=self._log_extra)
+            self.exit_code = 0
+        elif time.monotonic() >= self._drain_deadline:
+            log.warning("drain timeout: failing %d unfinished requests", len(self.streams),
+                        extra=self._log_extra)
+            self._fail_all("worker shut down before the request finished (drain timeout)")
+            self.exit_code = 0
+
+    def _fail_all(self, message: str) -> None:
+        """Abort every stream in the engine and tell the gateway each one failed."""
+        for rid in list(self.streams):
+            self.engine.abort(rid)
+            del self.streams[rid]
+            self._reject(rid, message)
+
+    def _reject(self, request_id: str, message: str, num_prompt_tokens: int = 0) -> None:
+        self._pending.append(TokenOutput(request_id, [], "error", num_prompt_tokens, 0,
+                                         error=message))
+        log.info("request failed: %s", message,
+                 extra={**self._log_extra, "request_id": request_id})
+
+    def _publish_load(self) -> None:
+        stats = self.engine.stats()
+        self.link.load = Heartbeat(
+            worker_id=self.config.worker_id, state=self.state.value,
+            num_running=stats.num_running, num_waiting=stats.num_waiting,
+            num_paused=stats.num_paused, num_free_blocks=stats.num_free_blocks,
+            num_total_blocks=stats.num_total_blocks,
+        )
+
+    def _send_tokens(self, msg: Tokens) -> None:
+        try:
+            self._tokens.send_multipart(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("token queue full; dropped step %d", msg.step, extra=self._log_extra)
+
+    # -- signals ----------------------------------------------------------------------------
+
+    def _install_signal_handlers(self):
+        """SIGTERM/SIGINT: drain; a second one: stop now. Only possible on the main thread."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = {sig: signal.signal(sig, self._on_signal)
+                    for sig in (signal.SIGTERM, signal.SIGINT)}
+
+        def restore() -> None:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+        return restore
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        # Only count here; the loop acts on it (handlers must not touch sockets or the engine).
+        # A repeat within a second is one event delivered twice (e.g. to a whole process
+        # group), not an operator insisting.
+        now = time.monotonic()
+        if self._num_signals == 0 or now - self._first_signal_at >= 1.0:
+            self._num_signals += 1
+        if self._num_signals == 1:
+            self._first_signal_at = now
+
+    def request_drain(self) -> None:
+        """What SIGTERM does, for callers that run the loop off the main thread."""
+        self._num_signals += 1
+
+    def _check_signals(self) -> None:
+        if self._num_signals == 1 and self._drain_deadline is None:
+            self._begin_drain(self.config.drain_timeout_s, tell_gateway=True)
+        elif self._num_signals >= 2:
+            log.warning("second stop signal: exiting now", extra=self._log_extra)
+            self._fail_all("worker stopped")
+            self.exit_code = 0
+
+
+def _sampling_params(params: dict[str, Any]) -> SamplingParams:
+    params = dict(params)
+    if params.get("stop_token_ids") is not None:
+        params["stop_token_ids"] = tuple(params["stop_token_ids"])
+    return SamplingParams(**params)
+
+
+def _to_wire(out: RequestOutput) -> TokenOutput:
+    logprobs = None
+    if out.logprobs is not None:
+        logprobs = [[lp, [[tid, tlp] for tid, tlp in top]] for lp, top in out.logprobs]
+    return TokenOutput(
+        request_id=out.request_id, new_token_ids=list(out.new_token_ids),
+        finish_reason=None if out.finish_reason is None else out.finish_reason.value,
+        num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
+        num_cached_tokens=out.num_cached_tokens, logprobs=logprobs, error=out.error,
+    )

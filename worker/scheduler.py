@@ -1,0 +1,451 @@
+"""Which tokens of which sequences run each step. Plain Python: it plans, the runner executes.
+
+CONTINUOUS (the product): every step is a ragged batch under `max_num_batched_tokens` and
+`max_num_seqs`. Running decodes go first (one token each), then unfinished prefills, then new
+sequences from the waiting queue, all as chunks that fit the remaining token budget (chunked
+prefill), so a long prompt never stalls running streams. Sequences that finish or are aborted
+leave at once; their slots are refilled from the queue in the next plan. When the block pool
+runs out, the newest sequence is preempted (recompute: its blocks are freed, it goes back to
+the front of the queue and re-prefills prompt + outputs later; tokens already emitted stay).
+
+STATIC and DYNAMIC exist only as benchmark baselines: a batch is taken from the queue (static:
+as soon as the engine is idle; dynamic: after `batch_wait_ms` from the first arrival or once
+`max_num_seqs` are waiting), its whole prompts are prefilled together and it decodes until its
+last member ends, with no admissions in between. Static also keeps finished members computing
+a padding row until the batch ends, as a padded batch would. Both reserve each member's full
+prompt + max_tokens worth of blocks up front, so they never preempt.
+
+Only `update()` changes state from what the runner returns.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+from worker.block_manager import BlockManager
+from worker.config import BatchingMode, EngineConfig
+from worker.plan import SampledToken, ScheduledChunk, SchedulerOutput
+from worker.sequence import FinishReason, RequestError, Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._clock = clock
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # oldest admission first; preemption takes the last
+        self.paused: dict[str, Sequence] = {}  # insertion order: newest last
+        self._requests: dict[str, Sequence] = {}  # every unfinished sequence
+        # STATIC only: finished members still computing padding rows until the batch ends.
+        self._padding: list[Sequence] = []
+        # The sequences behind the last plan's chunks (None for a padding row).
+        self._last_plan: SchedulerOutput | None = None
+        self._last_plan_seqs: list[Sequence | None] = []
+        self.num_preemptions = 0
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise RequestError for a request that can never run (the message is user-facing)."""
+        if num_prompt_tokens == 0:
+            raise RequestError("The prompt must contain at least one token.")
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, you requested {total} tokens ({num_prompt_tokens} in the messages, "
+                f"{max_tokens} in the completion). Please reduce the length of the messages "
+                "or completion."
+            )
+        num_blocks = self.block_manager.num_blocks_for(total)
+        if num_blocks > self.block_manager.num_total_blocks:
+            # Only reachable when max_model_len exceeds the pool; the engine caps it, but a
+            # scheduler built directly must still never admit a sequence that cannot fit alone.
+            raise RequestError(
+                f"This request needs {total} tokens of KV cache but the worker holds only "
+                f"{self.block_manager.num_total_blocks * self.block_manager.block_size}. "
+                "Please reduce the length of the messages or completion."
+            )
+
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self._requests:
+            raise RequestError(f"Request id {seq.request_id!r} is already in use.")
+        self.check_request(seq.num_prompt_tokens, seq.params.max_tokens)
+        seq.status = SequenceStatus.WAITING
+        seq.arrival_time = self._clock()
+        self._requests[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._requests.get(request_id)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Finish a request now and free its blocks; None if unknown or already finished."""
+        seq = self._requests.get(request_id)
+        if seq is None:
+            return None
+        self._remove_from_queues(seq)
+        self._finish(seq, FinishReason.ABORT)
+        return seq
+
+    def finish_with_error(self, request_id: str) -> Sequence | None:
+        seq = self._requests.get(request_id)
+        if seq is None:
+            return None
+        self._remove_from_queues(seq)
+        self._finish(seq, FinishReason.ERROR)
+        return seq
+
+    def pause(self, request_id: str) -> bool:
+        """Take a sequence out of the batch; it keeps whatever blocks it holds."""
+        seq = self._requests.get(request_id)
+        if seq is None or seq.status is SequenceStatus.PAUSED:
+            return seq is not None
+        self._remove_from_queues(seq)
+        seq.status = SequenceStatus.PAUSED
+        self.paused[request_id] = seq
+        return True
+
+    def resume(self, request_id: str) -> bool:
+        seq = self.paused.pop(request_id, None)
+        if seq is None:
+            return request_id in self._requests
+        if seq.block_table:
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        else:
+            # Never admitted, or preempted while paused: it was ahead of the queue.
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+        return True
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    # ---- planning ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        mode = self.config.batching_mode
+        if mode is BatchingMode.CONTINUOUS:
+            plan, seqs = self._schedule_continuous()
+        else:
+            plan, seqs = self._schedule_batch(mode)
+        self._last_plan = plan
+        self._last_plan_seqs = seqs
+        return plan
+
+    def _schedule_continuous(self) -> tuple[SchedulerOutput, list[Sequence | None]]:
+        budget = self.config.max_num_batched_tokens
+        max_seqs = self.config.max_num_seqs
+        decodes: list[Sequence] = []
+        prefills: list[tuple[Sequence, int]] = []
+        scheduled: set[str] = set()
+        preempted: list[str] = []
+
+        # 1. Running decodes, oldest first: one token each. This loop runs for every stream
+        # every step, so the common case (room left in the last block) skips the allocator.
+        block_size = self.block_manager.block_size
+        for seq in list(self.running):
+            if budget == 0 or len(scheduled) == max_seqs:
+                break
+            if seq.status is not SequenceStatus.RUNNING or not self._is_decode(seq):
+                continue
+            has_room = seq.num_computed_tokens < len(seq.block_table) * block_size
+            if has_room or self._reserve(seq, 1, scheduled, preempted):
+                decodes.append(seq)
+                scheduled.add(seq.request_id)
+                budget -= 1
+
+        # 2. Prefills already under way (chunked prompts, recomputes), as much as fits.
+        for seq in list(self.running):
+            if budget == 0 or len(scheduled) == max_seqs:
+                break
+            if seq.status is not SequenceStatus.RUNNING or seq.request_id in scheduled:
+                continue
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            # Shrink the chunk to what the pool holds; with no room at all, ask for one
+            # block (preempting someone newer) rather than for the whole chunk.
+            num_fitting = self._num_fitting_tokens(seq)
+            num_new = min(num_new, num_fitting or self.block_manager.block_size)
+            if self._reserve(seq, num_new, scheduled, preempted):
+                prefills.append((seq, num_new))
+                scheduled.add(seq.request_id)
+                budget -= num_new
+
+        # 3. New sequences from the queue (FCFS; stop at the first that does not fit). Not
+        # after a preemption: the pool is full, and a victim must not bounce straight back.
+        while self.waiting and budget > 0 and len(self.running) < max_seqs and not preempted:
+            if len(scheduled) == max_seqs:
+                break
+            seq = self.waiting[0]
+            num_new = self._admit(seq, budget)
+            if num_new is None:
+                break
+            prefills.append((seq, num_new))
+            scheduled.add(seq.request_id)
+            budget -= num_new
+
+        chunks = [self._decode_chunk(seq) for seq in decodes]
+        chunks += [self._chunk(seq, n) for seq, n in prefills]
+        seqs: list[Sequence | None] = [*decodes, *(seq for seq, _ in prefills)]
+        return SchedulerOutput(chunks=chunks, preempted=preempted), seqs
+
+    def _schedule_batch(self, mode: BatchingMode) -> tuple[SchedulerOutput, list[Sequence | None]]:
+        if not self._is_batch_active():
+            self._end_batch()
+            if self._is_batch_due(mode):
+                self._start_batch()
+        running = self.running[: self.config.max_num_seqs]
+        decodes = [seq for seq in running if self._is_decode(seq)]
+        prefills = [seq for seq in running if not self._is_decode(seq)]
+        seqs: list[Sequence | None] = [*decodes, *prefills]
+        chunks = []
+        for seq in seqs:
+            num_new = seq.num_tokens - seq.num_computed_tokens
+            self.block_manager.allocate(seq, num_new)  # reserved at admission: cannot fail
+            chunks.append(self._chunk(seq, num_new))
+        for seq in self._padding:
+            # Recompute the slot after the last real token: same cost as a decode row, and
+            # that slot is in the member's private tail block, which no one else reads.
+            chunks.append(self._padding_chunk(seq))
+            seqs.append(None)
+        return SchedulerOutput(chunks=chunks), seqs
+
+    # ---- state update -------------------------------------------------------------------------
+
+    def update(self, plan: SchedulerOutput, sampled: list[SampledToken]) -> list[Sequence]:
+        """Apply one executed plan. Returns the sequences that got a token or finished."""
+        if plan is not self._last_plan:
+            raise ValueError("update() must get the plan returned by the last schedule()")
+        self._last_plan = None
+        samples = iter(sampled)
+        block_size = self.block_manager.block_size
+        changed: list[Sequence] = []
+        for chunk, seq in zip(plan.chunks, self._last_plan_seqs, strict=True):
+            token = next(samples, None) if chunk.do_sample else None
+            if chunk.do_sample and (token is None or token.request_id != chunk.request_id):
+                raise ValueError("sampled tokens must match the plan's do_sample chunks")
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
+                continue  # a padding row: its output is discarded
+            num_new = len(chunk.token_ids)
+            seq.num_computed_tokens += num_new
+            if seq.num_computed_tokens % block_size < num_new:  # a block just filled up
+                self.block_manager.cache_full_blocks(seq)
+            if token is None:
+                continue
+            seq.output_token_ids.append(token.token_id)
+            reason = self._finish_reason(seq, token.token_id)
+            if reason is not None:
+                self._remove_from_queues(seq)
+                self._finish(seq, reason)
+            changed.append(seq)
+        self._last_plan_seqs = []
+        return changed
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        params = seq.params
+        num_output = seq.num_output_tokens
+        # Stops count only once min_tokens real tokens exist before them.
+        if num_output > params.min_tokens and (
+            (token_id in self.eos_token_ids and not params.ignore_eos)
+            or token_id in params.stop_token_ids
+        ):
+            return FinishReason.STOP
+        if num_output >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _is_decode(seq: Sequence) -> bool:
+        return seq.num_tokens - seq.num_computed_tokens == 1
+
+    def _chunk(self, seq: Sequence, num_new: int) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        end = start + num_new
+        # The plan borrows the sequence's lists (no per-step copies of the whole context);
+        # they are valid until update() appends the sampled tokens.
+        return ScheduledChunk(
+            request_id=seq.request_id,
+            token_ids=_token_slice(seq, start, end),
+            start_pos=start,
+            block_table=seq.block_table,
+            do_sample=end == seq.num_tokens,
+            params=seq.params,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+        )
+
+    def _decode_chunk(self, seq: Sequence) -> ScheduledChunk:
+        outputs = seq.output_token_ids
+        return ScheduledChunk(
+            request_id=seq.request_id,
+            token_ids=[outputs[-1] if outputs else seq.prompt_token_ids[-1]],
+            start_pos=seq.num_computed_tokens,
+            block_table=seq.block_table,
+            do_sample=True,
+            params=seq.params,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=outputs,
+        )
+
+    def _padding_chunk(self, seq: Sequence) -> ScheduledChunk:
+        last = seq.num_tokens - 1
+        return ScheduledChunk(
+            request_id=seq.request_id,
+            token_ids=[seq.output_token_ids[-1]],
+            start_pos=last,
+            block_table=seq.block_table,
+            do_sample=True,
+            params=seq.params,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+        )
+
+    def _num_fitting_tokens(self, seq: Sequence) -> int:
+        """How many more tokens seq's blocks plus the free pool can hold."""
+        bm = self.block_manager
+        num_slots = len(seq.block_table) * bm.block_size - seq.num_computed_tokens
+        return num_slots + bm.num_free_blocks * bm.block_size
+
+    def _reserve(
+        self, seq: Sequence, num_new: int, scheduled: set[str], preempted: list[str]
+    ) -> bool:
+        """Allocate blocks for num_new tokens of seq, preempting others if needed.
+
+        Victims are paused sequences holding blocks (newest first), then running sequences
+        not yet scheduled this step (newest first). If the only candidate left is seq itself,
+        it is preempted and False is returned. The oldest running sequence can always grow,
+        since every sequence fits the pool alone (checked at add time): no deadlock.
+        """
+        bm = self.block_manager
+        while not bm.can_allocate(seq, num_new):
+            victim = self._pick_victim(scheduled)
+            if victim is None:
+                return False
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is seq:
+                return False
+        bm.allocate(seq, num_new)
+        return True
+
+    def _pick_victim(self, scheduled: set[str]) -> Sequence | None:
+        for seq in reversed(self.paused.values()):
+            if seq.block_table:
+                return seq
+        for seq in reversed(self.running):
+            if seq.request_id not in scheduled:
+                return seq
+        return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)  # full blocks stay findable in the prefix cache
+        self.num_preemptions += 1
+        seq.num_preemptions += 1
+        if seq.status is SequenceStatus.PAUSED:
+            return  # resume() sends it to the front of the queue
+        self.running.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def _admit(self, seq: Sequence, budget: int) -> int | None:
+        """Move the head of the queue to running with a first chunk; None if it does not fit."""
+        bm = self.block_manager
+        hits = bm.match_prefix(seq)
+        num_new = min(seq.num_tokens - len(hits) * bm.block_size, budget)
+        if not bm.can_admit(seq, hits, num_new):
+            return None
+        self.waiting.popleft()
+        bm.admit(seq, hits, num_new)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return num_new
+
+    def _is_batch_active(self) -> bool:
+        # Padding rows alone do not keep a batch going: they only stand in for the finished.
+        return bool(self.running) or any(seq.block_table for seq in self.paused.values())
+
+    def _is_batch_due(self, mode: BatchingMode) -> bool:
+        if not self.waiting:
+            return False
+        if mode is BatchingMode.STATIC or len(self.waiting) >= self.config.max_num_seqs:
+            return True
+        waited_s = self._clock() - self.waiting[0].arrival_time
+        return waited_s * 1000.0 >= self.config.batch_wait_ms
+
+    def _start_batch(self) -> None:
+        """Take up to max_num_seqs from the queue, reserving each one's whole length."""
+        bm = self.block_manager
+        num_free = bm.num_free_blocks
+        num_reserved = 0
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            num_needed = bm.num_blocks_for(seq.num_prompt_tokens + seq.params.max_tokens)
+            if num_reserved + num_needed > num_free:
+                break
+            num_reserved += num_needed
+            hits = bm.match_prefix(seq)
+            self.waiting.popleft()
+            bm.admit(seq, hits, 0)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+
+    def _end_batch(self) -> None:
+        for seq in self._padding:
+            self.block_manager.forget(seq)
+        self._padding = []
+
+    def _remove_from_queues(self, seq: Sequence) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.PAUSED:
+            del self.paused[seq.request_id]
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Mark seq finished and release its blocks (STATIC keeps them for padding rows)."""
+        keeps_padding = (
+            self.config.batching_mode is BatchingMode.STATIC
+            and reason in (FinishReason.STOP, FinishReason.LENGTH)
+            and bool(seq.block_table)
+        )
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self._requests[seq.request_id]
+        if keeps_padding:
+            self.block_manager.allocate(seq, 1)  # the padding slot; within its reservation
+            self._padding.append(seq)
+        else:
+            self.block_manager.forget(seq)
+        if self._padding and not self._is_batch_active():
+            self._end_batch()  # the slowest member is done: release the padded ones now
+
+
+def _token_slice(seq: Sequence, start: int, end: int) -> list[int]:
+    """seq's tokens [start, end) without building the whole prompt + output list."""
+    prompt = seq.prompt_token_ids
+    num_prompt = len(prompt)
+    if end <= num_prompt:
+        return prompt[start:end]
+    if start >= num_prompt:
+        return seq.output_token_ids[start - num_prompt : end - num_prompt]
+    return prompt[start:] + seq.output_token_ids[: end - num_prompt]
