@@ -308,9 +308,17 @@ def worker_devices(device: str, num_workers: int | None, num_gpus: int) -> list[
 # -- commands --------------------------------------------------------------------------------
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("zeroserve")
+    except PackageNotFoundError:  # running from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(package_name="zeroserve", prog_name="zeroserve",
-                      message="%(prog)s %(version)s")
+@click.version_option(version=_version(), prog_name="zeroserve", message="%(prog)s %(version)s")
 def main() -> None:
     """zeroserve: an OpenAI-compatible LLM server (an HTTP gateway and ZeroMQ workers)."""
 
@@ -356,13 +364,17 @@ def serve(**opts: Any) -> None:
 @_options(LOG_OPTIONS)
 def gateway(**opts: Any) -> None:
     """Run only the HTTP gateway; workers connect to its --router-address/--tokens-address."""
+    from common.model_files import ModelNotFoundError
     from common.supervisor import die_with_parent
 
     config = gateway_config(opts)
     die_with_parent()
     from gateway.server import run_gateway
 
-    run_gateway(config)
+    try:
+        run_gateway(config)
+    except ModelNotFoundError as e:  # the tokenizer and chat template come from the model
+        raise click.ClickException(str(e)) from None
 
 
 @main.command()
@@ -380,7 +392,7 @@ def worker(**opts: Any) -> None:
     """Run one worker: load the model once, connect to the gateway, serve until SIGTERM."""
     from common.logging_setup import setup_logging
     from common.supervisor import die_with_parent
-    from worker.process import run_worker
+    from worker.process import build_engine, run_worker
 
     setup_logging(opts["log_format"], opts["log_level"])
     router, tokens = _default_endpoints(opts["port"])
@@ -389,7 +401,11 @@ def worker(**opts: Any) -> None:
         opts["router_address"] or router, opts["tokens_address"] or tokens,
     )
     die_with_parent()
-    sys.exit(run_worker(config))
+    try:
+        engine = build_engine(config)
+    except (OSError, ValueError) as e:  # a missing model file, an unusable device or dtype
+        raise click.ClickException(f"cannot load the model: {e}") from None
+    sys.exit(run_worker(config, engine=engine))
 
 
 @main.command()

@@ -1,13 +1,18 @@
 """`zeroserve serve`'s process supervisor: the gateway and N local workers as child processes.
 
+The gateway is a child too (not this process) so that shutdown can be ordered — workers
+drain through a gateway that is still serving — and so that a crashed gateway is restarted
+like anything else (its workers notice the silence and say HELLO to the new one).
+
 - A child that exits is restarted after a backoff that doubles per quick failure and resets
   once the child has run for `stable_after_s`. A worker's death never touches the gateway or
   the other workers; an operator can `kill <pid>` one worker to restart just that one.
 - A child whose very first start exits with an error code soon (bad flag, missing model,
   port in use) is a configuration error: everything stops and `serve` exits 1 instead of
   looping. Death by a signal (an operator's kill, the OOM killer) is always restarted.
-- SIGTERM/SIGINT: the workers get SIGTERM first and drain (they finish in-flight requests
-  through the still-running gateway), then the gateway gets SIGTERM. A second signal (a second or more later) kills.
+- SIGTERM/SIGINT/SIGHUP: the workers get SIGTERM first and drain (they finish in-flight
+  requests through the still-running gateway), then the gateway gets SIGTERM. Another
+  signal, a second or more after the first, kills everything at once.
 - Children run in their own sessions (a terminal's Ctrl-C reaches only the supervisor,
   which stops them in order) and die with it: each calls `die_with_parent()` at start,
   which sets PR_SET_PDEATHSIG, so even a SIGKILLed supervisor leaves no orphans.
@@ -74,7 +79,7 @@ class Supervisor:
     def run(self) -> int:
         """Start everything, keep it running until a signal, stop in order. Main thread only."""
         previous = {sig: signal.signal(sig, self._on_signal)
-                    for sig in (signal.SIGTERM, signal.SIGINT)}
+                    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, self._on_child_exit)
         try:
             for child in self.children:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,15 +69,34 @@ def default_endpoints(port: int) -> tuple[str, str]:
     return f"ipc://{base}-router.sock", f"ipc://{base}-tokens.sock"
 
 
+class EndpointInUseError(RuntimeError):
+    pass
+
+
 def prepare_ipc_endpoint(address: str) -> None:
     """Make an ipc:// endpoint bindable: create its folder, remove a stale socket file.
 
-    A gateway that died leaves its socket file behind; binding over it works in ZeroMQ, but
-    a leftover file of another kind would not, so remove whatever is there first.
+    A gateway that died leaves its socket file behind. One that still listens there is
+    not stale: taking its file would cut its workers off, so refuse instead.
     """
     if not address.startswith("ipc://"):
         return
     path = Path(address[len("ipc://"):])
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    if path.exists() or path.is_symlink():
-        path.unlink()
+    if not (path.exists() or path.is_symlink()):
+        return
+    if path.is_socket() and _is_listening(path):
+        raise EndpointInUseError(f"{address} is in use by a running process")
+    path.unlink()
+
+
+def _is_listening(path: Path) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(0.5)
+        probe.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()

@@ -32,11 +32,15 @@ from gateway.admission import Admission
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, server_error, worker_failed
 from gateway.logging import get_logger
-from gateway.registry import WorkerRegistry
-from gateway.streams import CreditLedger, RequestPhase, RequestState, StreamTable
+from gateway.registry import WorkerRegistry, WorkerStatus
+from gateway.streams import RequestPhase, RequestState, StreamTable, WorkerOutbox
 from gateway.zmq_io import ZmqEdge
 
 log = get_logger("core")
+
+# A request that produced no token yet when its worker was lost, restarted or refused it
+# for draining is sent to another worker this many times before it fails.
+MAX_RESUBMITS = 1
 
 
 class Gateway:
@@ -49,7 +53,9 @@ class Gateway:
                                    config.queue_timeout_s)
         router, tokens = config.endpoints
         self.edge = ZmqEdge(router, tokens, self._on_router, self._on_tokens)
-        self.credits = CreditLedger(self._send_credit)
+        self.outbox = WorkerOutbox(
+            send_credit=lambda worker_id, grants: self.edge.send(worker_id, Credit(grants)),
+            send_abort=lambda worker_id, rids: self.edge.send(worker_id, Abort(rids)))
         self._handlers = {
             MsgType.HELLO: self._on_hello,
             MsgType.HEARTBEAT: self._on_heartbeat,
@@ -57,6 +63,7 @@ class Gateway:
             MsgType.ERROR: self._on_error,
         }
         self._heartbeat_task: asyncio.Task | None = None
+        self._resubmit_tasks: set[asyncio.Task] = set()
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -71,11 +78,14 @@ class Gateway:
                 await self._heartbeat_task
             except asyncio.CancelledError:
                 pass
+        for task in list(self._resubmit_tasks):
+            task.cancel()
         for state in list(self.streams.states.values()):
             self._fail(state, APIError(503, "The server is shutting down.",
                                        type="service_unavailable", code="shutdown"))
             if state.worker_id is not None:
                 self.edge.send(state.worker_id, Abort([state.request_id]))
+        self.outbox.flush()
         await self.edge.close()
 
     # --- requests (called by HTTP handlers) -------------------------------------------
@@ -88,6 +98,7 @@ class Gateway:
 
     async def submit(self, state: RequestState, params: dict[str, Any]) -> None:
         """Wait for a worker (admission) and send the request to it. Raises APIError."""
+        state.params = params
         worker = await self.admission.acquire(state.request_id)
         if state.phase is not RequestPhase.QUEUED:  # ended while it waited
             self.registry.release(worker.worker_id, state.request_id)
@@ -95,6 +106,7 @@ class Gateway:
             return
         state.worker_id = worker.worker_id
         state.phase = RequestPhase.RUNNING
+        state.num_submits += 1
         sent = self.edge.send(worker.worker_id, Submit(
             state.request_id, state.prompt_token_ids, params, self.config.credit_window))
         log.debug("submitted", extra={"request_id": state.request_id,
@@ -104,15 +116,17 @@ class Gateway:
 
     def grant(self, state: RequestState, num_tokens: int) -> None:
         """The client took these tokens: let the worker send as many more."""
-        self.credits.grant(state, num_tokens)
+        self.outbox.grant(state, num_tokens)
 
     def finish(self, state: RequestState, abort: bool) -> None:
         """End a request for good. `abort`: the worker may still be running it."""
         if self.streams.remove(state.request_id) is None:
             return
+        if state.resubmit_task is not None and not state.resubmit_task.done():
+            state.resubmit_task.cancel()  # it may be holding a queue slot
         if state.worker_id is not None:
             if abort:
-                self.edge.send(state.worker_id, Abort([state.request_id]))
+                self.outbox.abort(state.worker_id, state.request_id)
             self.registry.release(state.worker_id, state.request_id)
             self.admission.wake()
 
@@ -122,8 +136,30 @@ class Gateway:
             self.registry.release(state.worker_id, state.request_id)
         state.deliver(error)
 
-    def _send_credit(self, worker_id: str, grants: list[list]) -> None:
-        self.edge.send(worker_id, Credit(grants))
+    def _resubmit_or_fail(self, state: RequestState, error: APIError) -> None:
+        """The worker dropped the request. If the client saw nothing of it yet, quietly
+        send it to another worker (the queue waits for one); otherwise fail it."""
+        if state.num_received > 0 or state.num_submits > MAX_RESUBMITS or state.params is None:
+            self._fail(state, error)
+            return
+        log.info("resubmitting", extra={"request_id": state.request_id,
+                                        "worker_id": state.worker_id})
+        if state.worker_id is not None:
+            self.registry.release(state.worker_id, state.request_id)
+        state.worker_id = None
+        state.phase = RequestPhase.QUEUED
+        task = asyncio.ensure_future(self._resubmit(state))
+        self._resubmit_tasks.add(task)
+        task.add_done_callback(self._resubmit_tasks.discard)
+        state.resubmit_task = task
+
+    async def _resubmit(self, state: RequestState) -> None:
+        try:
+            assert state.params is not None
+            await self.submit(state, state.params)
+        except APIError as e:
+            if state.phase is not RequestPhase.DONE:
+                state.deliver(e)
 
     # --- worker messages (called by the receive loops) ----------------------------------
 
@@ -179,10 +215,18 @@ class Gateway:
             state = self.streams.get(out.request_id)
             if state is None or state.worker_id != msg.worker_id:
                 continue  # ended here already (aborted, stop string, lost worker)
-            state.num_received += len(out.new_token_ids)
             if out.finish_reason is not None:
                 self.registry.release(msg.worker_id, out.request_id)
                 is_capacity_freed = True
+                if out.finish_reason == "error" and state.num_received == 0 and \
+                        not out.new_token_ids:
+                    # Refused before any output (draining, or a worker-side failure):
+                    # worth one more try, likely on another worker.
+                    make = worker_failed if self._is_draining(msg.worker_id) else server_error
+                    self._resubmit_or_fail(state, make(
+                        f"The worker failed the request: {out.error or 'unknown error'}"))
+                    continue
+            state.num_received += len(out.new_token_ids)
             state.deliver(out)
         if is_capacity_freed:
             self.admission.wake()
@@ -215,7 +259,11 @@ class Gateway:
         for worker_id in list(self.registry.workers):
             self.edge.send(worker_id, Heartbeat(worker_id=worker_id, time=time.time()))
 
+    def _is_draining(self, worker_id: str) -> bool:
+        worker = self.registry.get(worker_id)
+        return worker is not None and worker.status is WorkerStatus.DRAINING
+
     def _fail_worker_requests(self, worker_id: str, what: str) -> None:
         for state in self.streams.on_worker(worker_id):
-            self._fail(state, worker_failed(
+            self._resubmit_or_fail(state, worker_failed(
                 f"The worker serving this request ({worker_id}) {what}; please retry."))

@@ -89,10 +89,12 @@ class SSEResponse:
                     await task
                 except asyncio.CancelledError:
                     pass
+                except OSError:  # the client went away in the middle of a write
+                    self.is_disconnected = True
                 except Exception:
                     log.exception("stream failed", extra={"request_id": self.request_id})
             await self.events.aclose()  # runs the source's cleanup (aborts what is left)
-        if watch.done() and not watch.cancelled():
+        if self.is_disconnected or (watch.done() and not watch.cancelled()):
             self.is_disconnected = True
             log.info("client disconnected", extra={"request_id": self.request_id})
         elif self.is_slow_client:

@@ -1,4 +1,4 @@
-"""Per-request state inside the gateway, and the credit ledger.
+"""Per-request state inside the gateway, and the batched outbox of credits and aborts.
 
 One `RequestState` per engine request (an HTTP request with n choices has n). The receive
 loop puts each TOKENS output, or a failure, on the request's sink queue; the HTTP handler
@@ -6,8 +6,8 @@ consumes it. Several choices of one HTTP request share one sink, so one task ser
 
 Credit: the worker may have at most `credit_window` tokens of a stream sent and not
 credited. The handler credits tokens once they reached the client socket (or, for
-non-stream requests, once it consumed them); `CreditLedger` batches the grants of one
-event-loop iteration into one CREDIT message per worker.
+non-stream requests, once it consumed them); `WorkerOutbox` batches the grants (and
+aborts) of one event-loop iteration into one CREDIT (and ABORT) message per worker.
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ class RequestState:
     worker_id: str | None = None
     num_received: int = 0  # tokens the worker sent us
     num_credited: int = 0  # tokens we gave back as credit
+    params: dict | None = None  # as sent in SUBMIT (kept to resubmit elsewhere)
+    num_submits: int = 0
+    resubmit_task: asyncio.Task | None = None
 
     def deliver(self, item: TokenOutput | APIError) -> None:
         self.sink.put_nowait((self, item))
@@ -73,26 +76,44 @@ class StreamTable:
         return len(self.states)
 
 
-class CreditLedger:
-    """Collects grants and flushes them once per event-loop iteration."""
+class WorkerOutbox:
+    """Batches the small messages every stream produces (credit grants, aborts) and sends
+    them once per event-loop iteration: one CREDIT and one ABORT per worker, however many
+    streams moved. Grants to a request aborted in the same batch are dropped."""
 
-    def __init__(self, send: Callable[[str, list[list]], None]):
-        self._send = send  # (worker_id, [[request_id, n], ...])
-        self._pending: dict[str, dict[str, int]] = {}
-        self._scheduled = False
+    def __init__(self, send_credit: Callable[[str, list[list]], None],
+                 send_abort: Callable[[str, list[str]], None]):
+        self._send_credit = send_credit  # (worker_id, [[request_id, n], ...])
+        self._send_abort = send_abort  # (worker_id, [request_id, ...])
+        self._grants: dict[str, dict[str, int]] = {}
+        self._aborts: dict[str, list[str]] = {}
+        self._is_scheduled = False
 
     def grant(self, state: RequestState, n: int) -> None:
         if n <= 0 or state.worker_id is None or state.phase is not RequestPhase.RUNNING:
             return
         state.num_credited += n
-        per_worker = self._pending.setdefault(state.worker_id, {})
+        per_worker = self._grants.setdefault(state.worker_id, {})
         per_worker[state.request_id] = per_worker.get(state.request_id, 0) + n
-        if not self._scheduled:
-            self._scheduled = True
+        self._schedule()
+
+    def abort(self, worker_id: str, request_id: str) -> None:
+        self._aborts.setdefault(worker_id, []).append(request_id)
+        self._schedule()
+
+    def _schedule(self) -> None:
+        if not self._is_scheduled:
+            self._is_scheduled = True
             asyncio.get_running_loop().call_soon(self.flush)
 
     def flush(self) -> None:
-        self._scheduled = False
-        pending, self._pending = self._pending, {}
-        for worker_id, grants in pending.items():
-            self._send(worker_id, [[rid, n] for rid, n in grants.items()])
+        self._is_scheduled = False
+        grants, self._grants = self._grants, {}
+        aborts, self._aborts = self._aborts, {}
+        for worker_id, per_request in grants.items():
+            dropped = set(aborts.get(worker_id, ()))
+            pairs = [[rid, n] for rid, n in per_request.items() if rid not in dropped]
+            if pairs:
+                self._send_credit(worker_id, pairs)
+        for worker_id, request_ids in aborts.items():
+            self._send_abort(worker_id, request_ids)

@@ -182,7 +182,8 @@ def main() -> None:
 
     router, tokens = default_endpoints(args.port)
     py = sys.executable
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     gateway = subprocess.Popen(
         [py, "-m", "common.cli", "gateway", "--port", str(args.port), "--log-level", "warning",
          "--max-queued-requests", str(args.streams * 2),

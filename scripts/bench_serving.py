@@ -226,7 +226,10 @@ async def run_async(cfg: BenchConfig, samples: list[ChatSample] | None = None) -
     base = cfg.base_url.rstrip("/")
     url = f"{base}/v1/chat/completions" if cfg.endpoint == "chat" else f"{base}/v1/completions"
     limit = max(cfg.concurrency or 0, cfg.max_concurrency or 0, 64) + 8
-    connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit, force_close=False)
+    # A fresh connection per request: llama-server closes kept-alive connections that aiohttp
+    # would otherwise reuse and fail on ("Can not write request body"). Connecting over
+    # loopback costs well under a millisecond.
+    connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit, force_close=True)
     timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         model = cfg.model or await fetch_model_id(session, base)

@@ -456,8 +456,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[Plan, argparse.Namespace]
     return plan, a
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    # Turn SIGTERM into an exception so the `finally` that stops the running server runs.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     plan, a = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     command = "python scripts/compare.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")

@@ -41,10 +41,11 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None
     # The first num_decode rows are single-token decodes of distinct sequences.
     num_decode: int
-    # [num_decode * max_decode_context] pool slots of each decode row's context, padded.
-    decode_slots: torch.Tensor | None
-    # [num_decode, 1, 1, max_decode_context] True for real (unpadded) context positions.
-    decode_mask: torch.Tensor | None
+    # [num_decode * max_decode_context / block_size] each decode row's blocks, padded.
+    decode_blocks: torch.Tensor | None
+    # [num_decode, 1, 1, max_decode_context] fp32: 0 for real context positions, -inf for
+    # padding (a whole number of blocks).
+    decode_bias: torch.Tensor | None
     max_decode_context: int
     prefills: list[PrefillSpan]
 
@@ -83,19 +84,26 @@ def _unfold_group(out: torch.Tensor, n: int) -> torch.Tensor:
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [num_decode, heads, d] -> [num_decode, heads * d], reading K/V from the pool."""
+    """q [num_decode, heads, d] -> [num_decode, heads * d], reading K/V from the pool.
+
+    Plain batched matmuls rather than SDPA: with 1 query per sequence, CPU SDPA spends ~5x
+    longer than two bf16 bmm calls on the same gathered K/V (measured at 32 x 272 tokens).
+    """
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-    ctx_shape = (n, meta.max_decode_context, num_kv_heads, head_dim)
-    k = k_flat.index_select(0, meta.decode_slots).view(ctx_shape).transpose(1, 2)
-    v = v_flat.index_select(0, meta.decode_slots).view(ctx_shape).transpose(1, 2)
-    # [num_decode, kv_heads, group, d]: the group's query heads share one K/V head.
+    length = meta.max_decode_context
+    # Whole blocks at a time: [num_decode * blocks, block_size * kv_heads * d] -> [n, kv, L, d]
+    k = k_cache.view(k_cache.shape[0], -1).index_select(0, meta.decode_blocks)
+    v = v_cache.view(v_cache.shape[0], -1).index_select(0, meta.decode_blocks)
+    k = k.view(n, length, num_kv_heads, head_dim).transpose(1, 2).contiguous()
+    v = v.view(n, length, num_kv_heads, head_dim).transpose(1, 2).contiguous()
+    # [n, kv_heads, group, d]: the group's query heads share one K/V head.
     q = q.view(n, num_kv_heads, group, head_dim)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
-    return out.reshape(n, num_heads * head_dim)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float()  # [n, kv_heads, group, L]
+    scores.mul_(scale).add_(meta.decode_bias)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(n, num_heads * head_dim)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -131,8 +131,8 @@ class ModelRunner:
                                _row_blocks(c, self.block_size)], dtype=torch.long)
         slot_mapping = blocks * self.block_size + positions_t % self.block_size
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping, num_decode=len(decodes), decode_slots=None,
-            decode_mask=None, max_decode_context=0, prefills=[],
+            slot_mapping=slot_mapping, num_decode=len(decodes), decode_blocks=None,
+            decode_bias=None, max_decode_context=0, prefills=[],
         )
         if decodes:
             self._add_decode_meta(meta, decodes)
@@ -152,13 +152,18 @@ class ModelRunner:
 
     def _add_decode_meta(self, meta: AttentionMetadata, decodes: list[ScheduledChunk]) -> None:
         context_lens = torch.tensor([c.context_len for c in decodes], dtype=torch.long)
-        # Whole blocks: padding up to a block boundary costs little and keeps shapes regular.
-        max_context = math.ceil(int(context_lens.max()) / self.block_size) * self.block_size
-        slots = self._slots([c.block_table for c in decodes], max_context)
-        meta.decode_slots = slots.reshape(-1)
+        # Whole blocks: attention gathers block by block and pads with masked positions.
+        num_blocks = math.ceil(int(context_lens.max()) / self.block_size)
+        blocks = [c.block_table[:num_blocks] for c in decodes]
+        meta.decode_blocks = torch.tensor(
+            [b for table in blocks for b in table + [0] * (num_blocks - len(table))],
+            dtype=torch.long,
+        )
+        max_context = num_blocks * self.block_size
         meta.max_decode_context = max_context
-        meta.decode_mask = (torch.arange(max_context)[None, :] < context_lens[:, None]).view(
-            len(decodes), 1, 1, max_context
+        is_padding = torch.arange(max_context)[None, :] >= context_lens[:, None]
+        meta.decode_bias = torch.zeros(len(decodes), 1, 1, max_context).masked_fill_(
+            is_padding.view(len(decodes), 1, 1, max_context), float("-inf")
         )
 
     def _prefill_span(self, chunk: ScheduledChunk, row: int) -> PrefillSpan:
@@ -178,8 +183,8 @@ class ModelRunner:
 
         meta = inputs.meta
         meta.slot_mapping = move(meta.slot_mapping)
-        meta.decode_slots = move(meta.decode_slots)
-        meta.decode_mask = move(meta.decode_mask)
+        meta.decode_blocks = move(meta.decode_blocks)
+        meta.decode_bias = move(meta.decode_bias)
         for span in meta.prefills:
             span.context_slots = move(span.context_slots)
             span.mask = move(span.mask)

@@ -26,6 +26,7 @@ def captured(monkeypatch):
         return 0
 
     monkeypatch.setattr(worker.process, "run_worker", fake_run_worker)
+    monkeypatch.setattr(worker.process, "build_engine", lambda config: None)
     server = types.ModuleType("gateway.server")
     server.run_gateway = lambda config: seen.__setitem__("gateway", config)
     monkeypatch.setitem(sys.modules, "gateway.server", server)
@@ -204,3 +205,12 @@ def test_byte_sizes(text, expected):
 def test_every_engine_field_has_a_flag():
     flags = {p.name for p in cli.worker.params}
     assert {f for f in EngineConfig.__dataclass_fields__} <= flags
+
+
+@pytest.mark.slow  # imports torch and the model runner
+def test_a_missing_model_is_a_clean_error(tmp_path):
+    missing = str(tmp_path / "nope.gguf")
+    result = CliRunner().invoke(cli.main, ["worker", "--model", missing, "--device", "cpu"])
+    assert result.exit_code == 1
+    assert "cannot load the model" in result.output and missing in result.output
+    assert "Traceback" not in result.output

@@ -105,3 +105,33 @@ def test_first_start_failure_exits_instead_of_looping(tmp_path):
     finally:
         server.stop(timeout_s=5)
 
+
+
+def _children(pid: int) -> dict[int, str]:
+    """{child pid: command line} of a process, from /proc."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid == pid:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    found[int(entry)] = f.read().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def test_a_crashed_gateway_comes_back_and_its_workers_rejoin(zeroserve):
+    server = zeroserve(args=("--backend", "fake", "--device", "cpu", "--num-kv-blocks", "64"))
+    [worker] = server.workers()
+    [gateway_pid] = [p for p, cmd in _children(server.process.pid).items() if " gateway " in cmd]
+    os.kill(gateway_pid, signal.SIGKILL)
+    # The supervisor restarts the gateway; the worker, not restarted, notices the silence
+    # and says HELLO to the new one.
+    server.wait_for(lambda ws: [w["pid"] for w in ws if w["status"] == "ready"] == [worker["pid"]],
+                    timeout_s=60, what="the same worker ready at a new gateway")
+    assert _complete(server.url).status_code == 200
+    assert "gateway exited with code -9" in server.log_tail(400)

@@ -49,7 +49,7 @@ def test_stalled_client_pauses_alone_and_is_cut_off(server):
     })
     try:
         server.wait_for(lambda ws: ws[0]["num_paused"] == 1 and ws[0]["num_running"] == 0,
-                        timeout_s=20, what="the stalled stream paused")
+                        timeout_s=40, what="the stalled stream paused")
         held = server.workers()[0]["num_free_blocks"]
 
         # Others are not slowed by it.
@@ -57,9 +57,12 @@ def test_stalled_client_pauses_alone_and_is_cut_off(server):
         assert beside.finish_reason == "length" and len(beside.chunks) == len(alone.chunks)
         assert beside.elapsed_s < 2 * alone.elapsed_s + 0.5
 
-        # The paused stream generated nothing meanwhile: once the other stream's blocks are
-        # back (as of the next heartbeat), the pool is exactly as it was.
-        server.wait_for(lambda ws: ws[0]["num_paused"] == 1 and ws[0]["num_free_blocks"] == held,
+        # The paused stream generated (nearly) nothing meanwhile: once the other stream's
+        # blocks are back (as of the next heartbeat), the pool is as it was. The kernel may
+        # grow the socket buffers a little, which lets at most a window (2 blocks) through.
+        window_blocks = 2
+        server.wait_for(lambda ws: ws[0]["num_paused"] == 1
+                        and held - window_blocks <= ws[0]["num_free_blocks"] <= held,
                         timeout_s=2, what="the paused stream held still")
 
         # After the slow-client timeout it is aborted and its blocks are freed.

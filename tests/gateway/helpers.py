@@ -119,12 +119,14 @@ class FakeWorker:
     got_shutdown: bool = False
     is_heartbeating: bool = True  # set False to play dead
     is_stepping: bool = True
+    num_submits_to_refuse: int = 0  # answer these many SUBMITs with an error, no tokens
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._lock = threading.Lock()
         self._outbox: list[list[bytes]] = []
+        self._refused: list[TokenOutput] = []
 
     def start(self) -> FakeWorker:
         self._thread.start()
@@ -193,6 +195,12 @@ class FakeWorker:
                 self.refused_reason = msg.reason
         elif isinstance(msg, Submit):
             self.submits.append(msg)
+            if self.num_submits_to_refuse > 0:
+                self.num_submits_to_refuse -= 1
+                self._refused.append(TokenOutput(msg.request_id, [], "error",
+                                                 len(msg.prompt_token_ids), 0, 0, None,
+                                                 "worker is draining"))
+                return
             tokens = self.reply(msg.prompt_token_ids, msg.params)[:msg.params["max_tokens"]]
             self.streams[msg.request_id] = FakeStream(
                 msg.request_id, tokens, msg.params["max_tokens"], len(msg.prompt_token_ids),
@@ -214,7 +222,7 @@ class FakeWorker:
             pass
 
     def _step(self) -> list[TokenOutput]:
-        outputs = []
+        outputs, self._refused = self._refused, []
         for rid, s in list(self.streams.items()):
             k = min(self.tokens_per_step, s.credit, len(s.tokens) - s.num_sent)
             if k <= 0 and s.num_sent < len(s.tokens):

@@ -380,6 +380,42 @@ def test_restarted_worker_replaces_old_incarnation():
         worker2.stop()
 
 
+def test_request_on_a_lost_worker_without_output_moves_to_another():
+    with GatewayServer() as gw:
+        a = gw.worker(worker_id="a").start()
+        assert a.ready.wait(5)
+        a.is_stepping = False  # takes the request, then hangs before any token
+        import threading
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault("r", httpx.post(
+            gw.url + "/v1/completions", json={"prompt": "x", "max_tokens": 100}, timeout=10)))
+        t.start()
+        assert wait_until(lambda: a.submits)
+        b = gw.worker(worker_id="b").start()
+        assert b.ready.wait(5)
+        a.is_heartbeating = False  # ... and dies
+        t.join(10)
+        assert result["r"].status_code == 200
+        assert result["r"].json()["choices"][0]["text"] == REPLY
+        assert len(b.submits) == 1 and b.submits[0].request_id == a.submits[0].request_id
+        assert_no_leaks(gw)
+        a.stop()
+        b.stop()
+
+
+def test_refused_submit_is_tried_once_more_then_fails(served):
+    gw, worker = served
+    worker.num_submits_to_refuse = 1
+    r = httpx.post(gw.url + "/v1/completions", json={"prompt": "x", "max_tokens": 100})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == REPLY
+    assert len(worker.submits) == 2
+    worker.num_submits_to_refuse = 2
+    r = httpx.post(gw.url + "/v1/completions", json={"prompt": "x", "max_tokens": 100})
+    assert r.status_code == 500
+    assert "worker is draining" in r.json()["error"]["message"]
+    assert_no_leaks(gw)
+
+
 def test_protocol_version_mismatch_is_refused():
     with GatewayServer() as gw:
         worker = gw.worker(protocol_version=99).start()

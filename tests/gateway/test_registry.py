@@ -168,3 +168,30 @@ def test_cancelled_waiter_leaves_the_queue():
         worker = await asyncio.wait_for(t2, 1)
         assert worker.worker_id == "a" and reg.get("a").request_ids == {"r2"}
     run(main())
+
+
+def test_outbox_batches_per_worker_and_drops_credit_for_aborted():
+    from gateway.streams import RequestPhase, RequestState, WorkerOutbox
+
+    async def main():
+        sent = []
+        outbox = WorkerOutbox(lambda w, g: sent.append(("credit", w, g)),
+                              lambda w, r: sent.append(("abort", w, r)))
+        q = asyncio.Queue()
+        states = [RequestState(f"r{i}", 0, [1], q, RequestPhase.RUNNING, worker_id=w)
+                  for i, w in enumerate(["a", "a", "b"])]
+        outbox.grant(states[0], 3)
+        outbox.grant(states[0], 2)
+        outbox.grant(states[1], 1)
+        outbox.grant(states[2], 4)
+        outbox.abort("a", "r1")
+        assert sent == []  # nothing until the loop turns
+        await asyncio.sleep(0)
+        assert sorted(sent) == [("abort", "a", ["r1"]), ("credit", "a", [["r0", 5]]),
+                                ("credit", "b", [["r2", 4]])]
+        assert states[0].num_credited == 5
+        queued = RequestState("r9", 0, [1], q)  # not at a worker: no credit to give
+        outbox.grant(queued, 3)
+        await asyncio.sleep(0)
+        assert len(sent) == 3 and queued.num_credited == 0
+    run(main())

@@ -102,3 +102,17 @@ def test_token_bytes_rebuild_text(ours):
     text = "héllo 😀 日本語"
     ids = ours.encode(text, add_special_tokens=False)
     assert b"".join(ours.token_bytes(i) for i in ids).decode() == text
+
+
+@pytest.mark.slow
+def test_gguf_metadata_reader_matches_the_gguf_package():
+    gguf = pytest.importorskip("gguf")
+    from gateway.gguf_metadata import read_gguf_metadata
+
+    path = default_model_path()
+    ours = read_gguf_metadata(path)
+    fields = {k: f for k, f in gguf.GGUFReader(str(path)).fields.items()
+              if not k.startswith("GGUF.")}
+    assert set(ours) == set(fields)
+    for key, field in fields.items():
+        assert ours[key] == field.contents(), key

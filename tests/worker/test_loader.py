@@ -121,3 +121,39 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path, tiny_hf_dir):
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="gpt2"):
         load_model(str(bad), CPU, torch.float32)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_int4_blocks_reproduce_gguf_dequantization(qtype):
+    from worker.model.quant import int4_blocks_from_gguf
+
+    array = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32)
+    raw = gguf.quants.quantize(array, qtype)
+    blocks = int4_blocks_from_gguf(raw, qtype)
+    expected = gguf.quants.dequantize(raw, qtype)
+    np.testing.assert_allclose(blocks.dequantize(torch.float32).numpy(), expected, atol=1e-6)
+    assert int4_blocks_from_gguf(gguf.quants.quantize(array, Q.Q8_0), Q.Q8_0) is None
+
+
+def test_bf16_cpu_uses_int4_kernels_for_small_batches_consistently(tiny_hf_model, tmp_path):
+    from worker.model.quant import PackedInt4, PackedInt8, int4_kernels_available
+
+    if not int4_kernels_available():
+        pytest.skip("this torch has no CPU int4 kernels")
+    path = write_gguf(tiny_hf_model, tmp_path / "q41.gguf", Q.Q4_1)
+    model, _info = load_model(str(path), CPU, torch.bfloat16)
+    layer = model.layers[0]
+    assert isinstance(layer.qkv.packed, PackedInt4) and isinstance(layer.down.packed, PackedInt4)
+    assert isinstance(model.lm_head.packed, PackedInt8)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    # The dense copy holds the very values the int4 kernel uses: both paths agree.
+    torch.testing.assert_close(layer.qkv.packed.mm(x).float(),
+                               torch.nn.functional.linear(x, layer.qkv.dense).float(),
+                               atol=2e-2, rtol=2e-2)
+    # And the bf16 model (int4 for this short prompt) stays close to the fp32 reference.
+    with torch.inference_mode():
+        ours = model.forward_unpaged(TOKENS[:8])
+    expected = hf_logits(roundtrip(tiny_hf_model, Q.Q4_1), TOKENS[:8])
+    assert torch.nn.functional.cosine_similarity(ours, expected, dim=-1).min() > 0.99
+    fp32, _info = load_model(str(path), CPU, torch.float32)
+    assert fp32.layers[0].qkv.packed is None and fp32.lm_head.packed is None

@@ -181,6 +181,23 @@ def test_pause_keeps_blocks_out_of_the_batch_and_resume_rejoins():
     assert not scheduler.pause("unknown") and not scheduler.resume("unknown")
 
 
+def test_a_paused_sequence_is_preempted_before_a_running_one():
+    scheduler, runner = make_scheduler(num_kv_blocks=7, block_size=4, max_num_seqs=4)
+    first = add(scheduler, 8, max_tokens=12)
+    second = add(scheduler, 8, max_tokens=12)
+    paused = add(scheduler, 8, max_tokens=12)
+    run_step(scheduler, runner)
+    scheduler.pause(paused.request_id)
+    plan, _ = run_step(scheduler, runner)  # both running streams need a third block
+    assert plan.preempted == [paused.request_id]
+    assert [c.request_id for c in plan.chunks] == [first.request_id, second.request_id]
+    assert paused.status is SequenceStatus.PAUSED and paused.block_table == []
+    scheduler.resume(paused.request_id)
+    assert scheduler.waiting[0] is paused  # recomputes once there is room again
+    run_until_idle(scheduler, runner)
+    assert [s.num_output_tokens for s in (first, second, paused)] == [12] * 3
+
+
 def test_abort_frees_blocks_immediately():
     scheduler, runner = make_scheduler()
     seq = add(scheduler, 30, max_tokens=10)

@@ -7,10 +7,6 @@ import torch.nn.functional as F
 
 from worker.model.quant import PackedInt4, PackedInt8
 
-# Up to this many rows the weight-only int4/int8 kernels beat dense bf16 on the CPU; above,
-# the matmul is compute-bound and oneDNN's bf16 path wins (measured: scripts/profile_runner.py).
-MAX_PACKED_ROWS = 16
-
 
 class Linear:
     def __init__(self, dense: torch.Tensor, packed: PackedInt4 | PackedInt8 | None = None):
@@ -19,6 +15,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, in] -> [num_tokens, out]."""
-        if self.packed is not None and x.shape[0] <= MAX_PACKED_ROWS:
+        # Few rows: bound by reading weights, the low-bit copy wins. Many rows: compute-bound,
+        # oneDNN's dense bf16 path wins.
+        if self.packed is not None and x.shape[0] <= self.packed.max_rows:
             return self.packed.mm(x)
         return F.linear(x, self.dense)

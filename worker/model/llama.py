@@ -135,7 +135,7 @@ class LlamaModel:
 
         n = len(token_ids)
         meta = AttentionMetadata(
-            slot_mapping=None, num_decode=0, decode_slots=None, decode_mask=None,
+            slot_mapping=None, num_decode=0, decode_blocks=None, decode_bias=None,
             max_decode_context=0,
             prefills=[PrefillSpan(0, n, None,
                                   causal_mask(0, n, self.config.num_queries_per_kv, self.device))],
