@@ -1,7 +1,7 @@
 """The gateway's core: request table, worker registry, admission, and the message handlers.
 
-One receive loop per socket (gateway/zmq_io.py) calls `_on_router` / `_on_tokens`; those
-dispatch by message type through a table and only touch in-memory state and queues. HTTP
+The receive loop (gateway/zmq_io.py) calls `_on_message`, which dispatches by message type
+through a table; handlers only touch in-memory state and queues. HTTP
 handlers create request states, `submit` them, consume their sink queues, grant credit and
 `finish` them. Every way a request ends goes through `finish` (or `_fail`, which delivers
 an error that makes the handler call `finish`), so nothing stays in the tables.
@@ -52,7 +52,7 @@ class Gateway:
         self.admission = Admission(self.registry, config.max_queued_requests,
                                    config.queue_timeout_s)
         router, tokens = config.endpoints
-        self.edge = ZmqEdge(router, tokens, self._on_router, self._on_tokens)
+        self.edge = ZmqEdge(router, tokens, self._on_message)
         self.outbox = WorkerOutbox(
             send_credit=lambda worker_id, grants: self.edge.send(worker_id, Credit(grants)),
             send_abort=lambda worker_id, rids: self.edge.send(worker_id, Abort(rids)))
@@ -61,6 +61,7 @@ class Gateway:
             MsgType.HEARTBEAT: self._on_heartbeat,
             MsgType.DRAIN: self._on_drain,
             MsgType.ERROR: self._on_error,
+            MsgType.TOKENS: self._on_tokens,
         }
         self._heartbeat_task: asyncio.Task | None = None
         self._resubmit_tasks: set[asyncio.Task] = set()
@@ -163,7 +164,7 @@ class Gateway:
 
     # --- worker messages (called by the receive loops) ----------------------------------
 
-    def _on_router(self, identity: str, msg: Message) -> None:
+    def _on_message(self, identity: str, msg: Message) -> None:
         handler = self._handlers.get(msg.TYPE)
         if handler is None:
             log.warning("unexpected message from worker",
@@ -208,7 +209,7 @@ class Gateway:
         if state is not None and state.worker_id == identity:
             self._fail(state, server_error(f"The worker failed the request: {msg.message}"))
 
-    def _on_tokens(self, msg: Tokens) -> None:
+    def _on_tokens(self, identity: str, msg: Tokens) -> None:
         self.registry.touch(msg.worker_id, self.clock())
         is_capacity_freed = False
         for out in msg.outputs:

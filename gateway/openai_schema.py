@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.errors import APIError, invalid_request, model_not_found
+from gateway.errors import invalid_request, model_not_found
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -351,7 +351,3 @@ def check_token_ids(ids: list[int], vocab_size: int) -> None:
         raise invalid_request(f"Token id {bad} is out of the vocabulary [0, {vocab_size}).",
                               param="prompt")
 
-
-__all__ = ["APIError", "ChatRequest", "CompletionRequest", "SamplingOptions", "check_context",
-           "check_token_ids", "parse_chat", "parse_completion", "parse_json_body",
-           "parse_tokenize"]

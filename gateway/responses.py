@@ -6,6 +6,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring as _json_string
 from typing import Any
 
 from gateway.generation import ChoiceUpdate
@@ -34,6 +35,20 @@ class ResponseContext:
         if not self.id:
             prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
             self.id = f"{prefix}-{uuid.uuid4().hex}"
+        # Per-token chunks are rendered from these fixed pieces around the one choice, so
+        # only the new text goes through json.dumps (the hot path: one chunk per token).
+        self._head = (f'data: {{"id":{_json(self.id)},"object":"{self.chunk_object}",'
+                      f'"created":{self.created},"model":{_json(self.model)},"choices":[')
+        tail = "]"
+        if self.kind == "chat":
+            tail += ',"system_fingerprint":null'
+        if self.include_usage:
+            tail += ',"usage":null'
+        self._tail = tail + "}\n\n"
+
+    def render_choice(self, choice_json: str) -> bytes:
+        """One SSE event whose choices hold just this (already JSON) choice."""
+        return (self._head + choice_json + self._tail).encode()
 
     @property
     def chunk_object(self) -> str:
@@ -92,10 +107,23 @@ class LogprobsFormatter:
 
 # --- stream chunks -------------------------------------------------------------------
 
+def _json(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return _json_string(value)  # the C encoder, without json.dumps' setup
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _finish_json(reason: str | None) -> str:
+    return "null" if reason is None else _json_string(reason)
+
+
 def completion_chunk(ctx: ResponseContext, update: ChoiceUpdate, logprobs: dict | None
-                     ) -> dict:
-    return ctx.chunk([{"index": update.index, "text": update.text, "logprobs": logprobs,
-                       "finish_reason": update.finish_reason}])
+                     ) -> bytes:
+    return ctx.render_choice(
+        f'{{"index":{update.index},"text":{_json(update.text)},'
+        f'"logprobs":{_json(logprobs)},"finish_reason":{_finish_json(update.finish_reason)}}}')
 
 
 def chat_role_chunk(ctx: ResponseContext, index: int) -> dict:
@@ -103,10 +131,11 @@ def chat_role_chunk(ctx: ResponseContext, index: int) -> dict:
                        "logprobs": None, "finish_reason": None}])
 
 
-def chat_chunk(ctx: ResponseContext, update: ChoiceUpdate, logprobs: dict | None) -> dict:
-    delta = {"content": update.text} if update.text else {}
-    return ctx.chunk([{"index": update.index, "delta": delta, "logprobs": logprobs,
-                       "finish_reason": update.finish_reason}])
+def chat_chunk(ctx: ResponseContext, update: ChoiceUpdate, logprobs: dict | None) -> bytes:
+    delta = f'{{"content":{_json(update.text)}}}' if update.text else "{}"
+    return ctx.render_choice(
+        f'{{"index":{update.index},"delta":{delta},"logprobs":{_json(logprobs)},'
+        f'"finish_reason":{_finish_json(update.finish_reason)}}}')
 
 
 def usage_chunk(ctx: ResponseContext, usage: dict) -> dict:

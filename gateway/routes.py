@@ -12,10 +12,9 @@ from gateway.chat_template import ChatTemplate, ChatTemplateError
 from gateway.config import GatewayConfig
 from gateway.core import Gateway
 from gateway.errors import APIError, client_too_slow, invalid_request
-from gateway.generation import RequestGroup
+from gateway.generation import ChoiceUpdate, RequestGroup
 from gateway.logging import get_logger
 from gateway.openai_schema import (
-    ChatRequest,
     SamplingOptions,
     check_context,
     check_token_ids,
@@ -171,7 +170,8 @@ class Api:
             return Response(status_code=499)
         return JSONResponse(result)
 
-    def _logprobs(self, ctx: ResponseContext, update, offset: int) -> dict | None:
+    def _logprobs(self, ctx: ResponseContext, update: ChoiceUpdate, offset: int
+                  ) -> dict | None:
         if update.logprobs is None or not update.token_ids:
             return None
         fmt = LogprobsFormatter(self.tokenizer, ctx.kind)
@@ -193,7 +193,7 @@ class Api:
                     lp = self._logprobs(ctx, update, offsets[update.index])
                     offsets[update.index] += len(update.text)
                     if update.text or update.finish_reason is not None or lp is not None:
-                        out.append(sse(build(ctx, update, lp)))
+                        out.append(build(ctx, update, lp))
                 if out:
                     yield b"".join(out)
                 # Those chunks are on the client's socket (or there was nothing to send).
@@ -233,5 +233,3 @@ class Api:
         build = chat_response if ctx.kind == "chat" else completion_response
         return build(ctx, choices, group.usage())
 
-
-__all__ = ["Api", "ChatRequest"]

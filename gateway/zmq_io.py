@@ -4,8 +4,8 @@
   over): control both ways; frames are [identity, type, body].
 - PULL: TOKENS from every worker's PUSH; frames are [type, body].
 
-Receive loops decode and hand messages on; a malformed frame, or a handler that raises,
-is logged and dropped, never ends a loop. Sends never block: a ROUTER drops what it cannot
+One receive loop polls both sockets, decodes and hands messages on; a malformed frame, or
+a handler that raises, is logged and dropped, never ends the loop. Sends never block: a ROUTER drops what it cannot
 route, and so do we.
 """
 
@@ -23,21 +23,20 @@ from gateway.logging import get_logger
 
 log = get_logger("zmq")
 
-RouterHandler = Callable[[str, Message], None]
-TokensHandler = Callable[[Tokens], None]
+# (identity, message): the ROUTER peer's identity, or for TOKENS the sending worker's id.
+Handler = Callable[[str, Message], None]
+_MAX_BATCH = 256  # messages drained from one socket per wake-up, so neither starves
 
 
 class ZmqEdge:
-    def __init__(self, router_address: str, tokens_address: str, on_router: RouterHandler,
-                 on_tokens: TokensHandler):
+    def __init__(self, router_address: str, tokens_address: str, on_message: Handler):
         self.router_address = router_address
         self.tokens_address = tokens_address
-        self._on_router = on_router
-        self._on_tokens = on_tokens
+        self._on_message = on_message
         self._ctx: zmq.asyncio.Context | None = None
         self._router: zmq.asyncio.Socket | None = None
         self._pull: zmq.asyncio.Socket | None = None
-        self._tasks: list[asyncio.Task] = []
+        self._task: asyncio.Task | None = None
 
     def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
@@ -50,24 +49,22 @@ class ZmqEdge:
                               (self._pull, self.tokens_address)):
             prepare_ipc_endpoint(address)
             sock.bind(address)
-        self._tasks = [asyncio.create_task(self._router_loop(), name="zmq-router"),
-                       asyncio.create_task(self._pull_loop(), name="zmq-pull")]
+        self._task = asyncio.create_task(self._receive_loop(), name="zmq-receive")
         log.info("bound", extra={"router": self.router_address, "tokens": self.tokens_address})
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
+        if self._task is not None:
+            self._task.cancel()
             try:
-                await task
+                await self._task
             except asyncio.CancelledError:
                 pass
+            self._task = None
         for sock in (self._router, self._pull):
             if sock is not None:
                 sock.close(linger=0)
         if self._ctx is not None:
             self._ctx.term()
-        self._tasks = []
 
     def send(self, worker_id: str, msg: Message) -> bool:
         """Queue a message to one worker; False if it could not be sent."""
@@ -82,40 +79,55 @@ class ZmqEdge:
             return False
         return True
 
-    async def _router_loop(self) -> None:
-        assert self._router is not None
+    async def _receive_loop(self) -> None:
+        """The one receive loop: wait until either socket has input, drain both."""
+        assert self._router is not None and self._pull is not None
+        poller = zmq.asyncio.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._pull, zmq.POLLIN)
         while True:
-            frames = await self._router.recv_multipart()
-            if len(frames) < 2:
-                log.warning("dropped a frame without identity")
-                continue
-            identity = frames[0].decode(errors="replace")
-            try:
-                msg = decode(frames[1:])
-            except ProtocolError as e:
-                log.warning("dropped malformed frame", extra={"worker_id": identity,
-                                                              "error": str(e)})
-                continue
-            try:
-                self._on_router(identity, msg)
-            except Exception:
-                log.exception("handler failed", extra={"worker_id": identity,
-                                                       "msg": type(msg).__name__})
+            ready = dict(await poller.poll())
+            if self._pull in ready:
+                await self._drain(self._pull, self._dispatch_tokens)
+            if self._router in ready:
+                await self._drain(self._router, self._dispatch_router)
 
-    async def _pull_loop(self) -> None:
-        assert self._pull is not None
-        while True:
-            frames = await self._pull.recv_multipart()
+    async def _drain(self, sock: zmq.asyncio.Socket, dispatch: Callable[[list], None]) -> None:
+        for _ in range(_MAX_BATCH):
             try:
-                msg = decode(frames)
-            except ProtocolError as e:
-                log.warning("dropped malformed frame", extra={"error": str(e)})
-                continue
-            if not isinstance(msg, Tokens):
-                log.warning("dropped non-TOKENS message on the tokens socket",
-                            extra={"msg": type(msg).__name__})
-                continue
-            try:
-                self._on_tokens(msg)
-            except Exception:
-                log.exception("tokens handler failed", extra={"worker_id": msg.worker_id})
+                frames = await sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            dispatch(frames)
+
+    def _dispatch_router(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            log.warning("dropped a frame without identity")
+            return
+        identity = frames[0].decode(errors="replace")
+        try:
+            msg = decode(frames[1:])
+        except ProtocolError as e:
+            log.warning("dropped malformed frame", extra={"worker_id": identity,
+                                                          "error": str(e)})
+            return
+        self._handle(identity, msg)
+
+    def _dispatch_tokens(self, frames: list[bytes]) -> None:
+        try:
+            msg = decode(frames)
+        except ProtocolError as e:
+            log.warning("dropped malformed frame", extra={"error": str(e)})
+            return
+        if not isinstance(msg, Tokens):
+            log.warning("dropped non-TOKENS message on the tokens socket",
+                        extra={"msg": type(msg).__name__})
+            return
+        self._handle(msg.worker_id, msg)
+
+    def _handle(self, identity: str, msg: Message) -> None:
+        try:
+            self._on_message(identity, msg)
+        except Exception:  # a handler bug must not end the loop
+            log.exception("handler failed", extra={"worker_id": identity,
+                                                   "msg": type(msg).__name__})

@@ -98,7 +98,9 @@ def engine_config(args: argparse.Namespace, mode: BatchingMode) -> EngineConfig:
     )
 
 
-def run_engine(engine: Engine, workload: Workload, name: str, max_num_seqs: int) -> Result:
+def run_engine(
+    engine: Engine, workload: Workload, name: str, max_num_seqs: int, progress_s: float = 60.0
+) -> Result:
     params = [
         SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens
     ]
@@ -106,7 +108,7 @@ def run_engine(engine: Engine, workload: Workload, name: str, max_num_seqs: int)
         engine.add_request(f"{name}-{i}", prompt, p)
     num_tokens = 0
     full_steps: list[tuple[float, StepTiming]] = []
-    started = time.perf_counter()
+    started = last_report = time.perf_counter()
     while engine.has_unfinished():
         step_started = time.perf_counter()
         outputs = engine.step()
@@ -117,6 +119,9 @@ def run_engine(engine: Engine, workload: Workload, name: str, max_num_seqs: int)
         elif timing.num_seqs == 0:
             time.sleep(0.0005)  # dynamic mode gathering: nothing to run yet
         num_tokens += sum(len(o.new_token_ids) for o in outputs)
+        if progress_s and time.perf_counter() - last_report >= progress_s:
+            last_report = time.perf_counter()
+            print(f"  ... {name}: {num_tokens}/{workload.num_output_tokens} tokens", flush=True)
     wall_s = time.perf_counter() - started
     assert num_tokens == workload.num_output_tokens, (num_tokens, workload.num_output_tokens)
     stats = engine.stats()

@@ -223,9 +223,9 @@ def main() -> None:
         if stamped is not None:
             Path(stop_path).touch()
             stamped.join(30)
-        for p in procs:
+        for p in reversed(procs):  # the worker first, so it does not miss its gateway
             p.terminate()
-        for p in procs:
+        for p in reversed(procs):
             try:
                 p.wait(10)
             except subprocess.TimeoutExpired:

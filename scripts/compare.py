@@ -139,6 +139,7 @@ class Server:
         self.log.flush()
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
+        _RUNNING.append(self)
 
     @property
     def base_url(self) -> str:
@@ -156,10 +157,12 @@ class Server:
         return f"not ready after {timeout_s:.0f} s; log: {self.log_path}"
 
     def stop(self) -> None:
+        if self in _RUNNING:
+            _RUNNING.remove(self)
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=20)
+                self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=10)
@@ -170,7 +173,8 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        self.log.close()
+        if not self.log.closed:
+            self.log.close()
 
 
 def _get_ok(url: str) -> bool:
@@ -285,7 +289,8 @@ def _fmt(x, nd=0) -> str:
     return "-" if x is None else f"{x:,.{nd}f}"
 
 
-def markdown(plan: Plan, table: dict, command: str, started: str, loadavg: tuple) -> str:
+def markdown(plan: Plan, table: dict, command: str, started: str, loadavg: tuple,
+             image: str | None = None) -> str:
     levels = [lv.key for lv in plan.levels]
     systems = [s for s in plan.systems if any((s, lv) in table for lv in levels)]
     lines = [
@@ -318,6 +323,8 @@ def markdown(plan: Plan, table: dict, command: str, started: str, loadavg: tuple
     ratios = _ratio_lines(table, levels)
     if ratios:
         lines += ["", "Ratios (output tokens/s, TTFT p50):", "", *ratios]
+    if image:
+        lines += ["", f"![throughput and latency per system]({image})"]
     lines += ["", MARK_END]
     return "\n".join(lines)
 
@@ -415,17 +422,19 @@ def parse_args(argv: list[str] | None = None) -> tuple[Plan, argparse.Namespace]
     ap.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                     help=f"comma list from: {', '.join(ALL_SYSTEMS)}")
     ap.add_argument("--quick", action="store_true",
-                    help="concurrency 1,16,32, 2 prompts per client, 1 repeat")
+                    help="concurrency 1,16,32, 1 prompt per client (at least 3), 32 output "
+                         "tokens, prompts <= 512 tokens, 1 repeat")
     ap.add_argument("--concurrency", type=_ints, default=None,
                     help="closed-loop levels [default 1,4,16,32,64; quick 1,16,32]")
     ap.add_argument("--request-rates", type=_floats, default=(),
                     help="open-loop Poisson levels (requests/s), after the sweep")
-    ap.add_argument("--prompts-per-client", type=int, default=None, help="[default 4; quick 2]")
-    ap.add_argument("--min-prompts", type=int, default=4)
-    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--prompts-per-client", type=int, default=None, help="[default 4; quick 1]")
+    ap.add_argument("--min-prompts", type=int, default=None, help="[default 4; quick 3]")
+    ap.add_argument("--output-len", type=int, default=None, help="[default 128; quick 32]")
     ap.add_argument("--repeats", type=int, default=None, help="[default 2; quick 1]")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--max-prompt-tokens", type=int, default=1024)
+    ap.add_argument("--max-prompt-tokens", type=int, default=None,
+                    help="[default 1024; quick 512]")
     ap.add_argument("--startup-timeout-s", type=float, default=300)
     ap.add_argument("--level-timeout-s", type=float, default=600,
                     help="stop sending new requests at one level after this long")
@@ -446,19 +455,27 @@ def parse_args(argv: list[str] | None = None) -> tuple[Plan, argparse.Namespace]
         Level(request_rate=r) for r in a.request_rates)
     plan = Plan(
         systems=systems, levels=levels,
-        prompts_per_client=a.prompts_per_client or (2 if a.quick else 4),
-        min_prompts=a.min_prompts, output_len=a.output_len,
+        prompts_per_client=a.prompts_per_client or (1 if a.quick else 4),
+        min_prompts=a.min_prompts or (3 if a.quick else 4),
+        output_len=a.output_len or (32 if a.quick else 128),
         repeats=a.repeats or (1 if a.quick else 2), threads=a.threads,
-        max_prompt_tokens=a.max_prompt_tokens, startup_timeout_s=a.startup_timeout_s,
+        max_prompt_tokens=a.max_prompt_tokens or (512 if a.quick else 1024),
+        startup_timeout_s=a.startup_timeout_s,
         level_timeout_s=a.level_timeout_s, zeroserve_args=tuple(shlex.split(a.zeroserve_args)),
         seed=a.seed,
     )
     return plan, a
 
 
+_RUNNING: list[Server] = []
+
+
 def _exit_on_sigterm(signum, frame) -> None:
-    # Turn SIGTERM into an exception so the `finally` that stops the running server runs.
-    raise SystemExit(128 + signum)
+    # Stop the server we started, then leave at once: unwinding through asyncio.run is not
+    # guaranteed to reach run_system's `finally` promptly.
+    for server in list(_RUNNING):
+        server.stop()
+    os._exit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -493,7 +510,10 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [{k: v for k, v in r.items() if k != "requests"} for r in runs],
     }, indent=1))
     print(f"wrote {out}")
-    section = markdown(plan, table, command, started, loadavg)
+    image = None
+    if a.plot and a.docs:
+        image = os.path.relpath(Path(a.plot).resolve(), Path(a.docs).resolve().parent)
+    section = markdown(plan, table, command, started, loadavg, image)
     print(section)
     if runs:
         if a.plot:

@@ -6,10 +6,11 @@ p % block_size` of the flattened pool `[num_blocks * block_size, kv_heads, head_
 
 Every step the runner builds one `AttentionMetadata` (index tensors and masks for the whole
 batch); all layers reuse it. The projections and MLP see the flattened batch without padding;
-only attention pads: decode rows are batched together, each prefill chunk runs on its own.
+only attention pads: decode rows are batched together (in a few groups of similar context
+length), each prefill chunk runs on its own with a causal mask offset by its start position.
 
 Grouped-query attention never copies K/V per query head: the query heads that share a KV head
-are folded into the query-length axis (`[kv_heads, group * q_len, head_dim]`), so one SDPA call
+are folded into one matrix (`[kv_heads, group * q_len, head_dim]`), so one matmul or SDPA call
 covers the group.
 """
 
@@ -36,17 +37,26 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows [start, end) of the batch, attended together over a padded context."""
+
+    start: int
+    end: int
+    # [num_rows * max_context / block_size] each row's blocks, padded with block 0.
+    blocks: torch.Tensor
+    # [num_rows, 1, 1, max_context] fp32: 0 for real context positions, -inf for padding.
+    bias: torch.Tensor
+    max_context: int  # a whole number of blocks
+
+
+@dataclass
 class AttentionMetadata:
     # [num_tokens] pool slot for each new token's K/V; None runs without a cache (reference).
     slot_mapping: torch.Tensor | None
-    # The first num_decode rows are single-token decodes of distinct sequences.
+    # The first num_decode rows are single-token decodes of distinct sequences, split into
+    # groups of similar context length so short contexts are not padded to the longest.
     num_decode: int
-    # [num_decode * max_decode_context / block_size] each decode row's blocks, padded.
-    decode_blocks: torch.Tensor | None
-    # [num_decode, 1, 1, max_decode_context] fp32: 0 for real context positions, -inf for
-    # padding (a whole number of blocks).
-    decode_bias: torch.Tensor | None
-    max_decode_context: int
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
 
 
@@ -83,25 +93,24 @@ def _unfold_group(out: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [num_decode, heads, d] -> [num_decode, heads * d], reading K/V from the pool.
+                      group: DecodeGroup, scale: float) -> torch.Tensor:
+    """q [rows, heads, d] -> [rows, heads * d], reading K/V from the pool.
 
     Plain batched matmuls rather than SDPA: with 1 query per sequence, CPU SDPA spends ~5x
     longer than two bf16 bmm calls on the same gathered K/V (measured at 32 x 272 tokens).
     """
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    length = meta.max_decode_context
-    # Whole blocks at a time: [num_decode * blocks, block_size * kv_heads * d] -> [n, kv, L, d]
-    k = k_cache.view(k_cache.shape[0], -1).index_select(0, meta.decode_blocks)
-    v = v_cache.view(v_cache.shape[0], -1).index_select(0, meta.decode_blocks)
+    length = group.max_context
+    # Whole blocks at a time: [rows * blocks, block_size * kv_heads * d] -> [rows, kv, L, d]
+    k = k_cache.view(k_cache.shape[0], -1).index_select(0, group.blocks)
+    v = v_cache.view(v_cache.shape[0], -1).index_select(0, group.blocks)
     k = k.view(n, length, num_kv_heads, head_dim).transpose(1, 2).contiguous()
     v = v.view(n, length, num_kv_heads, head_dim).transpose(1, 2).contiguous()
-    # [n, kv_heads, group, d]: the group's query heads share one K/V head.
-    q = q.view(n, num_kv_heads, group, head_dim)
-    scores = torch.matmul(q, k.transpose(-1, -2)).float()  # [n, kv_heads, group, L]
-    scores.mul_(scale).add_(meta.decode_bias)
+    # [rows, kv_heads, group, d]: the query heads of a group share one K/V head.
+    q = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float()  # [rows, kv_heads, group, L]
+    scores.mul_(scale).add_(group.bias)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v).reshape(n, num_heads * head_dim)
 
@@ -132,12 +141,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     if meta.slot_mapping is not None:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    if not meta.prefills:
-        return _decode_attention(q, k_cache, v_cache, meta, scale)
+    if len(meta.decode_groups) == 1 and not meta.prefills:
+        return _decode_attention(q, k_cache, v_cache, meta.decode_groups[0], scale)
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-    if meta.num_decode:
-        nd = meta.num_decode
-        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
+    for group in meta.decode_groups:
+        rows = slice(group.start, group.end)
+        out[rows] = _decode_attention(q[rows], k_cache, v_cache, group, scale)
     for span in meta.prefills:
         rows = slice(span.start, span.end)
         out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, span, scale)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.attention import AttentionMetadata, PrefillSpan, causal_mask
+from worker.attention import AttentionMetadata, DecodeGroup, PrefillSpan, causal_mask
 from worker.config import EngineConfig
 from worker.device import default_kv_cache_bytes, resolve_device, resolve_dtype
 from worker.model.info import ModelInfo
@@ -116,7 +116,8 @@ class ModelRunner:
         return slots[:, :length]
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
-        decodes = [c for c in chunks if len(c.token_ids) == 1]
+        # Decodes first, shortest context first, so that similar lengths sit together.
+        decodes = sorted((c for c in chunks if len(c.token_ids) == 1), key=lambda c: c.start_pos)
         prefills = [c for c in chunks if len(c.token_ids) != 1]
         ordered = decodes + prefills
         input_ids: list[int] = []
@@ -129,13 +130,13 @@ class ModelRunner:
         positions_t = torch.tensor(positions, dtype=torch.long)
         blocks = torch.tensor([t for c in ordered for t in
                                _row_blocks(c, self.block_size)], dtype=torch.long)
-        slot_mapping = blocks * self.block_size + positions_t % self.block_size
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping, num_decode=len(decodes), decode_blocks=None,
-            decode_bias=None, max_decode_context=0, prefills=[],
+            slot_mapping=blocks * self.block_size + positions_t % self.block_size,
+            num_decode=len(decodes), decode_groups=[], prefills=[],
         )
-        if decodes:
-            self._add_decode_meta(meta, decodes)
+        lengths = [c.context_len for c in decodes]
+        for start, end in group_by_length(lengths, self.block_size):
+            meta.decode_groups.append(self._decode_group(decodes[start:end], start))
         row = len(decodes)
         for chunk in prefills:
             meta.prefills.append(self._prefill_span(chunk, row))
@@ -150,21 +151,21 @@ class ModelRunner:
             sample_chunks=sample_chunks,
         ))
 
-    def _add_decode_meta(self, meta: AttentionMetadata, decodes: list[ScheduledChunk]) -> None:
+    def _decode_group(self, decodes: list[ScheduledChunk], start: int) -> DecodeGroup:
         context_lens = torch.tensor([c.context_len for c in decodes], dtype=torch.long)
-        # Whole blocks: attention gathers block by block and pads with masked positions.
+        # Whole blocks: attention gathers block by block and masks the padding.
         num_blocks = math.ceil(int(context_lens.max()) / self.block_size)
-        blocks = [c.block_table[:num_blocks] for c in decodes]
-        meta.decode_blocks = torch.tensor(
-            [b for table in blocks for b in table + [0] * (num_blocks - len(table))],
+        tables = [c.block_table[:num_blocks] for c in decodes]
+        blocks = torch.tensor(
+            [b for table in tables for b in table + [0] * (num_blocks - len(table))],
             dtype=torch.long,
         )
         max_context = num_blocks * self.block_size
-        meta.max_decode_context = max_context
         is_padding = torch.arange(max_context)[None, :] >= context_lens[:, None]
-        meta.decode_bias = torch.zeros(len(decodes), 1, 1, max_context).masked_fill_(
+        bias = torch.zeros(len(decodes), 1, 1, max_context).masked_fill_(
             is_padding.view(len(decodes), 1, 1, max_context), float("-inf")
         )
+        return DecodeGroup(start, start + len(decodes), blocks, bias, max_context)
 
     def _prefill_span(self, chunk: ScheduledChunk, row: int) -> PrefillSpan:
         n = len(chunk.token_ids)
@@ -183,8 +184,9 @@ class ModelRunner:
 
         meta = inputs.meta
         meta.slot_mapping = move(meta.slot_mapping)
-        meta.decode_blocks = move(meta.decode_blocks)
-        meta.decode_bias = move(meta.decode_bias)
+        for group in meta.decode_groups:
+            group.blocks = move(group.blocks)
+            group.bias = move(group.bias)
         for span in meta.prefills:
             span.context_slots = move(span.context_slots)
             span.mask = move(span.mask)
@@ -198,3 +200,35 @@ def _row_blocks(chunk: ScheduledChunk, block_size: int) -> list[int]:
     """The physical block of each of the chunk's new tokens."""
     table = chunk.block_table
     return [table[p // block_size] for p in range(chunk.start_pos, chunk.context_len)]
+
+
+# Decode rows are split by context length only when it saves this share of the padded
+# attention work, and at least this many token slots: each group costs ~12 more ops per layer.
+MIN_GROUP_SAVING = 0.25
+MIN_GROUP_SAVED_SLOTS = 4096
+MAX_DECODE_GROUPS = 4
+
+
+def group_by_length(lengths: list[int], block_size: int) -> list[tuple[int, int]]:
+    """Split rows sorted by context length into [start, end) groups, each padded to its own
+    longest row rather than the batch's, where that saves enough work."""
+    if not lengths:
+        return []
+    padded = [math.ceil(n / block_size) * block_size for n in lengths]
+    groups = [(0, len(padded))]
+    while len(groups) < MAX_DECODE_GROUPS:
+        best = None  # (saved slots, group index, split point)
+        for g, (start, end) in enumerate(groups):
+            cost = (end - start) * padded[end - 1]
+            for split in range(start + 1, end):
+                saved = cost - (split - start) * padded[split - 1] - (end - split) * padded[end - 1]
+                if saved >= max(MIN_GROUP_SAVED_SLOTS, MIN_GROUP_SAVING * cost) and (
+                    best is None or saved > best[0]
+                ):
+                    best = (saved, g, split)
+        if best is None:
+            break
+        _saved, g, split = best
+        start, end = groups[g]
+        groups[g : g + 1] = [(start, split), (split, end)]
+    return groups

@@ -26,7 +26,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -54,9 +54,16 @@ from worker.config import EngineConfig
 from worker.outputs import RequestOutput
 from worker.sequence import RequestError, SamplingParams
 
+if TYPE_CHECKING:
+    from worker.engine import Engine
+
 log = logging.getLogger("zeroserve.worker")
 
 BACKENDS = ("model", "fake")
+# Exit codes. A supervisor restarts on any of them; 3 means "fix the configuration".
+EXIT_OK = 0  # drained, or told to shut down
+EXIT_ENGINE_FAILED = 1  # a step raised; in-flight requests were failed first
+EXIT_REFUSED = 3  # the gateway refused our HELLO (e.g. another protocol version)
 _LINGER_MS = 2000  # on exit, how long queued messages (final tokens, DRAIN) may take to leave
 _SNDHWM = 100_000  # messages queued while the gateway is away; beyond this we drop, never block
 
@@ -88,17 +95,17 @@ class WorkerConfig:
             raise ValueError("fake_forward_s must be >= 0")
 
 
-def run_worker(config: WorkerConfig, engine: Any | None = None) -> int:
+def run_worker(config: WorkerConfig, engine: Engine | None = None) -> int:
     """Load the model (unless an engine is given, as tests do), serve until told to stop.
 
-    Returns the process exit code: 0 after a drain or SHUTDOWN, 3 when the gateway refused us.
+    Returns the process exit code (EXIT_*).
     """
     if engine is None:
         engine = build_engine(config)
     return WorkerLoop(config, engine).run()
 
 
-def build_engine(config: WorkerConfig):
+def build_engine(config: WorkerConfig) -> Engine:
     if config.engine.num_threads is not None:
         import torch
 
@@ -230,7 +237,7 @@ class _GatewayLink(threading.Thread):
 class WorkerLoop:
     """The engine thread's loop. One instance per process run."""
 
-    def __init__(self, config: WorkerConfig, engine: Any):
+    def __init__(self, config: WorkerConfig, engine: Engine):
         self.config = config
         self.engine = engine
         self.state = WorkerState.STARTING
@@ -300,7 +307,7 @@ class WorkerLoop:
         except Exception as e:  # the engine's state is suspect: fail what it holds and exit
             log.exception("engine step failed", extra=self._log_extra)
             self._fail_all(f"internal error in the worker: {e}")
-            self.exit_code = 1
+            self.exit_code = EXIT_ENGINE_FAILED
             return []
 
     def _receive_timeout(self) -> float:
@@ -350,7 +357,7 @@ class WorkerLoop:
         if not msg.accepted:
             log.error("the gateway refused this worker: %s", msg.reason, extra=self._log_extra)
             self._fail_all("the gateway refused this worker")
-            self.exit_code = 3
+            self.exit_code = EXIT_REFUSED
             return
         if self.link_state is not LinkState.CONNECTED:
             log.info("connected to the gateway", extra=self._log_extra)
@@ -399,7 +406,7 @@ class WorkerLoop:
     def _on_shutdown(self, msg: Shutdown) -> None:
         log.info("shutdown requested by the gateway: %s", msg.reason, extra=self._log_extra)
         self._fail_all(f"worker shut down ({msg.reason or 'gateway request'})")
-        self.exit_code = 0
+        self.exit_code = EXIT_OK
 
     def _on_heartbeat(self, msg: Heartbeat) -> None:
         pass  # liveness is tracked by the link thread for every message
@@ -458,12 +465,12 @@ class WorkerLoop:
             return
         if not self.streams:
             log.info("drained", extra=self._log_extra)
-            self.exit_code = 0
+            self.exit_code = EXIT_OK
         elif time.monotonic() >= self._drain_deadline:
             log.warning("drain timeout: failing %d unfinished requests", len(self.streams),
                         extra=self._log_extra)
             self._fail_all("worker shut down before the request finished (drain timeout)")
-            self.exit_code = 0
+            self.exit_code = EXIT_OK
 
     def _fail_all(self, message: str) -> None:
         """Abort every stream in the engine and tell the gateway each one failed."""
@@ -528,7 +535,7 @@ class WorkerLoop:
         elif self._num_signals >= 2:
             log.warning("second stop signal: exiting now", extra=self._log_extra)
             self._fail_all("worker stopped")
-            self.exit_code = 0
+            self.exit_code = EXIT_OK
 
 
 def _sampling_params(params: dict[str, Any]) -> SamplingParams:

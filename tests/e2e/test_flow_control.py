@@ -27,8 +27,13 @@ def server(module_servers):
 
 def test_client_disconnect_frees_blocks_within_a_second(server):
     server.wait_for(is_idle, timeout_s=5, what="idle before the test")
+
+    def before_hanging_up(num_chunks: int) -> None:
+        if num_chunks == 20:  # /health must show the stream holding blocks first
+            server.wait_for(lambda ws: not is_idle(ws), timeout_s=5, what="stream seen busy")
+
     result = stream_completion(server.url, {"prompt": "Tell me everything.", "max_tokens": 50000},
-                               stop_after=20)
+                               stop_after=20, on_chunk=before_hanging_up)
     assert len(result.chunks) == 20 and not result.is_done  # hung up mid-stream
     took_s = server.wait_for(is_idle, timeout_s=5, what="blocks back after a disconnect")
     # /health shows the worker's heartbeat (every 0.5 s), so this includes up to 0.5 s of

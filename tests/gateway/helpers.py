@@ -250,7 +250,7 @@ class GatewayServer:
 
     def __init__(self, tokenizer: TextTokenizer | None = None, **overrides):
         self.port = free_port()
-        defaults = dict(port=self.port, heartbeat_interval_s=0.05, worker_timeout_s=0.5,
+        defaults = dict(port=self.port, heartbeat_interval_s=0.05, worker_timeout_s=1.0,
                         queue_timeout_s=5.0)
         defaults.update(overrides)
         self.config = GatewayConfig(**defaults)

@@ -548,3 +548,46 @@ def test_slow_reader_stops_credit_then_is_aborted():
         sock.close()
         assert b'"code":"slow_client"' in data[-2000:]
         worker.stop()
+
+
+def test_openai_sdk_parses_our_responses(served):
+    openai = pytest.importorskip("openai")
+    gw, _ = served
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0)
+    assert [m.id for m in client.models.list()] == [MODEL]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=100)
+    assert chat.choices[0].message.content == REPLY
+    assert chat.usage.completion_tokens == len(REPLY.encode())
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=100,
+        stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == REPLY
+    assert chunks[-1].usage.completion_tokens == len(REPLY.encode())
+    completion = client.completions.create(model=MODEL, prompt="x", max_tokens=100,
+                                           stream=True)
+    assert "".join(c.choices[0].text for c in completion) == REPLY
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", temperature=9)
+    assert e.value.body["param"] == "temperature"
+
+
+def test_streaming_n_choices_interleave_and_each_finishes(served):
+    gw, _ = served
+    evs = post_stream(gw, "/v1/completions", {
+        "prompt": ["a", "b"], "n": 2, "max_tokens": 100, "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert evs[-1] == "[DONE]" and evs.count("[DONE]") == 1
+    texts, finishes = {}, {}
+    for c in evs[:-2]:
+        (choice,) = c["choices"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        if choice["finish_reason"]:
+            finishes[choice["index"]] = choice["finish_reason"]
+    assert texts == {i: REPLY for i in range(4)}
+    assert finishes == {i: "stop" for i in range(4)}
+    assert evs[-2]["usage"]["completion_tokens"] == 4 * len(REPLY.encode())
+    assert_no_leaks(gw)

@@ -129,3 +129,26 @@ def test_json_log_lines_carry_request_ids():
     line = json.loads(JsonFormatter().format(record))
     assert line["message"] == "request" and line["request_id"] == "cmpl-1"
     assert line["level"] == "info" and line["time"].endswith("Z")
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_fast_chunk_rendering_matches_the_plain_shape(kind, include_usage):
+    from gateway.generation import ChoiceUpdate
+    from gateway.responses import ResponseContext, chat_chunk, completion_chunk
+
+    ctx = ResponseContext(kind, 'model "quoted" ü', include_usage)
+    build = chat_chunk if kind == "chat" else completion_chunk
+    lp = {"content": [{"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []}]}
+    for update, logprobs in [(ChoiceUpdate(0, 'te"xt\n😀', [1], None, None), None),
+                             (ChoiceUpdate(3, "", [], None, "stop"), None),
+                             (ChoiceUpdate(1, "a", [97], [[-0.5, []]], "length"), lp)]:
+        raw = build(ctx, update, logprobs)
+        assert raw.startswith(b"data: ") and raw.endswith(b"\n\n")
+        choice = {"index": update.index, "logprobs": logprobs,
+                  "finish_reason": update.finish_reason}
+        if kind == "chat":
+            choice["delta"] = {"content": update.text} if update.text else {}
+        else:
+            choice["text"] = update.text
+        assert json.loads(raw[6:]) == ctx.chunk([choice])

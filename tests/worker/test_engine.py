@@ -211,3 +211,17 @@ def test_random_stress_keeps_the_pool_consistent_and_finishes_everything():
             assert seen_tokens[rid] == max_tokens
     assert engine.stats().num_preemptions > 0
     assert bm.num_free_blocks == total
+
+
+def test_a_paused_request_emits_nothing_until_resumed():
+    engine = make_engine()
+    engine.add_request("slow", prompt(6), make_params(max_tokens=6))
+    engine.add_request("fast", prompt(6, start=500), make_params(max_tokens=6))
+    engine.step()
+    assert engine.pause("slow")
+    for _ in range(3):
+        assert [o.request_id for o in engine.step()] == ["fast"]
+    assert engine.resume("slow")
+    result = run_to_completion(engine)
+    assert len(result["tokens"]["slow"]) == 5  # the 5 it still owed; the first came earlier
+    assert not engine.pause("fast") and not engine.resume("fast")  # finished: unknown now

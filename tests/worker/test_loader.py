@@ -102,6 +102,7 @@ def test_hf_model_info_merges_generation_config(tiny_hf_dir):
     assert info.name == tiny_hf_dir.name
 
 
+@pytest.mark.slow  # parsing the real file's 49k-token vocabulary takes seconds
 def test_real_default_model_info():
     from common.model_files import default_model_path
     from worker.model.gguf_weights import read_config

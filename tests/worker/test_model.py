@@ -109,3 +109,26 @@ def test_bfloat16_runner_agrees_with_float32(tiny_hf_dir, hand_loop):
     # The paged bf16 path runs and produces in-vocabulary tokens.
     out = hand_loop(bf16).generate(PROMPTS, 8)
     assert all(len(o) == 8 and all(0 <= t < 256 for t in o) for o in out)
+
+
+def test_decode_rows_group_by_context_length_only_when_it_pays():
+    from worker.model_runner import group_by_length
+
+    assert group_by_length([], 16) == []
+    assert group_by_length([100] * 8, 16) == [(0, 8)]
+    # 30 short contexts padded to one long one would waste ~30 x 1900 slots: split them off.
+    assert group_by_length([50] * 30 + [2000, 2000], 16) == [(0, 30), (30, 32)]
+    # Small differences are not worth another group.
+    assert group_by_length([100, 120, 140, 160], 16) == [(0, 4)]
+    groups = group_by_length([10] * 10 + [600] * 10 + [1500] * 10 + [3000] * 10, 16)
+    assert groups == [(0, 10), (10, 20), (20, 30), (30, 40)]
+
+
+def test_grouped_decode_matches_unpaged_reference(runner, hand_loop, monkeypatch):
+    import worker.model_runner as model_runner
+
+    monkeypatch.setattr(model_runner, "MIN_GROUP_SAVED_SLOTS", 0)
+    monkeypatch.setattr(model_runner, "MIN_GROUP_SAVING", 0.0)
+    prompts = [PROMPTS[4], PROMPTS[2] * 3, PROMPTS[1], PROMPTS[3] * 2, PROMPTS[0]]
+    expected = [unpaged_greedy(runner, p, 10) for p in prompts]
+    assert hand_loop(runner).generate(prompts, 10) == expected

@@ -29,18 +29,22 @@ class RotaryEmbedding:
         inv_freq = 1.0 / (config.rope_theta**exponents)  # [head_dim / 2]
         positions = torch.arange(max_len, dtype=torch.float32) / config.rope_scaling_factor
         freqs = positions[:, None] * inv_freq[None, :]  # [max_len, head_dim / 2]
-        self.cos = freqs.cos().to(device)
-        self.sin = freqs.sin().to(device)
+        # Full-width tables with the rotate-half sign folded into sin, so that
+        # rotary(x) = x * cos + swap_halves(x) * sin: three arithmetic ops per layer.
+        self.cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(device)  # [max_len, d]
+        self.sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(device)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[num_tokens, 1, head_dim / 2] cos and sin for these positions, once per step."""
+        """[num_tokens, 1, head_dim] cos and signed sin for these positions, once per step."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [num_tokens, heads, head_dim], rotate-half layout: dim i pairs with i + head_dim/2."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """x [num_tokens, heads, head_dim], rotate-half layout: dim i pairs with i + head_dim/2.
+    Same products and sums as HF's `q * cos + rotate_half(q) * sin`, so fp32 matches bit for bit."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + swapped * sin
 
 
 def build_linear(weights: ModelWeights, names: list[str], device: torch.device,
@@ -135,8 +139,7 @@ class LlamaModel:
 
         n = len(token_ids)
         meta = AttentionMetadata(
-            slot_mapping=None, num_decode=0, decode_blocks=None, decode_bias=None,
-            max_decode_context=0,
+            slot_mapping=None, num_decode=0, decode_groups=[],
             prefills=[PrefillSpan(0, n, None,
                                   causal_mask(0, n, self.config.num_queries_per_kv, self.device))],
         )
