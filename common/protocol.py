@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import MISSING as _MISSING
-from dataclasses import astuple, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import msgpack
@@ -162,6 +162,12 @@ class TokenOutput:
     logprobs: list | None = None
     error: str | None = None
 
+    def to_wire(self) -> list:
+        return [
+            self.request_id, self.new_token_ids, self.finish_reason, self.num_prompt_tokens,
+            self.num_output_tokens, self.num_cached_tokens, self.logprobs, self.error,
+        ]
+
     @classmethod
     def from_wire(cls, item: Any) -> TokenOutput:
         if not isinstance(item, list) or len(item) != 8:
@@ -196,7 +202,8 @@ class Tokens(Message):
     outputs: list[TokenOutput] = field(default_factory=list)
 
     def to_wire(self) -> list:
-        return [self.worker_id, self.step, [list(astuple(o)) for o in self.outputs]]
+        # Built by hand: astuple deep-copies, which costs ~25 us a stream at every step.
+        return [self.worker_id, self.step, [o.to_wire() for o in self.outputs]]
 
     def validate(self) -> None:
         self.outputs = [TokenOutput.from_wire(o) for o in self.outputs]
@@ -261,7 +268,10 @@ MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
 
 def encode(msg: Message) -> list[bytes]:
     """Message -> [type frame, body frame]."""
-    body = msg.to_wire() if isinstance(msg, Tokens) else list(astuple(msg))
+    if isinstance(msg, Tokens):
+        body = msg.to_wire()
+    else:
+        body = [getattr(msg, f.name) for f in fields(msg)]
     return [bytes([msg.TYPE]), msgpack.packb(body, use_bin_type=True)]
 
 

@@ -69,8 +69,17 @@ class WorkerRegistry:
         self.last_max_model_len: int | None = None
 
     def register(self, hello: Hello, now: float) -> WorkerHandle | None:
-        """Add a worker; return the incarnation it replaces (whose requests are lost)."""
-        old = self.workers.pop(hello.worker_id, None)
+        """Add a worker; return the incarnation it replaces (whose requests are lost).
+
+        A HELLO repeated by the same process (same pid: its READY got lost or was late)
+        is not a restart: the worker keeps its place and its requests.
+        """
+        old = self.workers.get(hello.worker_id)
+        if old is not None and old.hello.pid == hello.pid:
+            old.hello, old.last_seen, old.status = hello, now, WorkerStatus.READY
+            self.last_max_model_len = hello.max_model_len
+            return None
+        self.workers.pop(hello.worker_id, None)
         max_waiting = (hello.max_num_seqs if self.max_waiting_per_worker is None
                        else self.max_waiting_per_worker)
         self.workers[hello.worker_id] = WorkerHandle(

@@ -29,7 +29,11 @@ class ResponseContext:
     model: str
     include_usage: bool = False
     id: str = ""
-    created: int = field(default_factory=lambda: int(time.time()))
+    created_at: float = field(default_factory=time.time)
+
+    @property
+    def created(self) -> int:
+        return int(self.created_at)
 
     def __post_init__(self) -> None:
         if not self.id:

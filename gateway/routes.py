@@ -143,9 +143,10 @@ class Api:
             for i in range(sampling.n):
                 group.add(ids, sampling.worker_params(max_tokens, i), self.tokenizer,
                           sampling.stop, sampling.skip_special_tokens)
-        log.info("request", extra={"request_id": ctx.id, "kind": ctx.kind,
-                                   "num_choices": len(group.choices), "stream": stream,
-                                   "num_prompt_tokens": sum(group.prompt_lengths)})
+        log.info("request", extra={
+            "request_id": ctx.id, "kind": ctx.kind, "stream": stream,
+            "num_prompt_tokens": sum(group.prompt_lengths),
+            "engine_request_ids": [c.state.request_id for c in group.choices]})
         try:
             is_gone, _ = await race_disconnect(group.submit(), request.receive)
         except APIError:
@@ -165,6 +166,7 @@ class Api:
                                                     request.receive)
         finally:
             group.close()
+            self._log_done(ctx, group)
         if is_gone:
             log.info("client disconnected", extra={"request_id": ctx.id})
             return Response(status_code=499)
@@ -207,6 +209,14 @@ class Api:
             yield sse(e.body()) + SSE_DONE
         finally:
             group.close()
+            self._log_done(ctx, group)
+
+    @staticmethod
+    def _log_done(ctx: ResponseContext, group: RequestGroup) -> None:
+        log.info("request done", extra={
+            "request_id": ctx.id, "elapsed_s": round(time.time() - ctx.created_at, 3),
+            "finish_reasons": [c.finish_reason for c in group.choices],
+            "num_output_tokens": sum(c.num_output_tokens for c in group.choices)})
 
     async def _collect(self, group: RequestGroup, ctx: ResponseContext,
                        sampling: SamplingOptions) -> dict:

@@ -8,12 +8,13 @@ Order of operations for each row (as vLLM does it):
   3. while a request has fewer than min_tokens outputs, its stop_token_ids and (unless
      ignore_eos) the model's EOS ids are masked out.
   4. greedy rows (temperature 0 or top_k 1) take the argmax: exact, no noise.
-  5. the other rows: temperature, top-k, top-p, min-p, then one draw.
+  5. the other rows: temperature, min-p, top-k, top-p (vLLM v1's order), then one draw.
 
-Draws use the exponential race (argmax of probs / E with E ~ Exp(1)), which equals sampling
-from probs. A request with a seed gets its noise from a generator seeded by (seed, number of
-outputs so far), so its tokens do not depend on what else is in the batch or on preemption;
-rows without a seed share the runner's generator.
+A draw is one uniform number per row pushed through the row's cumulative distribution (no
+per-token noise, so a batch of 32 costs a cumsum, not 1.5M random numbers). A request with a
+seed takes its uniform from a generator seeded by (seed, number of outputs so far), so its
+tokens do not depend on what else is in the batch or on preemption; rows without a seed share
+the runner's generator (seeded from EngineConfig.seed).
 """
 
 from __future__ import annotations
@@ -108,22 +109,31 @@ class Sampler:
         device = logits.device
         params = [c.params for c in chunks]
         temperature = torch.tensor([p.temperature for p in params], device=device)
-        logits = logits / temperature[:, None]
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            logits = _top_k_top_p(logits, params)
+        logits = logits.div_(temperature[:, None])
         if any(p.min_p > 0.0 for p in params):
-            probs = torch.softmax(logits, dim=-1)
-            min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
-            threshold = min_p * probs.amax(dim=-1, keepdim=True)
-            logits = logits.masked_fill(probs < threshold, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+            # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); min_p 0 masks nothing.
+            log_min_p = torch.tensor([p.min_p for p in params], device=device).log()
+            floor = logits.amax(dim=-1) + log_min_p
+            logits.masked_fill_(logits < floor[:, None], float("-inf"))
+        probs = torch.softmax(logits, dim=-1)  # [num_rows, vocab]
+        uniform = self._uniforms(chunks, device)  # [num_rows]
+        token_ids = _inverse_cdf(probs, uniform)
+        truncated = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
+        if truncated:
+            rows = torch.tensor(truncated, device=device)
+            token_ids[rows] = _sample_truncated(probs[rows], uniform[rows],
+                                                [params[i] for i in truncated])
+        return token_ids
+
+    def _uniforms(self, chunks: list[ScheduledChunk], device: torch.device) -> torch.Tensor:
+        """One U[0, 1) per row: the shared generator, or the request's own (seed, n)."""
+        uniform = torch.rand(len(chunks), generator=self.generator, device=device)
         for j, chunk in enumerate(chunks):
             if chunk.params.seed is not None:
                 gen = torch.Generator(device=device)
                 gen.manual_seed(row_seed(chunk.params.seed, len(chunk.output_token_ids)))
-                noise[j].exponential_(generator=gen)
-        return torch.argmax(probs / noise, dim=-1)
+                uniform[j] = torch.rand(1, generator=gen, device=device)[0]
+        return uniform
 
     def _results(self, chunks: Sequence[ScheduledChunk], token_ids: torch.Tensor,
                  raw_logprobs: torch.Tensor | None) -> list[SampledToken]:
@@ -143,24 +153,42 @@ class Sampler:
         return results
 
 
-def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Keep each row's top_k tokens, then the smallest prefix with mass >= top_p."""
-    num_rows, vocab = logits.shape
-    device = logits.device
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
-    # top_p 1 must keep everything, even where rounding lets the cumulative sum pass 1.
-    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params], device=device)
-    # When every row has a top_k, only the top max(k) candidates can survive: skip the full sort.
-    if all(0 < p.top_k for p in params):
-        max_k = int(top_k.max())
-        values, indices = torch.topk(logits, max_k, dim=-1)  # sorted, descending
-    else:
-        values, indices = torch.sort(logits, dim=-1, descending=True)
+# top-k / top-p look for their tokens among the most likely CANDIDATES first (a partial
+# top-k is far cheaper than sorting the vocabulary); a top-p row whose nucleus is larger
+# than that falls back to a full sort.
+CANDIDATES = 1024
+
+
+def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Sample one index per row of probs [rows, n] (rows need not sum to 1)."""
+    cdf = torch.cumsum(probs, dim=-1)
+    target = (uniform * cdf[:, -1])[:, None]
+    # The first index whose cdf exceeds the target; zero-probability entries never qualify.
+    index = torch.searchsorted(cdf, target, right=True)[:, 0]
+    return index.clamp_(max=probs.shape[1] - 1)
+
+
+def _sample_truncated(probs: torch.Tensor, uniform: torch.Tensor,
+                      params: list[SamplingParams]) -> torch.Tensor:
+    """Rows with top_k and/or top_p: keep each row's top_k tokens, then the smallest prefix
+    whose mass reaches top_p (the first token always stays), and sample among them."""
+    num_rows, vocab = probs.shape
+    device = probs.device
+    top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    num_candidates = min(vocab, max(k if k < vocab else CANDIDATES for k in top_ks))
+    needs_all = [k >= vocab and p.top_p < 1.0 for k, p in zip(top_ks, params, strict=True)]
+    values, indices = torch.topk(probs, num_candidates, dim=-1)  # sorted, descending
+    # A top-p row without top_k whose nucleus does not fit in the candidates: sort it all.
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    short = (values.sum(dim=-1) < top_p * probs.sum(dim=-1)).tolist()
+    if any(n and s for n, s in zip(needs_all, short, strict=True)):
+        values, indices = torch.sort(probs, dim=-1, descending=True)
     ranks = torch.arange(values.shape[1], device=device)
-    values = values.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
-    probs = torch.softmax(values, dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    # The first token always stays, so top_p never empties a row.
-    values = values.masked_fill(mass_before >= top_p[:, None], float("-inf"))
-    out = torch.full_like(logits, float("-inf"))
-    return out.scatter_(1, indices, values)
+    top_k = torch.tensor(top_ks, device=device)
+    keep = ranks[None, :] < top_k[:, None]
+    total = probs.sum(dim=-1, keepdim=True)
+    mass_before = (torch.cumsum(values, dim=-1) - values) / total
+    # top_p 1 keeps everything, even where rounding lets the cumulative sum pass 1.
+    keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    picked = _inverse_cdf(values * keep, uniform)
+    return indices.gather(1, picked[:, None])[:, 0]

@@ -4,6 +4,7 @@ real ZeroMQ sockets, and a real uvicorn server running the gateway app in a thre
 from __future__ import annotations
 
 import asyncio
+import itertools
 import socket
 import threading
 import time
@@ -34,6 +35,7 @@ from gateway.config import GatewayConfig
 from gateway.tokenizer import TextTokenizer, byte_to_unicode
 
 IM_START, IM_END = 256, 257  # the byte tokenizer's special tokens
+_PIDS = itertools.count(10_000)
 
 
 def byte_tokenizer(max_model_len: int = 4096) -> TextTokenizer:
@@ -107,6 +109,7 @@ class FakeWorker:
     max_model_len: int = 4096
     heartbeat_s: float = 0.05
     protocol_version: int = PROTOCOL_VERSION
+    pid: int = field(default_factory=lambda: next(_PIDS))  # each instance a "process"
     # observations
     submits: list[Submit] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
@@ -143,7 +146,7 @@ class FakeWorker:
 
     def hello(self) -> Hello:
         return Hello(self.protocol_version, self.worker_id, "fake", self.max_model_len,
-                     1000, 16, self.max_num_seqs, "cpu", 12345)
+                     1000, 16, self.max_num_seqs, "cpu", self.pid)
 
     def _run(self) -> None:
         ctx = zmq.Context()

@@ -371,6 +371,7 @@ def test_restarted_worker_replaces_old_incarnation():
             next(x for x in lines if x.startswith("data: {"))
             worker.stop()  # the process dies ...
             worker2 = gw.worker(reply=fixed_reply("new")).start()  # ... and comes back
+            assert worker2.pid != worker.pid
             rest = [x for x in lines if x.startswith("data: ")]
         assert "restarted" in json.loads(rest[-2][6:])["error"]["message"]
         assert worker2.ready.wait(5)
@@ -414,6 +415,20 @@ def test_refused_submit_is_tried_once_more_then_fails(served):
     assert r.status_code == 500
     assert "worker is draining" in r.json()["error"]["message"]
     assert_no_leaks(gw)
+
+
+def test_repeated_hello_keeps_the_streams_of_that_worker(served):
+    gw, worker = served
+    worker.reply = cyclic_reply("abc")
+    worker.step_s = 0.01
+    with httpx.stream("POST", gw.url + "/v1/completions", timeout=10, json={
+            "prompt": "x", "max_tokens": 200, "stream": True}) as r:
+        lines = r.iter_lines()
+        next(x for x in lines if x.startswith("data: {"))
+        worker.send_control(worker.hello())  # same pid: its READY was late, say
+        rest = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert "error" not in rest[-1] and rest[-1]["choices"][0]["finish_reason"] == "length"
+    assert len(worker.submits) == 1
 
 
 def test_protocol_version_mismatch_is_refused():

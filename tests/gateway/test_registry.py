@@ -73,6 +73,19 @@ def test_silent_worker_expires_and_rehello_replaces_it():
     assert reg.get("b").hello.pid == 2 and not reg.get("b").request_ids
 
 
+def test_repeated_hello_from_the_same_process_is_not_a_restart():
+    reg = WorkerRegistry()
+    reg.register(hello("a", pid=7), 0.0)
+    reg.assign(reg.get("a"), "r1")
+    reg.mark_draining("a")
+    assert reg.register(hello("a", pid=7), 1.0) is None
+    worker = reg.get("a")
+    assert worker.request_ids == {"r1"} and worker.last_seen == 1.0
+    assert worker.status is WorkerStatus.READY
+    replaced = reg.register(hello("a", pid=8), 2.0)  # a new process with the same id
+    assert replaced is not None and replaced.request_ids == {"r1"}
+
+
 def test_max_model_len_is_the_smallest_live_one():
     reg = WorkerRegistry()
     assert reg.max_model_len() is None

@@ -116,3 +116,28 @@ def test_gguf_metadata_reader_matches_the_gguf_package():
     assert set(ours) == set(fields)
     for key, field in fields.items():
         assert ours[key] == field.contents(), key
+
+
+@pytest.mark.slow
+def test_hugging_face_directory(tmp_path, ours):
+    """A HF model dir (tokenizer.json + tokenizer_config.json) loads the same tokenizer,
+    template and special tokens as transformers reads from it."""
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    ours.tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+        "chat_template": ours.chat_template, "model_max_length": 8192}))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "max_position_embeddings": 4096, "eos_token_id": 2}))
+    from gateway.chat_template import ChatTemplate
+
+    hf = load_tokenizer(str(tmp_path))
+    assert hf.eos_token_ids == (2,) and hf.max_model_len == 4096 and hf.is_byte_level
+    reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in TEXTS:
+        assert hf.encode(text) == reference.encode(text)
+    messages = [{"role": "user", "content": "Hi 😀"}]
+    assert ChatTemplate(hf.chat_template, hf.bos_token, hf.eos_token).render(messages) == \
+        reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -199,3 +199,36 @@ def test_hf_server_generates_exactly_the_requested_tokens(tmp_path):
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+def _fake_run(system: str, level: str, conc: int, tput: float, ttft: float) -> dict:
+    stats = {"mean": ttft, "p50": ttft, "p90": ttft, "p99": ttft}
+    return {"system": system, "level": level, "completed": 4, "failed": 0,
+            "token_mismatches": 0, "config": {"concurrency": conc, "request_rate": None},
+            "output_throughput": tput, "request_throughput": 1.0, "goodput": None,
+            "ttft_ms": stats, "tpot_ms": stats, "itl_ms": stats, "e2e_ms": stats,
+            "itl_samples_ms": [1.0, 2.0]}
+
+
+def test_compare_takes_medians_and_rewrites_only_its_docs_section(tmp_path):
+    from scripts import compare
+
+    plan, _ = compare.parse_args(["--quick", "--systems", "zeroserve,llama-server",
+                                  "--concurrency", "16"])
+    runs = [_fake_run("zeroserve", "c16", 16, t, 100.0) for t in (300.0, 100.0, 200.0)]
+    runs.append(_fake_run("llama-server", "c16", 16, 50.0, 400.0))
+    table = compare.aggregate(runs)
+    assert table[("zeroserve", "c16")]["output_throughput"] == 200.0  # the median of 3
+    assert table[("zeroserve", "c16")]["completed"] == 12
+    section = compare.markdown(plan, table, "python scripts/compare.py --quick", "now",
+                               (1.0, 1.0, 1.0))
+    assert "| zeroserve | c16 | 12 / 0 |" in section
+    assert "zeroserve / llama-server at c16: 4.00x throughput" in section
+    page = tmp_path / "benchmarks.md"
+    page.write_text("# Benchmarks\n\nintro\n\n" + compare.MARK_BEGIN + "\nold\n"
+                    + compare.MARK_END + "\n\n## After\n")
+    compare.write_docs(section, page)
+    compare.write_docs(section, page)  # a rerun replaces, never appends
+    text = page.read_text()
+    assert text.count(compare.MARK_BEGIN) == 1 and "old" not in text
+    assert text.startswith("# Benchmarks\n\nintro") and text.endswith("## After\n")

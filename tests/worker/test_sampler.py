@@ -152,3 +152,30 @@ def test_logprobs_come_from_the_raw_distribution():
     assert zero.top_logprobs == [] and zero.logprob == pytest.approx(raw[2].item(), abs=1e-6)
     off = sampler().sample(logits_of(ROW), [chunk(SamplingParams(temperature=0.0))])[0]
     assert off.logprob is None and off.top_logprobs is None
+
+
+def test_top_p_nucleus_larger_than_the_candidate_set_is_exact():
+    from worker.sampler import CANDIDATES
+
+    vocab = CANDIDATES * 3
+    flat = torch.zeros(1, vocab)  # uniform: top_p 0.5 keeps half the vocabulary
+    s = Sampler(vocab, [EOS], torch.device("cpu"), 0)
+    params = SamplingParams(temperature=1.0, top_p=0.5)
+    seen = set()
+    for i in range(300):
+        out = s.sample(flat.clone(), [chunk(params, outputs=[0] * i)])
+        seen.add(out[0].token_id)
+    assert len(seen) > 200  # far more than a candidate-only nucleus of the first tokens would
+    assert max(seen) < vocab and len(seen) <= vocab // 2 + 1
+
+
+def test_seeded_top_k_and_top_p_rows_repeat_whatever_shares_the_batch():
+    params = SamplingParams(temperature=1.0, top_p=0.8, top_k=5, seed=42)
+    alone = [sampler().sample(logits_of(ROW), [chunk(params, outputs=[0] * n)])[0].token_id
+             for n in range(10)]
+    plain = SamplingParams(temperature=1.0)
+    crowded = []
+    for n in range(10):
+        batch = [chunk(plain, "x"), chunk(params, outputs=[0] * n), chunk(plain, "y")]
+        crowded.append(sampler(n).sample(logits_of(ROW, ROW, ROW), batch)[1].token_id)
+    assert alone == crowded
