@@ -12,11 +12,12 @@ One fixed mixed workload, every system in the same run on the same model:
   in fp32 and/or bf16 (--hf-dtypes).
 
 Output tokens/s counts only the tokens each request asked for (a static batch's extra tokens
-for early finishers are waste). For continuous mode it also reports where the time of steps
+for early finishers are waste). "Rows computed" is the noise-free side of the same story:
+token rows pushed through the model (prompts, outputs, padding rows, padded prompts). For continuous mode it also reports where the time of steps
 with --max-num-seqs sequences in the batch went: the share outside the model forward is
 1 - forward / step wall time (schedule, input preparation, sampling and state update).
 
-    python scripts/bench_engine.py                      # defaults: 64 prompts, 32 seqs
+    python scripts/bench_engine.py                      # defaults: 128 prompts, 32 seqs
     python scripts/bench_engine.py --systems continuous --num-prompts 96   # overhead only
 
 Prints a markdown table (and --json PATH writes the raw numbers).
@@ -61,6 +62,7 @@ class Result:
     wall_s: float
     num_output_tokens: int
     num_steps: int = 0
+    num_rows: int = 0  # token rows pushed through the model (prompt + generated + padding)
     notes: str = ""
     full_steps: list[tuple[float, StepTiming]] = field(default_factory=list)
 
@@ -106,7 +108,7 @@ def run_engine(
     ]
     for i, (prompt, p) in enumerate(zip(workload.prompts, params, strict=True)):
         engine.add_request(f"{name}-{i}", prompt, p)
-    num_tokens = 0
+    num_tokens = num_rows = 0
     full_steps: list[tuple[float, StepTiming]] = []
     started = last_report = time.perf_counter()
     while engine.has_unfinished():
@@ -114,6 +116,7 @@ def run_engine(
         outputs = engine.step()
         step_s = time.perf_counter() - step_started
         timing = engine.stats().last_step
+        num_rows += timing.num_tokens
         if timing.num_seqs == max_num_seqs:
             full_steps.append((step_s, timing))
         elif timing.num_seqs == 0:
@@ -126,7 +129,7 @@ def run_engine(
     assert num_tokens == workload.num_output_tokens, (num_tokens, workload.num_output_tokens)
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
-    return Result(name, wall_s, num_tokens, stats.num_steps, "", full_steps)
+    return Result(name, wall_s, num_tokens, stats.num_steps, num_rows, "", full_steps)
 
 
 def load_hf_model(args: argparse.Namespace):
@@ -155,7 +158,7 @@ def run_hf(model, workload: Workload, dtype_name: str, batch_size: int, pad_id: 
 
     model = model.to(getattr(torch, dtype_name))
     started = time.perf_counter()
-    num_generated = 0
+    num_generated = num_rows = 0
     for start in range(0, len(workload.prompts), batch_size):
         prompts = workload.prompts[start : start + batch_size]
         lens = workload.output_lens[start : start + batch_size]
@@ -172,12 +175,14 @@ def run_hf(model, workload: Workload, dtype_name: str, batch_size: int, pad_id: 
                 pad_token_id=pad_id,
             )
         num_generated += (out.shape[1] - width) * len(prompts)
+        num_rows += out.shape[1] * len(prompts)  # padded prompts, then one row per step each
     wall_s = time.perf_counter() - started
     waste = 1 - workload.num_output_tokens / num_generated
     return Result(
         f"transformers generate ({dtype_name}, static batches of {batch_size})",
         wall_s,
         workload.num_output_tokens,
+        num_rows=num_rows,
         notes=f"{waste:.0%} of generated tokens past a request's length",
     )
 
@@ -215,11 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="auto", help="engine dtype (auto: bf16 on CPU)")
-    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
     ap.add_argument("--output-scale", type=float, default=0.25)
-    ap.add_argument("--min-output", type=int, default=8)
+    ap.add_argument("--min-output", type=int, default=1)
     ap.add_argument("--max-output", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -233,6 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--hf-dtypes", default="bfloat16,float32")
     ap.add_argument("--json", default=None, help="also write the raw numbers here")
+    ap.add_argument(
+        "--fake-forward-ms",
+        type=float,
+        default=None,
+        help="run the engine modes on FakeRunner with this forward time (checks the script)",
+    )
     args = ap.parse_args(argv)
 
     import torch
@@ -256,7 +267,13 @@ def main(argv: list[str] | None = None) -> int:
         if system in ENGINE_MODES:
             mode = ENGINE_MODES[system]
             config = engine_config(args, mode)
-            if runner is None:
+            if runner is None and args.fake_forward_ms is not None:
+                from worker.fake_runner import FakeRunner
+
+                runner = FakeRunner(
+                    config, forward_time_s=args.fake_forward_ms / 1e3, check_plans=False
+                )
+            elif runner is None:
                 from worker.model_runner import ModelRunner
 
                 runner = ModelRunner(config)
@@ -282,12 +299,15 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     base = {r.system.split(" (")[0]: r.tokens_per_s for r in results}
-    print("| system | output tok/s | wall s | vs static | notes |")
-    print("| --- | ---: | ---: | ---: | --- |")
+    print("| system | output tok/s | wall s | vs static | rows computed | notes |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
     static = base.get("zeroserve static")
     for r in results:
         ratio = f"{r.tokens_per_s / static:.2f}x" if static else "n/a"
-        print(f"| {r.system} | {r.tokens_per_s:.1f} | {r.wall_s:.1f} | {ratio} | {r.notes} |")
+        print(
+            f"| {r.system} | {r.tokens_per_s:.1f} | {r.wall_s:.1f} | {ratio} | {r.num_rows} "
+            f"| {r.notes} |"
+        )
     continuous = next((r for r in results if r.system.startswith("zeroserve continuous")), None)
     if continuous is not None:
         print()
@@ -309,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                         "tokens_per_s": r.tokens_per_s,
                         "wall_s": r.wall_s,
                         "num_output_tokens": r.num_output_tokens,
+                        "num_rows": r.num_rows,
                         "notes": r.notes,
                     }
                     for r in results

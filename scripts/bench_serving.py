@@ -54,7 +54,7 @@ class BenchConfig:
     request_rate: float | None = None  # Poisson arrivals per second (open loop)
     max_concurrency: int | None = None  # open loop: cap on requests in flight
     output_len: int = 128
-    output_len_mode: str = "fixed"  # "fixed" or "sampled" (the dataset's reply lengths)
+    output_len_mode: str = "fixed"  # "fixed" or "sampled" (reply lengths, output_len the cap)
     ignore_eos: bool = True
     temperature: float = 0.0
     stream: bool = True
@@ -236,8 +236,9 @@ async def run_async(cfg: BenchConfig, samples: list[ChatSample] | None = None) -
 
         def body_for(i: int, max_tokens: int | None = None) -> tuple[dict, int]:
             s = samples[i % len(samples)]
+            # sampled: the dataset reply's length, with --output-len as the cap.
             n = max_tokens or (cfg.output_len if cfg.output_len_mode == "fixed"
-                               else s.num_reference_output_tokens)
+                               else min(s.num_reference_output_tokens, cfg.output_len))
             return build_body(cfg, model, s, n, prompt_texts[i % len(samples)]), n
 
         warmup_errors = []

@@ -64,6 +64,7 @@ class Plan:
     prompts_per_client: int
     min_prompts: int
     output_len: int
+    output_len_mode: str  # "fixed" or "sampled" (the dataset's reply lengths, clipped)
     repeats: int
     threads: int
     max_prompt_tokens: int
@@ -217,7 +218,8 @@ def run_system(system: str, plan: Plan, samples, log_dir: Path) -> list[dict]:
                 base_url=server.base_url, num_prompts=n, concurrency=level.concurrency,
                 request_rate=level.request_rate,
                 max_concurrency=plan.max_concurrency if level.request_rate else None,
-                output_len=plan.output_len, seed=plan.seed,
+                output_len=plan.output_len, output_len_mode=plan.output_len_mode,
+                seed=plan.seed,
                 max_prompt_tokens=plan.max_prompt_tokens, max_duration_s=plan.level_timeout_s,
                 request_timeout_s=plan.level_timeout_s + 60, label=f"{system} {level.key}",
                 slo_ttft_ms=2000, slo_tpot_ms=100,
@@ -298,7 +300,9 @@ def markdown(plan: Plan, table: dict, command: str, started: str, loadavg: tuple
         "",
         f"Run {started} on {os.cpu_count()} CPU cores (load average at start "
         f"{loadavg[0]:.1f}); SmolLM2-135M-Instruct Q4_1, ShareGPT chat mix, "
-        f"{plan.output_len} output tokens per request (`ignore_eos`), medians of "
+        + (f"{plan.output_len} output tokens per request" if plan.output_len_mode == "fixed"
+           else f"output lengths from the dataset's replies, at most {plan.output_len}")
+        + " (`ignore_eos`), medians of "
         f"{plan.repeats} repeat(s), systems alternated. Goodput SLO: TTFT <= 2 s and "
         "TPOT <= 100 ms.",
         "",
@@ -398,7 +402,9 @@ def plot(plan: Plan, table: dict, runs: list[dict], path: Path) -> None:
             ax.set_yscale("log")
             ax.set_title(f"ITL distribution at {lv.key} (ms, whiskers 1.5 IQR)")
             ax.grid(True, alpha=0.3)
-    fig.suptitle(f"SmolLM2-135M, ShareGPT prompts, {plan.output_len} output tokens, "
+    out = (f"{plan.output_len}" if plan.output_len_mode == "fixed"
+           else f"<= {plan.output_len} (sampled)")
+    fig.suptitle(f"SmolLM2-135M, ShareGPT prompts, {out} output tokens, "
                  f"{os.cpu_count()} CPU cores")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -431,6 +437,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Plan, argparse.Namespace]
     ap.add_argument("--prompts-per-client", type=int, default=None, help="[default 4; quick 1]")
     ap.add_argument("--min-prompts", type=int, default=None, help="[default 4; quick 3]")
     ap.add_argument("--output-len", type=int, default=None, help="[default 128; quick 32]")
+    ap.add_argument("--output-len-mode", choices=["fixed", "sampled"], default="fixed",
+                    help="sampled: each request asks for its ShareGPT reply's length (clipped "
+                         "at 512), still with ignore_eos; mixed lengths are where continuous "
+                         "batching beats static")
     ap.add_argument("--repeats", type=int, default=None, help="[default 2; quick 1]")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-prompt-tokens", type=int, default=None,
@@ -458,6 +468,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Plan, argparse.Namespace]
         prompts_per_client=a.prompts_per_client or (1 if a.quick else 4),
         min_prompts=a.min_prompts or (3 if a.quick else 4),
         output_len=a.output_len or (32 if a.quick else 128),
+        output_len_mode=a.output_len_mode,
         repeats=a.repeats or (1 if a.quick else 2), threads=a.threads,
         max_prompt_tokens=a.max_prompt_tokens or (512 if a.quick else 1024),
         startup_timeout_s=a.startup_timeout_s,

@@ -46,6 +46,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--prefill", type=int, default=0,
+                        help="also time one prefill chunk of this many tokens")
     parser.add_argument("--profile", action="store_true", help="print torch.profiler top ops")
     args = parser.parse_args()
 
@@ -54,6 +56,8 @@ def main() -> None:
     params = SamplingParams(temperature=args.temperature, max_tokens=1000)
     print(f"device={runner.info.device} dtype={runner.info.dtype} threads={torch.get_num_threads()}"
           f" context={args.context}")
+    if args.prefill:
+        time_prefill(runner, args.prefill, params)
     for batch in args.batch:
         plan = decode_plan(batch, args.context, runner.block_size, params, runner.num_kv_blocks)
         for _ in range(3):
@@ -82,6 +86,20 @@ def main() -> None:
                 for _ in range(5):
                     runner.execute(plan)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+
+
+def time_prefill(runner: ModelRunner, num_tokens: int, params: SamplingParams) -> None:
+    table = list(range((num_tokens + runner.block_size - 1) // runner.block_size))
+    plan = SchedulerOutput([ScheduledChunk("p", [100 + i % 1000 for i in range(num_tokens)], 0,
+                                           table, True, params)])
+    runner.execute(plan)
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        runner.execute(plan)
+        times.append(time.perf_counter() - started)
+    ms = min(times) * 1e3
+    print(f"prefill {num_tokens} tokens: {ms:.1f} ms ({num_tokens / ms * 1e3:.0f} tok/s)")
 
 
 if __name__ == "__main__":

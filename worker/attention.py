@@ -44,7 +44,7 @@ class DecodeGroup:
     end: int
     # [num_rows * max_context / block_size] each row's blocks, padded with block 0.
     blocks: torch.Tensor
-    # [num_rows, 1, 1, max_context] fp32: 0 for real context positions, -inf for padding.
+    # [num_rows, 1, max_context] fp32: 0 for real context positions, -inf for padding.
     bias: torch.Tensor
     max_context: int  # a whole number of blocks
 
@@ -96,23 +96,31 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       group: DecodeGroup, scale: float) -> torch.Tensor:
     """q [rows, heads, d] -> [rows, heads * d], reading K/V from the pool.
 
-    Plain batched matmuls rather than SDPA: with 1 query per sequence, CPU SDPA spends ~5x
-    longer than two bf16 bmm calls on the same gathered K/V (measured at 32 x 272 tokens).
+    One query per sequence makes per-head matmuls tiny ([group, d] x [d, L]), where CPU
+    kernels are slow, and SDPA slower still. Instead each row's gathered K/V stay in their
+    pool layout `[L, kv_heads * d]` and the queries go into a block-diagonal matrix
+    `[heads, kv_heads * d]` (head h only has entries in its KV head's columns): two bmm calls
+    of healthy shapes, no transposed copies. The zero blocks triple the (small) attention
+    FLOPs; measured 1.3-2x faster than per-head bmm at 16-32 rows.
     """
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
+    group_size = num_heads // num_kv_heads
     length = group.max_context
-    # Whole blocks at a time: [rows * blocks, block_size * kv_heads * d] -> [rows, kv, L, d]
-    k = k_cache.view(k_cache.shape[0], -1).index_select(0, group.blocks)
-    v = v_cache.view(v_cache.shape[0], -1).index_select(0, group.blocks)
-    k = k.view(n, length, num_kv_heads, head_dim).transpose(1, 2).contiguous()
-    v = v.view(n, length, num_kv_heads, head_dim).transpose(1, 2).contiguous()
-    # [rows, kv_heads, group, d]: the query heads of a group share one K/V head.
-    q = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.matmul(q, k.transpose(-1, -2)).float()  # [rows, kv_heads, group, L]
+    # Whole blocks at a time: [rows * blocks, block_size * kv_heads * d] -> [rows, L, kv * d]
+    k = k_cache.view(k_cache.shape[0], -1).index_select(0, group.blocks).view(n, length, -1)
+    v = v_cache.view(v_cache.shape[0], -1).index_select(0, group.blocks).view(n, length, -1)
+    eye = torch.eye(num_kv_heads, dtype=q.dtype, device=q.device)
+    # [rows, heads, kv_heads * d]: head (j, g) holds q in KV head j's columns, zeros elsewhere.
+    q_block = (q.view(n, num_kv_heads, group_size, 1, head_dim)
+               * eye.view(1, num_kv_heads, 1, num_kv_heads, 1)).view(n, num_heads, -1)
+    scores = torch.bmm(q_block, k.transpose(1, 2)).float()  # [rows, heads, L]
     scores.mul_(scale).add_(group.bias)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).reshape(n, num_heads * head_dim)
+    out = torch.bmm(probs, v).view(n, num_kv_heads, group_size, num_kv_heads, head_dim)
+    # Keep each head's own KV block: [rows, group, d, kv] -> [rows, heads * d]
+    out = torch.diagonal(out, dim1=1, dim2=3).permute(0, 3, 1, 2)
+    return out.reshape(n, num_heads * head_dim)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -73,17 +73,22 @@ class Sampler:
         vocab = logits.shape[1]
         device = logits.device
         sub = logits[rows]  # [num_penalized, vocab] (a copy; written back below)
-        counts = torch.zeros(len(rows), vocab + 1, device=device)
-        in_prompt = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=device)
-        for j, i in enumerate(rows):
-            outputs = chunks[i].output_token_ids
-            if outputs:
-                ids = torch.tensor(outputs, device=device).clamp_(0, vocab)
-                counts[j].index_add_(0, ids, torch.ones(len(outputs), device=device))
-            if chunks[i].prompt_token_ids:
-                in_prompt[j, torch.tensor(chunks[i].prompt_token_ids, device=device).clamp_(0, vocab)] = True
-        counts = counts[:, :vocab]
-        in_prompt = in_prompt[:, :vocab]
+        counts = torch.zeros(len(rows), vocab, device=device)
+        in_prompt = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
+        # One scatter for all rows: (row, token) pairs flattened. Out-of-vocabulary ids
+        # cannot occur (the engine validates prompts; outputs come from this vocabulary).
+        out_rows = [j for j, i in enumerate(rows) for _ in chunks[i].output_token_ids]
+        if out_rows:
+            out_ids = [t for i in rows for t in chunks[i].output_token_ids]
+            counts.index_put_(
+                (torch.tensor(out_rows, device=device), torch.tensor(out_ids, device=device)),
+                torch.ones(len(out_ids), device=device), accumulate=True,
+            )
+        prompt_rows = [j for j, i in enumerate(rows) for _ in chunks[i].prompt_token_ids]
+        if prompt_rows:
+            prompt_ids = [t for i in rows for t in chunks[i].prompt_token_ids]
+            in_prompt[torch.tensor(prompt_rows, device=device),
+                      torch.tensor(prompt_ids, device=device)] = True
         p = [chunks[i].params for i in rows]
         rep = torch.tensor([x.repetition_penalty for x in p], device=device)[:, None]
         freq = torch.tensor([x.frequency_penalty for x in p], device=device)[:, None]

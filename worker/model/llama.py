@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from worker.attention import AttentionMetadata, paged_attention
+from worker.attention import AttentionMetadata, PrefillSpan, causal_mask, paged_attention
 from worker.model.linear import Linear
 from worker.model.llama_config import LlamaConfig
 from worker.model.quant import Int4Blocks, PackedInt4, PackedInt8, int4_kernels_available
@@ -135,8 +135,6 @@ class LlamaModel:
 
     def forward_unpaged(self, token_ids: list[int]) -> torch.Tensor:
         """Reference path: one sequence from scratch, no cache -> fp32 logits [len, vocab]."""
-        from worker.attention import PrefillSpan, causal_mask
-
         n = len(token_ids)
         meta = AttentionMetadata(
             slot_mapping=None, num_decode=0, decode_groups=[],
