@@ -378,6 +378,9 @@ def plot(plan: Plan, table: dict, runs: list[dict], path: Path) -> None:
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="o", label=s)
         ax.set_xscale("log", base=2)
+        ticks = [lv.concurrency for lv in closed]
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.minorticks_off()
         if logy:
             ax.set_yscale("log")
         ax.set_xlabel("concurrent clients")
