@@ -234,12 +234,14 @@ def make_app(batcher: Batcher, tokenizer, model_name: str, max_model_len: int) -
                                           "model": model_name, "choices": [choice]}) + "\n\n"
 
         async def events():
-            if is_chat:
-                yield chunk(None, None, role=True)
             ids: list[int] = []
             sent = ""
             try:
                 async for tok in _tokens(job):
+                    if is_chat and not ids:
+                        # The role chunk goes with the first token, not before prefill:
+                        # clients such as vLLM's bench take any first chunk as the TTFT.
+                        yield chunk(None, None, role=True)
                     ids.append(tok)
                     text = tokenizer.decode(ids, skip_special_tokens=True)
                     if text.endswith("\ufffd"):
