@@ -184,14 +184,18 @@ class Api:
     async def _events(self, group: RequestGroup, ctx: ResponseContext,
                       sampling: SamplingOptions) -> AsyncIterator[bytes]:
         offsets = [0] * len(group.choices)
+        # Like vLLM and llama-server, the role chunk goes out with a choice's first output,
+        # not before prefill, so clients that stop a TTFT clock at the first chunk measure
+        # the time to the first token.
+        needs_role = {c.index for c in group.choices} if ctx.kind == "chat" else set()
         try:
-            if ctx.kind == "chat":
-                for choice in group.choices:
-                    yield sse(chat_role_chunk(ctx, choice.index))
             build = chat_chunk if ctx.kind == "chat" else completion_chunk
             async for batch in group.update_batches():
                 out = []
                 for update, _ in batch:
+                    if update.index in needs_role:
+                        needs_role.discard(update.index)
+                        out.append(sse(chat_role_chunk(ctx, update.index)))
                     lp = self._logprobs(ctx, update, offsets[update.index])
                     offsets[update.index] += len(update.text)
                     if update.text or update.finish_reason is not None or lp is not None:
