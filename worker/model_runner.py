@@ -162,7 +162,7 @@ class ModelRunner:
         )
         max_context = num_blocks * self.block_size
         is_padding = torch.arange(max_context)[None, :] >= context_lens[:, None]
-        bias = torch.zeros(len(decodes), 1, max_context).masked_fill_(
+        bias = torch.zeros(len(decodes), 1, max_context, dtype=self.dtype).masked_fill_(
             is_padding.view(len(decodes), 1, max_context), float("-inf")
         )
         return DecodeGroup(start, start + len(decodes), blocks, bias, max_context)
