@@ -125,8 +125,8 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     # Scale and padding bias fused into the matmul, all in the model dtype: with bf16 the
     # scores are bf16 anyway, and the bias (0 / -inf) and a power-of-two scale are exact.
     # The CPU softmax accumulates reduced-precision inputs in fp32 internally, so it gives
-    # the same probabilities as an explicit fp32 round trip, minus two copies. (~1.6x faster
-    # at 16 rows, identical output.)
+    # the same probabilities as an explicit fp32 round trip, minus two copies (measured
+    # 0.40 -> 0.37 ms per layer at 16 rows x 256 context, identical output).
     scores = torch.baddbmm(group.bias, q_block, k.transpose(1, 2), alpha=scale)  # [rows, heads, L]
     probs = torch.softmax(scores, dim=-1)
     out = torch.bmm(probs, v).view(n, num_kv_heads, group_size, num_kv_heads, head_dim)
