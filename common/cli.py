@@ -390,9 +390,6 @@ def gateway(**opts: Any) -> None:
 @_options(LOG_OPTIONS)
 def worker(**opts: Any) -> None:
     """Run one worker: load the model once, connect to the gateway, serve until SIGTERM."""
-    # Before torch loads OpenMP: idle OpenMP threads that spin steal the core the gateway
-    # needs, and a 2-thread step then stalls behind it (measured: up to 2x slower steps).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from common.logging_setup import setup_logging
     from common.supervisor import die_with_parent
     from worker.process import build_engine, run_worker
