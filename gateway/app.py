@@ -35,7 +35,7 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None) -> 
     tokenizer = tokenizer or load_tokenizer(config.model)
     if tokenizer.is_byte_level:
         tokenizer.bytes_table()  # built now, not on the first request
-    template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
+    template = ChatTemplate.from_tokenizer(tokenizer)
     gateway = Gateway(config)
     api = Api(config, gateway, tokenizer, template, served_model_names(config))
 

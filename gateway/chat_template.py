@@ -42,6 +42,11 @@ def _strftime_now(fmt: str) -> str:
 
 
 class ChatTemplate:
+    @classmethod
+    def from_tokenizer(cls, tokenizer) -> ChatTemplate:
+        """The template a tokenizer carries (ours or transformers'), with its bos/eos."""
+        return cls(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
+
     def __init__(self, source: str | None, bos_token: str | None = None,
                  eos_token: str | None = None):
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,

@@ -82,7 +82,7 @@ def main() -> int:
 
     samples = load_chat_samples(args.num_prompts, max_prompt_tokens=args.max_prompt_tokens)
     tokenizer = load_tokenizer("default")
-    template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
+    template = ChatTemplate.from_tokenizer(tokenizer)
     prompts = [tokenizer.encode(template.render(s.messages, True), add_special_tokens=False)
                for s in samples]
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from common.model_files import default_model_path
 from gateway.chat_template import ChatTemplate, ChatTemplateError
 from gateway.tokenizer import load_tokenizer
 
@@ -20,14 +19,7 @@ CONVERSATIONS = [
 @pytest.fixture(scope="module")
 def ours():
     tk = load_tokenizer("default")
-    return tk, ChatTemplate(tk.chat_template, tk.bos_token, tk.eos_token)
-
-
-@pytest.fixture(scope="module")
-def reference():
-    transformers = pytest.importorskip("transformers")
-    path = default_model_path()
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return tk, ChatTemplate.from_tokenizer(tk)
 
 
 @pytest.mark.slow

@@ -33,13 +33,6 @@ def ours():
     return load_tokenizer("default")
 
 
-@pytest.fixture(scope="module")
-def reference():
-    transformers = pytest.importorskip("transformers")
-    path = default_model_path()
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("text", TEXTS)
 def test_same_ids_as_transformers(ours, reference, text):
@@ -139,5 +132,5 @@ def test_hugging_face_directory(tmp_path, ours):
     for text in TEXTS:
         assert hf.encode(text) == reference.encode(text)
     messages = [{"role": "user", "content": "Hi 😀"}]
-    assert ChatTemplate(hf.chat_template, hf.bos_token, hf.eos_token).render(messages) == \
+    assert ChatTemplate.from_tokenizer(hf).render(messages) == \
         reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -1,0 +1,15 @@
+"""Fixtures shared by the gateway tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.model_files import default_model_path
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """transformers' tokenizer from the same GGUF file: the reference no one here wrote."""
+    transformers = pytest.importorskip("transformers")
+    path = default_model_path()
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
