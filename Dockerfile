@@ -7,6 +7,10 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1
 
+# A C++ compiler: CPU workers build their native attention kernel on first start.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+
 # torch first, from the index that matches the hardware, so `pip install .` keeps it.
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu124
 RUN pip install "torch>=2.3" --index-url "${TORCH_INDEX}"

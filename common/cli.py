@@ -22,7 +22,7 @@ from typing import Any
 
 import click
 
-from worker.config import BatchingMode, EngineConfig
+from worker.config import ATTENTION_BACKENDS, BatchingMode, EngineConfig
 
 ENV_PREFIX = "ZEROSERVE_"
 LOG_FORMATS = ("text", "json")
@@ -129,6 +129,10 @@ ENGINE_OPTIONS = [
            default=_default(EngineConfig, "batch_wait_ms"), help="dynamic mode's window."),
     option("--num-threads", type=click.IntRange(min=1), default=None,
            help="torch CPU threads. [default: torch's]"),
+    option("--attention-backend", type=click.Choice(ATTENTION_BACKENDS),
+           default=_default(EngineConfig, "attention_backend"),
+           help="Decode attention: native (a CPU kernel compiled on first use), torch, or "
+                "auto (native for bfloat16 on the CPU where it builds)."),
     option("--backend", type=click.Choice(["model", "fake"]), default="model",
            help="fake emits tokens without a model (tests and benchmarks only)."),
     option("--seed", type=int, default=_default(EngineConfig, "seed")),
@@ -192,6 +196,7 @@ def engine_config(opts: dict[str, Any], device: str | None = None) -> EngineConf
         enable_prefix_caching=opts["enable_prefix_caching"],
         batching_mode=BatchingMode(opts["batching_mode"]), batch_wait_ms=opts["batch_wait_ms"],
         num_threads=opts["num_threads"], seed=opts["seed"],
+        attention_backend=opts["attention_backend"],
     )
 
 

@@ -48,14 +48,16 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--prefill", type=int, default=0,
                         help="also time one prefill chunk of this many tokens")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "native", "torch"])
     parser.add_argument("--profile", action="store_true", help="print torch.profiler top ops")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
-    runner = ModelRunner(EngineConfig(dtype=args.dtype, num_kv_blocks=1200))
+    runner = ModelRunner(EngineConfig(dtype=args.dtype, num_kv_blocks=4000,
+                                      attention_backend=args.attention_backend))
     params = SamplingParams(temperature=args.temperature, max_tokens=1000)
     print(f"device={runner.info.device} dtype={runner.info.dtype} threads={torch.get_num_threads()}"
-          f" context={args.context}")
+          f" context={args.context} attention={args.attention_backend}")
     if args.prefill:
         time_prefill(runner, args.prefill, params)
     for batch in args.batch:

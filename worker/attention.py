@@ -9,6 +9,11 @@ batch); all layers reuse it. The projections and MLP see the flattened batch wit
 only attention pads: decode rows are batched together (in a few groups of similar context
 length), each prefill chunk runs on its own with a causal mask offset by its start position.
 
+On the CPU with bf16, decode rows go instead to a native kernel (worker/csrc, built by
+worker.cpu_kernels) that reads K/V in place through the block tables: no gathered copy, no
+padding, no length groups. The torch path below stays for other devices and dtypes and as the
+fallback where the kernel cannot be built.
+
 Grouped-query attention never copies K/V per query head: the query heads that share a KV head
 are folded into one matrix (`[kv_heads, group * q_len, head_dim]`), so one matmul or SDPA call
 covers the group.
@@ -17,6 +22,7 @@ covers the group.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,15 +57,30 @@ class DecodeGroup:
     max_context: int  # a whole number of blocks
 
 
+# (q [rows, heads, d], k_cache, v_cache, block_tables, context_lens, scale) -> [rows, heads * d]
+DecodeKernel = Callable[..., torch.Tensor]
+
+
+@dataclass
+class PagedDecode:
+    """All decode rows [0, num_decode) for a native kernel that reads the pool in place."""
+
+    kernel: DecodeKernel
+    block_tables: torch.Tensor  # [num_rows, max_blocks] int32, padded with 0 (never read)
+    context_lens: torch.Tensor  # [num_rows] int32
+
+
 @dataclass
 class AttentionMetadata:
     # [num_tokens] pool slot for each new token's K/V; None runs without a cache (reference).
     slot_mapping: torch.Tensor | None
-    # The first num_decode rows are single-token decodes of distinct sequences, split into
-    # groups of similar context length so short contexts are not padded to the longest.
+    # The first num_decode rows are single-token decodes of distinct sequences. They run
+    # either through a native kernel (paged_decode) or in torch, split into decode_groups of
+    # similar context length so short contexts are not padded to the longest.
     num_decode: int
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
+    paged_decode: PagedDecode | None = None
 
 
 def causal_mask(start_pos: int, num_tokens: int, group: int, device: torch.device) -> torch.Tensor:
@@ -145,11 +166,13 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         # Earlier positions are in the pool (this chunk's K/V were just written there too).
         k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, span.context_slots)
         v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, span.context_slots)
+    # 4-D inputs (a batch of one): with 3-D ones torch's CPU SDPA falls back to its math
+    # path, 2-3x slower here than the fused kernel it picks for 4-D.
     out = F.scaled_dot_product_attention(
-        _fold_group(q, num_kv_heads), k.transpose(0, 1), v.transpose(0, 1),
+        _fold_group(q, num_kv_heads)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
         attn_mask=span.mask, scale=scale,
     )
-    return _unfold_group(out, n)
+    return _unfold_group(out[0], n)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -161,9 +184,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     if meta.slot_mapping is not None:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    paged = meta.paged_decode
+    if paged is not None and not meta.prefills:
+        return paged.kernel(q, k_cache, v_cache, paged.block_tables, paged.context_lens, scale)
     if len(meta.decode_groups) == 1 and not meta.prefills:
         return _decode_attention(q, k_cache, v_cache, meta.decode_groups[0], scale)
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    if paged is not None and meta.num_decode:
+        out[: meta.num_decode] = paged.kernel(q[: meta.num_decode], k_cache, v_cache,
+                                              paged.block_tables, paged.context_lens, scale)
     for group in meta.decode_groups:
         rows = slice(group.start, group.end)
         out[rows] = _decode_attention(q[rows], k_cache, v_cache, group, scale)

@@ -12,6 +12,9 @@ class BatchingMode(enum.Enum):
     DYNAMIC = "dynamic"  # benchmark baseline: gather for batch_wait_ms, then run to completion
 
 
+ATTENTION_BACKENDS = ("auto", "native", "torch")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "default"  # "default" (embedded SmolLM2), a .gguf path, or a HF directory
@@ -27,6 +30,9 @@ class EngineConfig:
     batching_mode: BatchingMode = BatchingMode.CONTINUOUS
     batch_wait_ms: float = 50.0  # dynamic mode only
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
+    # Decode attention: "native" (the compiled CPU kernel, worker/csrc), "torch", or "auto"
+    # (native for bf16 on the CPU where it builds, torch otherwise).
+    attention_backend: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -40,5 +46,7 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}")
         if self.batch_wait_ms < 0:
             raise ValueError("batch_wait_ms must be >= 0")

@@ -9,7 +9,15 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.attention import AttentionMetadata, DecodeGroup, PrefillSpan, causal_mask
+from worker import cpu_kernels
+from worker.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    DecodeKernel,
+    PagedDecode,
+    PrefillSpan,
+    causal_mask,
+)
 from worker.config import EngineConfig
 from worker.device import default_kv_cache_bytes, resolve_device, resolve_dtype
 from worker.model.info import ModelInfo
@@ -48,12 +56,31 @@ class ModelRunner:
         self.sampler = Sampler(self.info.vocab_size, self.info.eos_token_ids, self.device,
                                config.seed)
         self.group = self.model.config.num_queries_per_kv
+        self.decode_kernel = self._decode_kernel(config.attention_backend)
         self.last_timing = StepTiming()
         logger.info(
-            "loaded %s on %s (%s) in %.1fs: %d KV blocks of %d tokens, context %d",
+            "loaded %s on %s (%s) in %.1fs: %d KV blocks of %d tokens, context %d, "
+            "%s decode attention",
             self.info.name, self.info.device, self.info.dtype, time.perf_counter() - started,
             self.num_kv_blocks, self.block_size, self.info.max_model_len,
+            "native" if self.decode_kernel is not None else "torch",
         )
+
+    def _decode_kernel(self, backend: str) -> DecodeKernel | None:
+        """The native decode attention kernel, or None for the torch path."""
+        if backend == "torch":
+            return None
+        supported = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32)
+        if backend == "native":
+            if not supported:
+                raise ValueError("the native attention kernel runs on the CPU in bfloat16 or "
+                                 f"float32, not on {self.device} in {self.dtype}")
+            return cpu_kernels.load(required=True).decode_attention
+        # auto: bf16 only; fp32 keeps the torch path that the reference tests hold exact.
+        if supported and self.dtype == torch.bfloat16:
+            module = cpu_kernels.load()
+            return None if module is None else module.decode_attention
+        return None
 
     @property
     def kv_block_bytes(self) -> int:
@@ -134,9 +161,12 @@ class ModelRunner:
             slot_mapping=blocks * self.block_size + positions_t % self.block_size,
             num_decode=len(decodes), decode_groups=[], prefills=[],
         )
-        lengths = [c.context_len for c in decodes]
-        for start, end in group_by_length(lengths, self.block_size):
-            meta.decode_groups.append(self._decode_group(decodes[start:end], start))
+        if self.decode_kernel is not None:
+            meta.paged_decode = self._paged_decode(decodes)
+        else:
+            lengths = [c.context_len for c in decodes]
+            for start, end in group_by_length(lengths, self.block_size):
+                meta.decode_groups.append(self._decode_group(decodes[start:end], start))
         row = len(decodes)
         for chunk in prefills:
             meta.prefills.append(self._prefill_span(chunk, row))
@@ -150,6 +180,18 @@ class ModelRunner:
             sample_rows=torch.tensor(sample_rows, dtype=torch.long),
             sample_chunks=sample_chunks,
         ))
+
+    def _paged_decode(self, decodes: list[ScheduledChunk]) -> PagedDecode | None:
+        if not decodes:
+            return None
+        num_blocks = math.ceil(max(c.context_len for c in decodes) / self.block_size)
+        tables = [c.block_table[:num_blocks] for c in decodes]
+        return PagedDecode(
+            kernel=self.decode_kernel,
+            block_tables=torch.tensor([t + [0] * (num_blocks - len(t)) for t in tables],
+                                      dtype=torch.int32),
+            context_lens=torch.tensor([c.context_len for c in decodes], dtype=torch.int32),
+        )
 
     def _decode_group(self, decodes: list[ScheduledChunk], start: int) -> DecodeGroup:
         context_lens = torch.tensor([c.context_len for c in decodes], dtype=torch.long)

@@ -21,10 +21,11 @@ PROMPTS = [
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 
 
-@pytest.fixture(scope="module")
-def runner(tiny_hf_dir):
+@pytest.fixture(scope="module", params=["torch", "native"])
+def runner(tiny_hf_dir, request):
+    """Every runner test runs with both decode attention backends."""
     return ModelRunner(EngineConfig(model=str(tiny_hf_dir), dtype="float32", block_size=4,
-                                    num_kv_blocks=128))
+                                    num_kv_blocks=128, attention_backend=request.param))
 
 
 def unpaged_greedy(runner: ModelRunner, prompt: list[int], num_tokens: int) -> list[int]:
@@ -109,6 +110,41 @@ def test_bfloat16_runner_agrees_with_float32(tiny_hf_dir, hand_loop):
     # The paged bf16 path runs and produces in-vocabulary tokens.
     out = hand_loop(bf16).generate(PROMPTS, 8)
     assert all(len(o) == 8 and all(0 <= t < 256 for t in o) for o in out)
+
+
+def test_native_and_torch_decode_agree_in_bfloat16(tmp_path):
+    """bf16 with head_dim 64 takes the kernel's AVX-512 path where the CPU has it: after the
+    same prefill, a decode step's logits match the torch path's to bf16 precision."""
+    from tests.worker.conftest import make_tiny_hf_model, save_hf_dir
+
+    model_dir = save_hf_dir(make_tiny_hf_model(seed=1, hidden_size=256, head_dim=64,
+                                               num_attention_heads=4, num_key_value_heads=2),
+                            tmp_path / "hd64")
+    prefill = [ScheduledChunk(str(i), p, 0, list(range(8 * i, 8 * i + 8)), True, GREEDY)
+               for i, p in enumerate(PROMPTS)]
+    decode = [ScheduledChunk(c.request_id, [7], len(c.token_ids), c.block_table, True, GREEDY)
+              for c in prefill]
+    logits = []
+    for backend in ("torch", "native"):
+        runner = ModelRunner(EngineConfig(model=str(model_dir), dtype="bfloat16",
+                                          num_kv_blocks=64, attention_backend=backend))
+        assert (runner.decode_kernel is not None) == (backend == "native")
+        with torch.inference_mode():
+            runner.execute(SchedulerOutput(prefill))  # fills the pool
+            inputs = runner._prepare(decode)
+            hidden = runner.model.forward(inputs.input_ids, inputs.positions, inputs.meta,
+                                          runner.kv_caches)
+            logits.append(runner.model.compute_logits(hidden))
+    cos = torch.nn.functional.cosine_similarity(logits[0], logits[1], dim=-1)
+    assert cos.min() > 0.999
+
+
+def test_native_backend_is_refused_where_it_cannot_run(tiny_hf_dir):
+    with pytest.raises(ValueError, match="native attention kernel"):
+        ModelRunner(EngineConfig(model=str(tiny_hf_dir), dtype="float16", num_kv_blocks=8,
+                                 attention_backend="native"))
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineConfig(attention_backend="flash")
 
 
 def test_decode_rows_group_by_context_length_only_when_it_pays():

@@ -1,0 +1,367 @@
+// Decode attention straight from the paged KV pool, for the CPU.
+//
+// One query token per sequence attends to its whole context, read in place from the pool
+// `[num_blocks, block_size, kv_heads, head_dim]` through the sequence's block table: no
+// gathered copy of K/V, no padding to the batch's longest context, and no zero blocks (the
+// torch path folds grouped-query heads into a block-diagonal matmul that triples the FLOPs).
+//
+// Work items are (sequence, KV head) pairs; each computes the `group` query heads that share
+// that KV head, so every K/V row is read once per item. Scores and sums are fp32 whatever
+// the storage dtype. Items are dealt round-robin to torch's intra-op threads: rows arrive
+// sorted by context length, so contiguous ranges would give one thread all the long ones.
+//
+// Built at run time by worker/cpu_kernels.py with -O3 -march=native; the loops are written
+// for the compiler to vectorize (`omp simd` on the reductions, a polynomial exp).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+
+inline float to_float(at::BFloat16 x) {
+  uint16_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
+// exp(x) for x <= 0 (scores minus their maximum): 2^(x log2 e) split into an integer power,
+// set in the exponent bits, and a degree-6 polynomial on [-0.5, 0.5] (relative error ~2e-7).
+// Inline and branch-free so that `omp simd` loops over it vectorize; std::exp does not.
+#pragma omp declare simd notinbranch
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float t = x * 1.44269504088896341f;
+  const float n = std::nearbyint(t);
+  const float f = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+template <typename T>
+struct Problem {
+  const T* q;  // [n, heads, d] with rows q_stride apart
+  int64_t q_stride;
+  const T* k_cache;  // [num_blocks, block_size, kv_heads, d]
+  const T* v_cache;
+  const int32_t* tables;  // [n, table_stride]
+  int64_t table_stride;
+  const int32_t* context_lens;  // [n]
+  T* out;  // [n, heads * d]
+  int64_t n, heads, kv_heads, d, block_size;
+  float scale;
+};
+
+// Scratch reused across the items of one thread.
+struct Scratch {
+  std::vector<float> q, acc, scores, inv_sums;
+};
+
+// In place: each of `rows` rows of `len` scores -> exp(score - row max); inv_sums[r] gets
+// 1 / (sum of row r), applied to the output at the end.
+inline void softmax_rows(float* scores, int64_t rows, int64_t len, float* inv_sums) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = scores + r * len;
+    float peak = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : peak)
+    for (int64_t l = 0; l < len; ++l) peak = sr[l] > peak ? sr[l] : peak;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t l = 0; l < len; ++l) {
+      sr[l] = exp_nonpositive(sr[l] - peak);
+      sum += sr[l];
+    }
+    inv_sums[r] = 1.0f / sum;
+  }
+}
+
+// Calls fn(l, pointer to row l of `cache` for this KV head) for l = 0 .. len-1, walking the
+// block table block by block (no division per position).
+template <typename T, typename Fn>
+inline void for_each_row(const Problem<T>& p, const int32_t* table, int64_t len,
+                         const T* cache, int64_t kv_head, Fn&& fn) {
+  const int64_t slot_stride = p.kv_heads * p.d;  // elements between neighbouring pool slots
+  for (int64_t start = 0, b = 0; start < len; start += p.block_size, ++b) {
+    const T* row = cache + static_cast<int64_t>(table[b]) * p.block_size * slot_stride +
+                   kv_head * p.d;
+    const int64_t stop = std::min(len, start + p.block_size);
+    for (int64_t l = start; l < stop; ++l, row += slot_stride) fn(l, row);
+  }
+}
+
+// D is the head size when known at compile time (the common 64 and 128, so that the inner
+// loops unroll into a few vector instructions), or 0 to read it from the problem.
+template <int64_t D, typename T>
+void one_item(const Problem<T>& p, int64_t seq, int64_t kv_head, Scratch& s) {
+  const int64_t d = D > 0 ? D : p.d;
+  const int64_t group = p.heads / p.kv_heads;
+  const int64_t len = p.context_lens[seq];
+  const int32_t* table = p.tables + seq * p.table_stride;
+  s.q.resize(group * d);
+  s.acc.assign(group * d, 0.0f);
+  s.scores.resize(group * len);
+  s.inv_sums.resize(group);
+  float* q = s.q.data();
+  float* acc = s.acc.data();
+  float* scores = s.scores.data();
+
+  const T* q_in = p.q + seq * p.q_stride + kv_head * group * d;
+  for (int64_t i = 0; i < group * d; ++i) q[i] = to_float(q_in[i]) * p.scale;
+
+  // scores[g, l] = q_g . k_l
+  for_each_row(p, table, len, p.k_cache, kv_head, [&](int64_t l, const T* k) {
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * d;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t j = 0; j < d; ++j) dot += qg[j] * to_float(k[j]);
+      scores[g * len + l] = dot;
+    }
+  });
+
+  softmax_rows(scores, group, len, s.inv_sums.data());
+
+  // acc[g] = sum_l p[g, l] v_l
+  for_each_row(p, table, len, p.v_cache, kv_head, [&](int64_t l, const T* v) {
+    for (int64_t g = 0; g < group; ++g) {
+      const float weight = scores[g * len + l];
+      float* ag = acc + g * d;
+#pragma omp simd
+      for (int64_t j = 0; j < d; ++j) ag[j] += weight * to_float(v[j]);
+    }
+  });
+
+  T* out = p.out + seq * p.heads * d + kv_head * group * d;
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv_sum = s.inv_sums[g];
+    for (int64_t j = 0; j < d; ++j) out[g * d + j] = static_cast<T>(acc[g * d + j] * inv_sum);
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define ZS_HAVE_AVX512_BF16 1
+
+// 16 bf16 values -> 16 floats (a bf16 is the high half of a float).
+inline __m512 load_bf16x16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// r[i] = sum of the 16 lanes of v[i]: a transpose-and-add tree, 45 instructions for 16 sums
+// instead of a horizontal reduction each.
+inline __m512 sum16(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [v2i, v2i+1, v2i, v2i+1] partials
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: [v4i .. v4i+3] partials
+    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i) {  // fold the four 128-bit lanes pairwise
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
+                       _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+// The same item as one_item, with AVX-512 BF16 instructions for a head size D (a multiple
+// of 32): q.k as bf16 pair dot products accumulated in fp32 (exact products, no conversion
+// of K), V converted once per row into a small fp32 scratch, then each query head sums its
+// weighted V rows with its accumulators in registers.
+template <int64_t D>
+void one_item_bf16(const Problem<at::BFloat16>& p, int64_t seq, int64_t kv_head, Scratch& s) {
+  constexpr int64_t kChunks = D / 32;  // __m512bh per row
+  constexpr int64_t kVecs = D / 16;  // __m512 per row
+  const int64_t group = p.heads / p.kv_heads;
+  const int64_t len = p.context_lens[seq];
+  const int32_t* table = p.tables + seq * p.table_stride;
+  s.scores.resize(group * len);
+  s.acc.resize(len * D);  // V rows in fp32
+  s.inv_sums.resize(group);
+  float* scores = s.scores.data();
+  float* v_rows = s.acc.data();
+  const at::BFloat16* q_in = p.q + seq * p.q_stride + kv_head * group * D;
+  const __m512 scale = _mm512_set1_ps(p.scale);
+
+  for (int64_t g = 0; g < group; ++g) {
+    __m512bh q[kChunks];
+    for (int64_t c = 0; c < kChunks; ++c) {
+      q[c] = (__m512bh)_mm512_loadu_si512(q_in + g * D + 32 * c);
+    }
+    float* sg = scores + g * len;
+    // Lane sums of 16 rows at a time, so the horizontal adds are shared (sum16).
+    __m512 tile[16];
+    int64_t num_filled = 0;
+    for_each_row(p, table, len, p.k_cache, kv_head, [&](int64_t l, const at::BFloat16* k) {
+      __m512 dot = _mm512_setzero_ps();
+      for (int64_t c = 0; c < kChunks; ++c) {
+        dot = _mm512_dpbf16_ps(dot, q[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+      }
+      tile[num_filled++] = dot;
+      if (num_filled == 16) {
+        _mm512_storeu_ps(sg + l - 15, _mm512_mul_ps(sum16(tile), scale));
+        num_filled = 0;
+      }
+    });
+    if (num_filled > 0) {
+      for (int64_t i = num_filled; i < 16; ++i) tile[i] = _mm512_setzero_ps();
+      const __mmask16 valid = static_cast<__mmask16>((1u << num_filled) - 1);
+      _mm512_mask_storeu_ps(sg + len - num_filled, valid, _mm512_mul_ps(sum16(tile), scale));
+    }
+  }
+  softmax_rows(scores, group, len, s.inv_sums.data());
+
+  for_each_row(p, table, len, p.v_cache, kv_head, [&](int64_t l, const at::BFloat16* v) {
+    for (int64_t c = 0; c < kVecs; ++c) _mm512_storeu_ps(v_rows + l * D + 16 * c, load_bf16x16(v + 16 * c));
+  });
+  at::BFloat16* out = p.out + seq * p.heads * D + kv_head * group * D;
+  // kWays independent accumulator sets over interleaved rows hide the FMA latency.
+  constexpr int64_t kWays = kVecs >= 16 ? 1 : 16 / kVecs;
+  for (int64_t g = 0; g < group; ++g) {
+    __m512 acc[kWays][kVecs];
+    for (int64_t w = 0; w < kWays; ++w) {
+      for (int64_t c = 0; c < kVecs; ++c) acc[w][c] = _mm512_setzero_ps();
+    }
+    const float* sg = scores + g * len;
+    int64_t l = 0;
+    for (; l + kWays <= len; l += kWays) {
+      for (int64_t w = 0; w < kWays; ++w) {
+        const __m512 weight = _mm512_set1_ps(sg[l + w]);
+        const float* v = v_rows + (l + w) * D;
+        for (int64_t c = 0; c < kVecs; ++c) {
+          acc[w][c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(v + 16 * c), acc[w][c]);
+        }
+      }
+    }
+    for (; l < len; ++l) {
+      const __m512 weight = _mm512_set1_ps(sg[l]);
+      for (int64_t c = 0; c < kVecs; ++c) {
+        acc[0][c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(v_rows + l * D + 16 * c), acc[0][c]);
+      }
+    }
+    for (int64_t w = 1; w < kWays; ++w) {
+      for (int64_t c = 0; c < kVecs; ++c) acc[0][c] = _mm512_add_ps(acc[0][c], acc[w][c]);
+    }
+    const __m512 inv_sum = _mm512_set1_ps(s.inv_sums[g]);
+    for (int64_t c = 0; c < kVecs; ++c) {
+      // fp32 -> bf16 with round-to-nearest-even, as torch converts
+      const __m256bh packed = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[0][c], inv_sum));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * D + 16 * c), (__m256i)packed);
+    }
+  }
+}
+#endif
+
+template <typename T>
+void run(const Problem<T>& p) {
+  const int64_t num_items = p.n * p.kv_heads;
+  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_items);
+  at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t item = t; item < num_items; item += num_threads) {
+        const int64_t seq = item / p.kv_heads, kv_head = item % p.kv_heads;
+        if (p.d == 64) {
+#ifdef ZS_HAVE_AVX512_BF16
+          if constexpr (std::is_same_v<T, at::BFloat16>) {
+            one_item_bf16<64>(p, seq, kv_head, scratch);
+            continue;
+          }
+#endif
+          one_item<64>(p, seq, kv_head, scratch);
+        } else if (p.d == 128) {
+#ifdef ZS_HAVE_AVX512_BF16
+          if constexpr (std::is_same_v<T, at::BFloat16>) {
+            one_item_bf16<128>(p, seq, kv_head, scratch);
+            continue;
+          }
+#endif
+          one_item<128>(p, seq, kv_head, scratch);
+        } else {
+          one_item<0>(p, seq, kv_head, scratch);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// q [n, heads, d] (rows may be strided), k_cache/v_cache [num_blocks, block_size, kv_heads, d],
+// block_tables [n, max_blocks] int32 (padding never read), context_lens [n] int32 (>= 1)
+// -> [n, heads * d] in q's dtype.
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor block_tables, torch::Tensor context_lens,
+                               double scale) {
+  TORCH_CHECK(q.device().is_cpu(), "decode_attention runs on the CPU");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must be [n, heads, d] with contiguous heads");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "k_cache and v_cache must be contiguous [num_blocks, block_size, kv_heads, d]");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q, k_cache and v_cache must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous() &&
+                  block_tables.dim() == 2 && block_tables.size(0) == q.size(0),
+              "block_tables must be contiguous int32 [n, max_blocks]");
+  TORCH_CHECK(context_lens.scalar_type() == torch::kInt32 && context_lens.is_contiguous() &&
+                  context_lens.numel() == q.size(0),
+              "context_lens must be contiguous int32 [n]");
+  const int64_t n = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == d && heads % kv_heads == 0, "head shapes do not match");
+  auto out = torch::empty({n, heads * d}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (n == 0) return out;
+
+  auto launch = [&](auto tag) {
+    using T = decltype(tag);
+    Problem<T> p{q.data_ptr<T>(), q.stride(0), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                 block_tables.data_ptr<int32_t>(), block_tables.stride(0),
+                 context_lens.data_ptr<int32_t>(), out.data_ptr<T>(), n, heads, kv_heads, d,
+                 k_cache.size(1), static_cast<float>(scale)};
+    run(p);
+  };
+  if (q.scalar_type() == torch::kBFloat16) {
+    launch(at::BFloat16{});
+  } else if (q.scalar_type() == torch::kFloat32) {
+    launch(float{});
+  } else {
+    TORCH_CHECK(false, "decode_attention supports bfloat16 and float32, not ", q.scalar_type());
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention,
+        "Decode attention over a paged KV pool (one query token per sequence)");
+}
