@@ -30,16 +30,13 @@ CACHE_DIR = BENCH_DIR / "cache"
 
 DEFAULT_MIN_PROMPT_TOKENS = 4
 DEFAULT_MAX_PROMPT_TOKENS = 1024
-# Replies longer than this are clipped when lengths are sampled: a long tail would make a
-# run's duration depend on a handful of requests.
-MAX_SAMPLED_OUTPUT_TOKENS = 512
 
 
 @dataclass(frozen=True)
 class ChatSample:
     messages: list[dict[str, str]]  # OpenAI chat messages: [{"role": "user", "content": ...}]
     num_prompt_tokens: int  # the user text alone, without the chat template
-    num_reference_output_tokens: int  # the dataset's reply length, clipped, >= 1
+    num_reference_output_tokens: int  # the dataset's reply length (>= 1); callers cap it
 
 
 class DatasetMissingError(RuntimeError):
@@ -138,7 +135,7 @@ def load_chat_samples(
     """`num` samples drawn with `seed`, prompts of [min, max] tokens; same args, same list."""
     if num <= 0:
         return []
-    cache = CACHE_DIR / f"sharegpt_n{num}_s{seed}_p{min_prompt_tokens}-{max_prompt_tokens}.json"
+    cache = CACHE_DIR / f"sharegpt_v2_n{num}_s{seed}_p{min_prompt_tokens}-{max_prompt_tokens}.json"
     if use_cache and cache.is_file():
         return [ChatSample(**row) for row in json.loads(cache.read_text())]
 
@@ -159,7 +156,7 @@ def load_chat_samples(
                 ChatSample(
                     messages=[{"role": "user", "content": prompt}],
                     num_prompt_tokens=len(p_ids),
-                    num_reference_output_tokens=min(len(r_ids), MAX_SAMPLED_OUTPUT_TOKENS),
+                    num_reference_output_tokens=len(r_ids),
                 )
             )
             if len(samples) == num:
