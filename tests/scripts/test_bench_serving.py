@@ -225,10 +225,17 @@ def test_compare_takes_medians_and_rewrites_only_its_docs_section(tmp_path):
     assert "| zeroserve | c16 | 12 / 0 |" in section
     assert "zeroserve / llama-server at c16: 4.00x throughput" in section
     page = tmp_path / "benchmarks.md"
-    page.write_text("# Benchmarks\n\nintro\n\n" + compare.MARK_BEGIN + "\nold\n"
-                    + compare.MARK_END + "\n\n## After\n")
+    begin, end = compare.markers()
+    page.write_text("# Benchmarks\n\nintro\n\n" + begin + "\nold\n" + end + "\n\n## After\n")
     compare.write_docs(section, page)
     compare.write_docs(section, page)  # a rerun replaces, never appends
     text = page.read_text()
-    assert text.count(compare.MARK_BEGIN) == 1 and "old" not in text
+    assert text.count(begin) == 1 and "old" not in text
     assert text.startswith("# Benchmarks\n\nintro") and text.endswith("## After\n")
+    # A named section lives beside the default one; rerunning it replaces only itself.
+    named = compare.markdown(plan, table, "cmd", "now", (1.0, 1.0, 1.0), section="sampled")
+    compare.write_docs(named, page, "sampled")
+    compare.write_docs(named.replace("12 / 0", "13 / 0"), page, "sampled")
+    text = page.read_text()
+    assert text.count(begin) == 1 and text.count(compare.markers("sampled")[0]) == 1
+    assert "| zeroserve | c16 | 13 / 0 |" in text and "| zeroserve | c16 | 12 / 0 |" in text
