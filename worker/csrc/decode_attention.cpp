@@ -10,8 +10,10 @@
 // the storage dtype. Items are dealt round-robin to torch's intra-op threads: rows arrive
 // sorted by context length, so contiguous ranges would give one thread all the long ones.
 //
-// Built at run time by worker/cpu_kernels.py with -O3 -march=native; the loops are written
-// for the compiler to vectorize (`omp simd` on the reductions, a polynomial exp).
+// Built at run time by worker/cpu_kernels.py with -O3 -march=native. Where the CPU has
+// AVX-512 BF16 and the head size is 64 or 128, bf16 items use the intrinsics path
+// (one_item_bf16); everything else runs the portable loops (one_item), written for the
+// compiler to vectorize (`omp simd` on the reductions, a polynomial exp).
 
 #include <torch/extension.h>
 
