@@ -284,6 +284,18 @@ void one_item_bf16(const Problem<at::BFloat16>& p, int64_t seq, int64_t kv_head,
 }
 #endif
 
+// One item with the best path for this head size D (0: any) and storage type.
+template <int64_t D, typename T>
+inline void item_for(const Problem<T>& p, int64_t seq, int64_t kv_head, Scratch& scratch) {
+#ifdef ZS_HAVE_AVX512_BF16
+  if constexpr (D > 0 && std::is_same_v<T, at::BFloat16>) {
+    one_item_bf16<D>(p, seq, kv_head, scratch);
+    return;
+  }
+#endif
+  one_item<D>(p, seq, kv_head, scratch);
+}
+
 template <typename T>
 void run(const Problem<T>& p) {
   const int64_t num_items = p.n * p.kv_heads;
@@ -294,23 +306,11 @@ void run(const Problem<T>& p) {
       for (int64_t item = t; item < num_items; item += num_threads) {
         const int64_t seq = item / p.kv_heads, kv_head = item % p.kv_heads;
         if (p.d == 64) {
-#ifdef ZS_HAVE_AVX512_BF16
-          if constexpr (std::is_same_v<T, at::BFloat16>) {
-            one_item_bf16<64>(p, seq, kv_head, scratch);
-            continue;
-          }
-#endif
-          one_item<64>(p, seq, kv_head, scratch);
+          item_for<64>(p, seq, kv_head, scratch);
         } else if (p.d == 128) {
-#ifdef ZS_HAVE_AVX512_BF16
-          if constexpr (std::is_same_v<T, at::BFloat16>) {
-            one_item_bf16<128>(p, seq, kv_head, scratch);
-            continue;
-          }
-#endif
-          one_item<128>(p, seq, kv_head, scratch);
+          item_for<128>(p, seq, kv_head, scratch);
         } else {
-          one_item<0>(p, seq, kv_head, scratch);
+          item_for<0>(p, seq, kv_head, scratch);
         }
       }
     }
