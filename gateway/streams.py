@@ -6,8 +6,9 @@ consumes it. Several choices of one HTTP request share one sink, so one task ser
 
 Credit: the worker may have at most `credit_window` tokens of a stream sent and not
 credited. The handler credits tokens once they reached the client socket (or, for
-non-stream requests, once it consumed them); `WorkerOutbox` batches the grants (and
-aborts) of one event-loop iteration into one CREDIT (and ABORT) message per worker.
+non-stream requests, once it consumed them); `WorkerOutbox` batches the grants of a short
+window (`CREDIT_DELAY_S`) and the aborts of one event-loop iteration into one CREDIT (and
+ABORT) message per worker.
 """
 
 from __future__ import annotations
@@ -76,10 +77,20 @@ class StreamTable:
         return len(self.states)
 
 
+# Grants wait this long for company. One TOKENS message per engine step wakes every
+# stream's handler, and they write (and grant) over several loop iterations; sent one
+# iteration at a time that was ~4 CREDIT messages per step, each waking the worker's I/O
+# thread, which then takes the GIL from the engine thread. A window far below a step (and
+# far below the time a window of credit lasts) gathers them into one.
+CREDIT_DELAY_S = 0.002
+
+
 class WorkerOutbox:
-    """Batches the small messages every stream produces (credit grants, aborts) and sends
-    them once per event-loop iteration: one CREDIT and one ABORT per worker, however many
-    streams moved. Grants to a request aborted in the same batch are dropped."""
+    """Batches the small messages every stream produces (credit grants, aborts): one CREDIT
+    and one ABORT per worker, however many streams moved. Aborts leave on the next loop
+    iteration (a vanished client's KV blocks should free at once), taking any pending
+    grants along; grants alone wait up to CREDIT_DELAY_S. Grants to a request aborted in the
+    same batch are dropped."""
 
     def __init__(self, send_credit: Callable[[str, list[list]], None],
                  send_abort: Callable[[str, list[str]], None]):
@@ -87,7 +98,8 @@ class WorkerOutbox:
         self._send_abort = send_abort  # (worker_id, [request_id, ...])
         self._grants: dict[str, dict[str, int]] = {}
         self._aborts: dict[str, list[str]] = {}
-        self._is_scheduled = False
+        self._flush_soon: asyncio.Handle | None = None
+        self._flush_later: asyncio.TimerHandle | None = None
 
     def grant(self, state: RequestState, n: int) -> None:
         if n <= 0 or state.worker_id is None or state.phase is not RequestPhase.RUNNING:
@@ -95,19 +107,19 @@ class WorkerOutbox:
         state.num_credited += n
         per_worker = self._grants.setdefault(state.worker_id, {})
         per_worker[state.request_id] = per_worker.get(state.request_id, 0) + n
-        self._schedule()
+        if self._flush_later is None and self._flush_soon is None:
+            self._flush_later = asyncio.get_running_loop().call_later(CREDIT_DELAY_S, self.flush)
 
     def abort(self, worker_id: str, request_id: str) -> None:
         self._aborts.setdefault(worker_id, []).append(request_id)
-        self._schedule()
-
-    def _schedule(self) -> None:
-        if not self._is_scheduled:
-            self._is_scheduled = True
-            asyncio.get_running_loop().call_soon(self.flush)
+        if self._flush_soon is None:
+            self._flush_soon = asyncio.get_running_loop().call_soon(self.flush)
 
     def flush(self) -> None:
-        self._is_scheduled = False
+        for handle in (self._flush_soon, self._flush_later):
+            if handle is not None:
+                handle.cancel()
+        self._flush_soon = self._flush_later = None
         grants, self._grants = self._grants, {}
         aborts, self._aborts = self._aborts, {}
         for worker_id, per_request in grants.items():

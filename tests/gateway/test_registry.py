@@ -208,3 +208,29 @@ def test_outbox_batches_per_worker_and_drops_credit_for_aborted():
         await asyncio.sleep(0)
         assert len(sent) == 3 and queued.num_credited == 0
     run(main())
+
+
+def test_outbox_gathers_grants_over_a_short_window_into_one_credit():
+    from gateway.streams import CREDIT_DELAY_S, RequestPhase, RequestState, WorkerOutbox
+
+    async def main():
+        sent = []
+        outbox = WorkerOutbox(lambda w, g: sent.append(("credit", w, g)),
+                              lambda w, r: sent.append(("abort", w, r)))
+        q = asyncio.Queue()
+        states = [RequestState(f"r{i}", 0, [1], q, RequestPhase.RUNNING, worker_id="a")
+                  for i in range(3)]
+        for state in states:  # handlers granting over several loop iterations
+            outbox.grant(state, 1)
+            await asyncio.sleep(0)
+        assert sent == []
+        await asyncio.sleep(CREDIT_DELAY_S * 5)
+        assert sent == [("credit", "a", [["r0", 1], ["r1", 1], ["r2", 1]])]
+        # An abort does not wait: it leaves on the next iteration with the pending grants.
+        outbox.grant(states[0], 2)
+        outbox.abort("a", "r2")
+        await asyncio.sleep(0)
+        assert sent[1:] == [("credit", "a", [["r0", 2]]), ("abort", "a", ["r2"])]
+        await asyncio.sleep(CREDIT_DELAY_S * 5)
+        assert len(sent) == 3  # nothing left behind to send twice
+    run(main())
