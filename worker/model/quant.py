@@ -68,9 +68,11 @@ def int4_blocks_from_gguf(raw: np.ndarray, qtype: Q) -> Int4Blocks | None:
 class PackedInt4:
     """An Int4Blocks matrix in torch's CPU int4 kernel layout."""
 
-    # Up to this many rows the int4 kernel beats dense bf16 (1 thread: 0.28 vs 1.6 ms per
-    # SmolLM2 layer at 1 row, 1.8 vs 2.2 at 16, 3.4 vs 2.3 at 32).
-    max_rows = 16
+    # Up to this many rows the int4 kernel beats dense bf16. Measured as a step runs, all 30
+    # SmolLM2 layers' weights streaming from memory, 2 threads: 2.4 vs 10.8 ms at 1 row,
+    # 10.5 vs 14.2 at 16, 12.9 vs 15.5 at 20, 15.1 vs 15.7 at 24, 19.7 vs 18.0 at 32.
+    # (One layer timed over and over keeps its weights in cache and favours dense.)
+    max_rows = 24
 
     def __init__(self, blocks: Int4Blocks, dtype: torch.dtype):
         q = torch.from_numpy(blocks.q.astype(np.int32))
@@ -88,9 +90,10 @@ class PackedInt4:
 class PackedInt8:
     """Per-row symmetric int8 (for the lm_head, which GGUF keeps at 8 bits or more)."""
 
-    # torch's int8 kernel only wins for a few rows (49152 x 576 lm_head, 1 thread: 6 vs 11 ms
-    # at 1 row, 8 vs 11 at 4, 33 vs 15 at 16).
-    max_rows = 4
+    # torch's int8 kernel wins for few rows (49152 x 576 lm_head, 2 threads: 0.7 vs 2.3 ms at
+    # 1 row, 1.6 vs 2.8 at 8, 2.3 vs 3.2 at 12, 3.2 vs 3.5 at 16, 4.9 vs 4.0 at 24); past 12
+    # whole decode steps measured no faster.
+    max_rows = 12
 
     def __init__(self, dense: torch.Tensor, dtype: torch.dtype):
         w = dense.float()
