@@ -183,16 +183,23 @@ def test_cancelled_waiter_leaves_the_queue():
     run(main())
 
 
-def test_outbox_batches_per_worker_and_drops_credit_for_aborted():
+def make_outbox(worker_ids: list[str]):
+    """An outbox that logs what it sends, and one running request per worker id given."""
     from gateway.streams import RequestPhase, RequestState, WorkerOutbox
 
+    sent = []
+    outbox = WorkerOutbox(lambda w, g: sent.append(("credit", w, g)),
+                          lambda w, r: sent.append(("abort", w, r)))
+    states = [RequestState(f"r{i}", 0, [1], asyncio.Queue(), RequestPhase.RUNNING, worker_id=w)
+              for i, w in enumerate(worker_ids)]
+    return outbox, sent, states
+
+
+def test_outbox_batches_per_worker_and_drops_credit_for_aborted():
+    from gateway.streams import RequestState
+
     async def main():
-        sent = []
-        outbox = WorkerOutbox(lambda w, g: sent.append(("credit", w, g)),
-                              lambda w, r: sent.append(("abort", w, r)))
-        q = asyncio.Queue()
-        states = [RequestState(f"r{i}", 0, [1], q, RequestPhase.RUNNING, worker_id=w)
-                  for i, w in enumerate(["a", "a", "b"])]
+        outbox, sent, states = make_outbox(["a", "a", "b"])
         outbox.grant(states[0], 3)
         outbox.grant(states[0], 2)
         outbox.grant(states[1], 1)
@@ -203,7 +210,7 @@ def test_outbox_batches_per_worker_and_drops_credit_for_aborted():
         assert sorted(sent) == [("abort", "a", ["r1"]), ("credit", "a", [["r0", 5]]),
                                 ("credit", "b", [["r2", 4]])]
         assert states[0].num_credited == 5
-        queued = RequestState("r9", 0, [1], q)  # not at a worker: no credit to give
+        queued = RequestState("r9", 0, [1], asyncio.Queue())  # not at a worker: no credit
         outbox.grant(queued, 3)
         await asyncio.sleep(0)
         assert len(sent) == 3 and queued.num_credited == 0
@@ -211,15 +218,10 @@ def test_outbox_batches_per_worker_and_drops_credit_for_aborted():
 
 
 def test_outbox_gathers_grants_over_a_short_window_into_one_credit():
-    from gateway.streams import CREDIT_DELAY_S, RequestPhase, RequestState, WorkerOutbox
+    from gateway.streams import CREDIT_DELAY_S
 
     async def main():
-        sent = []
-        outbox = WorkerOutbox(lambda w, g: sent.append(("credit", w, g)),
-                              lambda w, r: sent.append(("abort", w, r)))
-        q = asyncio.Queue()
-        states = [RequestState(f"r{i}", 0, [1], q, RequestPhase.RUNNING, worker_id="a")
-                  for i in range(3)]
+        outbox, sent, states = make_outbox(["a", "a", "a"])
         for state in states:  # handlers granting over several loop iterations
             outbox.grant(state, 1)
             await asyncio.sleep(0)
