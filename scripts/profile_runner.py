@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from worker.config import EngineConfig  # noqa: E402
+from worker.config import ATTENTION_BACKENDS, EngineConfig  # noqa: E402
 from worker.model_runner import ModelRunner  # noqa: E402
 from worker.plan import ScheduledChunk, SchedulerOutput  # noqa: E402
 from worker.sequence import SamplingParams  # noqa: E402
@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--prefill", type=int, default=0,
                         help="also time one prefill chunk of this many tokens")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "native", "torch"])
+    parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     parser.add_argument("--profile", action="store_true", help="print torch.profiler top ops")
     args = parser.parse_args()
 

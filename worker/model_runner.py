@@ -136,8 +136,8 @@ class ModelRunner:
     def _slots(self, block_tables: list[list[int]], length: int) -> torch.Tensor:
         """[num_seqs, length] pool slots of positions 0 .. length-1 (tables padded with 0)."""
         num_blocks = math.ceil(length / self.block_size)
-        padded = [t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks])) for t in block_tables]
-        tables = torch.tensor(padded, dtype=torch.long)  # [num_seqs, num_blocks]
+        tables = torch.tensor(_padded_tables(block_tables, num_blocks),
+                              dtype=torch.long)  # [num_seqs, num_blocks]
         offsets = torch.arange(self.block_size)
         slots = (tables[:, :, None] * self.block_size + offsets).view(len(block_tables), -1)
         return slots[:, :length]
@@ -185,11 +185,10 @@ class ModelRunner:
         if not decodes:
             return None
         num_blocks = math.ceil(max(c.context_len for c in decodes) / self.block_size)
-        tables = [c.block_table[:num_blocks] for c in decodes]
+        tables = _padded_tables([c.block_table for c in decodes], num_blocks)
         return PagedDecode(
             kernel=self.decode_kernel,
-            block_tables=torch.tensor([t + [0] * (num_blocks - len(t)) for t in tables],
-                                      dtype=torch.int32),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
             context_lens=torch.tensor([c.context_len for c in decodes], dtype=torch.int32),
         )
 
@@ -197,11 +196,8 @@ class ModelRunner:
         context_lens = torch.tensor([c.context_len for c in decodes], dtype=torch.long)
         # Whole blocks: attention gathers block by block and masks the padding.
         num_blocks = math.ceil(int(context_lens.max()) / self.block_size)
-        tables = [c.block_table[:num_blocks] for c in decodes]
-        blocks = torch.tensor(
-            [b for table in tables for b in table + [0] * (num_blocks - len(table))],
-            dtype=torch.long,
-        )
+        tables = _padded_tables([c.block_table for c in decodes], num_blocks)
+        blocks = torch.tensor(tables, dtype=torch.long).flatten()  # [num_rows * num_blocks]
         max_context = num_blocks * self.block_size
         is_padding = torch.arange(max_context)[None, :] >= context_lens[:, None]
         bias = torch.zeros(len(decodes), 1, max_context, dtype=self.dtype).masked_fill_(
@@ -236,6 +232,11 @@ class ModelRunner:
         inputs.positions = move(inputs.positions)
         inputs.sample_rows = move(inputs.sample_rows)
         return inputs
+
+
+def _padded_tables(block_tables: list[list[int]], num_blocks: int) -> list[list[int]]:
+    """Each table's first num_blocks entries, padded with block 0 (never read unmasked)."""
+    return [t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks])) for t in block_tables]
 
 
 def _row_blocks(chunk: ScheduledChunk, block_size: int) -> list[int]:
