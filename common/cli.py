@@ -279,6 +279,22 @@ def gateway_args(config: Any) -> list[str]:
     return args
 
 
+def serve_children(gateway: Any, workers: list[Any], log_args: list[str]) -> list[Any]:
+    """The child processes of `zeroserve serve`: the gateway, then one per worker config."""
+    from common.children import GATEWAY_CHILD
+    from common.supervisor import ChildSpec
+
+    python = sys.executable
+    specs = [ChildSpec(GATEWAY_CHILD, (python, "-m", "common.cli", "gateway",
+                                       *gateway_args(gateway), *log_args),
+                       stop_timeout_s=15.0, stop_phase=1)]
+    for config in workers:
+        specs.append(ChildSpec(config.worker_id, (python, "-m", "worker",
+                                                  *worker_args(config), *log_args),
+                               stop_timeout_s=config.drain_timeout_s + 10.0, stop_phase=0))
+    return specs
+
+
 # -- devices ---------------------------------------------------------------------------------
 
 
@@ -344,8 +360,9 @@ def serve(**opts: Any) -> None:
     SIGTERM or Ctrl-C: workers drain (finish in-flight requests, up to --drain-timeout),
     then the gateway stops. Killing one worker's pid restarts just that worker.
     """
+    from common.children import GatewayReadiness, local_url
     from common.logging_setup import setup_logging
-    from common.supervisor import RestartPolicy, Supervisor, serve_children
+    from common.supervisor import RestartPolicy, Supervisor
 
     setup_logging(opts["log_format"], opts["log_level"])
     gateway = gateway_config(opts)
@@ -359,7 +376,8 @@ def serve(**opts: Any) -> None:
         for i, device in enumerate(devices)
     ]
     children = serve_children(gateway, workers, log_args=_log_args(opts))
-    sys.exit(Supervisor(children, RestartPolicy()).run())
+    readiness = GatewayReadiness(local_url(gateway.host, gateway.port))
+    sys.exit(Supervisor(children, RestartPolicy(), readiness=readiness).run())
 
 
 @main.command()

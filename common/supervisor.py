@@ -9,7 +9,14 @@ like anything else (its workers notice the silence and say HELLO to the new one)
   the other workers; an operator can `kill <pid>` one worker to restart just that one.
 - A child whose very first start exits with an error code soon (bad flag, missing model,
   port in use) is a configuration error: everything stops and `serve` exits 1 instead of
-  looping. Death by a signal (an operator's kill, the OOM killer) is always restarted.
+  looping. That rule holds only until the child has been ready once: after that every exit
+  is restarted (a worker that served and then crashed is a crash, not a bad flag). Death by
+  a signal (an operator's kill, the OOM killer) is always restarted.
+- Readiness comes from a `readiness` probe, if one is given: a callable, run on a thread of
+  its own every `probe_interval_s` while some child has never been ready, that gets the
+  pids of the running children and returns the names of those that are ready now. `serve`
+  asks the gateway (common/children.py). Without a probe no child is ever known to be ready
+  and only the startup window bounds the rule.
 - SIGTERM/SIGINT/SIGHUP: the workers get SIGTERM first and drain (they finish in-flight
   requests through the still-running gateway), then the gateway gets SIGTERM. Another
   signal, a second or more after the first, kills everything at once.
@@ -25,9 +32,9 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +52,7 @@ class RestartPolicy:
     # A first start that exits with an error code (not a signal) this soon is a configuration
     # error: stop everything rather than loop.
     startup_window_s: float = 60.0
+    probe_interval_s: float = 0.5  # how often the readiness probe runs until all were ready
 
 
 @dataclass(frozen=True)
@@ -64,17 +72,27 @@ class _Child:
     num_starts: int = 0
     backoff_s: float = 0.0
     restart_at: float | None = None  # when a restart is due
+    # Set (by the probe thread) once any incarnation of this child was seen ready; never
+    # cleared. A plain bool written by one thread and read by another: no lock needed.
+    has_been_ready: bool = False
+
+
+# Pids of the running children by name -> names of those that are ready now.
+ReadinessProbe = Callable[[dict[str, int]], set[str]]
 
 
 class Supervisor:
-    def __init__(self, children: list[ChildSpec], policy: RestartPolicy | None = None):
+    def __init__(self, children: list[ChildSpec], policy: RestartPolicy | None = None,
+                 readiness: ReadinessProbe | None = None):
         self.policy = policy or RestartPolicy()
+        self.readiness = readiness
         self.children = [_Child(spec, backoff_s=self.policy.initial_backoff_s)
                          for spec in children]
         self.exit_code = 0
         self._num_signals = 0
         self._first_signal_at = 0.0
         self._wake = threading.Event()
+        self._stopping = threading.Event()
 
     def run(self) -> int:
         """Start everything, keep it running until a signal, stop in order. Main thread only."""
@@ -84,12 +102,15 @@ class Supervisor:
         try:
             for child in self.children:
                 self._start(child)
+            if self.readiness is not None:
+                threading.Thread(target=self._probe_loop, daemon=True, name="readiness").start()
             while not self._num_signals and not self._is_fatal():
                 self._wake.wait(self._seconds_to_next_restart())
                 self._wake.clear()
                 self._reap_and_restart()
             self.stop()
         finally:
+            self._stopping.set()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         return self.exit_code
@@ -130,9 +151,10 @@ class Supervisor:
     def _on_exit(self, child: _Child, code: int, now: float) -> None:
         ran_s = now - child.started_at
         child.process = None
-        if child.num_starts == 1 and code > 0 and ran_s < self.policy.startup_window_s:
-            log.error("%s failed on its first start (exit code %s after %.1fs); stopping",
-                      child.spec.name, code, ran_s, extra={"child": child.spec.name})
+        if self._is_configuration_error(child, code, ran_s):
+            log.error("%s failed on its first start, before it was ever ready (exit code %s "
+                      "after %.1fs); stopping", child.spec.name, code, ran_s,
+                      extra={"child": child.spec.name})
             self.exit_code = 1
             return
         if ran_s >= self.policy.stable_after_s:
@@ -142,6 +164,28 @@ class Supervisor:
                     extra={"child": child.spec.name, "exit_code": code})
         child.restart_at = now + child.backoff_s
         child.backoff_s = min(child.backoff_s * 2, self.policy.max_backoff_s)
+
+    def _is_configuration_error(self, child: _Child, code: int, ran_s: float) -> bool:
+        return (child.num_starts == 1 and not child.has_been_ready and code > 0
+                and ran_s < self.policy.startup_window_s)
+
+    def _probe_loop(self) -> None:
+        """Learn which children have been ready; ends once every one has been."""
+        while not self._stopping.is_set():
+            pending = {c.spec.name: c for c in self.children if not c.has_been_ready}
+            if not pending:
+                return
+            processes = {name: c.process for name, c in pending.items()}
+            pids = {name: p.pid for name, p in processes.items() if p is not None}
+            try:
+                ready = self.readiness(pids) if pids else set()
+            except Exception:  # a probe's bug must not take the supervisor down
+                log.exception("readiness probe failed")
+                ready = set()
+            for name in ready & pids.keys():
+                pending[name].has_been_ready = True
+                log.info("%s is ready", name, extra={"child": name})
+            self._stopping.wait(self.policy.probe_interval_s)
 
     def _start(self, child: _Child) -> None:
         env = {**os.environ, **(child.spec.env or {}), PARENT_PID_ENV: str(os.getpid())}
@@ -182,21 +226,6 @@ def _send(child: _Child, sig: int) -> None:
             child.process.send_signal(sig)
         except ProcessLookupError:
             pass
-
-
-def serve_children(gateway: Any, workers: list[Any], log_args: list[str]) -> list[ChildSpec]:
-    """The child processes of `zeroserve serve`: the gateway, then one per worker config."""
-    from common.cli import gateway_args, worker_args
-
-    python = sys.executable
-    specs = [ChildSpec("gateway", (python, "-m", "common.cli", "gateway",
-                                   *gateway_args(gateway), *log_args),
-                       stop_timeout_s=15.0, stop_phase=1)]
-    for config in workers:
-        specs.append(ChildSpec(config.worker_id, (python, "-m", "worker",
-                                                  *worker_args(config), *log_args),
-                               stop_timeout_s=config.drain_timeout_s + 10.0, stop_phase=0))
-    return specs
 
 
 def die_with_parent() -> None:

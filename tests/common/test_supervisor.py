@@ -33,6 +33,11 @@ if mode == "fail":
 if mode == "quick":
     time.sleep(0.05)
     sys.exit(0)
+if mode == "ready_then_fail":  # served for a moment, then crashed with an error code
+    note("ready")
+    time.sleep(0.6)
+    note("crash")
+    sys.exit(4)
 def on_term(signum, frame):
     note("term")
     time.sleep(0.3)  # a drain that takes a moment
@@ -48,10 +53,18 @@ import json, logging, sys
 sys.path.insert(0, {repo!r})
 from common.supervisor import ChildSpec, RestartPolicy, Supervisor
 logging.basicConfig(level=logging.INFO)
-specs, policy = json.loads(sys.argv[1])
+specs, policy, events = json.loads(sys.argv[1])
 children = [ChildSpec(s["name"], tuple(s["argv"]), s["stop_timeout_s"], s["stop_phase"])
             for s in specs]
-sys.exit(Supervisor(children, RestartPolicy(**policy)).run())
+
+def readiness(pids):  # children that logged "ready" under the pid they run with now
+    with open(events) as f:
+        rows = [line.split() for line in f]
+    return {{name for _, name, what, pid in rows
+             if what == "ready" and pids.get(name) == int(pid)}}
+
+probe = readiness if events else None
+sys.exit(Supervisor(children, RestartPolicy(**policy), readiness=probe).run())
 """
 
 
@@ -65,15 +78,18 @@ class Harness:
         self.driver.write_text(DRIVER.format(repo=str(REPO)))
         self.process: subprocess.Popen | None = None
 
-    def start(self, children: list[tuple[str, str, int]], **policy) -> None:
+    def start(self, children: list[tuple[str, str, int]], probe: bool = False,
+              **policy) -> None:
+        """probe: the supervisor learns readiness from the children's "ready" log lines."""
         policy = {"initial_backoff_s": 0.1, "max_backoff_s": 1.0, "stable_after_s": 5.0,
-                  **policy}
+                  "probe_interval_s": 0.1, **policy}
         specs = [{"name": name, "argv": [sys.executable, str(self.child), name, str(self.log),
                                          mode],
                   "stop_timeout_s": 5.0, "stop_phase": phase}
                  for name, mode, phase in children]
         self.process = subprocess.Popen(
-            [sys.executable, str(self.driver), json.dumps([specs, policy])],
+            [sys.executable, str(self.driver),
+             json.dumps([specs, policy, str(self.log) if probe else None])],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
 
@@ -154,6 +170,25 @@ def test_first_start_failure_stops_everything(harness):
     assert not any(_alive(pid) for pid in harness.pids("gateway"))
     output = harness.process.stdout.read()
     assert "first start" in output and "gateway stopped" in output
+
+
+@pytest.mark.slow
+def test_first_start_failure_stops_everything_with_a_probe_too(harness):
+    harness.start([("gateway", "serve", 1), ("worker-0", "fail", 0)], probe=True)
+    assert harness.process.wait(timeout=15) == 1
+    assert len(harness.pids("worker-0")) == 1
+
+
+@pytest.mark.slow
+def test_a_child_that_was_ready_once_is_always_restarted(harness):
+    # It crashes with an error code well inside the startup window of its first start, which
+    # without readiness would read as a configuration error and stop everything.
+    harness.start([("gateway", "serve", 1), ("worker-0", "ready_then_fail", 0)], probe=True)
+    harness.wait_for(lambda: len(harness.pids("worker-0", "crash")) >= 2, timeout_s=15)
+    assert harness.process.poll() is None  # still supervising
+    assert len(harness.pids("gateway")) == 1  # and nothing else moved
+    output_so_far = harness.pids("worker-0")
+    assert len(output_so_far) >= 2 and len(set(output_so_far)) == len(output_so_far)
 
 
 @pytest.mark.slow

@@ -1,0 +1,76 @@
+"""Which of `zeroserve serve`'s children have become ready, asked of the gateway over HTTP.
+
+The supervisor cannot see readiness itself: a worker is ready once the gateway has answered
+its HELLO with READY, which happens inside the gateway. So the supervisor's readiness probe
+asks the gateway, on loopback:
+
+- the gateway child is ready once `GET /health/live` answers with the pid we started (a
+  different process on that port, the classic "port in use", does not count);
+- a worker child is ready once `GET /health` lists its id as `ready` with the pid we started
+  (a stale entry of an earlier incarnation does not count for a new one).
+
+The probe runs only until every child has been ready once (see common/supervisor.py), so in
+steady state it costs nothing. It imports nothing from the CLI, so the dependency runs one
+way: common/cli.py -> common/children.py, common/cli.py -> common/supervisor.py.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+GATEWAY_CHILD = "gateway"
+_TIMEOUT_S = 1.0
+
+
+def local_url(host: str, port: int) -> str:
+    """The URL a process on this machine reaches a server bound to `host:port` at."""
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def _get_json(url: str) -> dict | None:
+    """The JSON body of a GET, whatever the status (503 carries a body too); None if none."""
+    try:
+        with urllib.request.urlopen(url, timeout=_TIMEOUT_S) as response:
+            body = response.read()
+    except urllib.error.HTTPError as e:
+        body = e.read()
+    except OSError:
+        return None
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
+class GatewayReadiness:
+    """A `ReadinessProbe` for `serve`: pids by child name -> names of the ready ones."""
+
+    def __init__(self, base_url: str):
+        self.base_url = base_url.rstrip("/")
+
+    def __call__(self, pids: dict[str, int]) -> set[str]:
+        ready = set()
+        if GATEWAY_CHILD in pids:
+            live = _get_json(self.base_url + "/health/live")
+            if live is not None and live.get("pid") == pids[GATEWAY_CHILD]:
+                ready.add(GATEWAY_CHILD)
+        workers = {name: pid for name, pid in pids.items() if name != GATEWAY_CHILD}
+        if workers:
+            health = _get_json(self.base_url + "/health") or {}
+            for entry in health.get("workers") or []:
+                if not isinstance(entry, dict):
+                    continue
+                name = entry.get("worker_id")
+                if (entry.get("status") == "ready" and name in workers
+                        and entry.get("pid") == workers[name]):
+                    ready.add(name)
+        return ready

@@ -1,0 +1,87 @@
+"""`serve`'s readiness probe against a stub gateway: ready means our own pid, seen ready."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from common.children import GatewayReadiness, local_url
+
+
+class StubGateway:
+    def __init__(self) -> None:
+        self.live: dict | None = {"status": "ok", "pid": 100}
+        self.health = {"status": "ok", "workers": []}
+        self.health_status = 200
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path == "/health/live" and stub.live is not None:
+                    self._answer(200, stub.live)
+                elif self.path == "/health":
+                    self._answer(stub.health_status, stub.health)
+                else:
+                    self._answer(404, {})
+
+            def _answer(self, status: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def stub():
+    s = StubGateway()
+    yield s
+    s.close()
+
+
+def test_gateway_ready_only_with_our_pid(stub):
+    probe = GatewayReadiness(stub.url)
+    assert probe({"gateway": 100}) == {"gateway"}
+    assert probe({"gateway": 101}) == set()  # someone else holds the port
+    stub.live = None
+    assert probe({"gateway": 100}) == set()
+
+
+def test_workers_ready_by_id_and_pid_even_on_a_503(stub):
+    stub.health_status = 503
+    stub.health["workers"] = [
+        {"worker_id": "worker-0", "status": "ready", "pid": 7},
+        {"worker_id": "worker-1", "status": "ready", "pid": 8},  # an earlier incarnation
+        {"worker_id": "worker-2", "status": "draining", "pid": 9},
+        "junk",
+    ]
+    probe = GatewayReadiness(stub.url)
+    pids = {"gateway": 100, "worker-0": 7, "worker-1": 18, "worker-2": 9}
+    assert probe(pids) == {"gateway", "worker-0"}
+
+
+def test_nothing_listening_is_nothing_ready():
+    probe = GatewayReadiness(local_url("127.0.0.1", 1))
+    assert probe({"gateway": 1, "worker-0": 2}) == set()
+
+
+@pytest.mark.parametrize("host,url", [
+    ("0.0.0.0", "http://127.0.0.1:8000"), ("", "http://127.0.0.1:8000"),
+    ("::", "http://[::1]:8000"), ("10.0.0.5", "http://10.0.0.5:8000"),
+])
+def test_local_url(host, url):
+    assert local_url(host, 8000) == url
