@@ -155,6 +155,13 @@ GATEWAY_OPTIONS = [
            help="Seconds a queued request waits for a worker before a 503."),
     option("--worker-timeout", type=float, default=3.0, callback=_positive,
            help="Seconds without a heartbeat before a worker counts as lost."),
+    option("--min-client-rate", type=click.FloatRange(min=0), default=1024.0,
+           help="Bytes/s a stream must reach over each --slow-client-timeout window while "
+                "the client holds it up (its writes blocked most of the window); slower "
+                "streams are aborted. 0: off."),
+    option("--loop-lag-warn", type=float, default=0.25, callback=_positive,
+           help="Seconds of event-loop lag that count as a stall: logged (rate-limited) and "
+                "counted in /health."),
 ]
 
 ADDRESS_OPTIONS = [
@@ -211,6 +218,7 @@ def gateway_config(opts: dict[str, Any]):
         max_queued_requests=opts["max_queued_requests"], queue_timeout_s=opts["queue_timeout"],
         worker_timeout_s=opts["worker_timeout"], log_format=opts["log_format"],
         log_level=opts["log_level"].lower(),
+        min_client_rate=opts["min_client_rate"], loop_lag_warn_s=opts["loop_lag_warn"],
     )
 
 
@@ -273,6 +281,8 @@ def gateway_args(config: Any) -> list[str]:
         "--queue-timeout", str(config.queue_timeout_s),
         "--worker-timeout", str(config.worker_timeout_s),
         "--log-format", config.log_format, "--log-level", config.log_level,
+        "--min-client-rate", str(config.min_client_rate),
+        "--loop-lag-warn", str(config.loop_lag_warn_s),
     ]
     if config.served_model_name is not None:
         args += ["--served-model-name", config.served_model_name]
@@ -433,30 +443,29 @@ def worker(**opts: Any) -> None:
 
 @main.command()
 @option("--url", default="http://127.0.0.1:8000", help="The gateway's base URL.")
+@option("--live/--ready", "is_live", default=False,
+        help="--live: the gateway process serves HTTP (GET /health/live), workers or not; "
+             "--ready: at least one worker is ready (GET /health answers 200).")
 @option("--worker-id", default=None,
         help="Check that this worker is registered and ready, not just the gateway.")
 @option("--timeout", type=float, default=5.0, callback=_positive, help="Seconds to wait.")
-def check(url: str, worker_id: str | None, timeout: float) -> None:
-    """Health check for containers: exit 0 if the gateway serves (or the worker is ready).
+def check(url: str, is_live: bool, worker_id: str | None, timeout: float) -> None:
+    """Health check for containers: exit 0 if the gateway is live, ready, or has this worker.
 
-    Without --worker-id: GET /health answers 200 (at least one worker is ready). With it:
-    /health lists that worker as ready (it said HELLO and keeps heartbeating).
+    --live: GET /health/live answers 200 (for a liveness probe: a gateway with no worker yet
+    is alive and must not be restarted). --ready (the default): GET /health answers 200, at
+    least one worker is ready. --worker-id: /health lists that worker as ready (it said
+    HELLO and keeps heartbeating).
     """
-    import json
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as response:
-            status, body = response.status, response.read()
-    except urllib.error.HTTPError as e:
-        status, body = e.code, e.read()
-    except OSError as e:
-        raise click.ClickException(f"{url} does not answer: {e}") from None
-    try:
-        workers = json.loads(body).get("workers", [])
-    except (ValueError, AttributeError):
-        workers = []
+    if is_live and worker_id is not None:
+        raise click.UsageError("--live checks the gateway alone; drop --worker-id")
+    status, body = _get(url.rstrip("/") + ("/health/live" if is_live else "/health"), timeout)
+    if is_live:
+        if status != 200:
+            raise click.ClickException(f"/health/live answered {status}")
+        click.echo("ok: the gateway is live")
+        return
+    workers = body.get("workers", []) if isinstance(body, dict) else []
     if worker_id is None:
         if status != 200:
             raise click.ClickException(f"/health answered {status}: no worker is ready")
@@ -466,6 +475,25 @@ def check(url: str, worker_id: str | None, timeout: float) -> None:
     if states.get(worker_id) != "ready":
         raise click.ClickException(f"worker {worker_id} is {states.get(worker_id, 'unknown')}")
     click.echo(f"ok: {worker_id} is ready")
+
+
+def _get(url: str, timeout: float) -> tuple[int, Any]:
+    """(status, parsed JSON body or None) of a GET; a ClickException if nothing answers."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            status, body = response.status, response.read()
+    except urllib.error.HTTPError as e:
+        status, body = e.code, e.read()
+    except OSError as e:
+        raise click.ClickException(f"{url} does not answer: {e}") from None
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, None
 
 
 def _default_endpoints(port: int) -> tuple[str, str]:

@@ -31,6 +31,11 @@ class GatewayConfig:
     # again as its max_num_seqs. More than that waits in the gateway's bounded queue.
     max_waiting_per_worker: int | None = None
     log_level: str = "info"
+    # Slow readers and the event loop (gateway/sse.py, gateway/loop_monitor.py):
+    # a stream whose sends were blocked for most of the last slow_client_timeout_s and that
+    # delivered fewer bytes/s than this over it is aborted (0 turns the rate rule off).
+    min_client_rate: float = 1024.0
+    loop_lag_warn_s: float = 0.25  # event-loop lag at or above this is a stall: logged, counted
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -51,6 +56,10 @@ class GatewayConfig:
             raise ValueError("max_waiting_per_worker must be >= 0")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {LOG_FORMATS}")
+        if self.min_client_rate < 0:
+            raise ValueError("min_client_rate must be >= 0")
+        if self.loop_lag_warn_s <= 0:
+            raise ValueError("loop_lag_warn_s must be > 0")
 
     @property
     def endpoints(self) -> tuple[str, str]:
