@@ -16,7 +16,9 @@ from gateway.chat_template import ChatTemplate
 from gateway.config import GatewayConfig
 from gateway.core import Gateway
 from gateway.errors import APIError, server_error
+from gateway.health import HealthEndpoints
 from gateway.logging import get_logger
+from gateway.loop_monitor import LoopLagMonitor
 from gateway.routes import Api
 from gateway.tokenizer import TextTokenizer, load_tokenizer
 
@@ -38,9 +40,12 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None) -> 
     template = ChatTemplate.from_tokenizer(tokenizer)
     gateway = Gateway(config)
     api = Api(config, gateway, tokenizer, template, served_model_names(config))
+    loop_monitor = LoopLagMonitor(warn_s=config.loop_lag_warn_s)
+    health = HealthEndpoints(gateway, loop_monitor)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        loop_monitor.start()
         await gateway.start()
         log.info("gateway started", extra={"model": api.served_names[0],
                                            "router": gateway.edge.router_address,
@@ -49,6 +54,7 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None) -> 
             yield
         finally:
             await gateway.stop()
+            await loop_monitor.stop()
             log.info("gateway stopped")
 
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -63,9 +69,9 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None) -> 
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
-        Route("/health", api.health, methods=["GET"]),
         Route("/tokenize", api.tokenize, methods=["POST"]),
         Route("/detokenize", api.detokenize, methods=["POST"]),
+        *health.routes(),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: http_error, Exception: unexpected_error})

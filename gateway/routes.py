@@ -67,14 +67,6 @@ class Api:
             "owned_by": "zeroserve", "root": self.config.model,
             "max_model_len": self.max_model_len}]})
 
-    async def health(self, request: Request) -> Response:
-        registry = self.gateway.registry
-        body = {"status": "ok" if registry.has_ready else "unavailable",
-                "workers": [w.describe() for w in registry.workers.values()],
-                "num_requests": len(self.gateway.streams),
-                "num_queued": self.gateway.admission.num_queued}
-        return JSONResponse(body, status_code=200 if registry.has_ready else 503)
-
     async def tokenize(self, request: Request) -> Response:
         try:
             spec = parse_tokenize(parse_json_body(await request.body()), self.served_names)
