@@ -53,6 +53,8 @@ def test_gateway_service():
     port = flag(command, "--port") or "8000"
     assert f"{port}:{port}" in gateway["ports"]
     assert gateway["healthcheck"]["test"][1:3] == ["zeroserve", "check"]
+    # Liveness: compose must not restart a healthy gateway for want of a ready worker.
+    assert "--live" in gateway["healthcheck"]["test"]
     assert gateway["restart"] == "unless-stopped"
 
 
