@@ -152,7 +152,8 @@ class Api:
                                self.config.slow_client_timeout_s,
                                on_slow_client=lambda: sse(client_too_slow(
                                    self.config.slow_client_timeout_s).body()) + SSE_DONE,
-                               request_id=ctx.id)
+                               request_id=ctx.id,
+                               min_client_rate=self.config.min_client_rate)
         try:
             is_gone, result = await race_disconnect(self._collect(group, ctx, sampling),
                                                     request.receive)

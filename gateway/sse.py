@@ -5,14 +5,31 @@ first wins and the other is cancelled, so a client that goes away stops its engi
 requests at once (the event source's `finally` aborts them).
 
 A client that stops reading makes the server's `send` block once the socket buffers are
-full. If one `send` stays blocked for `slow_client_timeout_s` the stream is aborted and,
-if the client is still there, it gets an error event. Progress is timestamped per send;
-a single timer per stream checks it, so nothing is added per token.
+full. Two rules end such a stream (its event source's cleanup aborts the engine requests,
+which frees their KV blocks; a client still there gets an error event):
+
+- **Stalled**: one `send` stays blocked for `slow_client_timeout_s`.
+- **Too slow**: over the last `slow_client_timeout_s` the stream was client-bound (a send
+  was blocked for at least half of that window) and delivered fewer than `min_client_rate`
+  bytes/s. A trickle reader that drains a few bytes a second completes a send now and
+  then, so the first rule alone never fires for it while it holds its KV blocks forever.
+  A reader slower than generation but above the rate is client-bound and kept; a stream
+  waiting on the engine (slow generation, a long prefill) is not client-bound and kept.
+
+The rate is in bytes, what the gateway sees: what a send hands to the socket. Over a
+window in which the client holds the stream up, the buffers between us and the client are
+full at both ends of it, so bytes handed over equal bytes the client read. For scale, a
+plain completion chunk is about 200 bytes a token, so the default 1024 B/s is about five
+tokens a second: any real network, far above a trickle.
+
+Cost: per chunk (one per engine step per stream, not per token), two clock reads and two
+additions; per stream, one timer that fires `_CHECKS_PER_WINDOW` times a window.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -26,6 +43,10 @@ Send = Callable[[dict], Awaitable[None]]
 _HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 _FINAL_WRITE_TIMEOUT_S = 1.0
+# The rate is judged over a sliding window sampled this many times per window.
+_CHECKS_PER_WINDOW = 4
+# Client-bound: a send was blocked for at least this share of the window.
+_CLIENT_BOUND_SHARE = 0.5
 
 
 async def wait_for_disconnect(receive: Receive) -> None:
@@ -58,14 +79,22 @@ class SSEResponse:
     """An ASGI response streaming `events` (already-encoded SSE bytes)."""
 
     def __init__(self, events: AsyncIterator[bytes], slow_client_timeout_s: float,
-                 on_slow_client: Callable[[], bytes], request_id: str = ""):
+                 on_slow_client: Callable[[], bytes], request_id: str = "",
+                 min_client_rate: float = 0.0):
         self.events = events
         self.slow_client_timeout_s = slow_client_timeout_s
+        self.min_client_rate = min_client_rate  # bytes/s; 0: only the stalled-send rule
         # Called when the client is too slow: ends the work, returns the error event.
         self.on_slow_client = on_slow_client
         self.request_id = request_id
         self._send_started: float | None = None
+        self._num_bytes_sent = 0
+        self._blocked_s = 0.0  # time spent in sends that have returned
+        # (time, bytes sent, blocked seconds) at the timer's checks, oldest first; the oldest
+        # is the start of the window the rate is judged over.
+        self._marks: deque[tuple[float, int, float]] = deque(maxlen=4 * _CHECKS_PER_WINDOW)
         self.is_slow_client = False
+        self.slow_client_reason: str | None = None  # "stalled" or "too slow"
         self.is_disconnected = False
         self._is_closed = False
         self._timer: asyncio.TimerHandle | None = None
@@ -75,7 +104,8 @@ class SSEResponse:
         loop = asyncio.get_running_loop()
         pump = asyncio.ensure_future(self._pump(send))
         watch = asyncio.ensure_future(wait_for_disconnect(receive))
-        self._timer = loop.call_later(self.slow_client_timeout_s, self._check_progress, pump)
+        self._marks.append((loop.time(), 0, 0.0))
+        self._timer = loop.call_later(self._check_period_s, self._check_progress, pump)
         try:
             await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -102,30 +132,60 @@ class SSEResponse:
         else:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
+    @property
+    def _check_period_s(self) -> float:
+        return self.slow_client_timeout_s / _CHECKS_PER_WINDOW
+
     async def _pump(self, send: Send) -> None:
         loop = asyncio.get_running_loop()
         async for chunk in self.events:
-            self._send_started = loop.time()
+            started = self._send_started = loop.time()
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             self._send_started = None
+            self._blocked_s += loop.time() - started
+            self._num_bytes_sent += len(chunk)
 
     def _check_progress(self, pump: asyncio.Future) -> None:
-        """The watchdog: fires at most once per timeout period per stream."""
+        """The watchdog: a few checks per window per stream, whatever the token rate."""
         if self._is_closed or pump.done():
             return
         loop = asyncio.get_running_loop()
+        now = loop.time()
         started = self._send_started
-        if started is not None and loop.time() - started >= self.slow_client_timeout_s:
-            log.warning("slow client: aborting the stream",
-                        extra={"request_id": self.request_id,
-                               "timeout_s": self.slow_client_timeout_s})
-            self.is_slow_client = True
-            pump.cancel()
+        blocked_now_s = now - started if started is not None else 0.0
+        if blocked_now_s >= self.slow_client_timeout_s:
+            self._abort(pump, "stalled", blocked_s=round(blocked_now_s, 3))
             return
-        wait = self.slow_client_timeout_s
-        if started is not None:
-            wait -= loop.time() - started
+        rate = self._rate_if_client_bound(now, self._blocked_s + blocked_now_s)
+        if rate is not None and rate < self.min_client_rate:
+            self._abort(pump, "too slow", bytes_per_s=round(rate, 1),
+                        min_client_rate=self.min_client_rate)
+            return
+        # Next check: one period on, or sooner if the send in progress reaches the timeout.
+        wait = min(self._check_period_s, self.slow_client_timeout_s - blocked_now_s)
         self._timer = loop.call_later(max(wait, 0.01), self._check_progress, pump)
+
+    def _rate_if_client_bound(self, now: float, blocked_s: float) -> float | None:
+        """Bytes/s over the last window if the client held the stream up for most of it."""
+        self._marks.append((now, self._num_bytes_sent, blocked_s))
+        window = self.slow_client_timeout_s
+        while len(self._marks) > 1 and now - self._marks[1][0] >= window * 0.999:
+            self._marks.popleft()  # the second oldest spans a whole window already
+        since, bytes_then, blocked_then = self._marks[0]
+        span = now - since
+        if self.min_client_rate <= 0 or span < window * 0.999:
+            return None
+        if blocked_s - blocked_then < _CLIENT_BOUND_SHARE * span:
+            return None  # waiting on the engine, not on the client
+        return (self._num_bytes_sent - bytes_then) / span
+
+    def _abort(self, pump: asyncio.Future, reason: str, **details: float) -> None:
+        log.warning("slow client: aborting the stream", extra={
+            "request_id": self.request_id, "reason": reason,
+            "timeout_s": self.slow_client_timeout_s, **details})
+        self.slow_client_reason = reason
+        self.is_slow_client = True
+        pump.cancel()
 
     async def _final_write(self, send: Send, body: bytes) -> None:
         """Best effort: the client may never read it."""
