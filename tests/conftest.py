@@ -155,6 +155,23 @@ def start_server(log_dir: Path, command: str = "serve", args: tuple[str, ...] = 
     return server
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked `cuda` are skipped, with the reason, where torch sees no CUDA GPU.
+
+    torch is imported only when such a test was collected, so the gateway's tests stay light.
+    """
+    cuda_items = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if not cuda_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in cuda_items:
+        item.add_marker(skip)
+
+
 @pytest.fixture
 def zeroserve(tmp_path) -> Iterator:
     """Factory: zeroserve(args=(...), num_workers=1) -> a ready ServerProcess."""

@@ -52,15 +52,25 @@ def cpu_supports_bf16() -> bool:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' -> bf16 on CUDA (fp16 on GPUs without bf16) and on CPUs with native bf16,
-    fp32 otherwise. An explicit name always wins."""
+    """'auto' -> bf16 on CUDA (fp16 on GPUs without native bf16) and on CPUs with native
+    bf16, fp32 otherwise. An explicit name always wins."""
     if name != "auto":
         if name not in _DTYPES:
             raise ValueError(f"unsupported dtype {name!r} (use auto, float32, bfloat16, float16)")
         return _DTYPES[name]
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cuda_supports_bf16(device) else torch.float16
     return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+
+
+def cuda_supports_bf16(device: torch.device) -> bool:
+    """True on GPUs with bf16 tensor cores (compute capability 8.0, Ampere, and later; all
+    ROCm GPUs torch supports). Not torch.cuda.is_bf16_supported(): by default it also counts
+    GPUs that only emulate bf16 (T4, V100), far slower than their fp16, and it asks about
+    the current device rather than this worker's."""
+    if torch.version.hip:
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

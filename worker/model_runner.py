@@ -46,6 +46,9 @@ class ModelRunner:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda":
+            # Allocations that name no index (workspaces, library handles) land on our GPU.
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         started = time.perf_counter()
         self.model, self.info = load_model(config.model, self.device, self.dtype,
@@ -125,6 +128,10 @@ class ModelRunner:
         logits = None
         if inputs.sample_chunks:
             logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        if self.device.type == "cuda":
+            # Kernels run asynchronously: without this the forward's GPU time would show up
+            # as sampling (the sampler's first .tolist() waits for it anyway).
+            torch.cuda.synchronize(self.device)
         forwarded = time.perf_counter()
         sampled = [] if logits is None else self.sampler.sample(logits, inputs.sample_chunks)
         finished = time.perf_counter()

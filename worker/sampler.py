@@ -14,7 +14,9 @@ A draw is one uniform number per row pushed through the row's cumulative distrib
 per-token noise, so a batch of 32 costs a cumsum, not 1.5M random numbers). A request with a
 seed takes its uniform from a generator seeded by (seed, number of outputs so far), so its
 tokens do not depend on what else is in the batch or on preemption; rows without a seed share
-the runner's generator (seeded from EngineConfig.seed).
+the runner's generator (seeded from EngineConfig.seed). The uniforms are drawn on the CPU
+and copied to the logits' device in one transfer: CPU and CUDA generators give different
+streams for one seed, and a seeded request should draw the same numbers on either device.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.device = device
-        self.generator = torch.Generator(device=device)
+        self.generator = torch.Generator()  # on the CPU, whatever the device (module doc)
         self.generator.manual_seed(seed)
 
     def sample(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> list[SampledToken]:
@@ -131,14 +133,15 @@ class Sampler:
         return token_ids
 
     def _uniforms(self, chunks: list[ScheduledChunk], device: torch.device) -> torch.Tensor:
-        """One U[0, 1) per row: the shared generator, or the request's own (seed, n)."""
-        uniform = torch.rand(len(chunks), generator=self.generator, device=device)
+        """One U[0, 1) per row: the shared generator, or the request's own (seed, n); drawn
+        on the CPU, then one copy to `device`."""
+        uniform = torch.rand(len(chunks), generator=self.generator)
         for j, chunk in enumerate(chunks):
             if chunk.params.seed is not None:
-                gen = torch.Generator(device=device)
+                gen = torch.Generator()
                 gen.manual_seed(row_seed(chunk.params.seed, len(chunk.output_token_ids)))
-                uniform[j] = torch.rand(1, generator=gen, device=device)[0]
-        return uniform
+                uniform[j] = torch.rand(1, generator=gen)[0]
+        return uniform.to(device)
 
     def _results(self, chunks: Sequence[ScheduledChunk], token_ids: torch.Tensor,
                  raw_logprobs: torch.Tensor | None) -> list[SampledToken]:

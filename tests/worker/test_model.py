@@ -21,11 +21,14 @@ PROMPTS = [
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 
 
-@pytest.fixture(scope="module", params=["torch", "native"])
+@pytest.fixture(scope="module", params=[
+    ("cpu", "torch"), ("cpu", "native"), pytest.param(("cuda", "torch"), marks=pytest.mark.cuda),
+], ids=lambda p: "-".join(p))
 def runner(tiny_hf_dir, request):
-    """Every runner test runs with both decode attention backends."""
-    return ModelRunner(EngineConfig(model=str(tiny_hf_dir), dtype="float32", block_size=4,
-                                    num_kv_blocks=128, attention_backend=request.param))
+    """Every runner test runs with both CPU decode attention backends, and on CUDA."""
+    device, backend = request.param
+    return ModelRunner(EngineConfig(model=str(tiny_hf_dir), device=device, dtype="float32",
+                                    block_size=4, num_kv_blocks=128, attention_backend=backend))
 
 
 def unpaged_greedy(runner: ModelRunner, prompt: list[int], num_tokens: int) -> list[int]:
@@ -126,7 +129,7 @@ def test_native_and_torch_decode_agree_in_bfloat16(tmp_path):
               for c in prefill]
     logits = []
     for backend in ("torch", "native"):
-        runner = ModelRunner(EngineConfig(model=str(model_dir), dtype="bfloat16",
+        runner = ModelRunner(EngineConfig(model=str(model_dir), device="cpu", dtype="bfloat16",
                                           num_kv_blocks=64, attention_backend=backend))
         assert (runner.decode_kernel is not None) == (backend == "native")
         with torch.inference_mode():

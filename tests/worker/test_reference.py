@@ -1,6 +1,7 @@
 """zeroserve against a reference no one here wrote: Hugging Face transformers loading the same
 GGUF file, fp32, greedy. Same tokens for 20 varied prompts x 64 tokens, one at a time and all
-batched together with mixed lengths (through the Engine: scheduler, paging, chunked prefill)."""
+batched together with mixed lengths (through the Engine: scheduler, paging, chunked prefill),
+with the engine on the CPU and, where there is one, on a CUDA GPU."""
 
 from __future__ import annotations
 
@@ -82,10 +83,10 @@ def hf_tokens(prompts, tokenizer) -> list[list[int]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine(EngineConfig(dtype="float32", num_kv_blocks=512, max_num_batched_tokens=256,
-                               max_model_len=1024))
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def engine(request) -> Engine:
+    return Engine(EngineConfig(device=request.param, dtype="float32", num_kv_blocks=512,
+                               max_num_batched_tokens=256, max_model_len=1024))
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS)

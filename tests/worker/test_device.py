@@ -1,0 +1,49 @@
+"""Device and dtype choice, on any machine: CUDA's answers are stood in for where needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker import device as device_mod
+from worker.device import resolve_device, resolve_dtype
+
+CPU = torch.device("cpu")
+GPU = torch.device("cuda:0")
+
+
+def test_auto_is_the_cpu_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == CPU
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        resolve_device("cuda")
+
+
+def test_cuda_names_resolve_to_an_indexed_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == GPU
+    assert resolve_device("cuda") == GPU
+    assert resolve_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(ValueError, match="unsupported device"):
+        resolve_device("mps")
+
+
+@pytest.mark.parametrize("capability,expected", [
+    ((9, 0), torch.bfloat16),  # H100
+    ((8, 0), torch.bfloat16),  # A100
+    ((7, 5), torch.float16),  # T4: bf16 only emulated
+    ((7, 0), torch.float16),  # V100
+])
+def test_auto_dtype_on_cuda_is_bf16_only_where_native(monkeypatch, capability, expected):
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert resolve_dtype("auto", GPU) == expected
+
+
+def test_an_explicit_dtype_always_wins(monkeypatch):
+    monkeypatch.setattr(device_mod, "cpu_supports_bf16", lambda: True)
+    assert resolve_dtype("auto", CPU) == torch.bfloat16
+    assert resolve_dtype("float32", CPU) == torch.float32
+    assert resolve_dtype("fp16", GPU) == torch.float16
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        resolve_dtype("int8", CPU)
