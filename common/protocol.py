@@ -14,13 +14,14 @@ Sockets (see docs/protocol.md):
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import MISSING as _MISSING
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # a 1M-token prompt still fits; anything bigger is garbage
 MAX_LIST_ITEMS = 2_000_000
 
@@ -48,6 +49,10 @@ class WorkerState(enum.Enum):
     DRAINING = "draining"
 
 
+# HEARTBEAT.state from the gateway meaning "I do not know you: say HELLO" (it restarted, or
+# it expired the worker).
+UNKNOWN_WORKER = "unknown"
+
 # Finish reasons on the wire are the strings of worker.sequence.FinishReason.
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -67,6 +72,7 @@ _OPT_INT = (int, type(None))
 _LIST = (list,)
 _DICT = (dict,)
 _BOOL = (bool,)
+_MAX_U32 = 2**32
 
 
 @dataclass
@@ -95,10 +101,14 @@ class Ready(Message):
     """Gateway -> worker, the answer to HELLO. A refused worker exits with the reason."""
 
     TYPE: ClassVar[MsgType] = MsgType.READY
-    SCHEMA: ClassVar = {"accepted": _BOOL, "reason": _STR, "heartbeat_interval_s": _FLOAT}
+    SCHEMA: ClassVar = {"accepted": _BOOL, "reason": _STR, "heartbeat_interval_s": _FLOAT,
+                        "gateway_id": _STR}
     accepted: bool
     reason: str = ""
     heartbeat_interval_s: float = 1.0
+    # Random per gateway process: a worker that sees another one knows the gateway restarted
+    # and that nobody reads its old streams any more.
+    gateway_id: str = ""
 
 
 @dataclass
@@ -111,13 +121,13 @@ class Submit(Message):
     request_id: str
     prompt_token_ids: list[int]
     params: dict[str, Any]
-    credit: int  # initial window: tokens the worker may send before more credit arrives
+    credit: int  # initial credit limit: output tokens the worker may send before CREDIT
 
     def validate(self) -> None:
-        if not all(type(t) is int for t in self.prompt_token_ids):
-            raise ProtocolError("prompt_token_ids must be ints")
-        if self.credit < 1:
-            raise ProtocolError("credit must be >= 1")
+        if not all(type(t) is int and 0 <= t < _MAX_U32 for t in self.prompt_token_ids):
+            raise ProtocolError("prompt_token_ids must be non-negative 32-bit ints")
+        if not 1 <= self.credit < _MAX_U32:
+            raise ProtocolError("credit must be in [1, 2^32)")
 
 
 @dataclass
@@ -135,17 +145,19 @@ class Abort(Message):
 
 @dataclass
 class Credit(Message):
-    """Gateway -> worker: the client took these many tokens; the worker may send more."""
+    """Gateway -> worker: new credit limits. Each grant says "you may have sent up to `limit`
+    output tokens of this stream in all". Limits are cumulative (a high-water mark), so a lost
+    or repeated CREDIT is healed by the next one and never grants twice."""
 
     TYPE: ClassVar[MsgType] = MsgType.CREDIT
     SCHEMA: ClassVar = {"grants": _LIST}
-    grants: list[list]  # [[request_id, n], ...]
+    grants: list[list]  # [[request_id, limit], ...]
 
     def validate(self) -> None:
         for g in self.grants:
             if not (isinstance(g, list) and len(g) == 2 and isinstance(g[0], str)
-                    and type(g[1]) is int and g[1] > 0):
-                raise ProtocolError("grants must be [request_id, n > 0] pairs")
+                    and type(g[1]) is int and 0 < g[1] < _MAX_U32):
+                raise ProtocolError("grants must be [request_id, 0 < limit < 2^32] pairs")
 
 
 @dataclass
@@ -211,13 +223,16 @@ class Tokens(Message):
 
 @dataclass
 class Heartbeat(Message):
-    """Both ways. From a worker it carries its load; from the gateway the counts are 0."""
+    """Both ways. From a worker it carries its load, its progress and the requests it holds
+    (so the gateway can reconcile); from the gateway the counts are 0 and `gateway_id` says
+    which gateway process is speaking."""
 
     TYPE: ClassVar[MsgType] = MsgType.HEARTBEAT
     SCHEMA: ClassVar = {
         "worker_id": _STR, "state": _STR, "num_running": _INT, "num_waiting": _INT,
         "num_paused": _INT, "num_free_blocks": _INT, "num_total_blocks": _INT,
-        "time": _FLOAT,
+        "time": _FLOAT, "gateway_id": _STR, "num_steps": _INT, "progress_age_s": _FLOAT,
+        "request_ids": _LIST, "request_ids_age_s": _FLOAT,
     }
     worker_id: str
     state: str = WorkerState.READY.value
@@ -227,6 +242,26 @@ class Heartbeat(Message):
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     time: float = 0.0
+    gateway_id: str = ""  # gateway -> worker only
+    num_steps: int = 0  # engine steps run so far
+    # Seconds since the engine thread last finished a loop iteration while it had work:
+    # grows without bound only when the engine is stuck.
+    progress_age_s: float = 0.0
+    # The requests the worker holds, as of `request_ids_age_s` seconds ago (the engine
+    # thread takes the snapshot; the I/O thread sends it).
+    request_ids: list[str] = field(default_factory=list)
+    request_ids_age_s: float = 0.0
+
+    def validate(self) -> None:
+        if not all(isinstance(r, str) for r in self.request_ids):
+            raise ProtocolError("request_ids must be strings")
+        counts = (self.num_running, self.num_waiting, self.num_paused, self.num_free_blocks,
+                  self.num_total_blocks, self.num_steps)
+        if not all(0 <= n < 2**63 for n in counts):
+            raise ProtocolError("heartbeat counts must be non-negative 64-bit ints")
+        ages = (self.progress_age_s, self.request_ids_age_s)
+        if not all(math.isfinite(a) and a >= 0 for a in ages):
+            raise ProtocolError("heartbeat ages must be finite and >= 0")
 
 
 @dataclass

@@ -31,13 +31,27 @@ class GatewayConfig:
     # again as its max_num_seqs. More than that waits in the gateway's bounded queue.
     max_waiting_per_worker: int | None = None
     log_level: str = "info"
+    # HTTP input limits (gateway/request_body.py, gateway/limits.py, gateway/http_protocol.py):
+    max_request_body_bytes: int = 8 * 1024 * 1024  # beyond: 413
+    request_body_timeout_s: float = 30.0  # a body not fully received by then: 408
+    header_timeout_s: float = 10.0  # a request head not complete by then: connection closed
+    # A server cap on max_tokens, also the chat default's ceiling (with the room left in the
+    # context): one request with no max_tokens holds a sequence slot and KV for a bounded time.
+    max_tokens_limit: int = 4096
+    max_prompt_chars: int = 1_000_000  # per prompt, per conversation and per /tokenize input
     # Slow readers and the event loop (gateway/sse.py, gateway/loop_monitor.py):
     # a stream whose sends were blocked for most of the last slow_client_timeout_s and that
     # delivered fewer bytes/s than this over it is aborted (0 turns the rate rule off).
     min_client_rate: float = 1024.0
     loop_lag_warn_s: float = 0.25  # event-loop lag at or above this is a stall: logged, counted
+    # Liveness and reconciliation (see gateway/core.py):
+    # a running request with credit and no output from its worker for this long fails.
+    request_idle_timeout_s: float = 300.0
+    # a worker whose engine made no progress for this long gets no new work (UNHEALTHY).
+    worker_stall_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
+        self._check_input_limits()
         if not 0 <= self.port <= 65535:
             raise ValueError("port must be in [0, 65535]")
         if self.credit_window < 1:
@@ -54,12 +68,28 @@ class GatewayConfig:
             raise ValueError("queue_timeout_s must be > 0")
         if self.max_waiting_per_worker is not None and self.max_waiting_per_worker < 0:
             raise ValueError("max_waiting_per_worker must be >= 0")
+        if self.request_idle_timeout_s <= 0:
+            raise ValueError("request_idle_timeout_s must be > 0")
+        if self.worker_stall_timeout_s <= 0:
+            raise ValueError("worker_stall_timeout_s must be > 0")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {LOG_FORMATS}")
         if self.min_client_rate < 0:
             raise ValueError("min_client_rate must be >= 0")
         if self.loop_lag_warn_s <= 0:
             raise ValueError("loop_lag_warn_s must be > 0")
+
+    def _check_input_limits(self) -> None:
+        if self.max_request_body_bytes < 1024:
+            raise ValueError("max_request_body_bytes must be >= 1024")
+        if self.request_body_timeout_s <= 0:
+            raise ValueError("request_body_timeout_s must be > 0")
+        if self.header_timeout_s <= 0:
+            raise ValueError("header_timeout_s must be > 0")
+        if self.max_tokens_limit < 1:
+            raise ValueError("max_tokens_limit must be >= 1")
+        if self.max_prompt_chars < 1:
+            raise ValueError("max_prompt_chars must be >= 1")
 
     @property
     def endpoints(self) -> tuple[str, str]:

@@ -5,6 +5,11 @@ through a table; handlers only touch in-memory state and queues. HTTP
 handlers create request states, `submit` them, consume their sink queues, grant credit and
 `finish` them. Every way a request ends goes through `finish` (or `_fail`, which delivers
 an error that makes the handler call `finish`), so nothing stays in the tables.
+
+Every message may be lost, so no request waits on one forever (gateway/reconcile.py):
+worker heartbeats list the requests each worker holds, and the two sides' tables are
+reconciled; token counts show gaps; credit limits are re-sent to idle streams; a stream
+with credit and no output for `request_idle_timeout_s` fails.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any
 
 from common.protocol import (
     PROTOCOL_VERSION,
+    UNKNOWN_WORKER,
     Abort,
     Credit,
     Drain,
@@ -30,8 +36,9 @@ from common.protocol import (
 )
 from gateway.admission import Admission
 from gateway.config import GatewayConfig
-from gateway.errors import APIError, server_error, worker_failed
+from gateway.errors import APIError, request_timeout, server_error, worker_failed
 from gateway.logging import get_logger
+from gateway.reconcile import Reconciler, TokenCheck, check_token_counts
 from gateway.registry import WorkerRegistry, WorkerStatus
 from gateway.streams import RequestPhase, RequestState, StreamTable, WorkerOutbox
 from gateway.zmq_io import ZmqEdge
@@ -47,7 +54,10 @@ class Gateway:
     def __init__(self, config: GatewayConfig, clock=time.monotonic):
         self.config = config
         self.clock = clock
-        self.registry = WorkerRegistry(config.max_waiting_per_worker)
+        # Tells workers which gateway process speaks: a new one means the old streams are gone.
+        self.gateway_id = uuid.uuid4().hex
+        self.registry = WorkerRegistry(config.max_waiting_per_worker,
+                                       config.worker_stall_timeout_s)
         self.streams = StreamTable()
         self.admission = Admission(self.registry, config.max_queued_requests,
                                    config.queue_timeout_s)
@@ -65,6 +75,9 @@ class Gateway:
         }
         self._heartbeat_task: asyncio.Task | None = None
         self._resubmit_tasks: set[asyncio.Task] = set()
+        self.reconciler = Reconciler(self.streams, self.outbox, self._on_request_lost,
+                                     self._on_request_idle, config.request_idle_timeout_s)
+        self._hailed_at: dict[str, float] = {}  # unknown worker id -> when we asked for HELLO
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -93,7 +106,8 @@ class Gateway:
 
     def new_request(self, index: int, prompt_token_ids: list[int],
                     sink: asyncio.Queue) -> RequestState:
-        state = RequestState(f"req-{uuid.uuid4().hex}", index, prompt_token_ids, sink)
+        state = RequestState(f"req-{uuid.uuid4().hex}", index, prompt_token_ids, sink,
+                             credit_window=self.config.credit_window)
         self.streams.add(state)
         return state
 
@@ -108,8 +122,10 @@ class Gateway:
         state.worker_id = worker.worker_id
         state.phase = RequestPhase.RUNNING
         state.num_submits += 1
+        state.submitted_at = state.last_activity = self.clock()
+        state.missing_since = None
         sent = self.edge.send(worker.worker_id, Submit(
-            state.request_id, state.prompt_token_ids, params, self.config.credit_window))
+            state.request_id, state.prompt_token_ids, params, state.credit_limit))
         log.debug("submitted", extra={"request_id": state.request_id,
                                       "worker_id": worker.worker_id})
         if not sent:
@@ -177,7 +193,8 @@ class Gateway:
             reason = (f"protocol version {msg.protocol_version} is not the gateway's "
                       f"{PROTOCOL_VERSION}")
             log.error("refused worker", extra={"worker_id": identity, "reason": reason})
-            self.edge.send(identity, Ready(False, reason, self.config.heartbeat_interval_s))
+            self.edge.send(identity, Ready(False, reason, self.config.heartbeat_interval_s,
+                                           self.gateway_id))
             return
         if msg.worker_id != identity:
             log.warning("HELLO worker_id differs from its socket identity; using the identity",
@@ -190,13 +207,32 @@ class Gateway:
                                         "device": msg.device, "model": msg.model,
                                         "max_model_len": msg.max_model_len,
                                         "num_kv_blocks": msg.num_kv_blocks})
-        self.edge.send(identity, Ready(True, "", self.config.heartbeat_interval_s))
+        self._hailed_at.pop(identity, None)
+        self.edge.send(identity, Ready(True, "", self.config.heartbeat_interval_s,
+                                       self.gateway_id))
         self.admission.wake()
 
     def _on_heartbeat(self, identity: str, msg: Heartbeat) -> None:
         msg.worker_id = identity
-        if self.registry.on_heartbeat(msg, self.clock()) is not None:
-            self.admission.wake()
+        now = self.clock()
+        worker = self.registry.on_heartbeat(msg, now)
+        if worker is None:
+            self._hail(identity)
+            return
+        self.reconciler.on_worker_report(worker, msg.request_ids, msg.request_ids_age_s, now)
+        self.admission.wake()
+
+    def _hail(self, identity: str) -> None:
+        """A worker we do not know is talking (we restarted, or expired it): ask it for a
+        HELLO, at most once a second, so that it learns at once whether its streams live."""
+        now = self.clock()
+        if now - self._hailed_at.get(identity, -1e9) < 1.0:
+            return
+        if len(self._hailed_at) > 10_000:  # bounded: ids come from peers
+            self._hailed_at.clear()
+        self._hailed_at[identity] = now
+        self.edge.send(identity, Heartbeat(worker_id=identity, state=UNKNOWN_WORKER,
+                                           time=time.time(), gateway_id=self.gateway_id))
 
     def _on_drain(self, identity: str, msg: Drain) -> None:
         if self.registry.mark_draining(identity) is not None:
@@ -210,12 +246,24 @@ class Gateway:
             self._fail(state, server_error(f"The worker failed the request: {msg.message}"))
 
     def _on_tokens(self, identity: str, msg: Tokens) -> None:
-        self.registry.touch(msg.worker_id, self.clock())
+        now = self.clock()
+        if self.registry.get(msg.worker_id) is None:
+            self._hail(msg.worker_id)
+            return
+        self.registry.touch(msg.worker_id, now)
         is_capacity_freed = False
         for out in msg.outputs:
             state = self.streams.get(out.request_id)
             if state is None or state.worker_id != msg.worker_id:
                 continue  # ended here already (aborted, stop string, lost worker)
+            state.last_activity = now
+            check = check_token_counts(state, out)
+            if check is TokenCheck.DUPLICATE:
+                continue
+            if check is TokenCheck.GAP:
+                self._on_request_lost(state, "tokens from the worker were lost in transit")
+                is_capacity_freed = True
+                continue
             if out.finish_reason is not None:
                 self.registry.release(msg.worker_id, out.request_id)
                 is_capacity_freed = True
@@ -241,6 +289,7 @@ class Gateway:
             await asyncio.sleep(interval)
             try:
                 self._beat(lag_s=max(0.0, self.clock() - expected))
+                self.reconciler.check_idle(self.clock())
             except Exception:
                 log.exception("heartbeat failed")
 
@@ -258,11 +307,30 @@ class Gateway:
                                             "num_in_flight": len(worker.request_ids)})
             self._fail_worker_requests(worker.worker_id, "was lost (no heartbeat)")
         for worker_id in list(self.registry.workers):
-            self.edge.send(worker_id, Heartbeat(worker_id=worker_id, time=time.time()))
+            self.edge.send(worker_id, Heartbeat(worker_id=worker_id, time=time.time(),
+                                                gateway_id=self.gateway_id))
 
     def _is_draining(self, worker_id: str) -> bool:
         worker = self.registry.get(worker_id)
         return worker is not None and worker.status is WorkerStatus.DRAINING
+
+    def _on_request_lost(self, state: RequestState, why: str) -> None:
+        """A message of this request was lost (SUBMIT, final TOKENS, tokens mid-stream) or
+        it idled past its deadline: end it on its worker, then retry or fail it."""
+        log.warning("request lost: %s", why, extra={"request_id": state.request_id,
+                                                     "worker_id": state.worker_id})
+        if state.worker_id is not None:
+            self.outbox.abort(state.worker_id, state.request_id)
+        self._resubmit_or_fail(state, worker_failed(f"The request was lost: {why}; please "
+                                                    "retry."))
+
+    def _on_request_idle(self, state: RequestState, idle_s: float) -> None:
+        log.warning("request idle: no output for %.0fs", idle_s,
+                    extra={"request_id": state.request_id, "worker_id": state.worker_id})
+        if state.worker_id is not None:
+            self.outbox.abort(state.worker_id, state.request_id)
+        self._fail(state, request_timeout(
+            f"The worker produced no output for {idle_s:.0f}s; the request was aborted."))
 
     def _fail_worker_requests(self, worker_id: str, what: str) -> None:
         for state in self.streams.on_worker(worker_id):

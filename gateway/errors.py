@@ -36,6 +36,23 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
     return APIError(400, message, param=param, code=code)
 
 
+def body_too_large(limit_bytes: int) -> APIError:
+    # Connection: close, since the rest of the body is not read.
+    return APIError(413, f"The request body is larger than the limit of {limit_bytes} bytes.",
+                    code="request_too_large", headers={"Connection": "close"})
+
+
+def body_timeout(timeout_s: float) -> APIError:
+    return APIError(408, f"The request body did not arrive within {timeout_s:g}s.",
+                    type="timeout_error", code="request_body_timeout",
+                    headers={"Connection": "close"})
+
+
+def unsupported_media_type(content_type: str) -> APIError:
+    return APIError(415, f"The request body must be JSON with 'Content-Type: application/json'"
+                         f", got {content_type[:100]!r}.", code="unsupported_media_type")
+
+
 def model_not_found(model: str) -> APIError:
     return APIError(404, f"The model `{model}` does not exist.", param="model",
                     code="model_not_found")
@@ -63,3 +80,8 @@ def server_error(message: str) -> APIError:
 def client_too_slow(timeout_s: float) -> APIError:
     return APIError(408, f"The client read nothing for {timeout_s:g}s; the stream was aborted.",
                     type="timeout_error", code="slow_client")
+
+
+def request_timeout(message: str) -> APIError:
+    """The server gave up waiting on its worker (a 504, as a proxy whose upstream idled)."""
+    return APIError(504, message, type="timeout_error", code="request_timeout")

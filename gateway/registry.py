@@ -3,7 +3,9 @@
 A worker says HELLO once its model is loaded (and again after reconnecting); we answer
 READY and from then on expect a HEARTBEAT every interval. A worker silent for
 `worker_timeout_s` is lost. A HELLO from a known id replaces the old incarnation (its
-requests are gone with it). A worker that says DRAIN gets nothing new.
+requests are gone with it). A worker that says DRAIN gets nothing new, and neither does
+one whose heartbeats say its engine made no progress for `stall_timeout_s` (UNHEALTHY:
+its I/O thread is alive, its engine thread is stuck); it is READY again once it moves.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from common.protocol import Heartbeat, Hello, WorkerState
 class WorkerStatus(enum.Enum):
     READY = "ready"
     DRAINING = "draining"
+    UNHEALTHY = "unhealthy"
 
 
 @dataclass
@@ -31,6 +34,8 @@ class WorkerHandle:
     num_paused: int = 0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    num_steps: int = 0
+    progress_age_s: float = 0.0
     # Requests routed here since its last heartbeat (not yet in the reported counts).
     num_sent_since_heartbeat: int = 0
     request_ids: set[str] = field(default_factory=set)  # in flight here, as we see it
@@ -45,7 +50,10 @@ class WorkerHandle:
 
     @property
     def can_accept(self) -> bool:
-        return self.status is WorkerStatus.READY and len(self.request_ids) < self.capacity
+        # Streams paused for credit hold KV blocks, not batch slots (the worker preempts
+        # them when it needs the blocks), so they do not count against capacity.
+        num_active = len(self.request_ids) - self.num_paused
+        return self.status is WorkerStatus.READY and num_active < self.capacity
 
     @property
     def load(self) -> int:
@@ -58,13 +66,16 @@ class WorkerHandle:
             "max_model_len": self.hello.max_model_len, "num_running": self.num_running,
             "num_waiting": self.num_waiting, "num_paused": self.num_paused,
             "num_free_blocks": self.num_free_blocks, "num_total_blocks": self.num_total_blocks,
-            "num_in_flight": len(self.request_ids),
+            "num_in_flight": len(self.request_ids), "num_steps": self.num_steps,
+            "progress_age_s": round(self.progress_age_s, 3),
         }
 
 
 class WorkerRegistry:
-    def __init__(self, max_waiting_per_worker: int | None = None):
+    def __init__(self, max_waiting_per_worker: int | None = None,
+                 stall_timeout_s: float = 30.0):
         self.max_waiting_per_worker = max_waiting_per_worker
+        self.stall_timeout_s = stall_timeout_s
         self.workers: dict[str, WorkerHandle] = {}
         self.last_max_model_len: int | None = None
 
@@ -100,8 +111,12 @@ class WorkerRegistry:
         worker.num_paused = hb.num_paused
         worker.num_free_blocks, worker.num_total_blocks = hb.num_free_blocks, hb.num_total_blocks
         worker.num_sent_since_heartbeat = 0
+        worker.num_steps, worker.progress_age_s = hb.num_steps, hb.progress_age_s
         if hb.state == WorkerState.DRAINING.value:
             worker.status = WorkerStatus.DRAINING
+        elif worker.status is not WorkerStatus.DRAINING:
+            is_stalled = hb.progress_age_s > self.stall_timeout_s
+            worker.status = WorkerStatus.UNHEALTHY if is_stalled else WorkerStatus.READY
         return worker
 
     def touch(self, worker_id: str, now: float) -> None:

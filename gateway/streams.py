@@ -8,7 +8,8 @@ Credit: the worker may have at most `credit_window` tokens of a stream sent and 
 credited. The handler credits tokens once they reached the client socket (or, for
 non-stream requests, once it consumed them); `WorkerOutbox` batches the grants of a short
 window (`CREDIT_DELAY_S`) and the aborts of one event-loop iteration into one CREDIT (and
-ABORT) message per worker.
+ABORT) message per worker. A grant is a cumulative limit ("you may have sent up to token
+N"), so sending one again is harmless and a lost one is healed by the next.
 """
 
 from __future__ import annotations
@@ -41,6 +42,14 @@ class RequestState:
     params: dict | None = None  # as sent in SUBMIT (kept to resubmit elsewhere)
     num_submits: int = 0
     resubmit_task: asyncio.Task | None = None
+    credit_window: int = 32
+    # Monotonic times: the last SUBMIT, the last sign of life from the worker for this
+    # request (a SUBMIT or tokens), the last re-sent credit, and since when the worker's
+    # heartbeats have not listed it (reconciliation).
+    submitted_at: float = 0.0
+    last_activity: float = 0.0
+    credit_resent_at: float = 0.0
+    missing_since: float | None = None
 
     def deliver(self, item: TokenOutput | APIError) -> None:
         self.sink.put_nowait((self, item))
@@ -48,6 +57,11 @@ class RequestState:
     @property
     def num_uncredited(self) -> int:
         return self.num_received - self.num_credited
+
+    @property
+    def credit_limit(self) -> int:
+        """How many output tokens in all the worker may have sent us."""
+        return self.num_credited + self.credit_window
 
 
 @dataclass
@@ -94,7 +108,7 @@ class WorkerOutbox:
 
     def __init__(self, send_credit: Callable[[str, list[list]], None],
                  send_abort: Callable[[str, list[str]], None]):
-        self._send_credit = send_credit  # (worker_id, [[request_id, n], ...])
+        self._send_credit = send_credit  # (worker_id, [[request_id, limit], ...])
         self._send_abort = send_abort  # (worker_id, [request_id, ...])
         self._grants: dict[str, dict[str, int]] = {}
         self._aborts: dict[str, list[str]] = {}
@@ -105,8 +119,13 @@ class WorkerOutbox:
         if n <= 0 or state.worker_id is None or state.phase is not RequestPhase.RUNNING:
             return
         state.num_credited += n
-        per_worker = self._grants.setdefault(state.worker_id, {})
-        per_worker[state.request_id] = per_worker.get(state.request_id, 0) + n
+        self.resend(state)
+
+    def resend(self, state: RequestState) -> None:
+        """Queue the stream's current credit limit (again: limits are idempotent)."""
+        if state.worker_id is None or state.phase is not RequestPhase.RUNNING:
+            return
+        self._grants.setdefault(state.worker_id, {})[state.request_id] = state.credit_limit
         if self._flush_later is None and self._flush_soon is None:
             self._flush_later = asyncio.get_running_loop().call_later(CREDIT_DELAY_S, self.flush)
 

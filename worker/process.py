@@ -11,9 +11,18 @@ leaves the batch) until CREDIT arrives, so no more than a window of a stream's t
 ever in flight.
 
 Lifecycle: HELLO -> READY -> serve. SIGTERM or a gateway DRAIN: tell the gateway, refuse
-new work, finish in-flight requests within the drain timeout, fail the rest, exit 0. A
-gateway silent for `gateway_timeout_s`: fail in-flight requests (nobody reads them) and
-say HELLO again until a gateway answers.
+new work, finish in-flight requests within the drain timeout, fail the rest, exit 0.
+
+A silent gateway is a pause, not a failure: after `gateway_timeout_s` of silence the worker
+says HELLO again (a restarted gateway learns of it) but keeps its streams, which stop at
+their credit, for `gateway_grace_s`; only then are they failed and their KV freed. A gateway
+that answers with another `gateway_id` is a new process: the old streams are dropped at
+once. The gateway reconciles the rest from the request ids each heartbeat carries.
+
+Health means progress: the link thread stamps every heartbeat with how long ago the engine
+thread last finished a loop iteration; a worker stuck for `stall_timeout_s` exits non-zero
+(its supervisor or container runtime restarts it), and so does one whose steps fail
+`max_step_failures` times in a row.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import zmq
 
 from common.protocol import (
     PROTOCOL_VERSION,
+    UNKNOWN_WORKER,
     Abort,
     Credit,
     Drain,
@@ -64,6 +74,7 @@ BACKENDS = ("model", "fake")
 EXIT_OK = 0  # drained, or told to shut down
 EXIT_ENGINE_FAILED = 1  # a step raised; in-flight requests were failed first
 EXIT_REFUSED = 3  # the gateway refused our HELLO (e.g. another protocol version)
+EXIT_STALLED = 4  # the engine thread made no progress for stall_timeout_s
 _LINGER_MS = 2000  # on exit, how long queued messages (final tokens, DRAIN) may take to leave
 _SNDHWM = 100_000  # messages queued while the gateway is away; beyond this we drop, never block
 
@@ -79,6 +90,11 @@ class WorkerConfig:
     gateway_timeout_s: float = 5.0  # no gateway heartbeat for this long -> say HELLO again
     drain_timeout_s: float = 30.0
     fake_forward_s: float = 0.0  # backend "fake" only: simulated time of one forward
+    # A silent gateway: keep its streams (paused at their credit) this long, then fail them.
+    gateway_grace_s: float = 120.0
+    # No engine progress for this long: exit EXIT_STALLED (None: never; tests in-process).
+    stall_timeout_s: float | None = 120.0
+    max_step_failures: int = 3  # engine steps failing in a row before the worker exits
 
     def __post_init__(self) -> None:
         if not self.worker_id:
@@ -93,6 +109,12 @@ class WorkerConfig:
             raise ValueError("drain_timeout_s must be >= 0")
         if self.fake_forward_s < 0:
             raise ValueError("fake_forward_s must be >= 0")
+        if self.gateway_grace_s < self.gateway_timeout_s:
+            raise ValueError("gateway_grace_s must be >= gateway_timeout_s")
+        if self.stall_timeout_s is not None and self.stall_timeout_s <= 0:
+            raise ValueError("stall_timeout_s must be > 0")
+        if self.max_step_failures < 1:
+            raise ValueError("max_step_failures must be >= 1")
 
 
 def run_worker(config: WorkerConfig, engine: Engine | None = None) -> int:
@@ -134,8 +156,13 @@ class LinkState(enum.Enum):
 
 @dataclass
 class _Stream:
-    credit: int  # tokens we may still send before the gateway grants more
+    credit_limit: int  # output tokens we may have sent in all (a high-water mark)
+    num_sent: int = 0
     is_paused: bool = False  # paused in the engine by us for lack of credit
+
+    @property
+    def has_credit(self) -> bool:
+        return self.num_sent < self.credit_limit
 
 
 class _GatewayLink(threading.Thread):
@@ -155,8 +182,10 @@ class _GatewayLink(threading.Thread):
         self.inbox: queue.Queue[Message] = queue.Queue()
         self.last_heard = time.monotonic()  # monotonic time of the last gateway message
         self.hello_sent_at: float | None = None  # when the last HELLO reached a connection
-        # The engine thread replaces this object (never mutates it) after every step.
-        self.load = Heartbeat(config.worker_id, WorkerState.STARTING.value)
+        # The engine thread replaces these (never mutates them) every loop iteration: its
+        # load with the request ids it holds, and when that id snapshot was taken.
+        self.load = (Heartbeat(config.worker_id, WorkerState.STARTING.value), time.monotonic())
+        self.progress_at = time.monotonic()  # the engine thread's last finished iteration
         self._pending_hello: list[bytes] | None = None
         self._dealer = ctx.socket(zmq.DEALER)
         self._dealer.setsockopt(zmq.IDENTITY, config.worker_id.encode())
@@ -177,7 +206,8 @@ class _GatewayLink(threading.Thread):
             while True:
                 now = time.monotonic()
                 if now >= next_beat:
-                    self._send(encode(self._heartbeat()))
+                    self._check_stall(now)
+                    self._send(encode(self._heartbeat(now)))
                     next_beat = now + self.config.heartbeat_interval_s
                 if self._pending_hello is not None and self._send(self._pending_hello):
                     self._pending_hello = None
@@ -192,10 +222,23 @@ class _GatewayLink(threading.Thread):
             self._dealer.close()
             self._outbox.close()
 
-    def _heartbeat(self) -> Heartbeat:
-        load = self.load
+    def _heartbeat(self, now: float) -> Heartbeat:
+        load, ids_at = self.load
         load.time = time.time()
+        load.progress_age_s = max(0.0, now - self.progress_at)
+        load.request_ids_age_s = max(0.0, now - ids_at)
         return load
+
+    def _check_stall(self, now: float) -> None:
+        """The engine thread is stuck (a hung kernel, a deadlock): no step of ours can free
+        it, so exit and let the supervisor or container runtime start a fresh process."""
+        limit = self.config.stall_timeout_s
+        if limit is not None and now - self.progress_at > limit:
+            log.critical("engine made no progress for %.0fs; exiting so that this worker is "
+                         "restarted", now - self.progress_at,
+                         extra={"worker_id": self.config.worker_id})
+            logging.shutdown()
+            os._exit(EXIT_STALLED)
 
     def _receive_all(self) -> None:
         while True:
@@ -244,6 +287,9 @@ class WorkerLoop:
         self.link_state = LinkState.CONNECTING
         self.streams: dict[str, _Stream] = {}
         self.num_steps = 0
+        self.gateway_id: str | None = None  # the gateway process we serve (from READY)
+        self._num_failed_steps = 0  # in a row
+        self._ids_at = time.monotonic()  # when the streams snapshot for heartbeats was valid
         self.exit_code: int | None = None  # set when the loop should end
         self._pending: list[TokenOutput] = []  # outputs made outside a step (rejections, aborts)
         self._drain_deadline: float | None = None
@@ -275,13 +321,18 @@ class WorkerLoop:
             self._publish_load()
             self._say_hello()
             while self.exit_code is None:
+                # Every SUBMIT the link thread took before this moment is in self.streams
+                # after _receive, so the snapshot published below holds it (until it ends).
+                ids_at = time.monotonic()
                 self._receive(self._receive_timeout())
                 self._check_signals()
                 self._check_gateway()
                 self._check_drain()
                 outputs = self._step()
                 self._emit(outputs)
+                self._ids_at = ids_at
                 self._publish_load()
+                self.link.progress_at = time.monotonic()
             self._emit([])
         finally:
             restore_signals()
@@ -302,13 +353,19 @@ class WorkerLoop:
         self.num_steps += 1
         try:
             outputs = self.engine.step()
-            self._is_last_step_empty = not outputs
-            return outputs
-        except Exception as e:  # the engine's state is suspect: fail what it holds and exit
-            log.exception("engine step failed", extra=self._log_extra)
+        except Exception as e:  # the batch's state is suspect: fail what it holds
+            self._num_failed_steps += 1
+            log.exception("engine step failed (%d in a row)", self._num_failed_steps,
+                          extra=self._log_extra)
             self._fail_all(f"internal error in the worker: {e}")
-            self.exit_code = EXIT_ENGINE_FAILED
+            if self._num_failed_steps >= self.config.max_step_failures:
+                log.error("engine failed %d steps in a row; exiting", self._num_failed_steps,
+                          extra=self._log_extra)
+                self.exit_code = EXIT_ENGINE_FAILED
             return []
+        self._num_failed_steps = 0
+        self._is_last_step_empty = not outputs
+        return outputs
 
     def _receive_timeout(self) -> float:
         """How long to wait for messages: not at all while there is work; a moment when the
@@ -343,10 +400,10 @@ class WorkerLoop:
             if stream is None:
                 continue  # the gateway aborted it already and forgot it
             wire.append(_to_wire(out))
-            stream.credit -= len(out.new_token_ids)
+            stream.num_sent += len(out.new_token_ids)
             if out.is_finished:
                 del self.streams[out.request_id]
-            elif stream.credit <= 0 and not stream.is_paused:
+            elif not stream.has_credit and not stream.is_paused:
                 stream.is_paused = self.engine.pause(out.request_id)
         if wire:
             self._send_tokens(Tokens(self.config.worker_id, self.num_steps, wire))
@@ -359,14 +416,22 @@ class WorkerLoop:
             self._fail_all("the gateway refused this worker")
             self.exit_code = EXIT_REFUSED
             return
+        if msg.gateway_id != self.gateway_id:
+            self._on_new_gateway(msg.gateway_id)
         if self.link_state is not LinkState.CONNECTED:
-            log.info("connected to the gateway", extra=self._log_extra)
+            log.info("connected to the gateway", extra={**self._log_extra,
+                                                        "gateway_id": msg.gateway_id})
         self.link_state = LinkState.CONNECTED
         if self.state is WorkerState.STARTING:
             self.state = WorkerState.READY
 
     def _on_submit(self, msg: Submit) -> None:
         rid = msg.request_id
+        if rid in self.streams:
+            # A resubmission of a request we hold (the gateway thought its SUBMIT was lost):
+            # keep the running one.
+            log.warning("duplicate SUBMIT ignored", extra={**self._log_extra, "request_id": rid})
+            return
         if self.state is WorkerState.DRAINING:
             self._reject(rid, "worker is draining; retry on another worker")
             return
@@ -380,7 +445,7 @@ class WorkerLoop:
             log.exception("add_request failed", extra={**self._log_extra, "request_id": rid})
             self._reject(rid, f"internal error: {e}", num_prompt_tokens=len(msg.prompt_token_ids))
             return
-        self.streams[rid] = _Stream(credit=msg.credit)
+        self.streams[rid] = _Stream(credit_limit=msg.credit)
         log.debug("request added", extra={**self._log_extra, "request_id": rid,
                                           "num_prompt_tokens": len(msg.prompt_token_ids)})
 
@@ -391,12 +456,12 @@ class WorkerLoop:
                 log.debug("request aborted", extra={**self._log_extra, "request_id": rid})
 
     def _on_credit(self, msg: Credit) -> None:
-        for rid, n in msg.grants:
+        for rid, limit in msg.grants:
             stream = self.streams.get(rid)
             if stream is None:
                 continue  # finished while the credit was on its way
-            stream.credit += n
-            if stream.is_paused and stream.credit > 0:
+            stream.credit_limit = max(stream.credit_limit, limit)  # old or repeated: no-op
+            if stream.is_paused and stream.has_credit:
                 self.engine.resume(rid)
                 stream.is_paused = False
 
@@ -409,7 +474,24 @@ class WorkerLoop:
         self.exit_code = EXIT_OK
 
     def _on_heartbeat(self, msg: Heartbeat) -> None:
-        pass  # liveness is tracked by the link thread for every message
+        # Liveness is tracked by the link thread for every message; here: who is speaking.
+        if msg.gateway_id and self.gateway_id is not None and msg.gateway_id != self.gateway_id:
+            self._on_new_gateway(msg.gateway_id)
+        elif msg.state == UNKNOWN_WORKER and self.link_state is LinkState.CONNECTED:
+            log.warning("the gateway does not know this worker; saying HELLO again",
+                        extra=self._log_extra)
+        else:
+            return
+        self.link_state = LinkState.CONNECTING
+        self._say_hello()
+
+    def _on_new_gateway(self, gateway_id: str) -> None:
+        """Another gateway process: nobody reads the old one's streams any more."""
+        if self.gateway_id is not None and self.streams:
+            log.warning("the gateway restarted; dropping %d streams of the old one",
+                        len(self.streams), extra=self._log_extra)
+            self._fail_all("the gateway restarted")
+        self.gateway_id = gateway_id
 
     def _on_error(self, msg: Error) -> None:
         log.warning("gateway error %s: %s", msg.code, msg.message,
@@ -434,11 +516,17 @@ class WorkerLoop:
     def _check_gateway(self) -> None:
         now = time.monotonic()
         timeout = self.config.gateway_timeout_s
-        if self.link_state is LinkState.CONNECTED and now - self.link.last_heard > timeout:
-            log.warning("gateway silent for %.1fs; failing %d in-flight requests and saying "
-                        "HELLO again", now - self.link.last_heard, len(self.streams),
-                        extra=self._log_extra)
+        silent_s = now - self.link.last_heard
+        if self.streams and silent_s > self.config.gateway_grace_s:
+            log.warning("gateway silent for %.1fs; failing %d in-flight requests",
+                        silent_s, len(self.streams), extra=self._log_extra)
             self._fail_all("lost contact with the gateway")
+        if self.link_state is LinkState.CONNECTED and silent_s > timeout:
+            # Maybe only its event loop is busy; maybe it restarted. Keep the streams (they
+            # stop at their credit) and say HELLO: the answer tells which.
+            log.warning("gateway silent for %.1fs; keeping %d streams for up to %.0fs and "
+                        "saying HELLO again", silent_s, len(self.streams),
+                        self.config.gateway_grace_s, extra=self._log_extra)
             self.link_state = LinkState.CONNECTING
             self._say_hello()
         elif self.link_state is LinkState.CONNECTING:
@@ -487,12 +575,13 @@ class WorkerLoop:
 
     def _publish_load(self) -> None:
         stats = self.engine.stats()
-        self.link.load = Heartbeat(
+        self.link.load = (Heartbeat(
             worker_id=self.config.worker_id, state=self.state.value,
             num_running=stats.num_running, num_waiting=stats.num_waiting,
             num_paused=stats.num_paused, num_free_blocks=stats.num_free_blocks,
-            num_total_blocks=stats.num_total_blocks,
-        )
+            num_total_blocks=stats.num_total_blocks, num_steps=self.num_steps,
+            request_ids=list(self.streams),
+        ), self._ids_at)
 
     def _send_tokens(self, msg: Tokens) -> None:
         try:

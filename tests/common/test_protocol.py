@@ -54,6 +54,10 @@ def sample_messages() -> list[Message]:
         Tokens("worker-1", 0, []),
         Heartbeat("worker-0", WorkerState.DRAINING.value, 3, 2, 1, 100, 1024, 1234.5),
         Heartbeat("gateway"),
+        Heartbeat("worker-1", "ready", 1, 0, 0, 10, 10, 1.5, "", 7, 0.25, ["req-1", "req-2"],
+                  0.5),
+        Heartbeat("gateway", "unknown", gateway_id="4f2a"),
+        Ready(True, "", 0.5, "4f2a"),
         Drain("worker-0", 12.5),
         Error(None, "overloaded", "no KV blocks"),
         Error("req-9", "internal", "boom"),
@@ -201,5 +205,6 @@ def test_fields_travel_in_declaration_order():
     assert msgpack.unpackb(encode(hb)[1]) == list(astuple(hb))
     assert [f.name for f in fields(Heartbeat)] == [
         "worker_id", "state", "num_running", "num_waiting", "num_paused",
-        "num_free_blocks", "num_total_blocks", "time",
+        "num_free_blocks", "num_total_blocks", "time", "gateway_id", "num_steps",
+        "progress_age_s", "request_ids", "request_ids_age_s",
     ]

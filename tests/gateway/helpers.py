@@ -83,14 +83,19 @@ class FakeStream:
     tokens: list[int]
     max_tokens: int
     num_prompt_tokens: int
-    credit: int
+    window: int  # the SUBMIT's credit
     logprobs: int | None
     num_sent: int = 0
-    num_credited: int = 0
+    credit_limit: int = 0  # the highest CREDIT limit (cumulative), at least the window
+
+    @property
+    def credit(self) -> int:
+        return max(self.window, self.credit_limit) - self.num_sent
 
     @property
     def num_outstanding(self) -> int:
-        return self.num_sent - self.num_credited
+        """Tokens sent and not yet credited by the gateway."""
+        return self.num_sent - (max(self.window, self.credit_limit) - self.window)
 
 
 @dataclass
@@ -123,6 +128,13 @@ class FakeWorker:
     is_heartbeating: bool = True  # set False to play dead
     is_stepping: bool = True
     num_submits_to_refuse: int = 0  # answer these many SUBMITs with an error, no tokens
+    # Fault injection at the ZeroMQ edge: messages for which these return True are lost
+    # (incoming: gateway -> worker, before the worker sees them; outgoing: TOKENS).
+    drop_incoming: Callable[[object], bool] = field(default=lambda msg: False)
+    drop_outgoing: Callable[[Tokens], bool] = field(default=lambda msg: False)
+    progress_age_s: float = 0.0  # what heartbeats report (a large value: engine stuck)
+    gateway_heartbeats: list[Heartbeat] = field(default_factory=list)
+    num_dropped: int = 0
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
@@ -179,18 +191,26 @@ class FakeWorker:
                     outputs = self._step()
                     if outputs:
                         step += 1
-                        push.send_multipart(encode(Tokens(self.worker_id, step, outputs)))
+                        msg = Tokens(self.worker_id, step, outputs)
+                        if self.drop_outgoing(msg):
+                            self.num_dropped += 1
+                        else:
+                            push.send_multipart(encode(msg))
                 if now >= next_beat and self.is_heartbeating and self.ready.is_set():
                     next_beat = now + self.heartbeat_s
                     dealer.send_multipart(encode(Heartbeat(
                         self.worker_id, "ready", len(self.streams), 0, 0, 1000, 1000,
-                        time.time())))
+                        time.time(), request_ids=list(self.streams),
+                        progress_age_s=self.progress_age_s)))
         finally:
             dealer.close(0)
             push.close(0)
             ctx.term()
 
     def _handle(self, msg) -> None:
+        if self.drop_incoming(msg):
+            self.num_dropped += 1
+            return
         if isinstance(msg, Ready):
             if msg.accepted:
                 self.ready.set()
@@ -214,14 +234,15 @@ class FakeWorker:
                 self.streams.pop(rid, None)
         elif isinstance(msg, Credit):
             self.credits.extend(msg.grants)
-            for rid, n in msg.grants:
+            for rid, limit in msg.grants:
                 s = self.streams.get(rid)
                 if s is not None:
-                    s.credit += n
-                    s.num_credited += n
+                    s.credit_limit = max(s.credit_limit, limit)
         elif isinstance(msg, Shutdown):
             self.got_shutdown = True
-        elif isinstance(msg, (Heartbeat, Drain)):
+        elif isinstance(msg, Heartbeat):
+            self.gateway_heartbeats.append(msg)
+        elif isinstance(msg, Drain):
             pass
 
     def _step(self) -> list[TokenOutput]:
@@ -232,7 +253,6 @@ class FakeWorker:
                 continue  # paused: out of credit
             new = s.tokens[s.num_sent:s.num_sent + k]
             s.num_sent += k
-            s.credit -= k
             self.num_sent[rid] = s.num_sent
             self.max_outstanding[rid] = max(self.max_outstanding.get(rid, 0), s.num_outstanding)
             finish = None

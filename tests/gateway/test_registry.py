@@ -190,7 +190,8 @@ def make_outbox(worker_ids: list[str]):
     sent = []
     outbox = WorkerOutbox(lambda w, g: sent.append(("credit", w, g)),
                           lambda w, r: sent.append(("abort", w, r)))
-    states = [RequestState(f"r{i}", 0, [1], asyncio.Queue(), RequestPhase.RUNNING, worker_id=w)
+    states = [RequestState(f"r{i}", 0, [1], asyncio.Queue(), RequestPhase.RUNNING, worker_id=w,
+                           credit_window=8)
               for i, w in enumerate(worker_ids)]
     return outbox, sent, states
 
@@ -207,8 +208,9 @@ def test_outbox_batches_per_worker_and_drops_credit_for_aborted():
         outbox.abort("a", "r1")
         assert sent == []  # nothing until the loop turns
         await asyncio.sleep(0)
-        assert sorted(sent) == [("abort", "a", ["r1"]), ("credit", "a", [["r0", 5]]),
-                                ("credit", "b", [["r2", 4]])]
+        # Grants are cumulative limits: tokens credited so far + the window (8).
+        assert sorted(sent) == [("abort", "a", ["r1"]), ("credit", "a", [["r0", 13]]),
+                                ("credit", "b", [["r2", 12]])]
         assert states[0].num_credited == 5
         queued = RequestState("r9", 0, [1], asyncio.Queue())  # not at a worker: no credit
         outbox.grant(queued, 3)
@@ -227,12 +229,12 @@ def test_outbox_gathers_grants_over_a_short_window_into_one_credit():
             await asyncio.sleep(0)
         assert sent == []
         await asyncio.sleep(CREDIT_DELAY_S * 5)
-        assert sent == [("credit", "a", [["r0", 1], ["r1", 1], ["r2", 1]])]
+        assert sent == [("credit", "a", [["r0", 9], ["r1", 9], ["r2", 9]])]
         # An abort does not wait: it leaves on the next iteration with the pending grants.
         outbox.grant(states[0], 2)
         outbox.abort("a", "r2")
         await asyncio.sleep(0)
-        assert sent[1:] == [("credit", "a", [["r0", 2]]), ("abort", "a", ["r2"])]
+        assert sent[1:] == [("credit", "a", [["r0", 11]]), ("abort", "a", ["r2"])]
         await asyncio.sleep(CREDIT_DELAY_S * 5)
         assert len(sent) == 3  # nothing left behind to send twice
     run(main())

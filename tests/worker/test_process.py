@@ -55,6 +55,8 @@ class ScriptedEngine:
         self.aborted: list[RequestOutput] = []
         self.num_steps = 0
         self.num_paused_calls = 0
+        self.step_hook = None  # called once inside the next step (e.g. to hang it)
+        self.failures = 0  # the next these many steps raise
 
     def add_request(self, request_id, prompt_token_ids, params):
         if not prompt_token_ids:
@@ -86,6 +88,12 @@ class ScriptedEngine:
     def step(self):
         self.num_steps += 1
         time.sleep(self.step_s)
+        if self.step_hook is not None:
+            hook, self.step_hook = self.step_hook, None
+            hook()
+        if self.failures > 0:
+            self.failures -= 1
+            raise RuntimeError("injected step failure")
         outputs, self.aborted = self.aborted, []
         for rid, req in list(self.reqs.items()):
             if req.is_paused:
@@ -169,6 +177,19 @@ class FakeGateway:
         assert not pending, f"unfinished: {pending}"
         return per_request
 
+    def collect_n(self, request_id: str, num_tokens: int, timeout_s: float = 5.0) -> list:
+        """Token outputs of one request until it has sent num_tokens tokens."""
+        outs, num = [], 0
+        deadline = time.monotonic() + timeout_s
+        while num < num_tokens and time.monotonic() < deadline:
+            msg = self.tokens(deadline - time.monotonic())
+            for out in msg.outputs if msg is not None else []:
+                if out.request_id == request_id:
+                    outs.append(out)
+                    num += len(out.new_token_ids)
+        assert num >= num_tokens, f"{request_id}: {num} of {num_tokens} tokens"
+        return outs
+
     def close(self) -> None:
         self.ctx.destroy(linger=0)
 
@@ -197,7 +218,8 @@ def gateway(tmp_path):
     gw.close()
 
 
-def start(gateway: FakeGateway, engine: ScriptedEngine | None = None, **overrides):
+def start(gateway: FakeGateway, engine: ScriptedEngine | None = None, gateway_id: str = "",
+          **overrides):
     engine = engine or ScriptedEngine()
     config = WorkerConfig(
         worker_id=WORKER_ID, router_address=gateway.router_address,
@@ -206,7 +228,7 @@ def start(gateway: FakeGateway, engine: ScriptedEngine | None = None, **override
     )
     worker = RunningWorker(config, engine)
     hello = gateway.recv(Hello)
-    gateway.send(Ready(True))
+    gateway.send(Ready(True, "", 0.05, gateway_id))
     return worker, engine, hello
 
 
@@ -261,9 +283,11 @@ def test_stream_pauses_at_the_window_and_resumes_on_credit(gateway):
     assert engine.reqs["slow"].is_paused
     beat = gateway.beat_after(time.time())
     assert beat.num_paused == 1 and beat.num_running == 0
-    gateway.send(Credit([["slow", 2]]))
+    gateway.send(Credit([["slow", 5]]))  # limits are cumulative: up to token 5 in all
     while len(got) < 5:
         got += gateway.tokens().outputs[0].new_token_ids
+    assert gateway.tokens(timeout_s=0.3) is None
+    gateway.send(Credit([["slow", 4]]))  # an old (reordered or repeated) limit grants nothing
     assert gateway.tokens(timeout_s=0.3) is None
     gateway.send(Credit([["slow", 100]]))
     outs = gateway.collect({"slow"})
@@ -379,19 +403,112 @@ def test_request_drain_tells_the_gateway(gateway, tmp_path):
     assert loop.exit_code == 0
 
 
-def test_silent_gateway_fails_in_flight_and_says_hello_again(gateway):
-    worker, engine, _ = start(gateway, gateway_timeout_s=0.5)
+def test_silent_gateway_is_a_pause_and_the_stream_continues(gateway):
+    worker, engine, _ = start(gateway, gateway_timeout_s=0.3, gateway_grace_s=10.0)
+    gateway.send(Submit("a", [1], {"max_tokens": 6}, 2))
+    got = [t for o in gateway.collect_n("a", 2) for t in o.new_token_ids]
+    # The fake gateway never heartbeats: the worker says HELLO again but keeps the stream,
+    # paused at its credit, for the grace period.
+    assert gateway.recv(Hello, timeout_s=3).worker_id == WORKER_ID
+    time.sleep(0.5)
+    assert engine.reqs["a"].is_paused
+    gateway.send(Ready(True))  # the same gateway (same id) is back
+    gateway.send(Credit([["a", 6]]))
+    outs = gateway.collect({"a"})
+    got += [t for o in outs["a"] for t in o.new_token_ids]
+    assert outs["a"][-1].finish_reason == "length" and got == list(range(101, 107))
+    stop(gateway, worker)
+
+
+def test_silence_past_the_grace_period_fails_the_streams(gateway):
+    worker, engine, _ = start(gateway, gateway_timeout_s=0.2, gateway_grace_s=0.6)
     gateway.send(Submit("a", [1], {"max_tokens": 1000}, 2))
-    # The fake gateway never heartbeats, so after 0.5 s the worker gives up on it.
-    hello = gateway.recv(Hello, timeout_s=3)
-    assert hello.worker_id == WORKER_ID
     outs = gateway.collect({"a"})
     assert outs["a"][-1].finish_reason == "error" and "gateway" in outs["a"][-1].error
-    assert not engine.reqs
+    assert not engine.reqs  # its KV is free
     gateway.send(Ready(True))
     gateway.send(Submit("b", [1], {"max_tokens": 2}, 8))
     assert gateway.collect({"b"})["b"][-1].finish_reason == "length"
     stop(gateway, worker)
+
+
+def test_a_restarted_gateway_makes_the_worker_drop_old_streams_at_once(gateway):
+    worker, engine, _ = start(gateway, gateway_id="gw-old")
+    gateway.send(Submit("a", [1], {"max_tokens": 1000}, 2))
+    gateway.collect_n("a", 2)
+    # A new gateway process on the same address: its first heartbeat names another id.
+    gateway.send(Heartbeat(WORKER_ID, "unknown", gateway_id="gw-new"))
+    assert gateway.recv(Hello, timeout_s=2).worker_id == WORKER_ID
+    outs = gateway.collect({"a"}, timeout_s=2)
+    assert outs["a"][-1].finish_reason == "error" and "restarted" in outs["a"][-1].error
+    assert not engine.reqs
+    gateway.send(Ready(True, "", 0.05, "gw-new"))
+    gateway.send(Submit("b", [1], {"max_tokens": 2}, 8))
+    assert gateway.collect({"b"})["b"][-1].finish_reason == "length"
+    stop(gateway, worker)
+
+
+def test_a_gateway_that_forgot_the_worker_gets_a_hello_and_streams_stay(gateway):
+    worker, engine, _ = start(gateway, gateway_id="gw-1")
+    gateway.send(Submit("a", [1], {"max_tokens": 1000}, 2))
+    gateway.collect_n("a", 2)
+    gateway.send(Heartbeat(WORKER_ID, "unknown", gateway_id="gw-1"))
+    gateway.recv(Hello, timeout_s=2)
+    assert "a" in engine.reqs
+    stop(gateway, worker)
+
+
+def test_heartbeats_list_the_requests_held_and_engine_progress(gateway):
+    worker, engine, _ = start(gateway)
+    gateway.send(Submit("a", [1], {"max_tokens": 1000}, 2))
+    gateway.send(Submit("b", [1], {"max_tokens": 1000}, 2))
+    gateway.collect_n("b", 2)
+    beat = gateway.beat_after(time.time())
+    assert sorted(beat.request_ids) == ["a", "b"] and beat.num_steps >= 2
+    assert beat.progress_age_s < 1.0 and beat.request_ids_age_s < 1.0
+    gateway.send(Abort(["a"]))
+    time.sleep(0.2)
+    assert gateway.beat_after(time.time()).request_ids == ["b"]
+    stop(gateway, worker)
+
+
+def test_a_hung_engine_shows_in_heartbeats(gateway):
+    entered, release = threading.Event(), threading.Event()
+    engine = ScriptedEngine()
+    worker, _, _ = start(gateway, engine)
+    # The next step hangs until released.
+    engine.step_hook = lambda: (entered.set(), release.wait())
+    gateway.send(Submit("a", [1], {"max_tokens": 3}, 8))
+    assert entered.wait(5)
+    time.sleep(1.0)
+    beat = gateway.beat_after(time.time())  # the link thread still beats
+    # The id snapshot predates the SUBMIT and says so: the gateway will not call "a" lost.
+    assert beat.progress_age_s > 0.8 and beat.request_ids_age_s > 0.8
+    release.set()
+    assert gateway.collect({"a"})["a"][-1].finish_reason == "length"
+    assert gateway.beat_after(time.time()).progress_age_s < 0.5
+    stop(gateway, worker)
+
+
+def test_one_failed_step_fails_its_streams_and_the_worker_goes_on(gateway):
+    engine = ScriptedEngine()
+    worker, _, _ = start(gateway, engine)
+    engine.failures = 1
+    gateway.send(Submit("a", [1], {"max_tokens": 3}, 8))
+    assert gateway.collect({"a"})["a"][-1].finish_reason == "error"
+    gateway.send(Submit("b", [1], {"max_tokens": 3}, 8))
+    assert gateway.collect({"b"})["b"][-1].finish_reason == "length"
+    stop(gateway, worker)
+
+
+def test_steps_failing_in_a_row_make_the_worker_exit_nonzero(gateway):
+    engine = ScriptedEngine()
+    worker, _, _ = start(gateway, engine, max_step_failures=3)
+    engine.failures = 100
+    for rid in ("a", "b", "c"):
+        gateway.send(Submit(rid, [1], {"max_tokens": 3}, 8))
+        assert gateway.collect({rid})[rid][-1].finish_reason == "error"
+    assert worker.wait() == 1
 
 
 def test_refused_worker_exits_nonzero(tmp_path):
