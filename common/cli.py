@@ -162,6 +162,12 @@ GATEWAY_OPTIONS = [
     option("--loop-lag-warn", type=float, default=0.25, callback=_positive,
            help="Seconds of event-loop lag that count as a stall: logged (rate-limited) and "
                 "counted in /health."),
+    option("--request-idle-timeout", type=float, default=300.0, callback=_positive,
+           help="Seconds a running request with credit may receive nothing from its worker "
+                "before it fails (504) and is aborted there."),
+    option("--worker-stall-timeout", type=float, default=30.0, callback=_positive,
+           help="Seconds a worker's engine may make no progress (its heartbeats say) before it "
+                "is marked unhealthy and gets no new work."),
 ]
 
 ADDRESS_OPTIONS = [
@@ -169,6 +175,19 @@ ADDRESS_OPTIONS = [
            help="Gateway ROUTER endpoint (ipc:// or tcp://). [default: ipc, from --port]"),
     option("--tokens-address", default=None,
            help="Gateway PULL endpoint for tokens. [default: ipc, from --port]"),
+]
+
+# For `serve` and `worker`: how a worker rides out a silent gateway and a stuck engine.
+WORKER_RESILIENCE_OPTIONS = [
+    option("--gateway-grace", type=float, default=120.0, callback=_positive,
+           help="Seconds a worker keeps its streams (paused at their credit) while the gateway "
+                "is silent, e.g. stalled or restarting; then it fails them and frees their KV."),
+    option("--stall-timeout", type=float, default=120.0, callback=_positive,
+           help="Seconds without engine progress after which a worker exits (code 4) so that "
+                "its supervisor or container runtime restarts it."),
+    option("--max-step-failures", type=click.IntRange(min=1), default=3,
+           help="Engine steps failing in a row before a worker exits (code 1); a single "
+                "failure fails only the streams of that step."),
 ]
 
 WORKER_PROCESS_OPTIONS = [
@@ -219,6 +238,8 @@ def gateway_config(opts: dict[str, Any]):
         worker_timeout_s=opts["worker_timeout"], log_format=opts["log_format"],
         log_level=opts["log_level"].lower(),
         min_client_rate=opts["min_client_rate"], loop_lag_warn_s=opts["loop_lag_warn"],
+        request_idle_timeout_s=opts["request_idle_timeout"],
+        worker_stall_timeout_s=opts["worker_stall_timeout"],
     )
 
 
@@ -231,7 +252,8 @@ def worker_config(opts: dict[str, Any], engine: EngineConfig, worker_id: str,
         tokens_address=tokens_address, engine=engine, backend=opts["backend"],
         heartbeat_interval_s=opts["heartbeat_interval"],
         gateway_timeout_s=opts["gateway_timeout"], drain_timeout_s=opts["drain_timeout"],
-        fake_forward_s=opts["fake_forward_ms"] / 1000,
+        fake_forward_s=opts["fake_forward_ms"] / 1000, gateway_grace_s=opts["gateway_grace"],
+        stall_timeout_s=opts["stall_timeout"], max_step_failures=opts["max_step_failures"],
     )
 
 
@@ -265,6 +287,9 @@ def worker_args(config: Any) -> list[str]:
         "--gateway-timeout", str(config.gateway_timeout_s),
         "--drain-timeout", str(config.drain_timeout_s),
         "--fake-forward-ms", str(config.fake_forward_s * 1000),
+        "--gateway-grace", str(config.gateway_grace_s),
+        "--stall-timeout", str(config.stall_timeout_s),
+        "--max-step-failures", str(config.max_step_failures),
         *engine_args(config.engine),
     ]
 
@@ -283,6 +308,8 @@ def gateway_args(config: Any) -> list[str]:
         "--log-format", config.log_format, "--log-level", config.log_level,
         "--min-client-rate", str(config.min_client_rate),
         "--loop-lag-warn", str(config.loop_lag_warn_s),
+        "--request-idle-timeout", str(config.request_idle_timeout_s),
+        "--worker-stall-timeout", str(config.worker_stall_timeout_s),
     ]
     if config.served_model_name is not None:
         args += ["--served-model-name", config.served_model_name]
@@ -363,6 +390,7 @@ def main() -> None:
         help="Local worker processes. [default: one per CUDA GPU, else 1]")
 @option("--drain-timeout", type=click.FloatRange(min=0), default=30.0,
         help="On SIGTERM, seconds workers get to finish in-flight requests.")
+@_options(WORKER_RESILIENCE_OPTIONS)
 @_options(LOG_OPTIONS)
 def serve(**opts: Any) -> None:
     """Run the gateway and supervise N local workers (restarted with backoff if they exit).
@@ -420,6 +448,7 @@ def gateway(**opts: Any) -> None:
 @MODEL_OPTION
 @_options(ENGINE_OPTIONS)
 @_options(WORKER_PROCESS_OPTIONS)
+@_options(WORKER_RESILIENCE_OPTIONS)
 @_options(LOG_OPTIONS)
 def worker(**opts: Any) -> None:
     """Run one worker: load the model once, connect to the gateway, serve until SIGTERM."""
