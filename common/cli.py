@@ -175,6 +175,11 @@ ADDRESS_OPTIONS = [
            help="Gateway ROUTER endpoint (ipc:// or tcp://). [default: ipc, from --port]"),
     option("--tokens-address", default=None,
            help="Gateway PULL endpoint for tokens. [default: ipc, from --port]"),
+    option("--keys-dir", default=None,
+           help="CurveZMQ key set (`zeroserve keys generate DIR`): required for tcp:// "
+                "endpoints; only workers whose key is in it can connect, each as its own id."),
+    option("--insecure", is_flag=True, default=False,
+           help="Allow tcp:// endpoints without keys (only on a network you trust)."),
 ]
 
 # For `serve` and `worker`: how a worker rides out a silent gateway and a stuck engine.
@@ -240,6 +245,7 @@ def gateway_config(opts: dict[str, Any]):
         min_client_rate=opts["min_client_rate"], loop_lag_warn_s=opts["loop_lag_warn"],
         request_idle_timeout_s=opts["request_idle_timeout"],
         worker_stall_timeout_s=opts["worker_stall_timeout"],
+        keys_dir=opts["keys_dir"], insecure=opts["insecure"],
     )
 
 
@@ -254,6 +260,7 @@ def worker_config(opts: dict[str, Any], engine: EngineConfig, worker_id: str,
         gateway_timeout_s=opts["gateway_timeout"], drain_timeout_s=opts["drain_timeout"],
         fake_forward_s=opts["fake_forward_ms"] / 1000, gateway_grace_s=opts["gateway_grace"],
         stall_timeout_s=opts["stall_timeout"], max_step_failures=opts["max_step_failures"],
+        keys_dir=opts["keys_dir"], insecure=opts["insecure"],
     )
 
 
@@ -290,6 +297,7 @@ def worker_args(config: Any) -> list[str]:
         "--gateway-grace", str(config.gateway_grace_s),
         "--stall-timeout", str(config.stall_timeout_s),
         "--max-step-failures", str(config.max_step_failures),
+        *_security_args(config),
         *engine_args(config.engine),
     ]
 
@@ -310,10 +318,16 @@ def gateway_args(config: Any) -> list[str]:
         "--loop-lag-warn", str(config.loop_lag_warn_s),
         "--request-idle-timeout", str(config.request_idle_timeout_s),
         "--worker-stall-timeout", str(config.worker_stall_timeout_s),
+        *_security_args(config),
     ]
     if config.served_model_name is not None:
         args += ["--served-model-name", config.served_model_name]
     return args
+
+
+def _security_args(config: Any) -> list[str]:
+    args = [] if config.keys_dir is None else ["--keys-dir", config.keys_dir]
+    return args + (["--insecure"] if config.insecure else [])
 
 
 def serve_children(gateway: Any, workers: list[Any], log_args: list[str]) -> list[Any]:
@@ -403,19 +417,43 @@ def serve(**opts: Any) -> None:
     from common.supervisor import RestartPolicy, Supervisor
 
     setup_logging(opts["log_format"], opts["log_level"])
-    gateway = gateway_config(opts)
-    router, tokens = gateway.endpoints
-    opts.update(heartbeat_interval=gateway.heartbeat_interval_s,
-                gateway_timeout=max(5.0, 2 * gateway.worker_timeout_s))
     devices = worker_devices(opts["device"], opts["workers"],
                              count_cuda_devices() if opts["device"] in ("auto", "cuda") else 0)
-    workers = [
-        worker_config(opts, engine_config(opts, device=device), f"worker-{i}", router, tokens)
-        for i, device in enumerate(devices)
-    ]
-    children = serve_children(gateway, workers, log_args=_log_args(opts))
-    readiness = GatewayReadiness(local_url(gateway.host, gateway.port))
-    sys.exit(Supervisor(children, RestartPolicy(), readiness=readiness).run())
+    worker_ids = [f"worker-{i}" for i in range(len(devices))]
+    ephemeral_keys = _ephemeral_keys_if_needed(opts, worker_ids)
+    try:
+        gateway = gateway_config(opts)
+        router, tokens = gateway.endpoints
+        opts.update(heartbeat_interval=gateway.heartbeat_interval_s,
+                    gateway_timeout=max(5.0, 2 * gateway.worker_timeout_s))
+        workers = [
+            worker_config(opts, engine_config(opts, device=device), worker_id, router, tokens)
+            for worker_id, device in zip(worker_ids, devices, strict=True)
+        ]
+        children = serve_children(gateway, workers, log_args=_log_args(opts))
+        readiness = GatewayReadiness(local_url(gateway.host, gateway.port))
+        code = Supervisor(children, RestartPolicy(), readiness=readiness).run()
+    finally:
+        if ephemeral_keys is not None:
+            from common.keys import remove
+
+            remove(ephemeral_keys)
+    sys.exit(code)
+
+
+def _ephemeral_keys_if_needed(opts: dict[str, Any], worker_ids: list[str]) -> Any:
+    """`serve` on tcp:// with no key set: make one for this run's own workers (a private
+    temporary directory, removed at exit), so its plane is authenticated all the same."""
+    addresses = [a for a in (opts["router_address"], opts["tokens_address"]) if a]
+    if opts["keys_dir"] or opts["insecure"] or all(a.startswith("ipc://") for a in addresses):
+        return None
+    from common.keys import ephemeral
+
+    key_dir = ephemeral(worker_ids)
+    opts["keys_dir"] = str(key_dir)
+    click.echo(f"tcp:// endpoints without --keys-dir: using an ephemeral key set in {key_dir}",
+               err=True)
+    return key_dir
 
 
 @main.command()
@@ -425,6 +463,7 @@ def serve(**opts: Any) -> None:
 @_options(LOG_OPTIONS)
 def gateway(**opts: Any) -> None:
     """Run only the HTTP gateway; workers connect to its --router-address/--tokens-address."""
+    from common.keys import KeySetError
     from common.model_files import ModelNotFoundError
     from common.supervisor import die_with_parent
 
@@ -436,6 +475,8 @@ def gateway(**opts: Any) -> None:
         run_gateway(config)
     except ModelNotFoundError as e:  # the tokenizer and chat template come from the model
         raise click.ClickException(str(e)) from None
+    except KeySetError as e:
+        raise click.ClickException(f"cannot load the key set: {e}") from None
 
 
 @main.command()
@@ -463,11 +504,48 @@ def worker(**opts: Any) -> None:
         opts["router_address"] or router, opts["tokens_address"] or tokens,
     )
     die_with_parent()
+    if config.keys_dir is not None:
+        from common.keys import KeySetError, load_worker_keys
+
+        try:
+            load_worker_keys(config.keys_dir, config.worker_id)
+        except KeySetError as e:
+            raise click.ClickException(f"cannot load the key set: {e}") from None
     try:
         engine = build_engine(config)
     except (OSError, ValueError) as e:  # a missing model file, an unusable device or dtype
         raise click.ClickException(f"cannot load the model: {e}") from None
     sys.exit(run_worker(config, engine=engine))
+
+
+@main.group()
+def keys() -> None:
+    """CurveZMQ key sets for the worker plane (tcp:// between gateway and workers)."""
+
+
+@keys.command("generate")
+@click.argument("key_dir", type=click.Path(file_okay=False))
+@click.option("--worker-id", "worker_ids", multiple=True,
+              help="A worker id to issue a key pair for (repeat it). [default: worker-0 to "
+                   "worker-(N-1), N from --workers]")
+@click.option("--workers", "num_workers", type=click.IntRange(min=1), default=2,
+              show_default=True, help="How many worker-N pairs, when no --worker-id is given.")
+def keys_generate(key_dir: str, worker_ids: tuple[str, ...], num_workers: int) -> None:
+    """Write a gateway key pair and one key pair per worker into KEY_DIR.
+
+    The gateway needs KEY_DIR/gateway.key_secret and KEY_DIR/workers/*.key; a worker needs
+    KEY_DIR/gateway.key and its own KEY_DIR/workers/ID.key_secret. Pass --keys-dir KEY_DIR
+    to both.
+    """
+    from common.keys import KeySetError, generate
+
+    ids = list(worker_ids) or [f"worker-{i}" for i in range(num_workers)]
+    try:
+        path = generate(key_dir, ids)
+    except KeySetError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"wrote a gateway key pair and {len(ids)} worker key pair(s) "
+               f"({', '.join(ids)}) to {path}")
 
 
 @main.command()

@@ -38,8 +38,42 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str, ensure_ascii=False)
 
 
+def printable(value: object, limit: int = 200) -> str:
+    """A value from a peer or a client, safe to put in a log line: one line, no control
+    characters (they are escaped), at most `limit` characters."""
+    text = str(value)
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    if text.isprintable():
+        return text
+    return ascii(text)[1:-1]
+
+
+class RateLimited:
+    """Let a repeated warning through at most once per `interval_s` per key, saying how many
+    were held back meanwhile, so a hostile peer cannot flood the log."""
+
+    def __init__(self, interval_s: float = 10.0, max_keys: int = 1024):
+        self.interval_s = interval_s
+        self.max_keys = max_keys
+        self._last: dict[str, tuple[float, int]] = {}  # key -> (last logged, suppressed)
+
+    def allow(self, key: str) -> int | None:
+        """None: hold this one back; else the number held back since the last one."""
+        now = time.monotonic()
+        last, num_held = self._last.get(key, (-1e18, 0))
+        if now - last < self.interval_s:
+            self._last[key] = (last, num_held + 1)
+            return None
+        if len(self._last) >= self.max_keys:
+            self._last.clear()
+        self._last[key] = (now, 0)
+        return num_held
+
+
 class TextFormatter(logging.Formatter):
-    """`time level logger: message key=value ...` with the `extra` fields appended."""
+    """`time level logger: message key=value ...` with the `extra` fields appended (escaped:
+    they may come from peers)."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -47,7 +81,7 @@ class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
         context = [
-            f"{key}={value}" for key, value in vars(record).items()
+            f"{key}={printable(value)}" for key, value in vars(record).items()
             if key not in _STANDARD_ATTRS and not key.startswith("_")
         ]
         if context:

@@ -8,6 +8,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.keys import InsecurePlaneError, check_plane_security
+
 LOG_FORMATS = ("text", "json")
 
 
@@ -44,6 +46,9 @@ class GatewayConfig:
     # delivered fewer bytes/s than this over it is aborted (0 turns the rate rule off).
     min_client_rate: float = 1024.0
     loop_lag_warn_s: float = 0.25  # event-loop lag at or above this is a stall: logged, counted
+    # The worker plane's keys (common/keys.py): required for tcp:// endpoints unless insecure.
+    keys_dir: str | None = None
+    insecure: bool = False  # the operator's explicit consent to tcp:// without CurveZMQ
     # Liveness and reconciliation (see gateway/core.py):
     # a running request with credit and no output from its worker for this long fails.
     request_idle_timeout_s: float = 300.0
@@ -68,6 +73,7 @@ class GatewayConfig:
             raise ValueError("queue_timeout_s must be > 0")
         if self.max_waiting_per_worker is not None and self.max_waiting_per_worker < 0:
             raise ValueError("max_waiting_per_worker must be >= 0")
+        check_plane_security(self.endpoints, self.keys_dir, self.insecure)
         if self.request_idle_timeout_s <= 0:
             raise ValueError("request_idle_timeout_s must be > 0")
         if self.worker_stall_timeout_s <= 0:
@@ -122,11 +128,23 @@ def prepare_ipc_endpoint(address: str) -> None:
         return
     path = Path(address[len("ipc://"):])
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    check_private_dir(path.parent)
     if not (path.exists() or path.is_symlink()):
         return
     if path.is_socket() and _is_listening(path):
         raise EndpointInUseError(f"{address} is in use by a running process")
     path.unlink()
+
+
+def check_private_dir(folder: Path) -> None:
+    """Anyone who can open an ipc:// socket file can speak as a worker: its folder must be
+    ours and closed to everyone else."""
+    info = folder.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise InsecurePlaneError(
+            f"{folder} (the ipc:// sockets' folder) must be owned by uid {os.getuid()} and "
+            f"closed to others (mode 700); it is uid {info.st_uid}, mode "
+            f"{oct(info.st_mode & 0o777)}")
 
 
 def _is_listening(path: Path) -> bool:

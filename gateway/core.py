@@ -19,6 +19,8 @@ import time
 import uuid
 from typing import Any
 
+from common.keys import is_worker_id_valid, load_gateway_keys
+from common.logging_setup import RateLimited, printable
 from common.protocol import (
     PROTOCOL_VERSION,
     UNKNOWN_WORKER,
@@ -41,7 +43,7 @@ from gateway.logging import get_logger
 from gateway.reconcile import Reconciler, TokenCheck, check_token_counts
 from gateway.registry import WorkerRegistry, WorkerStatus
 from gateway.streams import RequestPhase, RequestState, StreamTable, WorkerOutbox
-from gateway.zmq_io import ZmqEdge
+from gateway.zmq_io import Peer, ZmqEdge
 
 log = get_logger("core")
 
@@ -62,7 +64,8 @@ class Gateway:
         self.admission = Admission(self.registry, config.max_queued_requests,
                                    config.queue_timeout_s)
         router, tokens = config.endpoints
-        self.edge = ZmqEdge(router, tokens, self._on_message)
+        keys = None if config.keys_dir is None else load_gateway_keys(config.keys_dir)
+        self.edge = ZmqEdge(router, tokens, self._on_message, keys)
         self.outbox = WorkerOutbox(
             send_credit=lambda worker_id, grants: self.edge.send(worker_id, Credit(grants)),
             send_abort=lambda worker_id, rids: self.edge.send(worker_id, Abort(rids)))
@@ -77,7 +80,8 @@ class Gateway:
         self._resubmit_tasks: set[asyncio.Task] = set()
         self.reconciler = Reconciler(self.streams, self.outbox, self._on_request_lost,
                                      self._on_request_idle, config.request_idle_timeout_s)
-        self._hailed_at: dict[str, float] = {}  # unknown worker id -> when we asked for HELLO
+        self._hailed_at: dict[bytes, float] = {}  # unknown route -> when we asked for HELLO
+        self._warn = RateLimited()
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -180,59 +184,84 @@ class Gateway:
 
     # --- worker messages (called by the receive loops) ----------------------------------
 
-    def _on_message(self, identity: str, msg: Message) -> None:
+    def _on_message(self, peer: Peer, msg: Message) -> None:
+        if peer.user_id is not None and peer.worker_id not in (None, peer.user_id):
+            # A keyed peer speaking as another worker (its key says who it is).
+            self._warn_peer(f"a key issued for {peer.user_id!r} spoke as {peer.worker_id!r}")
+            return
+        if msg.TYPE is MsgType.HELLO:
+            self._on_hello(peer, msg)
+            return
+        if peer.worker_id is None or self.registry.get(peer.worker_id) is None:
+            if peer.route is not None:
+                self._hail(peer.route)  # we restarted, or expired it: ask for a HELLO
+            return
         handler = self._handlers.get(msg.TYPE)
         if handler is None:
-            log.warning("unexpected message from worker",
-                        extra={"worker_id": identity, "msg": type(msg).__name__})
+            self._warn_peer(f"unexpected {type(msg).__name__} from a worker")
             return
-        handler(identity, msg)
+        handler(peer.worker_id, msg)
 
-    def _on_hello(self, identity: str, msg: Hello) -> None:
+    def _warn_peer(self, why: str) -> None:
+        num_held = self._warn.allow(why)
+        if num_held is not None:
+            log.warning("dropped a message: %s", printable(why),
+                        extra={"num_held_back": num_held})
+
+    def _hello_refusal(self, peer: Peer, msg: Hello) -> str | None:
         if msg.protocol_version != PROTOCOL_VERSION:
-            reason = (f"protocol version {msg.protocol_version} is not the gateway's "
-                      f"{PROTOCOL_VERSION}")
-            log.error("refused worker", extra={"worker_id": identity, "reason": reason})
-            self.edge.send(identity, Ready(False, reason, self.config.heartbeat_interval_s,
-                                           self.gateway_id))
+            return (f"protocol version {msg.protocol_version} is not the gateway's "
+                    f"{PROTOCOL_VERSION}")
+        if peer.user_id is not None and msg.worker_id != peer.user_id:
+            return f"this worker's key was issued for {peer.user_id!r}, not {msg.worker_id!r}"
+        if self.edge.keys is None and not is_worker_id_valid(msg.worker_id):
+            return f"bad worker id {msg.worker_id!r}"
+        return None
+
+    def _on_hello(self, peer: Peer, msg: Hello) -> None:
+        assert peer.route is not None
+        reason = self._hello_refusal(peer, msg)
+        if reason is not None:
+            log.error("refused worker", extra={"worker_id": printable(msg.worker_id),
+                                               "reason": printable(reason)})
+            self.edge.send_route(peer.route, Ready(False, reason,
+                                                   self.config.heartbeat_interval_s,
+                                                   self.gateway_id))
             return
-        if msg.worker_id != identity:
-            log.warning("HELLO worker_id differs from its socket identity; using the identity",
-                        extra={"worker_id": identity, "hello_worker_id": msg.worker_id})
-            msg.worker_id = identity
-        old = self.registry.register(msg, self.clock())
+        worker_id = msg.worker_id
+        old = self.registry.register(msg, peer.route, self.clock())
+        self.edge.bind_route(worker_id, peer.route)
         if old is not None:
-            self._fail_worker_requests(old.worker_id, "restarted")
-        log.info("worker ready", extra={"worker_id": identity, "pid": msg.pid,
+            self._fail_worker_requests(worker_id, "restarted")
+        log.info("worker ready", extra={"worker_id": worker_id, "pid": msg.pid,
                                         "device": msg.device, "model": msg.model,
                                         "max_model_len": msg.max_model_len,
                                         "num_kv_blocks": msg.num_kv_blocks})
-        self._hailed_at.pop(identity, None)
-        self.edge.send(identity, Ready(True, "", self.config.heartbeat_interval_s,
-                                       self.gateway_id))
+        self._hailed_at.pop(peer.route, None)
+        self.edge.send(worker_id, Ready(True, "", self.config.heartbeat_interval_s,
+                                        self.gateway_id))
         self.admission.wake()
 
-    def _on_heartbeat(self, identity: str, msg: Heartbeat) -> None:
-        msg.worker_id = identity
+    def _on_heartbeat(self, worker_id: str, msg: Heartbeat) -> None:
+        msg.worker_id = worker_id
         now = self.clock()
         worker = self.registry.on_heartbeat(msg, now)
-        if worker is None:
-            self._hail(identity)
-            return
-        self.reconciler.on_worker_report(worker, msg.request_ids, msg.request_ids_age_s, now)
-        self.admission.wake()
+        if worker is not None:
+            self.reconciler.on_worker_report(worker, msg.request_ids, msg.request_ids_age_s,
+                                             now)
+            self.admission.wake()
 
-    def _hail(self, identity: str) -> None:
-        """A worker we do not know is talking (we restarted, or expired it): ask it for a
+    def _hail(self, route: bytes) -> None:
+        """A peer we do not know is talking (we restarted, or expired it): ask it for a
         HELLO, at most once a second, so that it learns at once whether its streams live."""
         now = self.clock()
-        if now - self._hailed_at.get(identity, -1e9) < 1.0:
+        if now - self._hailed_at.get(route, -1e9) < 1.0:
             return
-        if len(self._hailed_at) > 10_000:  # bounded: ids come from peers
+        if len(self._hailed_at) > 10_000:  # bounded: routes come from peers
             self._hailed_at.clear()
-        self._hailed_at[identity] = now
-        self.edge.send(identity, Heartbeat(worker_id=identity, state=UNKNOWN_WORKER,
-                                           time=time.time(), gateway_id=self.gateway_id))
+        self._hailed_at[route] = now
+        self.edge.send_route(route, Heartbeat(worker_id="", state=UNKNOWN_WORKER,
+                                              time=time.time(), gateway_id=self.gateway_id))
 
     def _on_drain(self, identity: str, msg: Drain) -> None:
         if self.registry.mark_draining(identity) is not None:
@@ -245,11 +274,8 @@ class Gateway:
         if state is not None and state.worker_id == identity:
             self._fail(state, server_error(f"The worker failed the request: {msg.message}"))
 
-    def _on_tokens(self, identity: str, msg: Tokens) -> None:
+    def _on_tokens(self, worker_id: str, msg: Tokens) -> None:
         now = self.clock()
-        if self.registry.get(msg.worker_id) is None:
-            self._hail(msg.worker_id)
-            return
         self.registry.touch(msg.worker_id, now)
         is_capacity_freed = False
         for out in msg.outputs:
@@ -264,6 +290,9 @@ class Gateway:
                 self._on_request_lost(state, "tokens from the worker were lost in transit")
                 is_capacity_freed = True
                 continue
+            if check is TokenCheck.OVER_LIMIT:
+                self._warn_peer(f"worker {worker_id!r} sent tokens beyond a stream's credit or "
+                                "max_tokens (dropped)")
             if out.finish_reason is not None:
                 self.registry.release(msg.worker_id, out.request_id)
                 is_capacity_freed = True
@@ -306,6 +335,7 @@ class Gateway:
                                             "silent_s": round(now - worker.last_seen, 3),
                                             "num_in_flight": len(worker.request_ids)})
             self._fail_worker_requests(worker.worker_id, "was lost (no heartbeat)")
+            self.edge.unbind(worker.worker_id)
         for worker_id in list(self.registry.workers):
             self.edge.send(worker_id, Heartbeat(worker_id=worker_id, time=time.time(),
                                                 gateway_id=self.gateway_id))

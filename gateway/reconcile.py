@@ -37,11 +37,13 @@ class TokenCheck(enum.Enum):
     OK = "ok"
     DUPLICATE = "duplicate"  # every token in it was delivered already: drop it
     GAP = "gap"  # tokens before it never arrived
+    OVER_LIMIT = "over_limit"  # beyond the credit granted or max_tokens: the excess dropped
 
 
 def check_token_counts(state: RequestState, out: TokenOutput) -> TokenCheck:
     """Compare a TokenOutput's running count with what this stream received. A partial
-    overlap is trimmed in place to the tokens not seen yet."""
+    overlap is trimmed in place to the tokens not seen yet, and so is anything beyond the
+    stream's credit limit or max_tokens (an honest worker never sends that)."""
     first = out.num_output_tokens - len(out.new_token_ids)  # index of its first new token
     if first > state.num_received:
         return TokenCheck.GAP
@@ -49,10 +51,19 @@ def check_token_counts(state: RequestState, out: TokenOutput) -> TokenCheck:
         seen = state.num_received - first
         if seen >= len(out.new_token_ids) and out.finish_reason is None:
             return TokenCheck.DUPLICATE
-        out.new_token_ids = out.new_token_ids[seen:]
-        if out.logprobs is not None:
-            out.logprobs = out.logprobs[seen:]
+        _keep(out, seen, len(out.new_token_ids))
+    max_tokens = (state.params or {}).get("max_tokens", state.credit_limit)
+    room = min(state.credit_limit, max_tokens) - state.num_received
+    if len(out.new_token_ids) > room:
+        _keep(out, 0, max(room, 0))
+        return TokenCheck.OVER_LIMIT
     return TokenCheck.OK
+
+
+def _keep(out: TokenOutput, start: int, end: int) -> None:
+    out.new_token_ids = out.new_token_ids[start:end]
+    if out.logprobs is not None:
+        out.logprobs = out.logprobs[start:end]
 
 
 class Reconciler:

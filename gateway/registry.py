@@ -25,6 +25,7 @@ class WorkerStatus(enum.Enum):
 @dataclass
 class WorkerHandle:
     hello: Hello
+    route: bytes  # the worker process's routing id (unique per process run)
     last_seen: float
     max_waiting: int  # requests it may hold beyond max_num_seqs
     status: WorkerStatus = WorkerStatus.READY
@@ -79,14 +80,16 @@ class WorkerRegistry:
         self.workers: dict[str, WorkerHandle] = {}
         self.last_max_model_len: int | None = None
 
-    def register(self, hello: Hello, now: float) -> WorkerHandle | None:
+    def register(self, hello: Hello, route: bytes, now: float) -> WorkerHandle | None:
         """Add a worker; return the incarnation it replaces (whose requests are lost).
 
-        A HELLO repeated by the same process (same pid: its READY got lost or was late)
-        is not a restart: the worker keeps its place and its requests.
+        A HELLO repeated by the same process (same route: its READY got lost or was late,
+        or it thought the gateway gone) is not a restart: the worker keeps its place and its
+        requests. Every process picks a new route, so a restart shows even where every
+        worker is pid 1 (containers).
         """
         old = self.workers.get(hello.worker_id)
-        if old is not None and old.hello.pid == hello.pid:
+        if old is not None and old.route == route:
             old.hello, old.last_seen, old.status = hello, now, WorkerStatus.READY
             self.last_max_model_len = hello.max_model_len
             return None
@@ -94,7 +97,7 @@ class WorkerRegistry:
         max_waiting = (hello.max_num_seqs if self.max_waiting_per_worker is None
                        else self.max_waiting_per_worker)
         self.workers[hello.worker_id] = WorkerHandle(
-            hello=hello, last_seen=now, max_waiting=max_waiting,
+            hello=hello, route=route, last_seen=now, max_waiting=max_waiting,
             num_free_blocks=hello.num_kv_blocks, num_total_blocks=hello.num_kv_blocks)
         self.last_max_model_len = hello.max_model_len
         return old

@@ -31,6 +31,7 @@ import enum
 import logging
 import os
 import queue
+import secrets
 import signal
 import threading
 import time
@@ -39,7 +40,15 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from common.keys import (
+    WorkerKeys,
+    check_plane_security,
+    curve_client,
+    is_worker_id_valid,
+    load_worker_keys,
+)
 from common.protocol import (
+    MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     UNKNOWN_WORKER,
     Abort,
@@ -77,6 +86,7 @@ EXIT_REFUSED = 3  # the gateway refused our HELLO (e.g. another protocol version
 EXIT_STALLED = 4  # the engine thread made no progress for stall_timeout_s
 _LINGER_MS = 2000  # on exit, how long queued messages (final tokens, DRAIN) may take to leave
 _SNDHWM = 100_000  # messages queued while the gateway is away; beyond this we drop, never block
+_MAX_MSG_BYTES = MAX_FRAME_BYTES + 4096  # a bigger inbound message drops the connection
 
 
 @dataclass(frozen=True)
@@ -95,10 +105,11 @@ class WorkerConfig:
     # No engine progress for this long: exit EXIT_STALLED (None: never; tests in-process).
     stall_timeout_s: float | None = 120.0
     max_step_failures: int = 3  # engine steps failing in a row before the worker exits
+    # CurveZMQ keys (common/keys.py): required for tcp:// endpoints unless insecure.
+    keys_dir: str | None = None
+    insecure: bool = False
 
     def __post_init__(self) -> None:
-        if not self.worker_id:
-            raise ValueError("worker_id must not be empty")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {self.backend!r}")
         if self.heartbeat_interval_s <= 0:
@@ -115,6 +126,11 @@ class WorkerConfig:
             raise ValueError("stall_timeout_s must be > 0")
         if self.max_step_failures < 1:
             raise ValueError("max_step_failures must be >= 1")
+        if not is_worker_id_valid(self.worker_id):
+            raise ValueError(f"worker_id {self.worker_id!r}: use up to 128 letters, digits, "
+                             "'.', '_' or '-'")
+        check_plane_security((self.router_address, self.tokens_address), self.keys_dir,
+                             self.insecure)
 
 
 def run_worker(config: WorkerConfig, engine: Engine | None = None) -> int:
@@ -176,7 +192,8 @@ class _GatewayLink(threading.Thread):
 
     _HELLO_RETRY_S = 0.1
 
-    def __init__(self, ctx: zmq.Context, config: WorkerConfig, outbox_address: str):
+    def __init__(self, ctx: zmq.Context, config: WorkerConfig, outbox_address: str,
+                 keys: WorkerKeys | None):
         super().__init__(name="gateway-link", daemon=True)
         self.config = config
         self.inbox: queue.Queue[Message] = queue.Queue()
@@ -188,10 +205,17 @@ class _GatewayLink(threading.Thread):
         self.progress_at = time.monotonic()  # the engine thread's last finished iteration
         self._pending_hello: list[bytes] | None = None
         self._dealer = ctx.socket(zmq.DEALER)
-        self._dealer.setsockopt(zmq.IDENTITY, config.worker_id.encode())
+        # The route: our id plus a secret suffix, new every process run. The gateway sends to
+        # us only through the route our HELLO came from, so no other peer can take our
+        # place, and a new route tells it we restarted.
+        route = f"{config.worker_id}.{secrets.token_hex(12)}"
+        self._dealer.setsockopt(zmq.IDENTITY, route.encode())
         self._dealer.setsockopt(zmq.IMMEDIATE, 1)
         self._dealer.setsockopt(zmq.LINGER, _LINGER_MS)
         self._dealer.setsockopt(zmq.SNDHWM, _SNDHWM)
+        self._dealer.setsockopt(zmq.MAXMSGSIZE, _MAX_MSG_BYTES)
+        if keys is not None:
+            curve_client(self._dealer, keys)
         self._dealer.connect(config.router_address)
         self._outbox = ctx.socket(zmq.PULL)
         self._outbox.bind(outbox_address)
@@ -308,12 +332,16 @@ class WorkerLoop:
     def run(self) -> int:
         ctx = zmq.Context()
         outbox_address = f"inproc://worker-outbox-{id(self)}"
-        self.link = _GatewayLink(ctx, self.config, outbox_address)
+        keys = (None if self.config.keys_dir is None
+                else load_worker_keys(self.config.keys_dir, self.config.worker_id))
+        self.link = _GatewayLink(ctx, self.config, outbox_address, keys)
         self._to_link = ctx.socket(zmq.PUSH)
         self._to_link.connect(outbox_address)
         self._tokens = ctx.socket(zmq.PUSH)
         self._tokens.setsockopt(zmq.LINGER, _LINGER_MS)
         self._tokens.setsockopt(zmq.SNDHWM, _SNDHWM)
+        if keys is not None:
+            curve_client(self._tokens, keys)
         self._tokens.connect(self.config.tokens_address)
         self.link.start()
         restore_signals = self._install_signal_handlers()

@@ -62,7 +62,7 @@ def test_worker_flags_build_the_configs(captured):
         "--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--max-model-len", "1024",
         "--block-size", "32", "--kv-cache-memory", "512MiB", "--no-enable-prefix-caching",
         "--batching-mode", "dynamic", "--batch-wait-ms", "20", "--num-threads", "2",
-        "--backend", "fake", "--seed", "5", "--drain-timeout", "7",
+        "--backend", "fake", "--seed", "5", "--drain-timeout", "7", "--insecure",
     ])
     assert result.exit_code == 0, result.output
     config = captured["worker"]

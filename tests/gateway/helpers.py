@@ -133,6 +133,9 @@ class FakeWorker:
     drop_incoming: Callable[[object], bool] = field(default=lambda msg: False)
     drop_outgoing: Callable[[Tokens], bool] = field(default=lambda msg: False)
     progress_age_s: float = 0.0  # what heartbeats report (a large value: engine stuck)
+    keys: object | None = None  # common.keys.WorkerKeys: speak CurveZMQ
+    # The worker id its HELLO and TOKENS claim (default: worker_id); a rogue claims another.
+    claimed_id: str | None = None
     gateway_heartbeats: list[Heartbeat] = field(default_factory=list)
     num_dropped: int = 0
 
@@ -157,17 +160,23 @@ class FakeWorker:
             self._outbox.append(encode(msg))
 
     def hello(self) -> Hello:
-        return Hello(self.protocol_version, self.worker_id, "fake", self.max_model_len,
+        return Hello(self.protocol_version, self.claimed_id or self.worker_id, "fake",
+                     self.max_model_len,
                      1000, 16, self.max_num_seqs, "cpu", self.pid)
 
     def _run(self) -> None:
         ctx = zmq.Context()
         dealer = ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.IDENTITY, self.worker_id.encode())
+        dealer.setsockopt(zmq.IDENTITY, f"{self.worker_id}.{self.pid}".encode())  # its route
         dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(self.router_address)
         push = ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 0)
+        if self.keys is not None:
+            from common.keys import curve_client
+
+            curve_client(dealer, self.keys)
+            curve_client(push, self.keys)
+        dealer.connect(self.router_address)
         push.connect(self.tokens_address)
         dealer.send_multipart(encode(self.hello()))
         next_beat = next_step = time.monotonic()
@@ -191,7 +200,7 @@ class FakeWorker:
                     outputs = self._step()
                     if outputs:
                         step += 1
-                        msg = Tokens(self.worker_id, step, outputs)
+                        msg = Tokens(self.claimed_id or self.worker_id, step, outputs)
                         if self.drop_outgoing(msg):
                             self.num_dropped += 1
                         else:

@@ -18,7 +18,7 @@ def test_default_endpoints_are_per_port_ipc():
     router, tokens = default_endpoints(8000)
     assert router.startswith("ipc://") and tokens.startswith("ipc://")
     assert router != tokens and "8000" in router and default_endpoints(8001)[0] != router
-    cfg = GatewayConfig(port=9000, tokens_address="tcp://127.0.0.1:5555")
+    cfg = GatewayConfig(port=9000, tokens_address="tcp://127.0.0.1:5555", insecure=True)
     assert cfg.endpoints == (default_endpoints(9000)[0], "tcp://127.0.0.1:5555")
 
 
@@ -44,3 +44,24 @@ def test_stale_socket_file_is_removed_but_a_live_one_is_not(tmp_path):
     prepare_ipc_endpoint(f"ipc://{path}")
     assert not path.exists()
     prepare_ipc_endpoint("tcp://127.0.0.1:1")  # not a file: nothing to do
+
+
+def test_tcp_without_keys_is_refused_unless_insecure():
+    from common.keys import InsecurePlaneError
+
+    with pytest.raises(InsecurePlaneError, match="--keys-dir"):
+        GatewayConfig(router_address="tcp://0.0.0.0:5555")
+    GatewayConfig(router_address="tcp://0.0.0.0:5555", insecure=True)
+    GatewayConfig(router_address="tcp://0.0.0.0:5555", keys_dir="/some/keys")
+
+
+def test_an_ipc_folder_open_to_others_is_refused(tmp_path):
+    from common.keys import InsecurePlaneError
+
+    folder = tmp_path / "shared"
+    folder.mkdir(mode=0o777)
+    folder.chmod(0o777)
+    with pytest.raises(InsecurePlaneError, match="mode 700"):
+        prepare_ipc_endpoint(f"ipc://{folder}/gw.sock")
+    folder.chmod(0o700)
+    prepare_ipc_endpoint(f"ipc://{folder}/gw.sock")

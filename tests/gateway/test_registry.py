@@ -16,6 +16,11 @@ def hello(worker_id: str, max_num_seqs: int = 4, pid: int = 1) -> Hello:
     return Hello(PROTOCOL_VERSION, worker_id, "m", 2048, 100, 16, max_num_seqs, "cpu", pid)
 
 
+def route(worker_id: str, max_num_seqs: int = 4, pid: int = 1) -> bytes:
+    """Each worker process has its own route (here: one per pid)."""
+    return f"{worker_id}.{pid}".encode()
+
+
 def beat(worker_id: str, running: int = 0, waiting: int = 0, free: int = 100,
          state: str = "ready") -> Heartbeat:
     return Heartbeat(worker_id, state, running, waiting, 0, free, 100, 0.0)
@@ -23,8 +28,8 @@ def beat(worker_id: str, running: int = 0, waiting: int = 0, free: int = 100,
 
 def test_routes_to_least_loaded_worker():
     reg = WorkerRegistry()
-    reg.register(hello("a"), 0.0)
-    reg.register(hello("b"), 0.0)
+    reg.register(hello("a"), route("a"), 0.0)
+    reg.register(hello("b"), route("b"), 0.0)
     reg.on_heartbeat(beat("a", running=3), 0.1)
     reg.on_heartbeat(beat("b", running=1), 0.1)
     assert reg.pick().worker_id == "b"
@@ -37,8 +42,8 @@ def test_routes_to_least_loaded_worker():
 
 def test_ties_break_on_free_kv_blocks():
     reg = WorkerRegistry()
-    reg.register(hello("a"), 0.0)
-    reg.register(hello("b"), 0.0)
+    reg.register(hello("a"), route("a"), 0.0)
+    reg.register(hello("b"), route("b"), 0.0)
     reg.on_heartbeat(beat("a", running=2, free=10), 0.1)
     reg.on_heartbeat(beat("b", running=2, free=90), 0.1)
     assert reg.pick().worker_id == "b"
@@ -46,8 +51,8 @@ def test_ties_break_on_free_kv_blocks():
 
 def test_draining_and_full_workers_get_nothing():
     reg = WorkerRegistry(max_waiting_per_worker=0)
-    reg.register(hello("a", max_num_seqs=1), 0.0)
-    reg.register(hello("b", max_num_seqs=1), 0.0)
+    reg.register(hello("a", max_num_seqs=1), route("a", max_num_seqs=1), 0.0)
+    reg.register(hello("b", max_num_seqs=1), route("b", max_num_seqs=1), 0.0)
     reg.mark_draining("a")
     assert reg.pick().worker_id == "b"
     reg.assign(reg.get("b"), "r1")
@@ -61,36 +66,37 @@ def test_draining_and_full_workers_get_nothing():
 
 def test_silent_worker_expires_and_rehello_replaces_it():
     reg = WorkerRegistry()
-    reg.register(hello("a", pid=1), 0.0)
-    reg.register(hello("b"), 0.0)
+    reg.register(hello("a", pid=1), route("a", pid=1), 0.0)
+    reg.register(hello("b"), route("b"), 0.0)
     reg.on_heartbeat(beat("b"), 2.5)
     lost = reg.expire(now=3.5, timeout_s=3.0)
     assert [w.worker_id for w in lost] == ["a"]
     assert list(reg.workers) == ["b"]
     reg.assign(reg.get("b"), "r1")
-    old = reg.register(hello("b", pid=2), 4.0)
+    old = reg.register(hello("b", pid=2), route("b", pid=2), 4.0)
     assert old is not None and old.request_ids == {"r1"}
     assert reg.get("b").hello.pid == 2 and not reg.get("b").request_ids
 
 
 def test_repeated_hello_from_the_same_process_is_not_a_restart():
     reg = WorkerRegistry()
-    reg.register(hello("a", pid=7), 0.0)
+    reg.register(hello("a", pid=7), route("a", pid=7), 0.0)
     reg.assign(reg.get("a"), "r1")
     reg.mark_draining("a")
-    assert reg.register(hello("a", pid=7), 1.0) is None
+    assert reg.register(hello("a", pid=7), route("a", pid=7), 1.0) is None
     worker = reg.get("a")
     assert worker.request_ids == {"r1"} and worker.last_seen == 1.0
     assert worker.status is WorkerStatus.READY
-    replaced = reg.register(hello("a", pid=8), 2.0)  # a new process with the same id
+    # A new process with the same id (and, in a container, the same pid 1): a new route.
+    replaced = reg.register(hello("a", pid=7), b"a.other-process", 2.0)
     assert replaced is not None and replaced.request_ids == {"r1"}
 
 
 def test_max_model_len_is_the_smallest_live_one():
     reg = WorkerRegistry()
     assert reg.max_model_len() is None
-    reg.register(Hello(PROTOCOL_VERSION, "a", "m", 4096, 1, 16, 1, "cpu", 1), 0.0)
-    reg.register(Hello(PROTOCOL_VERSION, "b", "m", 1024, 1, 16, 1, "cpu", 1), 0.0)
+    reg.register(Hello(PROTOCOL_VERSION, "a", "m", 4096, 1, 16, 1, "cpu", 1), b"a.1", 0.0)
+    reg.register(Hello(PROTOCOL_VERSION, "b", "m", 1024, 1, 16, 1, "cpu", 1), b"b.1", 0.0)
     assert reg.max_model_len() == 1024
 
 
@@ -105,7 +111,7 @@ def test_admission_queues_until_a_worker_appears():
         waiter = asyncio.create_task(adm.acquire("r1"))
         await asyncio.sleep(0.01)
         assert adm.num_queued == 1 and not waiter.done()
-        reg.register(hello("a"), 0.0)
+        reg.register(hello("a"), route("a"), 0.0)
         adm.wake()
         worker = await waiter
         assert worker.worker_id == "a" and reg.get("a").request_ids == {"r1"}
@@ -144,7 +150,7 @@ def test_admission_times_out_with_503():
 def test_admission_is_fifo_and_never_overbooks():
     async def main():
         reg = WorkerRegistry(max_waiting_per_worker=0)
-        reg.register(hello("a", max_num_seqs=1), 0.0)
+        reg.register(hello("a", max_num_seqs=1), route("a", max_num_seqs=1), 0.0)
         adm = Admission(reg, max_queued=10, timeout_s=5)
         first = await adm.acquire("r0")  # takes the only slot
         order = []
@@ -176,7 +182,7 @@ def test_cancelled_waiter_leaves_the_queue():
         t1.cancel()  # its client left while queued
         await asyncio.gather(t1, return_exceptions=True)
         assert adm.num_queued == 1
-        reg.register(hello("a", max_num_seqs=1), 0.0)
+        reg.register(hello("a", max_num_seqs=1), route("a", max_num_seqs=1), 0.0)
         adm.wake()
         worker = await asyncio.wait_for(t2, 1)
         assert worker.worker_id == "a" and reg.get("a").request_ids == {"r2"}

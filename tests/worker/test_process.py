@@ -122,7 +122,8 @@ class FakeGateway:
 
     def __init__(self, tmp_path, worker_id: str):
         self.ctx = zmq.Context()
-        self.identity = worker_id.encode()
+        self.worker_id = worker_id
+        self.route: bytes | None = None  # the worker's DEALER routing id, once it spoke
         self.router_address = f"ipc://{tmp_path}/router"
         self.tokens_address = f"ipc://{tmp_path}/tokens"
         self.router = self.ctx.socket(zmq.ROUTER)
@@ -136,8 +137,10 @@ class FakeGateway:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.router.poll(int((deadline - time.monotonic()) * 1000) + 1):
-                identity, *frames = self.router.recv_multipart()
-                assert identity == self.identity
+                route, *frames = self.router.recv_multipart()
+                # The worker's id plus a per-process secret suffix.
+                assert route.decode().startswith(self.worker_id + ".")
+                self.route = route
                 msg = decode(frames)
                 if isinstance(msg, Heartbeat):
                     self.heartbeats.append(msg)
@@ -154,7 +157,8 @@ class FakeGateway:
                 return beat
 
     def send(self, msg: Message) -> None:
-        self.router.send_multipart([self.identity, *encode(msg)])
+        assert self.route is not None, "the worker has not spoken yet"
+        self.router.send_multipart([self.route, *encode(msg)])
 
     def tokens(self, timeout_s: float = 5.0) -> Tokens | None:
         if not self.pull.poll(int(timeout_s * 1000)):
@@ -525,8 +529,8 @@ def test_refused_worker_exits_nonzero(tmp_path):
 
 def test_bad_frames_from_the_gateway_are_dropped(gateway):
     worker, engine, _ = start(gateway)
-    gateway.router.send_multipart([gateway.identity, b"\xff", b"junk"])
-    gateway.router.send_multipart([gateway.identity, b"\x03"])
+    gateway.router.send_multipart([gateway.route, b"\xff", b"junk"])
+    gateway.router.send_multipart([gateway.route, b"\x03"])
     gateway.send(Tokens("not-for-workers", 1, []))  # well-formed, but not a G->W message
     gateway.send(Submit("a", [1], {"max_tokens": 2}, 8))
     assert gateway.collect({"a"})["a"][-1].finish_reason == "length"
