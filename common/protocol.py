@@ -24,6 +24,8 @@ import msgpack
 PROTOCOL_VERSION = 2
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # a 1M-token prompt still fits; anything bigger is garbage
 MAX_LIST_ITEMS = 2_000_000
+MAX_OUTPUTS_PER_STEP = 65_536  # streams one TOKENS message may carry
+MAX_NAME_CHARS = 256  # worker ids, model names, devices
 
 
 class ProtocolError(ValueError):
@@ -94,6 +96,17 @@ class Hello(Message):
     max_num_seqs: int
     device: str
     pid: int
+
+    def validate(self) -> None:
+        # A peer's claims feed routing and context checks: absurd values are refused here.
+        ranges = {"max_model_len": (1, 2**24), "num_kv_blocks": (1, 2**32),
+                  "block_size": (1, 4096), "max_num_seqs": (1, 2**20), "pid": (0, 2**32)}
+        for name, (lo, hi) in ranges.items():
+            if not lo <= getattr(self, name) <= hi:
+                raise ProtocolError(f"Hello.{name} must be in [{lo}, {hi}]")
+        for name in ("worker_id", "model", "device"):
+            if not 0 < len(getattr(self, name)) <= MAX_NAME_CHARS:
+                raise ProtocolError(f"Hello.{name} must have 1 to {MAX_NAME_CHARS} characters")
 
 
 @dataclass
@@ -218,6 +231,8 @@ class Tokens(Message):
         return [self.worker_id, self.step, [o.to_wire() for o in self.outputs]]
 
     def validate(self) -> None:
+        if len(self.outputs) > MAX_OUTPUTS_PER_STEP:
+            raise ProtocolError(f"more than {MAX_OUTPUTS_PER_STEP} outputs in one TOKENS")
         self.outputs = [TokenOutput.from_wire(o) for o in self.outputs]
 
 

@@ -135,6 +135,21 @@ BAD_FRAMES = {
     "token output map logprobs": _frames(MsgType.TOKENS, ["w", 1, [["r", [1], None, 1, 1, 0, {}, None]]]),
     "tokens id not str": _frames(MsgType.TOKENS, [1, 1, []]),
     "msgpack ext type": [bytes([MsgType.SHUTDOWN]), msgpack.packb([msgpack.ExtType(5, b"x")])],
+    # Hostile peers: every claim is range-checked.
+    "hello negative context": _frames(MsgType.HELLO, [2, "w", "m", -5, 1, 16, 1, "cpu", 1]),
+    "hello huge batch": _frames(MsgType.HELLO, [2, "w", "m", 10, 1, 16, 2**40, "cpu", 1]),
+    "hello zero blocks": _frames(MsgType.HELLO, [2, "w", "m", 10, 0, 16, 1, "cpu", 1]),
+    "hello empty id": _frames(MsgType.HELLO, [2, "", "m", 10, 1, 16, 1, "cpu", 1]),
+    "hello long model name": _frames(MsgType.HELLO, [2, "w", "m" * 1000, 10, 1, 16, 1, "cpu", 1]),
+    "prompt token past 32 bits": _frames(MsgType.SUBMIT, ["r", [2**40], {}, 4]),
+    "credit grant past 32 bits": _frames(MsgType.CREDIT, [[["r", 2**40]]]),
+    "heartbeat negative count": _frames(MsgType.HEARTBEAT, ["w", "ready", -1]),
+    "heartbeat non-str request id": _frames(MsgType.HEARTBEAT,
+                                            ["w", "ready", 0, 0, 0, 0, 0, 0.0, "", 0, 0.0, [1]]),
+    "heartbeat infinite age": _frames(MsgType.HEARTBEAT,
+                                      ["w", "ready", 0, 0, 0, 0, 0, 0.0, "", 0, float("inf")]),
+    "tokens with too many outputs": _frames(
+        MsgType.TOKENS, ["w", 1, [["r", [], None, 0, 0, 0, None, None]] * 70_000]),
 }
 
 
