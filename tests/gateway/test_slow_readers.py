@@ -1,0 +1,47 @@
+"""The minimum-rate rule on a real server with small socket buffers (so that a reader's
+blocked writes complete within the timeout, and only the rate can tell it is too slow)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from tests.e2e.trickle import TrickleClient
+from tests.gateway.helpers import GatewayServer, cyclic_reply, wait_until
+
+pytestmark = pytest.mark.slow
+
+BODY = {"prompt": "x", "max_tokens": 4000}  # within the server's max_tokens cap
+
+
+def reasons(caplog) -> list[str]:
+    return [r.reason for r in caplog.records if r.getMessage().startswith("slow client")]
+
+
+@pytest.mark.parametrize("num_bytes,is_aborted", [
+    (1024, True),  # ~10 kB/s: under the 20 kB/s minimum
+    (8192, False),  # ~80 kB/s: slower than generation, above the minimum
+])
+def test_the_rate_decides(caplog, num_bytes, is_aborted):
+    caplog.set_level(logging.WARNING, logger="zeroserve.gateway.sse")
+    with GatewayServer(credit_window=16, slow_client_timeout_s=1.0,
+                       min_client_rate=20_000) as gw:
+        worker = gw.worker(reply=cyclic_reply("x" * 50), step_s=0.001).start()
+        assert worker.ready.wait(5)
+        client = TrickleClient(gw.port, "/v1/completions", BODY, num_bytes, every_s=0.1)
+        try:
+            assert wait_until(lambda: worker.submits, 5)
+            assert gw.shrink_send_buffers() == 1
+            rid = worker.submits[0].request_id
+            if is_aborted:
+                assert wait_until(lambda: rid in worker.aborts, 10)
+                assert reasons(caplog) == ["too slow"]  # never one write blocked for 1 s
+            else:
+                time.sleep(5)  # five windows
+                assert rid not in worker.aborts and reasons(caplog) == []
+                assert len(client.received) > 5 * 20_000
+        finally:
+            client.close()
+            worker.stop()
