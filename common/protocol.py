@@ -130,15 +130,20 @@ class Submit(Message):
 
     TYPE: ClassVar[MsgType] = MsgType.SUBMIT
     SCHEMA: ClassVar = {"request_id": _STR, "prompt_token_ids": _LIST, "params": _DICT,
-                        "credit": _INT}
+                        "credit": _INT, "output_token_ids": _LIST}
     request_id: str
     prompt_token_ids: list[int]
     params: dict[str, Any]
     credit: int  # initial credit limit: output tokens the worker may send before CREDIT
+    # A stream moving from another worker (failover): the output tokens it already produced.
+    # The worker continues after them as if it had generated them itself (same counts,
+    # penalties and seeded sampling), so the continuation is exact.
+    output_token_ids: list[int] = field(default_factory=list)
 
     def validate(self) -> None:
-        if not all(type(t) is int and 0 <= t < _MAX_U32 for t in self.prompt_token_ids):
-            raise ProtocolError("prompt_token_ids must be non-negative 32-bit ints")
+        for ids in (self.prompt_token_ids, self.output_token_ids):
+            if not all(type(t) is int and 0 <= t < _MAX_U32 for t in ids):
+                raise ProtocolError("token ids must be non-negative 32-bit ints")
         if not 1 <= self.credit < _MAX_U32:
             raise ProtocolError("credit must be in [1, 2^32)")
 

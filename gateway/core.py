@@ -41,15 +41,18 @@ from gateway.config import GatewayConfig
 from gateway.errors import APIError, request_timeout, server_error, worker_failed
 from gateway.logging import get_logger
 from gateway.reconcile import Reconciler, TokenCheck, check_token_counts
-from gateway.registry import WorkerRegistry, WorkerStatus
+from gateway.registry import WorkerRegistry
 from gateway.streams import RequestPhase, RequestState, StreamTable, WorkerOutbox
 from gateway.zmq_io import Peer, ZmqEdge
 
 log = get_logger("core")
 
-# A request that produced no token yet when its worker was lost, restarted or refused it
-# for draining is sent to another worker this many times before it fails.
-MAX_RESUBMITS = 1
+# A stream whose worker stopped serving it (lost, restarted, drained past its deadline, or a
+# message of it was lost) continues on another worker from the tokens it already produced:
+# at most this many SUBMITs per request in all, then it fails.
+MAX_SUBMITS = 4
+# A request that a worker refused with an error before any output gets one more try.
+MAX_SUBMITS_AFTER_ERROR = 2
 
 
 class Gateway:
@@ -129,7 +132,8 @@ class Gateway:
         state.submitted_at = state.last_activity = self.clock()
         state.missing_since = None
         sent = self.edge.send(worker.worker_id, Submit(
-            state.request_id, state.prompt_token_ids, params, state.credit_limit))
+            state.request_id, state.prompt_token_ids, params, state.credit_limit,
+            state.output_token_ids))
         log.debug("submitted", extra={"request_id": state.request_id,
                                       "worker_id": worker.worker_id})
         if not sent:
@@ -157,14 +161,17 @@ class Gateway:
             self.registry.release(state.worker_id, state.request_id)
         state.deliver(error)
 
-    def _resubmit_or_fail(self, state: RequestState, error: APIError) -> None:
-        """The worker dropped the request. If the client saw nothing of it yet, quietly
-        send it to another worker (the queue waits for one); otherwise fail it."""
-        if state.num_received > 0 or state.num_submits > MAX_RESUBMITS or state.params is None:
+    def _resubmit_or_fail(self, state: RequestState, error: APIError,
+                          max_submits: int = MAX_SUBMITS) -> None:
+        """The worker dropped the request: send it to another worker (the queue waits for
+        one) with the tokens it produced so far, so the stream goes on where it stopped and
+        the client sees a pause; `error` if it has been tried too often."""
+        if state.num_submits >= max_submits or state.params is None:
             self._fail(state, error)
             return
-        log.info("resubmitting", extra={"request_id": state.request_id,
-                                        "worker_id": state.worker_id})
+        log.info("failover" if state.num_received else "resubmitting",
+                 extra={"request_id": state.request_id, "worker_id": state.worker_id,
+                        "num_output_tokens": state.num_received})
         if state.worker_id is not None:
             self.registry.release(state.worker_id, state.request_id)
         state.worker_id = None
@@ -296,15 +303,22 @@ class Gateway:
             if out.finish_reason is not None:
                 self.registry.release(msg.worker_id, out.request_id)
                 is_capacity_freed = True
+                if out.finish_reason == "abort" and not out.new_token_ids:
+                    # The worker stopped it (draining past its deadline, shutting down): not
+                    # the request's fault, so it continues elsewhere.
+                    self._resubmit_or_fail(state, worker_failed(
+                        f"The worker stopped the request: {out.error or 'aborted'}"))
+                    continue
                 if out.finish_reason == "error" and state.num_received == 0 and \
                         not out.new_token_ids:
-                    # Refused before any output (draining, or a worker-side failure):
-                    # worth one more try, likely on another worker.
-                    make = worker_failed if self._is_draining(msg.worker_id) else server_error
-                    self._resubmit_or_fail(state, make(
-                        f"The worker failed the request: {out.error or 'unknown error'}"))
+                    # Refused before any output (a worker-side failure): worth one more
+                    # try, likely on another worker.
+                    self._resubmit_or_fail(state, server_error(
+                        f"The worker failed the request: {out.error or 'unknown error'}"),
+                        MAX_SUBMITS_AFTER_ERROR)
                     continue
             state.num_received += len(out.new_token_ids)
+            state.output_token_ids.extend(out.new_token_ids)
             state.deliver(out)
         if is_capacity_freed:
             self.admission.wake()
@@ -339,10 +353,6 @@ class Gateway:
         for worker_id in list(self.registry.workers):
             self.edge.send(worker_id, Heartbeat(worker_id=worker_id, time=time.time(),
                                                 gateway_id=self.gateway_id))
-
-    def _is_draining(self, worker_id: str) -> bool:
-        worker = self.registry.get(worker_id)
-        return worker is not None and worker.status is WorkerStatus.DRAINING
 
     def _on_request_lost(self, state: RequestState, why: str) -> None:
         """A message of this request was lost (SUBMIT, final TOKENS, tokens mid-stream) or

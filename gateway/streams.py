@@ -38,6 +38,8 @@ class RequestState:
     phase: RequestPhase = RequestPhase.QUEUED
     worker_id: str | None = None
     num_received: int = 0  # tokens the worker sent us
+    # Every output token received, so the stream can continue on another worker.
+    output_token_ids: list[int] = field(default_factory=list)
     num_credited: int = 0  # tokens we gave back as credit
     params: dict | None = None  # as sent in SUBMIT (kept to resubmit elsewhere)
     num_submits: int = 0

@@ -58,13 +58,23 @@ class Engine:
     # ---- requests ---------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        output_token_ids: list[int] | tuple[int, ...] = (),
     ) -> None:
-        """Queue a request. Raises RequestError (user-facing message) if it can never run."""
+        """Queue a request. Raises RequestError (user-facing message) if it can never run.
+
+        `output_token_ids`: tokens this request already produced elsewhere (a stream moved
+        from a lost worker). They count as its own outputs (max_tokens, penalties, the
+        sampling seed's position), are prefilled with the prompt, and are not emitted again.
+        """
         vocab_size = self.info.vocab_size
-        if any(not 0 <= t < vocab_size for t in prompt_token_ids):
-            raise RequestError(f"Prompt token ids must be in [0, {vocab_size}).")
-        seq = Sequence(request_id, list(prompt_token_ids), params)
+        if any(not 0 <= t < vocab_size for t in (*prompt_token_ids, *output_token_ids)):
+            raise RequestError(f"Token ids must be in [0, {vocab_size}).")
+        if len(output_token_ids) >= params.max_tokens:
+            raise RequestError("The request has produced all of its max_tokens already.")
+        seq = Sequence(request_id, list(prompt_token_ids), params,
+                       output_token_ids=list(output_token_ids),
+                       num_emitted_tokens=len(output_token_ids))
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:

@@ -461,11 +461,11 @@ class WorkerLoop:
             log.warning("duplicate SUBMIT ignored", extra={**self._log_extra, "request_id": rid})
             return
         if self.state is WorkerState.DRAINING:
-            self._reject(rid, "worker is draining; retry on another worker")
+            self._reject(rid, "worker is draining; retry on another worker", retryable=True)
             return
         try:
             params = _sampling_params(msg.params)
-            self.engine.add_request(rid, msg.prompt_token_ids, params)
+            self.engine.add_request(rid, msg.prompt_token_ids, params, msg.output_token_ids)
         except (RequestError, TypeError, ValueError) as e:
             self._reject(rid, str(e), num_prompt_tokens=len(msg.prompt_token_ids))
             return
@@ -473,7 +473,8 @@ class WorkerLoop:
             log.exception("add_request failed", extra={**self._log_extra, "request_id": rid})
             self._reject(rid, f"internal error: {e}", num_prompt_tokens=len(msg.prompt_token_ids))
             return
-        self.streams[rid] = _Stream(credit_limit=msg.credit)
+        self.streams[rid] = _Stream(credit_limit=msg.credit,
+                                    num_sent=len(msg.output_token_ids))
         log.debug("request added", extra={**self._log_extra, "request_id": rid,
                                           "num_prompt_tokens": len(msg.prompt_token_ids)})
 
@@ -589,14 +590,19 @@ class WorkerLoop:
             self.exit_code = EXIT_OK
 
     def _fail_all(self, message: str) -> None:
-        """Abort every stream in the engine and tell the gateway each one failed."""
+        """Abort every stream in the engine and tell the gateway each one stopped here (with
+        finish reason "abort": not the request's fault, so it may continue elsewhere)."""
         for rid in list(self.streams):
             self.engine.abort(rid)
             del self.streams[rid]
-            self._reject(rid, message)
+            self._reject(rid, message, retryable=True)
 
-    def _reject(self, request_id: str, message: str, num_prompt_tokens: int = 0) -> None:
-        self._pending.append(TokenOutput(request_id, [], "error", num_prompt_tokens, 0,
+    def _reject(self, request_id: str, message: str, num_prompt_tokens: int = 0,
+                retryable: bool = False) -> None:
+        """Tell the gateway a request ended here: "abort" if another worker may take it on
+        (draining, shutting down), "error" if the request itself failed."""
+        reason = "abort" if retryable else "error"
+        self._pending.append(TokenOutput(request_id, [], reason, num_prompt_tokens, 0,
                                          error=message))
         log.info("request failed: %s", message,
                  extra={**self._log_extra, "request_id": request_id})

@@ -24,14 +24,20 @@ def test_sigkill_a_worker_under_load(zeroserve):
     server = zeroserve(args=("--backend", "fake", "--device", "cpu", "--workers", "2",
                              "--num-kv-blocks", "2048", "--max-model-len", "30000",
                              "--fake-forward-ms", "2"), num_workers=2)
-    streams = [stream_in_thread(server.url, {"prompt": f"Go on {i}.", "max_tokens": 20000},
-                                stop_after=1500) for i in range(4)]
+    bodies = [{"prompt": f"Go on {i}.", "max_tokens": 1500,
+               "stream_options": {"include_usage": True}} for i in range(8)]
+    # What an undisturbed run gives (the fake backend's tokens follow from the context).
+    reference = []
+    for body in bodies:
+        thread, result = stream_in_thread(server.url, body)
+        thread.join(timeout=60)
+        reference.append(result.text)
+    streams = [stream_in_thread(server.url, body) for body in bodies]
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and not all(len(r.chunks) >= 5 for _, r in streams):
         time.sleep(0.05)
     victim = next(w for w in server.workers() if w["worker_id"] == "worker-0")
     assert victim["num_in_flight"] >= 1
-    num_on_victim = victim["num_in_flight"]
 
     # Watch /health through the outage: the gateway must answer every time.
     statuses: list[int] = []
@@ -44,19 +50,18 @@ def test_sigkill_a_worker_under_load(zeroserve):
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    killed_at = time.monotonic()
     os.kill(victim["pid"], signal.SIGKILL)
 
     for thread, _ in streams:
-        thread.join(timeout=30)
-    errored = [r for _, r in streams if r.error is not None]
-    survived = [r for _, r in streams if r.error is None]
-    # The victim's streams end with an error event (not a hang); the others are untouched.
-    assert len(errored) == num_on_victim
-    assert all(r.is_done and r.exception is None for r in errored)
-    # Within the gateway's worker timeout (3 s), or sooner when the restarted worker says HELLO.
-    assert all(r.ended_at - killed_at < 8 for r in errored)
-    assert all(len(r.chunks) == 1500 and r.exception is None for r in survived)
+        thread.join(timeout=60)
+    # Every stream, the victim's too, went on (on the other worker): the full token count,
+    # and the very tokens of the undisturbed run, no error, nothing twice or missing.
+    for (_, result), expected in zip(streams, reference, strict=True):
+        assert result.exception is None and result.error is None, result.error
+        assert result.finish_reason == "length"
+        assert result.usage["completion_tokens"] == 1500
+        assert result.text == expected
+    assert "failover" in server.log_tail(2000)
 
     # Meanwhile the other worker serves new requests.
     assert _complete(server.url).status_code == 200

@@ -234,9 +234,10 @@ class FakeWorker:
                                                  "worker is draining"))
                 return
             tokens = self.reply(msg.prompt_token_ids, msg.params)[:msg.params["max_tokens"]]
+            # A stream moved here from another worker goes on after what it produced there.
             self.streams[msg.request_id] = FakeStream(
                 msg.request_id, tokens, msg.params["max_tokens"], len(msg.prompt_token_ids),
-                msg.credit, msg.params.get("logprobs"))
+                msg.credit, msg.params.get("logprobs"), num_sent=len(msg.output_token_ids))
         elif isinstance(msg, Abort):
             self.aborts.extend(msg.request_ids)
             for rid in msg.request_ids:

@@ -225,3 +225,28 @@ def test_a_paused_request_emits_nothing_until_resumed():
     result = run_to_completion(engine)
     assert len(result["tokens"]["slow"]) == 5  # the 5 it still owed; the first came earlier
     assert not engine.pause("fast") and not engine.resume("fast")  # finished: unknown now
+
+
+def _continued(engine, params, full: list[int], num_done: int) -> tuple[list[int], list]:
+    """Resume a request from the first num_done of its tokens, as failover does."""
+    engine.add_request("moved", prompt(12), params, output_token_ids=full[:num_done])
+    result = run_to_completion(engine)
+    return result["tokens"]["moved"], result["finished"]["moved"]
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, seed=11)])
+def test_a_stream_resumed_from_its_tokens_continues_exactly(sampling):
+    params = make_params(max_tokens=24, **sampling)
+    full = make_engine().generate([prompt(12)], params)[0]
+    rest, finished = _continued(make_engine(), params, full, 9)
+    # Not emitted again; the rest equals the undisturbed run; counts include what came before.
+    assert rest == full[9:]
+    assert finished[-1].num_output_tokens == 24 and finished[-1].finish_reason.value == "length"
+
+
+def test_resuming_a_finished_or_bad_continuation_is_refused():
+    engine = make_engine()
+    with pytest.raises(RequestError):
+        engine.add_request("a", prompt(4), make_params(max_tokens=3), output_token_ids=[5, 6, 7])
+    with pytest.raises(RequestError):
+        engine.add_request("b", prompt(4), make_params(max_tokens=9), output_token_ids=[10**9])

@@ -171,3 +171,24 @@ def test_grouped_decode_matches_unpaged_reference(runner, hand_loop, monkeypatch
     prompts = [PROMPTS[4], PROMPTS[2] * 3, PROMPTS[1], PROMPTS[3] * 2, PROMPTS[0]]
     expected = [unpaged_greedy(runner, p, 10) for p in prompts]
     assert hand_loop(runner).generate(prompts, 10) == expected
+
+
+def test_a_resumed_stream_continues_exactly_on_the_real_model(tiny_hf_dir):
+    """Failover on fp32 numerics: prompt + the tokens so far, prefilled on a fresh engine,
+    give the same tokens an undisturbed run gives (seeded sampling is stateless by (seed, n))."""
+    from worker.engine import Engine
+    from worker.sequence import SamplingParams
+
+    def engine() -> Engine:
+        return Engine(EngineConfig(model=str(tiny_hf_dir), device="cpu", dtype="float32",
+                                   num_kv_blocks=64, block_size=8))
+
+    params = SamplingParams(max_tokens=20, temperature=0.8, seed=3)
+    prompt_ids = [5, 17, 99, 23, 41, 7]
+    full = engine().generate([prompt_ids], params)[0]
+    resumed = engine()
+    resumed.add_request("r", prompt_ids, params, output_token_ids=full[:7])
+    rest = []
+    while resumed.has_unfinished():
+        rest += [t for o in resumed.step() for t in o.new_token_ids]
+    assert rest == full[7:]

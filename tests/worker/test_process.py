@@ -58,12 +58,13 @@ class ScriptedEngine:
         self.step_hook = None  # called once inside the next step (e.g. to hang it)
         self.failures = 0  # the next these many steps raise
 
-    def add_request(self, request_id, prompt_token_ids, params):
+    def add_request(self, request_id, prompt_token_ids, params, output_token_ids=()):
         if not prompt_token_ids:
             raise RequestError("prompt is empty")
         if request_id in self.reqs:
             raise RequestError("duplicate request id")
-        self.reqs[request_id] = _Req(list(prompt_token_ids), params)
+        self.reqs[request_id] = _Req(list(prompt_token_ids), params,
+                                     num_out=len(output_token_ids))
 
     def abort(self, request_id):
         req = self.reqs.pop(request_id, None)
@@ -373,7 +374,7 @@ def test_drain_finishes_in_flight_refuses_new_and_exits_zero(gateway):
     gateway.send(Drain("gateway", 10.0))
     gateway.send(Submit("new", [1], {"max_tokens": 5}, 32))
     outs = gateway.collect({"old", "new"})
-    assert outs["new"][-1].finish_reason == "error" and "draining" in outs["new"][-1].error
+    assert outs["new"][-1].finish_reason == "abort" and "draining" in outs["new"][-1].error
     assert outs["old"][-1].finish_reason == "length"
     assert worker.wait() == 0
 
@@ -384,7 +385,7 @@ def test_drain_timeout_fails_the_stragglers(gateway):
     gateway.tokens()
     gateway.send(Drain("gateway", 0.3))
     outs = gateway.collect({"stuck"})
-    assert outs["stuck"][-1].finish_reason == "error"
+    assert outs["stuck"][-1].finish_reason == "abort"
     assert "drain timeout" in outs["stuck"][-1].error
     assert worker.wait() == 0
     assert not engine.reqs  # its blocks were freed
@@ -428,7 +429,7 @@ def test_silence_past_the_grace_period_fails_the_streams(gateway):
     worker, engine, _ = start(gateway, gateway_timeout_s=0.2, gateway_grace_s=0.6)
     gateway.send(Submit("a", [1], {"max_tokens": 1000}, 2))
     outs = gateway.collect({"a"})
-    assert outs["a"][-1].finish_reason == "error" and "gateway" in outs["a"][-1].error
+    assert outs["a"][-1].finish_reason == "abort" and "gateway" in outs["a"][-1].error
     assert not engine.reqs  # its KV is free
     gateway.send(Ready(True))
     gateway.send(Submit("b", [1], {"max_tokens": 2}, 8))
@@ -444,7 +445,7 @@ def test_a_restarted_gateway_makes_the_worker_drop_old_streams_at_once(gateway):
     gateway.send(Heartbeat(WORKER_ID, "unknown", gateway_id="gw-new"))
     assert gateway.recv(Hello, timeout_s=2).worker_id == WORKER_ID
     outs = gateway.collect({"a"}, timeout_s=2)
-    assert outs["a"][-1].finish_reason == "error" and "restarted" in outs["a"][-1].error
+    assert outs["a"][-1].finish_reason == "abort" and "restarted" in outs["a"][-1].error
     assert not engine.reqs
     gateway.send(Ready(True, "", 0.05, "gw-new"))
     gateway.send(Submit("b", [1], {"max_tokens": 2}, 8))
@@ -499,7 +500,7 @@ def test_one_failed_step_fails_its_streams_and_the_worker_goes_on(gateway):
     worker, _, _ = start(gateway, engine)
     engine.failures = 1
     gateway.send(Submit("a", [1], {"max_tokens": 3}, 8))
-    assert gateway.collect({"a"})["a"][-1].finish_reason == "error"
+    assert gateway.collect({"a"})["a"][-1].finish_reason == "abort"
     gateway.send(Submit("b", [1], {"max_tokens": 3}, 8))
     assert gateway.collect({"b"})["b"][-1].finish_reason == "length"
     stop(gateway, worker)
@@ -511,7 +512,7 @@ def test_steps_failing_in_a_row_make_the_worker_exit_nonzero(gateway):
     engine.failures = 100
     for rid in ("a", "b", "c"):
         gateway.send(Submit(rid, [1], {"max_tokens": 3}, 8))
-        assert gateway.collect({rid})[rid][-1].finish_reason == "error"
+        assert gateway.collect({rid})[rid][-1].finish_reason == "abort"
     assert worker.wait() == 1
 
 
@@ -570,3 +571,19 @@ def test_a_late_gateway_gets_exactly_one_hello(tmp_path):
         stop(gateway, worker)
     finally:
         gateway.close()
+
+
+def test_a_stream_moved_here_goes_on_after_its_tokens(gateway):
+    worker, engine, _ = start(gateway)
+    # Failover: it produced 101, 102 on another worker; its credit limit counts them.
+    gateway.send(Submit("moved", [1], {"max_tokens": 5}, 4, [101, 102]))
+    outs = gateway.collect_n("moved", 2)
+    assert gateway.tokens(timeout_s=0.3) is None
+    assert [t for o in outs for t in o.new_token_ids] == [103, 104]
+    assert [o.num_output_tokens for o in outs] == [3, 4]
+    # The window (limit 4 in all) is spent: paused until credit raises it.
+    assert engine.reqs["moved"].is_paused
+    gateway.send(Credit([["moved", 8]]))
+    outs = gateway.collect({"moved"})["moved"]
+    assert outs[-1].new_token_ids == [105] and outs[-1].finish_reason == "length"
+    stop(gateway, worker)
