@@ -85,7 +85,7 @@ class Hello(Message):
     SCHEMA: ClassVar = {
         "protocol_version": _INT, "worker_id": _STR, "model": _STR, "max_model_len": _INT,
         "num_kv_blocks": _INT, "block_size": _INT, "max_num_seqs": _INT, "device": _STR,
-        "pid": _INT,
+        "pid": _INT, "startup_phases": _DICT,
     }
     protocol_version: int
     worker_id: str
@@ -96,6 +96,8 @@ class Hello(Message):
     max_num_seqs: int
     device: str
     pid: int
+    # Seconds each start-up phase took (e.g. {"load_weights": 0.4, "kv_cache": 0.1}).
+    startup_phases: dict[str, float] = field(default_factory=dict)
 
     def validate(self) -> None:
         # A peer's claims feed routing and context checks: absurd values are refused here.
@@ -107,6 +109,12 @@ class Hello(Message):
         for name in ("worker_id", "model", "device"):
             if not 0 < len(getattr(self, name)) <= MAX_NAME_CHARS:
                 raise ProtocolError(f"Hello.{name} must have 1 to {MAX_NAME_CHARS} characters")
+        phases = self.startup_phases
+        if len(phases) > 32 or not all(
+                isinstance(k, str) and len(k) <= 64 and isinstance(v, (int, float))
+                and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+                for k, v in phases.items()):
+            raise ProtocolError("Hello.startup_phases must map up to 32 names to seconds")
 
 
 @dataclass

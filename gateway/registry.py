@@ -69,6 +69,7 @@ class WorkerHandle:
             "num_free_blocks": self.num_free_blocks, "num_total_blocks": self.num_total_blocks,
             "num_in_flight": len(self.request_ids), "num_steps": self.num_steps,
             "progress_age_s": round(self.progress_age_s, 3),
+            "startup_phases_s": self.hello.startup_phases,
         }
 
 

@@ -538,6 +538,7 @@ class WorkerLoop:
             num_kv_blocks=self.engine.stats().num_total_blocks,
             block_size=self.config.engine.block_size,
             max_num_seqs=self.config.engine.max_num_seqs, device=info.device, pid=os.getpid(),
+            startup_phases=dict(getattr(self.engine, "startup_phases", {})),
         )
         self.link.hello_sent_at = None  # so the next check waits for this HELLO's fate
         self._to_link.send_multipart(encode(hello))
