@@ -165,6 +165,9 @@ GATEWAY_OPTIONS = [
     option("--request-idle-timeout", type=float, default=300.0, callback=_positive,
            help="Seconds a running request with credit may receive nothing from its worker "
                 "before it fails (504) and is aborted there."),
+    option("--admin-key", default=None,
+           help="Bearer key for the admin API (`zeroserve workers ...`). [default: the API "
+                "keys; with none at all, loopback clients only]"),
     option("--worker-stall-timeout", type=float, default=30.0, callback=_positive,
            help="Seconds a worker's engine may make no progress (its heartbeats say) before it "
                 "is marked unhealthy and gets no new work."),
@@ -246,6 +249,7 @@ def gateway_config(opts: dict[str, Any]):
         request_idle_timeout_s=opts["request_idle_timeout"],
         worker_stall_timeout_s=opts["worker_stall_timeout"],
         keys_dir=opts["keys_dir"], insecure=opts["insecure"],
+        admin_keys=(opts["admin_key"],) if opts["admin_key"] else (),
     )
 
 
@@ -336,9 +340,11 @@ def serve_children(gateway: Any, workers: list[Any], log_args: list[str]) -> lis
     from common.supervisor import ChildSpec
 
     python = sys.executable
+    # Secrets travel in the child's environment, never on its command line (ps shows that).
+    secrets = {env_name("--admin-key"): gateway.admin_keys[0]} if gateway.admin_keys else {}
     specs = [ChildSpec(GATEWAY_CHILD, (python, "-m", "common.cli", "gateway",
                                        *gateway_args(gateway), *log_args),
-                       stop_timeout_s=15.0, stop_phase=1)]
+                       stop_timeout_s=15.0, stop_phase=1, env=secrets or None)]
     for config in workers:
         specs.append(ChildSpec(config.worker_id, (python, "-m", "worker",
                                                   *worker_args(config), *log_args),
@@ -516,6 +522,103 @@ def worker(**opts: Any) -> None:
     except (OSError, ValueError) as e:  # a missing model file, an unusable device or dtype
         raise click.ClickException(f"cannot load the model: {e}") from None
     sys.exit(run_worker(config, engine=engine))
+
+
+ADMIN_CLIENT_OPTIONS = [
+    option("--url", default="http://127.0.0.1:8000", help="The gateway's base URL."),
+    option("--admin-key", default=None, help="The gateway's admin key (or an API key)."),
+]
+
+
+@main.group()
+def workers() -> None:
+    """Operate workers through a gateway's admin API: list, drain, undrain, restart."""
+
+
+def _admin(opts: dict[str, Any]):
+    from common.admin_client import AdminClient
+
+    return AdminClient(opts["url"], opts["admin_key"])
+
+
+def _admin_call(call: Callable[[], Any]) -> Any:
+    from common.admin_client import AdminError
+
+    try:
+        return call()
+    except AdminError as e:
+        raise click.ClickException(str(e)) from None
+
+
+@workers.command("list")
+@_options(ADMIN_CLIENT_OPTIONS)
+def workers_list(**opts: Any) -> None:
+    """One line per worker: id, status, load, pid, incarnation."""
+    found = _admin_call(lambda: _admin(opts).workers())
+    for w in found:
+        click.echo(f"{w['worker_id']:<20} {w['status']:<10} running={w['num_running']} "
+                   f"waiting={w['num_waiting']} paused={w['num_paused']} "
+                   f"in_flight={w['num_in_flight']} pid={w['pid']} "
+                   f"incarnation={w['incarnation']}")
+    if not found:
+        click.echo("no worker is connected")
+
+
+DEADLINE_OPTION = option("--deadline", type=click.FloatRange(0, 3600), default=30.0,
+                         help="Seconds in-flight streams get to finish before they move to "
+                              "another worker.")
+
+
+@workers.command("drain")
+@click.argument("worker_id")
+@DEADLINE_OPTION
+@_options(ADMIN_CLIENT_OPTIONS)
+def workers_drain(worker_id: str, **opts: Any) -> None:
+    """Send WORKER_ID no new work; its streams finish or move on. It stays up (undrain)."""
+    _admin_call(lambda: _admin(opts).drain(worker_id, opts["deadline"]))
+    click.echo(f"{worker_id}: draining")
+
+
+@workers.command("undrain")
+@click.argument("worker_id")
+@_options(ADMIN_CLIENT_OPTIONS)
+def workers_undrain(worker_id: str, **opts: Any) -> None:
+    """Let WORKER_ID take new work again."""
+    _admin_call(lambda: _admin(opts).undrain(worker_id))
+    click.echo(f"{worker_id}: ready for new work")
+
+
+@workers.command("restart")
+@click.argument("worker_id", required=False)
+@option("--all", "restart_all", is_flag=True, default=False,
+        help="Every worker, one at a time (rolling): the next only when the last is ready.")
+@DEADLINE_OPTION
+@option("--timeout", type=float, default=300.0, callback=_positive,
+        help="Seconds a restarted worker gets (after its drain deadline) to be ready again.")
+@_options(ADMIN_CLIENT_OPTIONS)
+def workers_restart(worker_id: str | None, restart_all: bool, **opts: Any) -> None:
+    """Drain WORKER_ID (or --all, rolling), let it exit and come back; wait until it is ready.
+
+    Exits 0 only when every restarted worker is ready again as a new process.
+    """
+    from common.admin_client import rolling_restart, wait_restarted
+
+    if restart_all == (worker_id is not None):
+        raise click.UsageError("give one WORKER_ID or --all")
+    client = _admin(opts)
+    if restart_all:
+        ids = _admin_call(lambda: rolling_restart(client, opts["deadline"], opts["timeout"],
+                                                  click.echo))
+        click.echo(f"restarted {len(ids)} worker(s): {', '.join(ids)}")
+        return
+    before = _admin_call(lambda: {w["worker_id"]: w for w in client.workers()})
+    if worker_id not in before:
+        raise click.ClickException(f"no worker with id {worker_id!r} is connected")
+    _admin_call(lambda: client.restart(worker_id, opts["deadline"]))
+    took = _admin_call(lambda: wait_restarted(client, worker_id,
+                                              before[worker_id]["incarnation"],
+                                              opts["deadline"] + opts["timeout"]))
+    click.echo(f"{worker_id}: ready again after {took:.1f}s")
 
 
 @main.group()

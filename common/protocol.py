@@ -43,6 +43,7 @@ class MsgType(enum.IntEnum):
     DRAIN = 8
     ERROR = 9
     SHUTDOWN = 10
+    UNDRAIN = 11
 
 
 class WorkerState(enum.Enum):
@@ -294,13 +295,29 @@ class Heartbeat(Message):
 
 @dataclass
 class Drain(Message):
-    """Gateway -> worker: take no new work, finish within deadline_s. Worker -> gateway: I am
+    """Gateway -> worker: take no new work; streams still running at deadline_s are handed
+    back (finish reason "abort", so the gateway moves them to another worker); then exit 0
+    if `exit_when_drained` (a restart), else stay idle until UNDRAIN. Worker -> gateway: I am
     draining (route nothing new here)."""
 
     TYPE: ClassVar[MsgType] = MsgType.DRAIN
-    SCHEMA: ClassVar = {"worker_id": _STR, "deadline_s": _FLOAT}
+    SCHEMA: ClassVar = {"worker_id": _STR, "deadline_s": _FLOAT, "exit_when_drained": _BOOL}
     worker_id: str
     deadline_s: float = 30.0
+    exit_when_drained: bool = True
+
+    def validate(self) -> None:
+        if not (math.isfinite(self.deadline_s) and 0 <= self.deadline_s <= 86_400):
+            raise ProtocolError("deadline_s must be in [0, 86400]")
+
+
+@dataclass
+class Undrain(Message):
+    """Gateway -> worker: a drain without exit is over; take new work again."""
+
+    TYPE: ClassVar[MsgType] = MsgType.UNDRAIN
+    SCHEMA: ClassVar = {"worker_id": _STR}
+    worker_id: str
 
 
 @dataclass
@@ -325,7 +342,8 @@ class Shutdown(Message):
 
 MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Hello, Ready, Submit, Abort, Credit, Tokens, Heartbeat, Drain, Error, Shutdown)
+    for cls in (Hello, Ready, Submit, Abort, Credit, Tokens, Heartbeat, Drain, Error, Shutdown,
+                Undrain)
 }
 
 

@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from common.model_files import model_display_name
+from gateway.admin import AdminApi
 from gateway.chat_template import ChatTemplate
 from gateway.config import GatewayConfig
 from gateway.core import Gateway
@@ -72,6 +73,7 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None) -> 
         Route("/tokenize", api.tokenize, methods=["POST"]),
         Route("/detokenize", api.detokenize, methods=["POST"]),
         *health.routes(),
+        *AdminApi(config, gateway).routes(),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: http_error, Exception: unexpected_error})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.keys import InsecurePlaneError, check_plane_security
@@ -46,6 +46,8 @@ class GatewayConfig:
     # delivered fewer bytes/s than this over it is aborted (0 turns the rate rule off).
     min_client_rate: float = 1024.0
     loop_lag_warn_s: float = 0.25  # event-loop lag at or above this is a stall: logged, counted
+    # Bearer keys for the admin API (gateway/admin.py); never logged or shown in repr.
+    admin_keys: tuple[str, ...] = field(default=(), repr=False)
     # The worker plane's keys (common/keys.py): required for tcp:// endpoints unless insecure.
     keys_dir: str | None = None
     insecure: bool = False  # the operator's explicit consent to tcp:// without CurveZMQ

@@ -35,13 +35,14 @@ from common.protocol import (
     Ready,
     Submit,
     Tokens,
+    Undrain,
 )
 from gateway.admission import Admission
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, request_timeout, server_error, worker_failed
 from gateway.logging import get_logger
 from gateway.reconcile import Reconciler, TokenCheck, check_token_counts
-from gateway.registry import WorkerRegistry
+from gateway.registry import WorkerRegistry, WorkerStatus
 from gateway.streams import RequestPhase, RequestState, StreamTable, WorkerOutbox
 from gateway.zmq_io import Peer, ZmqEdge
 
@@ -188,6 +189,29 @@ class Gateway:
         except APIError as e:
             if state.phase is not RequestPhase.DONE:
                 state.deliver(e)
+
+    # --- operator commands (called by gateway/admin.py) ---------------------------------
+
+    def drain_worker(self, worker_id: str, deadline_s: float, exit_when_drained: bool) -> bool:
+        """No new work to this worker; its streams finish within deadline_s or move on.
+        `exit_when_drained`: a restart (the worker exits 0; its supervisor starts it)."""
+        worker = self.registry.get(worker_id)
+        if worker is None:
+            return False
+        worker.is_drain_requested = True
+        worker.status = WorkerStatus.DRAINING
+        log.info("draining worker on request", extra={"worker_id": worker_id,
+                                                      "deadline_s": deadline_s,
+                                                      "restart": exit_when_drained})
+        return self.edge.send(worker_id, Drain(worker_id, deadline_s, exit_when_drained))
+
+    def undrain_worker(self, worker_id: str) -> bool:
+        worker = self.registry.get(worker_id)
+        if worker is None:
+            return False
+        worker.is_drain_requested = False
+        log.info("undraining worker on request", extra={"worker_id": worker_id})
+        return self.edge.send(worker_id, Undrain(worker_id))
 
     # --- worker messages (called by the receive loops) ----------------------------------
 

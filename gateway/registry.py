@@ -11,6 +11,7 @@ its I/O thread is alive, its engine thread is stuck); it is READY again once it 
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass, field
 
 from common.protocol import Heartbeat, Hello, WorkerState
@@ -37,6 +38,7 @@ class WorkerHandle:
     num_total_blocks: int = 0
     num_steps: int = 0
     progress_age_s: float = 0.0
+    is_drain_requested: bool = False  # an operator drained it (until undrained or restarted)
     # Requests routed here since its last heartbeat (not yet in the reported counts).
     num_sent_since_heartbeat: int = 0
     request_ids: set[str] = field(default_factory=set)  # in flight here, as we see it
@@ -48,6 +50,11 @@ class WorkerHandle:
     @property
     def capacity(self) -> int:
         return self.hello.max_num_seqs + self.max_waiting
+
+    @property
+    def incarnation(self) -> str:
+        """A short name for this worker process (its route is a secret; this is not)."""
+        return hashlib.sha256(self.route).hexdigest()[:12]
 
     @property
     def can_accept(self) -> bool:
@@ -63,6 +70,7 @@ class WorkerHandle:
     def describe(self) -> dict:
         return {
             "worker_id": self.worker_id, "status": self.status.value, "pid": self.hello.pid,
+            "incarnation": self.incarnation,
             "device": self.hello.device, "model": self.hello.model,
             "max_model_len": self.hello.max_model_len, "num_running": self.num_running,
             "num_waiting": self.num_waiting, "num_paused": self.num_paused,
@@ -91,7 +99,8 @@ class WorkerRegistry:
         """
         old = self.workers.get(hello.worker_id)
         if old is not None and old.route == route:
-            old.hello, old.last_seen, old.status = hello, now, WorkerStatus.READY
+            old.hello, old.last_seen = hello, now
+            old.status = WorkerStatus.DRAINING if old.is_drain_requested else WorkerStatus.READY
             self.last_max_model_len = hello.max_model_len
             return None
         self.workers.pop(hello.worker_id, None)
@@ -116,9 +125,12 @@ class WorkerRegistry:
         worker.num_free_blocks, worker.num_total_blocks = hb.num_free_blocks, hb.num_total_blocks
         worker.num_sent_since_heartbeat = 0
         worker.num_steps, worker.progress_age_s = hb.num_steps, hb.progress_age_s
-        if hb.state == WorkerState.DRAINING.value:
+        # The worker's own word decides (it publishes "draining" before it says DRAIN, so a
+        # heartbeat never contradicts a DRAIN sent before it), and an operator's drain holds
+        # until undrained.
+        if hb.state == WorkerState.DRAINING.value or worker.is_drain_requested:
             worker.status = WorkerStatus.DRAINING
-        elif worker.status is not WorkerStatus.DRAINING:
+        else:
             is_stalled = hb.progress_age_s > self.stall_timeout_s
             worker.status = WorkerStatus.UNHEALTHY if is_stalled else WorkerStatus.READY
         return worker

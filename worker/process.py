@@ -65,6 +65,7 @@ from common.protocol import (
     Submit,
     TokenOutput,
     Tokens,
+    Undrain,
     WorkerState,
     decode,
     encode,
@@ -317,6 +318,7 @@ class WorkerLoop:
         self.exit_code: int | None = None  # set when the loop should end
         self._pending: list[TokenOutput] = []  # outputs made outside a step (rejections, aborts)
         self._drain_deadline: float | None = None
+        self._exit_when_drained = False
         self._num_signals = 0
         self._first_signal_at = 0.0
         self._is_last_step_empty = False
@@ -324,7 +326,7 @@ class WorkerLoop:
         self._handlers = {
             Ready: self._on_ready, Submit: self._on_submit, Abort: self._on_abort,
             Credit: self._on_credit, Drain: self._on_drain, Shutdown: self._on_shutdown,
-            Heartbeat: self._on_heartbeat, Error: self._on_error,
+            Heartbeat: self._on_heartbeat, Error: self._on_error, Undrain: self._on_undrain,
         }
 
     # -- the loop ---------------------------------------------------------------------------
@@ -495,7 +497,15 @@ class WorkerLoop:
                 stream.is_paused = False
 
     def _on_drain(self, msg: Drain) -> None:
-        self._begin_drain(msg.deadline_s, tell_gateway=False)
+        self._begin_drain(msg.deadline_s, tell_gateway=False,
+                          exit_when_drained=msg.exit_when_drained)
+
+    def _on_undrain(self, msg: Undrain) -> None:
+        if self.state is not WorkerState.DRAINING or self._exit_when_drained:
+            return  # a drain that ends in an exit (SIGTERM, restart) is not called off
+        log.info("undrained: taking new work again", extra=self._log_extra)
+        self.state = WorkerState.READY
+        self._drain_deadline = None
 
     def _on_shutdown(self, msg: Shutdown) -> None:
         log.info("shutdown requested by the gateway: %s", msg.reason, extra=self._log_extra)
@@ -566,28 +576,33 @@ class WorkerLoop:
             if sent_at is not None and now - sent_at > timeout:
                 self._say_hello()
 
-    def _begin_drain(self, deadline_s: float, tell_gateway: bool) -> None:
+    def _begin_drain(self, deadline_s: float, tell_gateway: bool,
+                     exit_when_drained: bool = True) -> None:
+        """No new work; streams get `deadline_s` to finish, then move to another worker.
+        A drain that ends in an exit (SIGTERM, a restart) wins over one that does not."""
         deadline = time.monotonic() + deadline_s
+        self._exit_when_drained = self._exit_when_drained or exit_when_drained
         if self._drain_deadline is not None:
             self._drain_deadline = min(self._drain_deadline, deadline)
             return
-        log.info("draining: %d requests in flight, deadline %.1fs", len(self.streams),
-                 deadline_s, extra=self._log_extra)
+        log.info("draining: %d requests in flight, deadline %.1fs%s", len(self.streams),
+                 deadline_s, ", then exiting" if self._exit_when_drained else "",
+                 extra=self._log_extra)
         self.state = WorkerState.DRAINING
         self._drain_deadline = deadline
+        self._publish_load()  # heartbeats say "draining" from now on, before the DRAIN
         if tell_gateway:
             self._to_link.send_multipart(encode(Drain(self.config.worker_id, deadline_s)))
 
     def _check_drain(self) -> None:
         if self._drain_deadline is None:
             return
-        if not self.streams:
+        if self.streams and time.monotonic() >= self._drain_deadline:
+            log.warning("drain deadline: handing %d unfinished requests back to the gateway",
+                        len(self.streams), extra=self._log_extra)
+            self._fail_all("worker drained before the request finished (drain deadline)")
+        if not self.streams and self._exit_when_drained:
             log.info("drained", extra=self._log_extra)
-            self.exit_code = EXIT_OK
-        elif time.monotonic() >= self._drain_deadline:
-            log.warning("drain timeout: failing %d unfinished requests", len(self.streams),
-                        extra=self._log_extra)
-            self._fail_all("worker shut down before the request finished (drain timeout)")
             self.exit_code = EXIT_OK
 
     def _fail_all(self, message: str) -> None:

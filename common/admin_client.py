@@ -1,0 +1,92 @@
+"""The client side of the gateway's admin API, for `zeroserve workers ...` (plain urllib, so
+the CLI stays light; works against any gateway URL)."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+class AdminError(RuntimeError):
+    """The gateway said no (or did not answer); the message is for the operator."""
+
+
+@dataclass(frozen=True)
+class AdminClient:
+    url: str  # the gateway's base URL
+    key: str | None = None
+    timeout_s: float = 10.0
+
+    def workers(self) -> list[dict]:
+        return self._call("GET", "/admin/workers")["workers"]
+
+    def drain(self, worker_id: str, deadline_s: float) -> dict:
+        return self._call("POST", f"/admin/workers/{worker_id}/drain", {"deadline_s": deadline_s})
+
+    def undrain(self, worker_id: str) -> dict:
+        return self._call("POST", f"/admin/workers/{worker_id}/undrain")
+
+    def restart(self, worker_id: str, deadline_s: float) -> dict:
+        return self._call("POST", f"/admin/workers/{worker_id}/restart",
+                          {"deadline_s": deadline_s})
+
+    def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url.rstrip("/") + path, data=data, method=method)
+        request.add_header("content-type", "application/json")
+        if self.key:
+            request.add_header("authorization", f"Bearer {self.key}")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            try:
+                message = json.loads(e.read())["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = e.reason
+            raise AdminError(f"{method} {path}: {e.code} {message}") from None
+        except OSError as e:
+            raise AdminError(f"{self.url} does not answer: {e}") from None
+
+
+def wait_restarted(client: AdminClient, worker_id: str, old_incarnation: str,
+                   timeout_s: float, poll_s: float = 0.25) -> float:
+    """Wait until `worker_id` is ready again as a new process; the seconds it took."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        try:
+            for worker in client.workers():
+                if (worker["worker_id"] == worker_id and worker["status"] == "ready"
+                        and worker["incarnation"] != old_incarnation):
+                    return time.monotonic() - started
+        except AdminError:
+            pass  # the gateway may be busy; keep asking until the timeout
+        time.sleep(poll_s)
+    raise AdminError(f"{worker_id} was not ready again within {timeout_s:g}s")
+
+
+def rolling_restart(client: AdminClient, deadline_s: float, timeout_s: float,
+                    say: Callable[[str], None]) -> list[str]:
+    """Restart every worker, one at a time: the next only once the last is ready again.
+    Returns the ids restarted; raises AdminError at the first one that does not come back."""
+    ids = sorted(w["worker_id"] for w in client.workers())
+    if not ids:
+        raise AdminError("no worker is connected")
+    for worker_id in ids:
+        incarnation = _incarnation(client, worker_id)
+        client.restart(worker_id, deadline_s)
+        say(f"{worker_id}: draining (deadline {deadline_s:g}s), restarting ...")
+        took = wait_restarted(client, worker_id, incarnation, deadline_s + timeout_s)
+        say(f"{worker_id}: ready again after {took:.1f}s")
+    return ids
+
+
+def _incarnation(client: AdminClient, worker_id: str) -> str:
+    for worker in client.workers():
+        if worker["worker_id"] == worker_id:
+            return worker["incarnation"]
+    raise AdminError(f"no worker with id {worker_id!r} is connected")
