@@ -25,6 +25,7 @@ from common.protocol import (
     Shutdown,
     Submit,
     Tokens,
+    Undrain,
     decode,
     encode,
 )
@@ -379,16 +380,31 @@ def test_drain_finishes_in_flight_refuses_new_and_exits_zero(gateway):
     assert worker.wait() == 0
 
 
-def test_drain_timeout_fails_the_stragglers(gateway):
+def test_drain_deadline_hands_the_stragglers_back(gateway):
     worker, engine, _ = start(gateway)
     gateway.send(Submit("stuck", [1], {"max_tokens": 100}, 1))  # pauses after one token
     gateway.tokens()
     gateway.send(Drain("gateway", 0.3))
     outs = gateway.collect({"stuck"})
+    # "abort": not the request's fault; the gateway moves it to another worker.
     assert outs["stuck"][-1].finish_reason == "abort"
-    assert "drain timeout" in outs["stuck"][-1].error
+    assert "drain deadline" in outs["stuck"][-1].error
     assert worker.wait() == 0
     assert not engine.reqs  # its blocks were freed
+
+
+def test_a_drain_without_exit_keeps_the_worker_until_undrained(gateway):
+    worker, engine, _ = start(gateway)
+    gateway.send(Drain("gateway", 5.0, exit_when_drained=False))
+    gateway.send(Submit("refused", [1], {"max_tokens": 2}, 8))
+    assert gateway.collect({"refused"})["refused"][-1].finish_reason == "abort"
+    assert gateway.beat_after(time.time()).state == "draining"
+    assert worker.wait(0.5) is None  # still running, idle
+    gateway.send(Undrain("gateway"))
+    gateway.send(Submit("taken", [1], {"max_tokens": 2}, 8))
+    assert gateway.collect({"taken"})["taken"][-1].finish_reason == "length"
+    assert gateway.beat_after(time.time()).state == "ready"
+    stop(gateway, worker)
 
 
 def test_request_drain_tells_the_gateway(gateway, tmp_path):
