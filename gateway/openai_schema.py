@@ -9,10 +9,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.errors import invalid_request, model_not_found
+from gateway.limits import RequestLimits
 
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+# Every integer field must fit 64 bits before anything converts it (float() of a 400-digit
+# integer raises OverflowError).
+_MIN_INT = -(2 ** 63)
+_MAX_INT = 2 ** 64 - 1
+MAX_TOP_K = 2 ** 31 - 1
+# Like vLLM: below this a temperature is greedy (dividing logits by it would overflow).
+GREEDY_TEMPERATURE = 1e-5
+MIN_TOP_P = 1e-5  # smaller keeps only the top token anyway, and 1e-300 is 0 in float32
+# repetition_penalty divides or multiplies logits; far outside these it overflows float32
+# (1e-300 becomes 0 in float32: a division by zero) and no sampler needs more.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 10.0
+DEFAULT_LIMITS = RequestLimits()
 _MISSING = object()
 
 
@@ -71,16 +85,6 @@ class ChatRequest:
     extra_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def parse_json_body(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise invalid_request(f"The request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise invalid_request("The request body must be a JSON object.")
-    return body
-
-
 # --- field readers ---------------------------------------------------------------------
 
 def _type_name(t: type | tuple) -> str:
@@ -99,11 +103,22 @@ def _get(body: dict, name: str, types: type | tuple, default: Any = None) -> Any
     if float in ts and isinstance(value, int) and not isinstance(value, bool):
         ok = True
     if not ok:
-        raise invalid_request(f"'{name}' must be {_type_name(types)}, got {json.dumps(value)[:50]}.",
-                              param=name)
+        raise invalid_request(f"'{name}' must be {_type_name(types)}, got "
+                              f"{_preview(value)}.", param=name)
     if isinstance(value, float) and not math.isfinite(value):
         raise invalid_request(f"'{name}' must be a finite number.", param=name)
+    if type(value) is int and not _MIN_INT <= value <= _MAX_INT:
+        raise invalid_request(f"'{name}' is out of range (more than 64 bits).", param=name)
     return value
+
+
+def _preview(value: Any) -> str:
+    """A short, safe rendering of a bad value for an error message (no huge int to str)."""
+    if isinstance(value, (list, dict)):
+        return "an array" if isinstance(value, list) else "an object"
+    if type(value) is int and not _MIN_INT <= value <= _MAX_INT:
+        return "a huge integer"
+    return json.dumps(value)[:50]
 
 
 def _in_range(name: str, value: float | int | None, lo: float | None, hi: float | None,
@@ -112,11 +127,15 @@ def _in_range(name: str, value: float | int | None, lo: float | None, hi: float 
         return
     too_low = lo is not None and (value <= lo if lo_open else value < lo)
     if too_low or (hi is not None and value > hi):
-        lo_s = "-inf" if lo is None else f"{lo:g}"
-        hi_s = "inf" if hi is None else f"{hi:g}"
+        lo_s = "-inf" if lo is None else _number(lo)
+        hi_s = "inf" if hi is None else _number(hi)
         bracket = "(" if lo_open else "["
         raise invalid_request(f"'{name}' must be in {bracket}{lo_s}, {hi_s}], got {value}.",
                               param=name)
+
+
+def _number(x: float | int) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
 def _reject_if_set(body: dict, name: str, why: str, allowed: tuple = (None, False)) -> None:
@@ -148,25 +167,45 @@ def _parse_stop(body: dict) -> tuple[str, ...]:
     return tuple(s for s in stop if s)
 
 
-def _parse_int_list(body: dict, name: str) -> tuple[int, ...]:
+def _parse_stop_token_ids(body: dict, limits: RequestLimits) -> tuple[int, ...]:
+    name = "stop_token_ids"
     value = _get(body, name, list, [])
-    if not all(type(v) is int and v >= 0 for v in value):
-        raise invalid_request(f"'{name}' must be an array of non-negative integers.",
+    if len(value) > limits.max_stop_token_ids:
+        raise invalid_request(f"'{name}' may hold at most {limits.max_stop_token_ids} ids.",
                               param=name)
+    vocab = limits.vocab_size
+    for v in value:
+        if type(v) is not int or v < 0 or (vocab is not None and v >= vocab):
+            within = f" in [0, {vocab})" if vocab is not None else " (non-negative)"
+            raise invalid_request(f"'{name}' must be an array of token ids{within}, got "
+                                  f"{_preview(v)}.", param=name)
     return tuple(value)
 
 
-def _parse_sampling(body: dict, *, max_tokens: int | None, logprobs: int | None
-                    ) -> SamplingOptions:
-    _in_range("max_tokens", max_tokens, 1, None)
-    temperature = float(_get(body, "temperature", float, 1.0))
-    _in_range("temperature", temperature, 0, 2)
-    top_p = float(_get(body, "top_p", float, 1.0))
-    _in_range("top_p", top_p, 0, 1, lo_open=True)
+def _parse_top_k(body: dict, vocab_size: int | None) -> int:
     top_k = _get(body, "top_k", int, 0)
     if top_k == -1:  # vLLM's spelling of "disabled"
-        top_k = 0
-    _in_range("top_k", top_k, 0, None)
+        return 0
+    _in_range("top_k", top_k, 0, MAX_TOP_K)
+    if vocab_size is not None and top_k >= vocab_size:
+        return 0  # keeps the whole vocabulary: the same as off
+    return top_k
+
+
+def _parse_max_tokens(name: str, value: int | None, limits: RequestLimits) -> None:
+    _in_range(name, value, 1, limits.max_tokens_limit)
+
+
+def _parse_sampling(body: dict, *, max_tokens: int | None, logprobs: int | None,
+                    limits: RequestLimits = DEFAULT_LIMITS) -> SamplingOptions:
+    temperature = float(_get(body, "temperature", float, 1.0))
+    _in_range("temperature", temperature, 0, 2)
+    if temperature < GREEDY_TEMPERATURE:
+        temperature = 0.0
+    top_p = float(_get(body, "top_p", float, 1.0))
+    _in_range("top_p", top_p, 0, 1, lo_open=True)
+    top_p = max(top_p, MIN_TOP_P)
+    top_k = _parse_top_k(body, limits.vocab_size)
     min_p = float(_get(body, "min_p", float, 0.0))
     _in_range("min_p", min_p, 0, 1)
     seed = _get(body, "seed", int)
@@ -176,18 +215,19 @@ def _parse_sampling(body: dict, *, max_tokens: int | None, logprobs: int | None
     if best_of is not None and best_of != n:
         raise invalid_request("'best_of' other than n is not supported.", param="best_of")
     min_tokens = _get(body, "min_tokens", int, 0)
-    _in_range("min_tokens", min_tokens, 0, max_tokens)
+    _in_range("min_tokens", min_tokens, 0,
+              max_tokens if max_tokens is not None else limits.max_tokens_limit)
     presence = float(_get(body, "presence_penalty", float, 0.0))
     _in_range("presence_penalty", presence, -2, 2)
     frequency = float(_get(body, "frequency_penalty", float, 0.0))
     _in_range("frequency_penalty", frequency, -2, 2)
     repetition = float(_get(body, "repetition_penalty", float, 1.0))
-    _in_range("repetition_penalty", repetition, 0, None, lo_open=True)
+    _in_range("repetition_penalty", repetition, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
     _reject_if_set(body, "logit_bias", "logit_bias is not implemented.")
     return SamplingOptions(
         max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p,
         top_k=top_k, min_p=min_p, seed=seed, stop=_parse_stop(body),
-        stop_token_ids=_parse_int_list(body, "stop_token_ids"), n=n, logprobs=logprobs,
+        stop_token_ids=_parse_stop_token_ids(body, limits), n=n, logprobs=logprobs,
         ignore_eos=_get(body, "ignore_eos", bool, False), presence_penalty=presence,
         frequency_penalty=frequency, repetition_penalty=repetition,
         skip_special_tokens=_get(body, "skip_special_tokens", bool, True))
@@ -207,46 +247,68 @@ def _parse_stream(body: dict) -> tuple[bool, bool]:
 
 # --- endpoints -------------------------------------------------------------------------
 
-def parse_completion(body: dict, served_names: tuple[str, ...]) -> CompletionRequest:
+def parse_completion(body: dict, served_names: tuple[str, ...],
+                     limits: RequestLimits = DEFAULT_LIMITS) -> CompletionRequest:
     model = check_model(body, served_names)
     prompt = body.get("prompt")
     if prompt is None:
         raise invalid_request("'prompt' is required.", param="prompt")
-    prompts = _parse_prompts(prompt)
+    prompts = _parse_prompts(prompt, limits)
     _reject_if_set(body, "echo", "echo is not implemented.")
     _reject_if_set(body, "suffix", "suffix is not implemented.", allowed=(None, ""))
     logprobs = _get(body, "logprobs", int)
     _in_range("logprobs", logprobs, 0, MAX_LOGPROBS)
     stream, include_usage = _parse_stream(body)
-    sampling = _parse_sampling(body, max_tokens=_get(body, "max_tokens", int, 16),
-                               logprobs=logprobs)
+    max_tokens = _get(body, "max_tokens", int, min(16, limits.max_tokens_limit))
+    _parse_max_tokens("max_tokens", max_tokens, limits)
+    sampling = _parse_sampling(body, max_tokens=max_tokens, logprobs=logprobs, limits=limits)
+    _check_num_engine_requests(len(prompts), sampling.n, limits)
     return CompletionRequest(model, prompts, sampling, stream, include_usage)
 
 
-def _parse_prompts(prompt: Any) -> list[str | list[int]]:
+def _parse_prompts(prompt: Any, limits: RequestLimits) -> list[str | list[int]]:
     def is_token_list(x: Any) -> bool:
         return isinstance(x, list) and len(x) > 0 and all(type(t) is int for t in x)
 
-    if isinstance(prompt, str):
-        return [prompt]
-    if is_token_list(prompt):
-        return [prompt]
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt) or all(is_token_list(p) for p in prompt):
-            return list(prompt)
-    raise invalid_request("'prompt' must be a string, an array of strings, an array of token "
-                          "ids or an array of token id arrays (non-empty).", param="prompt")
+    if isinstance(prompt, str) or is_token_list(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and (
+            all(isinstance(p, str) for p in prompt) or all(is_token_list(p) for p in prompt)):
+        prompts = list(prompt)
+    else:
+        raise invalid_request("'prompt' must be a string, an array of strings, an array of "
+                              "token ids or an array of token id arrays (non-empty).",
+                              param="prompt")
+    for p in prompts:
+        if isinstance(p, str):
+            check_prompt_chars(len(p), limits, "prompt")
+    return prompts
 
 
+def check_prompt_chars(num_chars: int, limits: RequestLimits, param: str,
+                       what: str = "A prompt") -> None:
+    if num_chars > limits.max_prompt_chars:
+        raise invalid_request(f"{what} has {num_chars} characters; the limit is "
+                              f"{limits.max_prompt_chars}.", param=param,
+                              code="prompt_too_long")
+
+
+def _check_num_engine_requests(num_prompts: int, n: int, limits: RequestLimits) -> None:
+    if num_prompts * n > limits.max_engine_requests:
+        raise invalid_request(f"This request asks for {num_prompts} prompts x n={n} = "
+                              f"{num_prompts * n} completions; the limit is "
+                              f"{limits.max_engine_requests}.", param="n")
+
+
+# What the server itself passes to a chat template.
+_TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
-def parse_chat(body: dict, served_names: tuple[str, ...]) -> ChatRequest:
+def parse_chat(body: dict, served_names: tuple[str, ...],
+               limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequest:
     model = check_model(body, served_names)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid_request("'messages' must be a non-empty array.", param="messages")
-    parsed = [_parse_message(m, i) for i, m in enumerate(messages)]
+    parsed = _parse_messages(body.get("messages"), limits)
     _reject_if_set(body, "tools", "tool calling is not implemented.")
     _reject_if_set(body, "functions", "function calling is not implemented.")
     fmt = _get(body, "response_format", dict)
@@ -259,16 +321,37 @@ def parse_chat(body: dict, served_names: tuple[str, ...]) -> ChatRequest:
     if top_logprobs is not None and not logprobs_on:
         raise invalid_request("'top_logprobs' requires 'logprobs' to be true.",
                               param="top_logprobs")
-    max_tokens = _get(body, "max_completion_tokens", int)
+    name = "max_completion_tokens"
+    max_tokens = _get(body, name, int)
     if max_tokens is None:
-        max_tokens = _get(body, "max_tokens", int)
+        name = "max_tokens"
+        max_tokens = _get(body, name, int)
+    _parse_max_tokens(name, max_tokens, limits)
     stream, include_usage = _parse_stream(body)
     sampling = _parse_sampling(body, max_tokens=max_tokens,
-                               logprobs=(top_logprobs or 0) if logprobs_on else None)
+                               logprobs=(top_logprobs or 0) if logprobs_on else None,
+                               limits=limits)
+    _check_num_engine_requests(1, sampling.n, limits)
     kwargs = _get(body, "chat_template_kwargs", dict, {})
+    reserved = _TEMPLATE_NAMES.intersection(kwargs)
+    if reserved:
+        raise invalid_request(f"'chat_template_kwargs' may not set {sorted(reserved)}.",
+                              param="chat_template_kwargs")
     return ChatRequest(model, parsed, sampling, stream, include_usage,
                        add_generation_prompt=_get(body, "add_generation_prompt", bool, True),
                        extra_template_kwargs=kwargs)
+
+
+def _parse_messages(messages: Any, limits: RequestLimits) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise invalid_request("'messages' must be a non-empty array.", param="messages")
+    if len(messages) > limits.max_messages:
+        raise invalid_request(f"'messages' may hold at most {limits.max_messages} messages.",
+                              param="messages")
+    parsed = [_parse_message(m, i) for i, m in enumerate(messages)]
+    check_prompt_chars(sum(len(m["content"]) for m in parsed), limits, "messages",
+                       "The conversation")
+    return parsed
 
 
 def _parse_message(m: Any, i: int) -> dict[str, Any]:
@@ -306,26 +389,26 @@ def _join_text_parts(parts: list, param: str) -> str:
     return "\n".join(texts)
 
 
-def parse_tokenize(body: dict, served_names: tuple[str, ...]) -> dict[str, Any]:
+def parse_tokenize(body: dict, served_names: tuple[str, ...],
+                   limits: RequestLimits = DEFAULT_LIMITS) -> dict[str, Any]:
     if "model" in body:
         check_model(body, served_names)
     add_special = _get(body, "add_special_tokens", bool, None)
     if "messages" in body:
-        messages = body["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise invalid_request("'messages' must be a non-empty array.", param="messages")
-        return {"messages": [_parse_message(m, i) for i, m in enumerate(messages)],
+        return {"messages": _parse_messages(body["messages"], limits),
                 "add_generation_prompt": _get(body, "add_generation_prompt", bool, True),
                 "add_special_tokens": False if add_special is None else add_special}
     prompt = _get(body, "prompt", str)
     if prompt is None:
         raise invalid_request("'prompt' (a string) or 'messages' is required.", param="prompt")
+    check_prompt_chars(len(prompt), limits, "prompt")
     return {"prompt": prompt, "add_special_tokens": True if add_special is None else add_special}
 
 
 def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
-                  what: str = "prompt") -> int:
-    """The max_tokens in effect; 400 when prompt + completion would not fit the context."""
+                  what: str = "prompt", max_tokens_limit: int | None = None) -> int:
+    """The max_tokens in effect; 400 when prompt + completion would not fit the context.
+    With no max_tokens (the chat default): the room left, at most `max_tokens_limit`."""
     if num_prompt_tokens == 0:
         raise invalid_request(f"The {what} is empty.", param="prompt")
     if num_prompt_tokens >= max_model_len:
@@ -335,7 +418,8 @@ def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len:
             f"Please reduce the length of the {what}.", param="prompt",
             code="context_length_exceeded")
     if max_tokens is None:
-        return max_model_len - num_prompt_tokens
+        room = max_model_len - num_prompt_tokens
+        return room if max_tokens_limit is None else min(room, max_tokens_limit)
     if num_prompt_tokens + max_tokens > max_model_len:
         raise invalid_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
@@ -348,6 +432,6 @@ def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len:
 def check_token_ids(ids: list[int], vocab_size: int) -> None:
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise invalid_request(f"Token id {bad} is out of the vocabulary [0, {vocab_size}).",
-                              param="prompt")
+        raise invalid_request(f"Token id {_preview(bad)} is out of the vocabulary "
+                              f"[0, {vocab_size}).", param="prompt")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 
@@ -13,16 +14,18 @@ from gateway.config import GatewayConfig
 from gateway.core import Gateway
 from gateway.errors import APIError, client_too_slow, invalid_request
 from gateway.generation import ChoiceUpdate, RequestGroup
+from gateway.limits import RequestLimits, check_submit_fits
 from gateway.logging import get_logger
+from gateway.offload import CpuPool
 from gateway.openai_schema import (
     SamplingOptions,
     check_context,
     check_token_ids,
     parse_chat,
     parse_completion,
-    parse_json_body,
     parse_tokenize,
 )
+from gateway.request_body import parse_json_object, read_body
 from gateway.responses import (
     SSE_DONE,
     LogprobsFormatter,
@@ -42,6 +45,11 @@ log = get_logger("api")
 
 # When no worker ever said HELLO and the model files do not say either.
 _FALLBACK_MAX_MODEL_LEN = 2048
+# Work below these sizes runs on the loop (well under a millisecond: a thread hop would
+# cost more); above them it goes to the CPU pool.
+_INLINE_CHARS = 2048
+_INLINE_MESSAGES = 16
+_INLINE_TOKENS = 4096
 
 
 class Api:
@@ -53,6 +61,8 @@ class Api:
         self.template = template
         self.served_names = served_names  # the first is the one /v1/models lists
         self.started = int(time.time())
+        self.limits = RequestLimits.from_config(config, tokenizer.vocab_size)
+        self.cpu = CpuPool()
 
     @property
     def max_model_len(self) -> int:
@@ -69,37 +79,54 @@ class Api:
 
     async def tokenize(self, request: Request) -> Response:
         try:
-            spec = parse_tokenize(parse_json_body(await request.body()), self.served_names)
+            spec = parse_tokenize(await self._read_json(request), self.served_names,
+                                  self.limits)
             if "messages" in spec:
-                text = self._render(spec["messages"], spec["add_generation_prompt"], {})
+                text = await self._render(spec["messages"], spec["add_generation_prompt"], {})
             else:
                 text = spec["prompt"]
-            ids = self.tokenizer.encode(text, add_special_tokens=spec["add_special_tokens"])
+            ids = await self._encode(text, spec["add_special_tokens"])
         except APIError as e:
             return e.response()
-        return JSONResponse({"tokens": ids, "count": len(ids),
-                             "max_model_len": self.max_model_len})
+        body = {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
+        if len(ids) <= _INLINE_TOKENS:
+            return JSONResponse(body)
+        return Response(await self.cpu.run(_json_bytes, body), media_type="application/json")
 
     async def detokenize(self, request: Request) -> Response:
         try:
-            body = parse_json_body(await request.body())
-            ids = body.get("tokens")
-            if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+            ids = (await self._read_json(request)).get("tokens")
+            if not isinstance(ids, list):
                 raise invalid_request("'tokens' must be an array of token ids.", param="tokens")
-            check_token_ids(ids, self.tokenizer.vocab_size)
+            if len(ids) <= _INLINE_TOKENS:
+                text = self._detokenize_now(ids)
+            else:
+                text = await self.cpu.run(self._detokenize_now, ids)
         except APIError as e:
             return e.response()
-        return JSONResponse({"prompt": self.tokenizer.decode(ids, skip_special_tokens=False)})
+        return JSONResponse({"prompt": text})
+
+    def _detokenize_now(self, ids: list) -> str:
+        if not all(type(t) is int for t in ids):
+            raise invalid_request("'tokens' must be an array of token ids.", param="tokens")
+        check_token_ids(ids, self.tokenizer.vocab_size)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     # --- generation ------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
         try:
-            req = parse_completion(parse_json_body(await request.body()), self.served_names)
+            req = parse_completion(await self._read_json(request), self.served_names,
+                                   self.limits)
             prompts = []
             for p in req.prompts:
-                ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
-                check_token_ids(ids, self.tokenizer.vocab_size)
+                if isinstance(p, str):
+                    ids = await self._encode(p)
+                else:
+                    # Against the context first: a long list costs a loop to check.
+                    check_context(len(p), req.sampling.max_tokens, self.max_model_len)
+                    check_token_ids(p, self.tokenizer.vocab_size)
+                    ids = list(p)
                 prompts.append(ids)
             ctx = ResponseContext("completion", req.model, req.include_usage)
             return await self._generate(request, ctx, prompts, req.sampling, req.stream)
@@ -108,29 +135,53 @@ class Api:
 
     async def chat(self, request: Request) -> Response:
         try:
-            req = parse_chat(parse_json_body(await request.body()), self.served_names)
-            text = self._render(req.messages, req.add_generation_prompt,
-                                req.extra_template_kwargs)
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            req = parse_chat(await self._read_json(request), self.served_names, self.limits)
+            text = await self._render(req.messages, req.add_generation_prompt,
+                                      req.extra_template_kwargs)
+            ids = await self._encode(text, add_special_tokens=False)
             ctx = ResponseContext("chat", req.model, req.include_usage)
             return await self._generate(request, ctx, [ids], req.sampling, req.stream,
                                         what="messages")
         except APIError as e:
             return e.response()
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool, extra: dict) -> str:
+    # --- request preparation: bounded, and off the loop when large ---------------------
+
+    async def _read_json(self, request: Request) -> dict:
+        raw = await read_body(request, self.config.max_request_body_bytes,
+                              self.config.request_body_timeout_s)
+        return await parse_json_object(raw, self.cpu)
+
+    async def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) <= _INLINE_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens)
+        return await self.cpu.run(self.tokenizer.encode, text, add_special_tokens)
+
+    async def _render(self, messages: list[dict], add_generation_prompt: bool,
+                      extra: dict) -> str:
+        num_chars = sum(len(m["content"]) for m in messages)
+        if num_chars <= _INLINE_CHARS and len(messages) <= _INLINE_MESSAGES and not extra:
+            return self._render_now(messages, add_generation_prompt, extra)
+        return await self.cpu.run(self._render_now, messages, add_generation_prompt, extra)
+
+    def _render_now(self, messages: list[dict], add_generation_prompt: bool,
+                    extra: dict) -> str:
         try:
             return self.template.render(messages, add_generation_prompt, **extra)
         except ChatTemplateError as e:
             raise invalid_request(f"The chat template rejected the messages: {e}",
                                   param="messages") from None
 
+
     async def _generate(self, request: Request, ctx: ResponseContext, prompts: list[list[int]],
                         sampling: SamplingOptions, stream: bool, what: str = "prompt"
                         ) -> Response:
         group = RequestGroup(self.gateway)
         for ids in prompts:
-            max_tokens = check_context(len(ids), sampling.max_tokens, self.max_model_len, what)
+            max_tokens = check_context(len(ids), sampling.max_tokens, self.max_model_len, what,
+                                       self.limits.max_tokens_limit)
+            check_submit_fits(ids, sampling.worker_params(max_tokens, 0),
+                              self.config.credit_window)
             group.prompt_lengths.append(len(ids))
             for i in range(sampling.n):
                 group.add(ids, sampling.worker_params(max_tokens, i), self.tokenizer,
@@ -240,3 +291,7 @@ class Api:
         build = chat_response if ctx.kind == "chat" else completion_response
         return build(ctx, choices, group.usage())
 
+
+def _json_bytes(body: dict) -> bytes:
+    """What JSONResponse would send, rendered where the caller runs it (a big body: a thread)."""
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -41,6 +42,10 @@ _REGEX_SPLITS = {
     "falcon3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT,
     "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
+
+
+_BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+_REPLACEMENT_BYTES = "\ufffd".encode()
 
 
 class TokenizerLoadError(ValueError):
@@ -88,11 +93,14 @@ class TextTokenizer:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
+    # The *_batch calls release the GIL while they work (plain encode/decode hold it: a 1M-
+    # character encode in a thread still stalled the event loop for 1.1 s), and cost the
+    # same for one text. So a long text tokenized in a thread leaves the loop free.
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
@@ -103,6 +111,17 @@ class TextTokenizer:
         if 0 <= token_id < len(table):
             return table[token_id]
         return self._piece_bytes(token_id)
+
+    def exact_bytes(self, token_id: int) -> bytes | None:
+        """As token_bytes, without building the whole table (for a few tokens), and None
+        where the bytes are unknown: a piece that decodes to U+FFFD on its own while its
+        spelling holds none is part of a character split over tokens."""
+        raw = self.token_bytes(token_id) if self._bytes_table is not None else \
+            self._piece_bytes(token_id)
+        if _REPLACEMENT_BYTES in raw and "\ufffd" not in (self.tokenizer.id_to_token(token_id)
+                                                         or ""):
+            return None
+        return raw
 
     def bytes_table(self) -> list[bytes]:
         """token id -> bytes, built once (byte-level vocabularies make this exact)."""
@@ -118,6 +137,8 @@ class TextTokenizer:
             table = unicode_to_byte()
             if all(c in table for c in piece):
                 return bytes(table[c] for c in piece)
+        if _BYTE_FALLBACK.fullmatch(piece):  # sentencepiece's <0xE6>: one raw byte
+            return bytes([int(piece[3:5], 16)])
         return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
 
     def token_text(self, token_id: int) -> str:

@@ -8,14 +8,16 @@ import logging
 import pytest
 
 from gateway.errors import APIError
+from gateway.limits import RequestLimits
 from gateway.logging import JsonFormatter
 from gateway.openai_schema import (
     check_context,
     parse_chat,
     parse_completion,
-    parse_json_body,
     parse_tokenize,
 )
+from gateway.request_body import is_json_content_type
+from gateway.request_body import parse_json_bytes as parse_json_body
 
 NAMES = ("served", "SmolLM2-135M-Instruct")
 
@@ -107,6 +109,8 @@ def test_bad_json_bodies():
 
 def test_context_checks():
     assert check_context(10, None, 100) == 90  # chat default: the rest of the context
+    assert check_context(10, None, 100, max_tokens_limit=50) == 50  # ... at most the cap
+    assert check_context(80, None, 100, max_tokens_limit=50) == 20
     assert check_context(10, 90, 100) == 90
     e = error_of(check_context, 10, 91, 100)
     assert e.param == "max_tokens" and "101 tokens" in e.message
@@ -152,3 +156,140 @@ def test_fast_chunk_rendering_matches_the_plain_shape(kind, include_usage):
         else:
             choice["text"] = update.text
         assert json.loads(raw[6:]) == ctx.chunk([choice])
+
+
+# --- limits and hostile shapes --------------------------------------------------------------
+
+LIMITS = RequestLimits(vocab_size=1000, max_tokens_limit=100, max_prompt_chars=50,
+                       max_engine_requests=8, max_messages=3, max_stop_token_ids=4)
+HUGE = 10 ** 400  # float() of it raises OverflowError
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": "x", "temperature": HUGE}, "temperature"),
+    ({"prompt": "x", "top_p": HUGE}, "top_p"),
+    ({"prompt": "x", "presence_penalty": -HUGE}, "presence_penalty"),
+    ({"prompt": "x", "max_tokens": HUGE}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 101}, "max_tokens"),
+    ({"prompt": "x", "top_k": 2 ** 64}, "top_k"),
+    ({"prompt": "x", "top_k": 2 ** 31}, "top_k"),
+    ({"prompt": "x", "seed": 2 ** 64}, "seed"),
+    ({"prompt": "x", "seed": -(2 ** 63) - 1}, "seed"),
+    ({"prompt": "x", "n": HUGE}, "n"),
+    ({"prompt": "x", "logprobs": 2 ** 70}, "logprobs"),
+    ({"prompt": "x", "min_tokens": 2 ** 63}, "min_tokens"),
+    ({"prompt": "x", "stop_token_ids": [2 ** 64]}, "stop_token_ids"),
+    ({"prompt": "x", "stop_token_ids": [1000]}, "stop_token_ids"),
+    ({"prompt": "x", "stop_token_ids": [1, 2, 3, 4, 5]}, "stop_token_ids"),
+    ({"prompt": "x", "stop_token_ids": ["1"]}, "stop_token_ids"),
+    ({"prompt": "x", "repetition_penalty": 1e-300}, "repetition_penalty"),
+    ({"prompt": "x", "repetition_penalty": 1e300}, "repetition_penalty"),
+    ({"prompt": "x" * 51}, "prompt"),
+    ({"prompt": ["x"] * 3, "n": 3}, "n"),
+])
+def test_every_number_is_range_checked_before_conversion(body, param):
+    e = error_of(parse_completion, body, NAMES, LIMITS)
+    assert e.status == 400 and e.param == param, e.message
+    assert len(e.message) < 200  # no 400-digit number echoed back
+
+
+def test_values_that_mean_off_or_greedy_are_normalised():
+    s = parse_completion({"prompt": "x", "top_k": 1000, "temperature": 1e-6, "top_p": 1e-300,
+                          "seed": 2 ** 64 - 1}, NAMES, LIMITS).sampling
+    assert s.top_k == 0  # the whole vocabulary: the same as off
+    assert s.temperature == 0.0  # greedy, as vLLM does below 1e-5
+    assert s.top_p == 1e-5  # keeps the top token, and is not 0 in float32
+    assert 0 <= s.worker_params(10, 1)["seed"] < 2 ** 63
+    s = parse_completion({"prompt": "x", "top_k": 999, "temperature": 1e-5}, NAMES,
+                         LIMITS).sampling
+    assert s.top_k == 999 and s.temperature == 1e-5
+
+
+def test_chat_limits():
+    msg = {"role": "user", "content": "x"}
+    assert error_of(parse_chat, {"messages": [msg] * 4}, NAMES, LIMITS).param == "messages"
+    e = error_of(parse_chat, {"messages": [{"role": "user", "content": "x" * 30}] * 2},
+                 NAMES, LIMITS)
+    assert e.param == "messages" and e.code == "prompt_too_long"
+    e = error_of(parse_chat, {"messages": [msg], "max_completion_tokens": 101}, NAMES, LIMITS)
+    assert e.param == "max_completion_tokens"
+    assert error_of(parse_chat, {"messages": [msg], "n": 9}, NAMES, LIMITS).param == "n"
+    e = error_of(parse_chat, {"messages": [msg], "chat_template_kwargs": {"messages": []}},
+                 NAMES, LIMITS)
+    assert e.param == "chat_template_kwargs"
+    assert parse_chat({"messages": [msg] * 3}, NAMES, LIMITS).sampling.max_tokens is None
+
+
+def test_tokenize_limits():
+    assert error_of(parse_tokenize, {"prompt": "x" * 51}, NAMES, LIMITS).param == "prompt"
+    msgs = [{"role": "user", "content": "x"}] * 4
+    assert error_of(parse_tokenize, {"messages": msgs}, NAMES, LIMITS).param == "messages"
+
+
+def test_deep_json_is_400_at_any_depth():
+    for depth in (65, 1000, 100_000):
+        raw = b'{"a": ' + b"[" * depth + b"]" * depth + b"}"
+        e = error_of(parse_json_body, raw)
+        assert e.status == 400 and "deeper than 64" in e.message
+    ok = b'{"a": ' + b"[" * 60 + b"]" * 60 + b"}"
+    assert parse_json_body(ok) == json.loads(ok)
+
+
+def test_big_integers_are_400():
+    for raw in (b'{"temperature": 1' + b"0" * 400 + b"}", b'{"a": ' + b"9" * 5000 + b"}",
+                b'{"prompt": [1, 2, 1' + b"0" * 30 + b"]}"):
+        e = error_of(parse_json_body, raw)
+        assert e.status == 400 and "integer" in e.message
+    assert parse_json_body(b'{"seed": 18446744073709551615}')["seed"] == 2 ** 64 - 1
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"prompt": "a\\ud800b"}',
+    b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+    b'{"model": "\\uD83D"}',
+    b'{"stop": ["x", "\\ud83d"]}',
+    b'{"\\ud800": 1}',
+    b'{"prompt": "\xed\xa0\x80"}',  # a surrogate in raw bytes: not UTF-8 at all
+])
+def test_lone_surrogates_anywhere_are_400(raw):
+    e = error_of(parse_json_body, raw)
+    assert e.status == 400 and ("surrogate" in e.message or "UTF-8" in e.message)
+
+
+def test_escaped_surrogate_pairs_are_fine():
+    assert parse_json_body(b'{"prompt": "\\ud83d\\ude00"}') == {"prompt": "😀"}
+
+
+@pytest.mark.parametrize("raw", [
+    json.dumps({"prompt": list(range(1, 300_000))}).encode(),  # many values: Python scanner
+    json.dumps({"prompt": "x" * 2_000_000}).encode(),  # one big string: the C parser
+    b'{"a": [' + b",".join([b"9" * 19] * 20_000) + b"]}",  # many digits
+])
+def test_large_bodies_parse_the_same_either_way(raw):
+    assert parse_json_body(raw) == json.loads(raw)
+
+
+def test_large_body_deep_or_huge_is_still_400():
+    deep = b'{"p": [' + b",".join([b"[" * 70 + b"]" * 70] * 3000) + b"]}"
+    assert "deeper" in error_of(parse_json_body, deep).message
+    huge = b'{"p": [' + b",".join([b"1" * 30] * 30_000) + b"]}"
+    assert "integer" in error_of(parse_json_body, huge).message
+
+
+def test_submit_must_fit_a_frame():
+    from common.protocol import MAX_FRAME_BYTES
+    from gateway.limits import check_submit_fits
+
+    check_submit_fits([1] * 1000, {"max_tokens": 5}, 32)
+    e = error_of(check_submit_fits, [2 ** 31] * (MAX_FRAME_BYTES // 5 + 1), {}, 32)
+    assert e.status == 400 and e.code == "request_too_large"
+
+
+@pytest.mark.parametrize(("value", "ok"), [
+    ("application/json", True), ("application/json; charset=utf-8", True),
+    ("Application/JSON;charset=UTF-8", True), ("application/vnd.api+json", True),
+    ("text/plain", False), ("application/x-www-form-urlencoded", False), (None, False),
+    ("", False), ("multipart/form-data; boundary=x", False),
+])
+def test_json_content_types(value, ok):
+    assert is_json_content_type(value) is ok
