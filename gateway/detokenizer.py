@@ -12,7 +12,10 @@ ends mid-character shows U+FFFD. Two ways to release only whole characters:
       read_offset .. end             tokens whose text is not released yet
 
 Invariant: everything `push` and `flush` return, concatenated, equals the decode of all
-output tokens.
+output tokens, except that a reply cut (by max_tokens, a stop token) in the middle of a
+character ends before it: the bytes of an incomplete last character are dropped, never
+shown as U+FFFD. Streamed and non-streamed replies are built from the same pieces, so they
+are equal.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ _REPLACEMENT = "\ufffd"
 # Prompt tokens kept as context, so a sentencepiece tokenizer puts the right leading space
 # on the first output word.
 _CONTEXT_TOKENS = 5
+# A UTF-8 character is at most 4 bytes, so the bytes of an incomplete one come from at most
+# the last 4 tokens that have bytes; a few more absorb special tokens after it.
+_TAIL_TOKENS = 8
 
 
 class IncrementalDetokenizer:
@@ -58,17 +64,40 @@ class IncrementalDetokenizer:
         return ""
 
     def flush(self) -> str:
-        """At the end: release whatever is held, even an incomplete character."""
+        """At the end: release whatever is held, except the bytes of an incomplete last
+        character."""
         if self._utf8 is not None:
-            return self._utf8.decode(b"", final=True)
+            self._utf8.reset()  # what it still holds is an incomplete character's bytes
+            return ""
         prefix_text = self._decode(self.prefix_offset, self.read_offset)
         full_text = self._decode(self.prefix_offset, len(self.ids))
+        num_incomplete = self._num_incomplete_tail_bytes()
         self.prefix_offset = self.read_offset = len(self.ids)
-        return full_text[len(prefix_text):]
+        text = full_text[len(prefix_text):]
+        # The decoder showed those bytes as U+FFFD: one per byte (sentencepiece's byte
+        # fallback) or one for the lot (lossy UTF-8). Drop those, no more.
+        while num_incomplete > 0 and text.endswith(_REPLACEMENT):
+            text = text[:-1]
+            num_incomplete -= 1
+        return text
 
-    def _token_bytes(self, token_id: int) -> bytes:
+    def _num_incomplete_tail_bytes(self) -> int:
+        """How many bytes at the end of the unreleased tokens start a character that never
+        completed (0 if the text ends whole). Where a tail token's bytes are unknown (a
+        fragment only the decoder knows), every trailing U+FFFD counts as incomplete."""
+        tail = self.ids[max(self.read_offset, len(self.ids) - _TAIL_TOKENS):]
+        pieces = [self._token_bytes(t) for t in tail]
+        if any(p is None for p in pieces):
+            return len(tail)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        decoder.decode(b"".join(pieces))
+        return len(decoder.getstate()[0])
+
+    def _token_bytes(self, token_id: int) -> bytes | None:
         if self.skip_special_tokens and self.tokenizer.is_special(token_id):
             return b""
+        if self._utf8 is None:
+            return self.tokenizer.exact_bytes(token_id)
         if 0 <= token_id < len(self._bytes):
             return self._bytes[token_id]
         return b""  # out of the vocabulary: nothing to show

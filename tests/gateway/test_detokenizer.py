@@ -92,3 +92,56 @@ def test_invalid_bytes_do_not_block_forever():
     first = detok.push([0x80])
     later = detok.push([ord("a")]) + detok.flush()
     assert first + later == "\ufffda"
+
+
+@pytest.mark.parametrize("make", [byte_tokenizer, window_path_tokenizer])
+@pytest.mark.parametrize("cut", [1, 2, 3])
+def test_a_cut_inside_a_character_drops_its_bytes(make, cut):
+    """max_tokens ends the reply after `cut` of the emoji's 4 bytes: the reply ends before
+    it, with no U+FFFD, streamed in any batching."""
+    tk = make()
+    ids = tk.encode("ok 😀")[:3 + cut]
+    for sizes in ([1] * len(ids), [len(ids)], [2, 3]):
+        deltas = stream(IncrementalDetokenizer(tk), ids, sizes)
+        assert "".join(deltas) == "ok "
+
+
+@pytest.mark.parametrize("make", [byte_tokenizer, window_path_tokenizer])
+def test_a_cut_before_a_special_token_still_drops_the_partial_character(make):
+    tk = make()
+    ids = tk.encode("é")[:1] + [257]  # half of é, then EOS (skipped)
+    detok = IncrementalDetokenizer(tk)
+    assert detok.push(ids) + detok.flush() == ""
+
+
+def test_byte_path_keeps_a_real_replacement_character():
+    tk = byte_tokenizer()
+    ids = tk.encode("a\ufffd")  # U+FFFD the model meant to say: whole bytes EF BF BD
+    detok = IncrementalDetokenizer(tk)
+    assert "".join(detok.push([i]) for i in ids) + detok.flush() == "a\ufffd"
+
+
+def test_sentencepiece_byte_fallback_cut():
+    """A sentencepiece-style vocabulary (byte fallback pieces <0xNN>): a cut after two of
+    the emoji's four byte pieces drops them instead of showing two U+FFFD; a U+FFFD piece
+    the model chose stays."""
+    from tokenizers import Tokenizer, decoders, models
+
+    from gateway.tokenizer import TextTokenizer
+
+    pieces = ["<unk>", "▁ok"] + [f"<0x{b:02X}>" for b in range(256)] + ["\ufffd"]
+    tk = Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, [], unk_token="<unk>",
+                              byte_fallback=True))
+    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                    decoders.Fuse()])
+    text_tk = TextTokenizer(tk, None, None, (), None, 4096, is_byte_level=False)
+    emoji = [2 + b for b in "😀".encode()]
+    assert text_tk.decode([1] + emoji) == " ok😀"
+    assert text_tk.token_bytes(emoji[0]) == b"\xf0"
+    detok = IncrementalDetokenizer(text_tk)
+    out = detok.push([1]) + detok.push(emoji[:1]) + detok.push(emoji[1:2]) + detok.flush()
+    assert out == " ok"
+    detok = IncrementalDetokenizer(text_tk)
+    assert detok.push([1] + emoji) + detok.flush() == " ok😀"
+    detok = IncrementalDetokenizer(text_tk)
+    assert detok.push([1, len(pieces) - 1]) + detok.flush() == " ok\ufffd"
