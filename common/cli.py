@@ -171,6 +171,19 @@ GATEWAY_OPTIONS = [
     option("--worker-stall-timeout", type=float, default=30.0, callback=_positive,
            help="Seconds a worker's engine may make no progress (its heartbeats say) before it "
                 "is marked unhealthy and gets no new work."),
+    # HTTP input limits (gateway/request_body.py, gateway/limits.py, gateway/http_protocol.py)
+    option("--max-request-body", type=ByteSize(), default=8 * 1024 * 1024,
+           help="Largest request body in bytes (e.g. 8MiB); beyond: 413."),
+    option("--request-body-timeout", type=float, default=30.0, callback=_positive,
+           help="Seconds a request body may take to arrive; beyond: 408."),
+    option("--header-timeout", type=float, default=10.0, callback=_positive,
+           help="Seconds a request's head (request line and headers) may take to arrive; "
+                "beyond: the connection is closed."),
+    option("--max-tokens-limit", type=click.IntRange(min=1), default=4096,
+           help="Server cap on max_tokens; a chat request without max_tokens gets the room "
+                "left in the context, at most this."),
+    option("--max-prompt-chars", type=click.IntRange(min=1), default=1_000_000,
+           help="Characters per prompt, per conversation and per /tokenize input; beyond: 400."),
 ]
 
 ADDRESS_OPTIONS = [
@@ -250,7 +263,16 @@ def gateway_config(opts: dict[str, Any]):
         worker_stall_timeout_s=opts["worker_stall_timeout"],
         keys_dir=opts["keys_dir"], insecure=opts["insecure"],
         admin_keys=(opts["admin_key"],) if opts["admin_key"] else (),
+        **_input_limits(opts),
     )
+
+
+def _input_limits(opts: dict[str, Any]) -> dict[str, Any]:
+    return dict(max_request_body_bytes=opts["max_request_body"],
+                request_body_timeout_s=opts["request_body_timeout"],
+                header_timeout_s=opts["header_timeout"],
+                max_tokens_limit=opts["max_tokens_limit"],
+                max_prompt_chars=opts["max_prompt_chars"])
 
 
 def worker_config(opts: dict[str, Any], engine: EngineConfig, worker_id: str,
@@ -323,10 +345,19 @@ def gateway_args(config: Any) -> list[str]:
         "--request-idle-timeout", str(config.request_idle_timeout_s),
         "--worker-stall-timeout", str(config.worker_stall_timeout_s),
         *_security_args(config),
+        *_input_limit_args(config),
     ]
     if config.served_model_name is not None:
         args += ["--served-model-name", config.served_model_name]
     return args
+
+
+def _input_limit_args(config: Any) -> list[str]:
+    return ["--max-request-body", str(config.max_request_body_bytes),
+            "--request-body-timeout", str(config.request_body_timeout_s),
+            "--header-timeout", str(config.header_timeout_s),
+            "--max-tokens-limit", str(config.max_tokens_limit),
+            "--max-prompt-chars", str(config.max_prompt_chars)]
 
 
 def _security_args(config: Any) -> list[str]:

@@ -1,0 +1,87 @@
+"""uvicorn's httptools protocol with a deadline and a size cap for the request head.
+
+uvicorn has no header-read timeout: a client that connects and sends nothing, or a header
+line a minute, holds a connection (and its memory) for as long as it likes, and httptools
+puts no bound on the head's size. Here a timer starts when the connection opens and again
+when a new request begins, and stops when its head is complete; if it fires, the connection
+is closed. A head larger than `max_head_bytes` gets 431 and the connection is closed.
+Bodies have their own timeout in gateway/request_body.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+DEFAULT_MAX_HEAD_BYTES = 64 * 1024  # request line and headers; h11's default is 16 KiB
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    header_timeout_s: float = 10.0
+    max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._num_head_bytes = 0
+        self._is_reading_head = True  # until the first request's head is complete
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._is_reading_head:
+            self._num_head_bytes += len(data)
+        super().data_received(data)
+        # Still no complete head after this much: a read may carry a head and a body, so
+        # the count is judged only while the head is unfinished.
+        if self._is_reading_head and self._num_head_bytes > self.max_head_bytes:
+            self._refuse_head()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._is_reading_head = True
+        self._num_head_bytes = 0
+        self._arm_head_timer()
+
+    def on_headers_complete(self) -> None:
+        self._is_reading_head = False
+        self._cancel_head_timer()
+        super().on_headers_complete()
+
+    # -- the timer --------------------------------------------------------------------------
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if not self.transport.is_closing():
+            self.logger.info("closing a connection whose request head did not arrive within "
+                             "%gs", self.header_timeout_s)
+            self.transport.close()
+
+    def _refuse_head(self) -> None:
+        self._cancel_head_timer()
+        self._is_reading_head = False
+        if self.transport.is_closing():
+            return
+        self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                             b"content-length: 0\r\nconnection: close\r\n\r\n")
+        self.transport.close()
+
+
+def guarded_protocol(header_timeout_s: float,
+                     max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES) -> type[GuardedHttpToolsProtocol]:
+    """The protocol class to pass as uvicorn.Config(http=...), with these limits."""
+    return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,),
+                {"header_timeout_s": header_timeout_s, "max_head_bytes": max_head_bytes})
