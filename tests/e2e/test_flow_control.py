@@ -22,6 +22,7 @@ def server(module_servers):
         "--backend", "fake", "--device", "cpu", "--num-kv-blocks", "4096",
         "--max-model-len", "60000", "--fake-forward-ms", "1",
         "--slow-client-timeout", str(SLOW_CLIENT_TIMEOUT_S),
+        "--max-tokens-limit", "60000",  # streams long enough to hang up on or stall
     ))
 
 

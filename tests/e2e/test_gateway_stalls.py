@@ -37,7 +37,8 @@ class SplitServer:
         self.gateway.wait_ready(1, timeout_s=60)
 
     def start_gateway(self):
-        self.gateway = start_server(self.log_dir, "gateway", args=("--worker-timeout", "2"),
+        self.gateway = start_server(self.log_dir, "gateway", args=("--worker-timeout", "2",
+                                                                 "--max-tokens-limit", "8192"),
                                     port=self.port, wait=False)
         self.processes.append(self.gateway)
         return self.gateway

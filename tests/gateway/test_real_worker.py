@@ -39,7 +39,7 @@ def healthy(gw: GatewayServer) -> bool:
 
 @pytest.mark.slow
 def test_streams_and_usage_through_a_real_worker(tokenizer):
-    with GatewayServer(tokenizer, worker_timeout_s=1.0) as gw:
+    with GatewayServer(tokenizer, worker_timeout_s=1.0, max_tokens_limit=8192) as gw:
         proc = start_worker(gw, "real-0")
         try:
             assert wait_until(lambda: healthy(gw), 60)
@@ -74,7 +74,8 @@ def test_streams_and_usage_through_a_real_worker(tokenizer):
 
 @pytest.mark.slow
 def test_killed_worker_fails_its_stream_and_a_restart_serves(tokenizer):
-    with GatewayServer(tokenizer, worker_timeout_s=1.0, queue_timeout_s=60) as gw:
+    with GatewayServer(tokenizer, worker_timeout_s=1.0, queue_timeout_s=60,
+                       max_tokens_limit=8192) as gw:
         proc = start_worker(gw, "real-1")
         try:
             assert wait_until(lambda: healthy(gw), 60)
