@@ -23,8 +23,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._head_timer: asyncio.TimerHandle | None = None
-        self._num_head_bytes = 0
-        self._is_reading_head = True  # until the first request's head is complete
+        self._start_head()
         super().connection_made(transport)
         self._arm_head_timer()
 
@@ -33,24 +32,42 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._is_reading_head:
-            self._num_head_bytes += len(data)
-        super().data_received(data)
-        # Still no complete head after this much: a read may carry a head and a body, so
-        # the count is judged only while the head is unfinished.
-        if self._is_reading_head and self._num_head_bytes > self.max_head_bytes:
+        if self._is_reading_head and self._is_head_too_long(data):
             self._refuse_head()
+            return
+        super().data_received(data)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._is_reading_head = True
-        self._num_head_bytes = 0
         self._arm_head_timer()
 
     def on_headers_complete(self) -> None:
         self._is_reading_head = False
         self._cancel_head_timer()
         super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._start_head()  # what comes next on this connection is the next request's head
+
+    # -- the head's size ---------------------------------------------------------------------
+
+    def _start_head(self) -> None:
+        self._is_reading_head = True
+        self._num_head_bytes = 0
+        self._head_tail = b""  # the last bytes seen, for a blank line split over two reads
+
+    def _is_head_too_long(self, data: bytes) -> bool:
+        """True when the head goes past max_head_bytes. One read may hold a head and the
+        start of a body, so a long read is fine if the head's blank line is within budget."""
+        budget = self.max_head_bytes - self._num_head_bytes
+        self._num_head_bytes += len(data)
+        window = self._head_tail + data[:max(budget, 0)]
+        if b"\r\n\r\n" in window:
+            self._is_reading_head = False  # the rest is a body; the parser takes it from here
+            return False
+        self._head_tail = window[-3:]
+        return len(data) > budget
 
     # -- the timer --------------------------------------------------------------------------
 
