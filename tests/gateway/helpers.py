@@ -133,6 +133,7 @@ class FakeWorker:
     drop_incoming: Callable[[object], bool] = field(default=lambda msg: False)
     drop_outgoing: Callable[[Tokens], bool] = field(default=lambda msg: False)
     progress_age_s: float = 0.0  # what heartbeats report (a large value: engine stuck)
+    state: str = "ready"  # what heartbeats report
     keys: object | None = None  # common.keys.WorkerKeys: speak CurveZMQ
     # The worker id its HELLO and TOKENS claim (default: worker_id); a rogue claims another.
     claimed_id: str | None = None
@@ -155,7 +156,10 @@ class FakeWorker:
         self._thread.join(5)
 
     def send_control(self, msg) -> None:
-        """Queue a message to the gateway from the test thread (e.g. DRAIN, HELLO)."""
+        """Queue a message to the gateway from the test thread (e.g. DRAIN, HELLO). Like a
+        real worker, one that says DRAIN says "draining" in its heartbeats from then on."""
+        if isinstance(msg, Drain):
+            self.state = "draining"
         with self._lock:
             self._outbox.append(encode(msg))
 
@@ -208,7 +212,7 @@ class FakeWorker:
                 if now >= next_beat and self.is_heartbeating and self.ready.is_set():
                     next_beat = now + self.heartbeat_s
                     dealer.send_multipart(encode(Heartbeat(
-                        self.worker_id, "ready", len(self.streams), 0, 0, 1000, 1000,
+                        self.worker_id, self.state, len(self.streams), 0, 0, 1000, 1000,
                         time.time(), request_ids=list(self.streams),
                         progress_age_s=self.progress_age_s)))
         finally:
