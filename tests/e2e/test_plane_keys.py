@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import time
 
 import httpx
 import pytest
@@ -35,3 +36,45 @@ def test_a_gateway_on_tcp_without_keys_refuses_to_start():
                             timeout=60)
     assert result.returncode != 0 and "--keys-dir" in result.stderr and "--insecure" in \
         result.stderr
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def test_hostile_peers_leave_the_gateways_memory_flat(zeroserve, tmp_path):
+    import zmq
+
+    from common.keys import curve_client, generate, load_worker_keys
+
+    key_dir = generate(tmp_path / "keys", ["worker-0", "worker-1"])
+    router, tokens = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    server = zeroserve(command="gateway", num_workers=0, wait=False,
+                       args=("--keys-dir", str(key_dir), "--router-address", router,
+                             "--tokens-address", tokens))
+    deadline = time.monotonic() + 60
+    while server.health()[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    before = _rss_mb(server.process.pid)
+    ctx = zmq.Context()
+    try:
+        keyed = load_worker_keys(key_dir, "worker-1")
+        for i in range(20):  # oversized frames from a keyed peer, junk from keyless ones
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDTIMEO, 500)
+            if i % 2:
+                curve_client(sock, keyed)
+            sock.connect(router if i % 4 < 2 else tokens)
+            try:
+                sock.send(b"\x00" * (32 * 2**20))
+                for _ in range(200):
+                    sock.send_multipart([b"\x07", b"\xc1" * 100])
+            except zmq.Again:
+                pass  # a peer the gateway never let in cannot send at all
+    finally:
+        ctx.destroy(linger=2000)
+    time.sleep(2.0)
+    assert server.health()[0] in (200, 503)  # alive and answering
+    assert _rss_mb(server.process.pid) - before < 64  # nothing buffered: 640 MiB were sent
