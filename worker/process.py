@@ -31,7 +31,6 @@ import enum
 import logging
 import os
 import queue
-import secrets
 import signal
 import threading
 import time
@@ -41,14 +40,12 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from common.keys import (
-    WorkerKeys,
     check_plane_security,
     curve_client,
     is_worker_id_valid,
     load_worker_keys,
 )
 from common.protocol import (
-    MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     UNKNOWN_WORKER,
     Abort,
@@ -57,9 +54,6 @@ from common.protocol import (
     Error,
     Heartbeat,
     Hello,
-    Message,
-    MsgType,
-    ProtocolError,
     Ready,
     Shutdown,
     Submit,
@@ -67,10 +61,10 @@ from common.protocol import (
     Tokens,
     Undrain,
     WorkerState,
-    decode,
     encode,
 )
 from worker.config import EngineConfig
+from worker.link import LINGER_MS, SNDHWM, GatewayLink
 from worker.outputs import RequestOutput
 from worker.sequence import RequestError, SamplingParams
 
@@ -84,10 +78,7 @@ BACKENDS = ("model", "fake")
 EXIT_OK = 0  # drained, or told to shut down
 EXIT_ENGINE_FAILED = 1  # a step raised; in-flight requests were failed first
 EXIT_REFUSED = 3  # the gateway refused our HELLO (e.g. another protocol version)
-EXIT_STALLED = 4  # the engine thread made no progress for stall_timeout_s
-_LINGER_MS = 2000  # on exit, how long queued messages (final tokens, DRAIN) may take to leave
-_SNDHWM = 100_000  # messages queued while the gateway is away; beyond this we drop, never block
-_MAX_MSG_BYTES = MAX_FRAME_BYTES + 4096  # a bigger inbound message drops the connection
+# 4 (worker.link.EXIT_STALLED): the engine thread made no progress for stall_timeout_s.
 
 
 @dataclass(frozen=True)
@@ -182,126 +173,6 @@ class _Stream:
         return self.num_sent < self.credit_limit
 
 
-class _GatewayLink(threading.Thread):
-    """Owns the DEALER: decoded gateway messages go to `inbox`; frames that the engine
-    thread pushes into the inproc outbox go out; heartbeats go out on their own clock.
-
-    The DEALER queues only to a live connection (ZMQ_IMMEDIATE), so nothing piles up for a
-    gateway that is down: heartbeats are dropped, and a HELLO is held here and retried until
-    a connection takes it (then `hello_sent_at` says when).
-    """
-
-    _HELLO_RETRY_S = 0.1
-
-    def __init__(self, ctx: zmq.Context, config: WorkerConfig, outbox_address: str,
-                 keys: WorkerKeys | None):
-        super().__init__(name="gateway-link", daemon=True)
-        self.config = config
-        self.inbox: queue.Queue[Message] = queue.Queue()
-        self.last_heard = time.monotonic()  # monotonic time of the last gateway message
-        self.hello_sent_at: float | None = None  # when the last HELLO reached a connection
-        # The engine thread replaces these (never mutates them) every loop iteration: its
-        # load with the request ids it holds, and when that id snapshot was taken.
-        self.load = (Heartbeat(config.worker_id, WorkerState.STARTING.value), time.monotonic())
-        self.progress_at = time.monotonic()  # the engine thread's last finished iteration
-        self._pending_hello: list[bytes] | None = None
-        self._dealer = ctx.socket(zmq.DEALER)
-        # The route: our id plus a secret suffix, new every process run. The gateway sends to
-        # us only through the route our HELLO came from, so no other peer can take our
-        # place, and a new route tells it we restarted.
-        route = f"{config.worker_id}.{secrets.token_hex(12)}"
-        self._dealer.setsockopt(zmq.IDENTITY, route.encode())
-        self._dealer.setsockopt(zmq.IMMEDIATE, 1)
-        self._dealer.setsockopt(zmq.LINGER, _LINGER_MS)
-        self._dealer.setsockopt(zmq.SNDHWM, _SNDHWM)
-        self._dealer.setsockopt(zmq.MAXMSGSIZE, _MAX_MSG_BYTES)
-        if keys is not None:
-            curve_client(self._dealer, keys)
-        self._dealer.connect(config.router_address)
-        self._outbox = ctx.socket(zmq.PULL)
-        self._outbox.bind(outbox_address)
-
-    def run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._dealer, zmq.POLLIN)
-        poller.register(self._outbox, zmq.POLLIN)
-        # The first beat waits one interval so the engine thread's HELLO goes out first.
-        next_beat = time.monotonic() + self.config.heartbeat_interval_s
-        try:
-            while True:
-                now = time.monotonic()
-                if now >= next_beat:
-                    self._check_stall(now)
-                    self._send(encode(self._heartbeat(now)))
-                    next_beat = now + self.config.heartbeat_interval_s
-                if self._pending_hello is not None and self._send(self._pending_hello):
-                    self._pending_hello = None
-                    self.hello_sent_at = now
-                wake_at = next_beat if self._pending_hello is None else now + self._HELLO_RETRY_S
-                ready = dict(poller.poll(max(0.0, min(wake_at, next_beat) - now) * 1000))
-                if self._dealer in ready:
-                    self._receive_all()
-                if self._outbox in ready and not self._forward_outbox():
-                    return
-        finally:
-            self._dealer.close()
-            self._outbox.close()
-
-    def _heartbeat(self, now: float) -> Heartbeat:
-        load, ids_at = self.load
-        load.time = time.time()
-        load.progress_age_s = max(0.0, now - self.progress_at)
-        load.request_ids_age_s = max(0.0, now - ids_at)
-        return load
-
-    def _check_stall(self, now: float) -> None:
-        """The engine thread is stuck (a hung kernel, a deadlock): no step of ours can free
-        it, so exit and let the supervisor or container runtime start a fresh process."""
-        limit = self.config.stall_timeout_s
-        if limit is not None and now - self.progress_at > limit:
-            log.critical("engine made no progress for %.0fs; exiting so that this worker is "
-                         "restarted", now - self.progress_at,
-                         extra={"worker_id": self.config.worker_id})
-            logging.shutdown()
-            os._exit(EXIT_STALLED)
-
-    def _receive_all(self) -> None:
-        while True:
-            try:
-                frames = self._dealer.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self.last_heard = time.monotonic()
-            try:
-                self.inbox.put(decode(frames))
-            except ProtocolError as e:
-                log.warning("dropped a bad frame from the gateway: %s", e,
-                            extra={"worker_id": self.config.worker_id})
-
-    def _forward_outbox(self) -> bool:
-        """Send what the engine thread queued; False when it asked us to stop."""
-        while True:
-            try:
-                frames = self._outbox.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return True
-            if frames == [b"stop"]:
-                return False
-            if frames[0] == bytes([MsgType.HELLO]):
-                self._pending_hello = frames  # sent (and retried) by the loop
-                self.hello_sent_at = None
-            elif not self._send(frames):
-                log.warning("no gateway connection; dropped a %s message",
-                            MsgType(frames[0][0]).name, extra={"worker_id": self.config.worker_id})
-
-    def _send(self, frames: list[bytes]) -> bool:
-        try:
-            self._dealer.send_multipart(frames, zmq.NOBLOCK)
-            return True
-        except zmq.Again:
-            return False
-
-
 class WorkerLoop:
     """The engine thread's loop. One instance per process run."""
 
@@ -336,12 +207,12 @@ class WorkerLoop:
         outbox_address = f"inproc://worker-outbox-{id(self)}"
         keys = (None if self.config.keys_dir is None
                 else load_worker_keys(self.config.keys_dir, self.config.worker_id))
-        self.link = _GatewayLink(ctx, self.config, outbox_address, keys)
+        self.link = GatewayLink(ctx, self.config, outbox_address, keys)
         self._to_link = ctx.socket(zmq.PUSH)
         self._to_link.connect(outbox_address)
         self._tokens = ctx.socket(zmq.PUSH)
-        self._tokens.setsockopt(zmq.LINGER, _LINGER_MS)
-        self._tokens.setsockopt(zmq.SNDHWM, _SNDHWM)
+        self._tokens.setsockopt(zmq.LINGER, LINGER_MS)
+        self._tokens.setsockopt(zmq.SNDHWM, SNDHWM)
         if keys is not None:
             curve_client(self._tokens, keys)
         self._tokens.connect(self.config.tokens_address)
@@ -367,7 +238,7 @@ class WorkerLoop:
         finally:
             restore_signals()
             self._to_link.send_multipart([b"stop"])
-            self.link.join(timeout=_LINGER_MS / 1000 + 1)
+            self.link.join(timeout=LINGER_MS / 1000 + 1)
             self._to_link.close(linger=0)
             self._tokens.close()
             ctx.term()

@@ -1,0 +1,161 @@
+"""The worker's link to its gateway: a thread that owns the DEALER socket.
+
+It keeps liveness off the engine thread: heartbeats leave on their own clock even while a
+long engine step runs, HELLOs are held and retried until a connection takes them, and a
+watchdog ends the process when the engine thread stops making progress (a hung kernel or a
+deadlock that no step of ours can free), so its supervisor starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import secrets
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import zmq
+
+from common.keys import WorkerKeys, curve_client
+from common.protocol import (
+    MAX_FRAME_BYTES,
+    Heartbeat,
+    Message,
+    MsgType,
+    ProtocolError,
+    WorkerState,
+    decode,
+    encode,
+)
+
+if TYPE_CHECKING:
+    from worker.process import WorkerConfig
+
+log = logging.getLogger("zeroserve.worker")
+
+EXIT_STALLED = 4  # the engine thread made no progress for stall_timeout_s
+LINGER_MS = 2000  # on exit, how long queued messages (final tokens, DRAIN) may take to leave
+SNDHWM = 100_000  # messages queued while the gateway is away; beyond this we drop, never block
+MAX_MSG_BYTES = MAX_FRAME_BYTES + 4096  # a bigger inbound message drops the connection
+
+
+class GatewayLink(threading.Thread):
+    """Owns the DEALER: decoded gateway messages go to `inbox`; frames that the engine
+    thread pushes into the inproc outbox go out; heartbeats go out on their own clock.
+
+    The DEALER queues only to a live connection (ZMQ_IMMEDIATE), so nothing piles up for a
+    gateway that is down: heartbeats are dropped, and a HELLO is held here and retried until
+    a connection takes it (then `hello_sent_at` says when).
+    """
+
+    _HELLO_RETRY_S = 0.1
+
+    def __init__(self, ctx: zmq.Context, config: WorkerConfig, outbox_address: str,
+                 keys: WorkerKeys | None):
+        super().__init__(name="gateway-link", daemon=True)
+        self.config = config
+        self.inbox: queue.Queue[Message] = queue.Queue()
+        self.last_heard = time.monotonic()  # monotonic time of the last gateway message
+        self.hello_sent_at: float | None = None  # when the last HELLO reached a connection
+        # The engine thread replaces these (never mutates them) every loop iteration: its
+        # load with the request ids it holds, and when that id snapshot was taken.
+        self.load = (Heartbeat(config.worker_id, WorkerState.STARTING.value), time.monotonic())
+        self.progress_at = time.monotonic()  # the engine thread's last finished iteration
+        self._pending_hello: list[bytes] | None = None
+        self._dealer = ctx.socket(zmq.DEALER)
+        # The route: our id plus a secret suffix, new every process run. The gateway sends to
+        # us only through the route our HELLO came from, so no other peer can take our
+        # place, and a new route tells it we restarted.
+        route = f"{config.worker_id}.{secrets.token_hex(12)}"
+        self._dealer.setsockopt(zmq.IDENTITY, route.encode())
+        self._dealer.setsockopt(zmq.IMMEDIATE, 1)
+        self._dealer.setsockopt(zmq.LINGER, LINGER_MS)
+        self._dealer.setsockopt(zmq.SNDHWM, SNDHWM)
+        self._dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MSG_BYTES)
+        if keys is not None:
+            curve_client(self._dealer, keys)
+        self._dealer.connect(config.router_address)
+        self._outbox = ctx.socket(zmq.PULL)
+        self._outbox.bind(outbox_address)
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._dealer, zmq.POLLIN)
+        poller.register(self._outbox, zmq.POLLIN)
+        # The first beat waits one interval so the engine thread's HELLO goes out first.
+        next_beat = time.monotonic() + self.config.heartbeat_interval_s
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= next_beat:
+                    self._check_stall(now)
+                    self._send(encode(self._heartbeat(now)))
+                    next_beat = now + self.config.heartbeat_interval_s
+                if self._pending_hello is not None and self._send(self._pending_hello):
+                    self._pending_hello = None
+                    self.hello_sent_at = now
+                wake_at = next_beat if self._pending_hello is None else now + self._HELLO_RETRY_S
+                ready = dict(poller.poll(max(0.0, min(wake_at, next_beat) - now) * 1000))
+                if self._dealer in ready:
+                    self._receive_all()
+                if self._outbox in ready and not self._forward_outbox():
+                    return
+        finally:
+            self._dealer.close()
+            self._outbox.close()
+
+    def _heartbeat(self, now: float) -> Heartbeat:
+        load, ids_at = self.load
+        load.time = time.time()
+        load.progress_age_s = max(0.0, now - self.progress_at)
+        load.request_ids_age_s = max(0.0, now - ids_at)
+        return load
+
+    def _check_stall(self, now: float) -> None:
+        """The engine thread is stuck (a hung kernel, a deadlock): no step of ours can free
+        it, so exit and let the supervisor or container runtime start a fresh process."""
+        limit = self.config.stall_timeout_s
+        if limit is not None and now - self.progress_at > limit:
+            log.critical("engine made no progress for %.0fs; exiting so that this worker is "
+                         "restarted", now - self.progress_at,
+                         extra={"worker_id": self.config.worker_id})
+            logging.shutdown()
+            os._exit(EXIT_STALLED)
+
+    def _receive_all(self) -> None:
+        while True:
+            try:
+                frames = self._dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.last_heard = time.monotonic()
+            try:
+                self.inbox.put(decode(frames))
+            except ProtocolError as e:
+                log.warning("dropped a bad frame from the gateway: %s", e,
+                            extra={"worker_id": self.config.worker_id})
+
+    def _forward_outbox(self) -> bool:
+        """Send what the engine thread queued; False when it asked us to stop."""
+        while True:
+            try:
+                frames = self._outbox.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            if frames == [b"stop"]:
+                return False
+            if frames[0] == bytes([MsgType.HELLO]):
+                self._pending_hello = frames  # sent (and retried) by the loop
+                self.hello_sent_at = None
+            elif not self._send(frames):
+                log.warning("no gateway connection; dropped a %s message",
+                            MsgType(frames[0][0]).name, extra={"worker_id": self.config.worker_id})
+
+    def _send(self, frames: list[bytes]) -> bool:
+        try:
+            self._dealer.send_multipart(frames, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
