@@ -7,12 +7,16 @@ from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from common.model_files import model_display_name
 from gateway.admin import AdminApi
+from gateway.auth import ApiKeyMiddleware, ApiKeys, warn_if_exposed
 from gateway.chat_template import ChatTemplate
 from gateway.config import GatewayConfig
 from gateway.core import Gateway
@@ -20,6 +24,7 @@ from gateway.errors import APIError, server_error
 from gateway.health import HealthEndpoints
 from gateway.logging import get_logger
 from gateway.loop_monitor import LoopLagMonitor
+from gateway.rate_limit import RateLimiter, RateLimitMiddleware, default_limits, load_key_limits
 from gateway.routes import Api
 from gateway.tokenizer import TextTokenizer, load_tokenizer
 
@@ -42,12 +47,14 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None) -> 
     gateway = Gateway(config)
     api = Api(config, gateway, tokenizer, template, served_model_names(config))
     loop_monitor = LoopLagMonitor(warn_s=config.loop_lag_warn_s)
-    health = HealthEndpoints(gateway, loop_monitor)
+    keys = ApiKeys(config.api_keys)
+    health = HealthEndpoints(gateway, loop_monitor, keys)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         loop_monitor.start()
         await gateway.start()
+        warn_if_exposed(config.host, keys)
         log.info("gateway started", extra={"model": api.served_names[0],
                                            "router": gateway.edge.router_address,
                                            "tokens": gateway.edge.tokens_address})
@@ -75,8 +82,34 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None) -> 
         *health.routes(),
         *AdminApi(config, gateway).routes(),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan,
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=http_middleware(config, keys),
                     exception_handlers={HTTPException: http_error, Exception: unexpected_error})
     app.state.gateway = gateway
     app.state.api = api
     return app
+
+
+def http_middleware(config: GatewayConfig, keys: ApiKeys) -> list[Middleware]:
+    """Outermost first: the Host check, CORS (so preflights and 401s carry its headers), the
+    API key, then the rate limiter (which needs to know the key)."""
+    stack = []
+    if config.allowed_hosts:
+        # Loopback names stay allowed, so local probes (serve's supervisor, `zeroserve
+        # check`) work; DNS rebinding brings a foreign name, never these.
+        hosts = [*config.allowed_hosts, "127.0.0.1", "localhost", "[::1]"]
+        stack.append(Middleware(TrustedHostMiddleware, allowed_hosts=hosts,
+                                www_redirect=False))
+    if config.allowed_origins:
+        # Bearer keys, not cookies: no credentials mode. Browsers may read Retry-After.
+        stack.append(Middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                                allow_methods=["GET", "POST"], allow_headers=["*"],
+                                expose_headers=["Retry-After"], max_age=600))
+    if keys.is_enabled:
+        stack.append(Middleware(ApiKeyMiddleware, keys=keys))
+    default = default_limits(config.rate_limit_rps, config.rate_limit_burst,
+                             config.rate_limit_tpm)
+    limiter = RateLimiter(default, load_key_limits(config.rate_limits_file, config.api_keys,
+                                                   default))
+    if limiter.is_enabled:
+        stack.append(Middleware(RateLimitMiddleware, limiter=limiter))
+    return stack

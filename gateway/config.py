@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.keys import InsecurePlaneError, check_plane_security
+from gateway.rate_limit import default_limits, load_key_limits
 
 LOG_FORMATS = ("text", "json")
 
@@ -56,9 +57,20 @@ class GatewayConfig:
     request_idle_timeout_s: float = 300.0
     # a worker whose engine made no progress for this long gets no new work (UNHEALTHY).
     worker_stall_timeout_s: float = 30.0
+    # HTTP access (gateway/auth.py, gateway/rate_limit.py; CORS and hosts in gateway/app.py):
+    # bearer keys for /v1/*, /tokenize and /detokenize; never logged or shown in repr.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    allowed_origins: tuple[str, ...] = ()  # CORS; () -> no CORS headers: browsers cannot read
+    allowed_hosts: tuple[str, ...] = ()  # Host header allow-list ("*.example.com"); () -> any
+    # Default limits per API key (per client IP without keys); None: unlimited.
+    rate_limit_rps: float | None = None  # requests per second
+    rate_limit_burst: int | None = None  # requests at once; None -> rps rounded up
+    rate_limit_tpm: int | None = None  # prompt + completion tokens per minute
+    rate_limits_file: str | None = None  # per-key limits, JSON or TOML (gateway/rate_limit.py)
 
     def __post_init__(self) -> None:
         self._check_input_limits()
+        self._check_http_access()
         if not 0 <= self.port <= 65535:
             raise ValueError("port must be in [0, 65535]")
         if self.credit_window < 1:
@@ -98,6 +110,29 @@ class GatewayConfig:
             raise ValueError("max_tokens_limit must be >= 1")
         if self.max_prompt_chars < 1:
             raise ValueError("max_prompt_chars must be >= 1")
+
+    def _check_http_access(self) -> None:
+        # Errors name a key by its position only: keys are secrets.
+        for position, key in enumerate(self.api_keys, start=1):
+            if not (isinstance(key, str) and key and key.isascii() and key.isprintable()
+                    and " " not in key and "," not in key):
+                raise ValueError(f"API key {position} must be printable ASCII without spaces "
+                                 "or commas")
+        if len(set(self.api_keys)) != len(self.api_keys):
+            raise ValueError("API keys must be distinct")
+        for origin in self.allowed_origins:
+            if origin != "*" and "://" not in origin:
+                raise ValueError(f"allowed origin {origin!r} must be '*' or scheme://host[:port]")
+        for host in self.allowed_hosts:
+            if not host or " " in host or "*" in host[1:] or (
+                    host.startswith("*") and host != "*" and not host.startswith("*.")):
+                raise ValueError(f"allowed host {host!r} must be a host name, '*' or a "
+                                 "pattern like *.example.com")
+        if self.rate_limit_burst is not None and self.rate_limit_rps is None:
+            raise ValueError("a rate limit burst needs a request rate (--rate-limit-rps)")
+        default = default_limits(self.rate_limit_rps, self.rate_limit_burst,
+                                 self.rate_limit_tpm)
+        load_key_limits(self.rate_limits_file, self.api_keys, default)
 
     @property
     def endpoints(self) -> tuple[str, str]:

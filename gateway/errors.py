@@ -64,6 +64,18 @@ def queue_full(retry_after_s: int) -> APIError:
                     headers={"Retry-After": str(retry_after_s)})
 
 
+def invalid_api_key() -> APIError:
+    # OpenAI's shape for a missing or wrong key; the message never repeats what was sent.
+    return APIError(401, "Invalid or missing API key: send 'Authorization: Bearer KEY' with "
+                         "one of the server's API keys.", code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"})
+
+
+def rate_limited(message: str, retry_after_s: int) -> APIError:
+    return APIError(429, message, type="rate_limit_error", code="rate_limit_exceeded",
+                    headers={"Retry-After": str(retry_after_s)})
+
+
 def no_worker(message: str = "No worker is available to serve the request.") -> APIError:
     return APIError(503, message, type="service_unavailable", code="no_worker",
                     headers={"Retry-After": "1"})

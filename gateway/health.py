@@ -13,6 +13,11 @@ Orchestrators ask two different questions and act differently on the answers:
 
 `/livez` and `/readyz` are the names Kubernetes' own components use; `/health/live` and
 `/health/ready` sit beside `/health`. All are cheap: no await on anything but the response.
+
+All stay open when API keys are set (probes carry no key), but a caller without a valid key
+learns only the status: no pid from /health/live, and /health answers as /health/ready
+(no worker ids, pids, devices, models or load). `serve`'s supervisor and `zeroserve check`
+send a key to see the rest.
 """
 
 from __future__ import annotations
@@ -23,15 +28,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gateway.auth import ApiKeys
 from gateway.core import Gateway
 from gateway.loop_monitor import LoopLagMonitor
 from gateway.registry import WorkerStatus
 
 
 class HealthEndpoints:
-    def __init__(self, gateway: Gateway, loop_monitor: LoopLagMonitor):
+    def __init__(self, gateway: Gateway, loop_monitor: LoopLagMonitor,
+                 keys: ApiKeys | None = None):
         self.gateway = gateway
         self.loop_monitor = loop_monitor
+        self.keys = keys or ApiKeys(())
         self.pid = os.getpid()
 
     def routes(self) -> list[Route]:
@@ -45,6 +53,8 @@ class HealthEndpoints:
 
     async def live(self, request: Request) -> Response:
         # The pid tells `serve`'s supervisor that this is the gateway it started.
+        if not self.keys.is_authorized(request):
+            return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "ok", "pid": self.pid})
 
     async def ready(self, request: Request) -> Response:
@@ -55,6 +65,8 @@ class HealthEndpoints:
                             status_code=200 if num_ready else 503)
 
     async def health(self, request: Request) -> Response:
+        if not self.keys.is_authorized(request):
+            return await self.ready(request)
         registry = self.gateway.registry
         body = {"status": "ok" if registry.has_ready else "unavailable",
                 "workers": [w.describe() for w in registry.workers.values()],

@@ -24,6 +24,7 @@ from gateway.openai_schema import (
     parse_completion,
     parse_tokenize,
 )
+from gateway.rate_limit import track_usage
 from gateway.request_body import parse_json_object, read_body
 from gateway.responses import (
     SSE_DONE,
@@ -177,6 +178,7 @@ class Api:
                         sampling: SamplingOptions, stream: bool, what: str = "prompt"
                         ) -> Response:
         group = RequestGroup(self.gateway)
+        track_usage(request, group)  # its tokens count against the client's rate limit
         for ids in prompts:
             max_tokens = check_context(len(ids), sampling.max_tokens, self.max_model_len, what,
                                        self.limits.max_tokens_limit)
