@@ -10,8 +10,10 @@ asks the gateway, on loopback:
   (a stale entry of an earlier incarnation does not count for a new one).
 
 The probe runs only until every child has been ready once (see common/supervisor.py), so in
-steady state it costs nothing. It imports nothing from the CLI, so the dependency runs one
-way: common/cli.py -> common/children.py, common/cli.py -> common/supervisor.py.
+steady state it costs nothing. With API keys on, the gateway shows pids and worker ids only
+to callers with a key, so the probe sends one (`serve` gives it the first key). It imports
+nothing from the CLI, so the dependency runs one way: common/cli.py -> common/children.py,
+common/cli.py -> common/supervisor.py.
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ def local_url(host: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
-def _get_json(url: str) -> dict | None:
+def _get_json(url: str, api_key: str | None = None) -> dict | None:
     """The JSON body of a GET, whatever the status (503 carries a body too); None if none."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with urllib.request.urlopen(url, timeout=_TIMEOUT_S) as response:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                    timeout=_TIMEOUT_S) as response:
             body = response.read()
     except urllib.error.HTTPError as e:
         body = e.read()
@@ -54,18 +58,19 @@ def _get_json(url: str) -> dict | None:
 class GatewayReadiness:
     """A `ReadinessProbe` for `serve`: pids by child name -> names of the ready ones."""
 
-    def __init__(self, base_url: str):
+    def __init__(self, base_url: str, api_key: str | None = None):
         self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
 
     def __call__(self, pids: dict[str, int]) -> set[str]:
         ready = set()
         if GATEWAY_CHILD in pids:
-            live = _get_json(self.base_url + "/health/live")
+            live = _get_json(self.base_url + "/health/live", self.api_key)
             if live is not None and live.get("pid") == pids[GATEWAY_CHILD]:
                 ready.add(GATEWAY_CHILD)
         workers = {name: pid for name, pid in pids.items() if name != GATEWAY_CHILD}
         if workers:
-            health = _get_json(self.base_url + "/health") or {}
+            health = _get_json(self.base_url + "/health", self.api_key) or {}
             for entry in health.get("workers") or []:
                 if not isinstance(entry, dict):
                     continue

@@ -11,6 +11,7 @@ each child process its configuration.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import shutil
@@ -83,6 +84,32 @@ def _positive(ctx: Any, param: Any, value: float | None) -> float | None:
     return value
 
 
+class ListItem(click.ParamType):
+    """One or more values: repeat the flag, or separate them with commas (also in the
+    ZEROSERVE_* variable: ZEROSERVE_API_KEY=key1,key2); a JSON list as vLLM takes it
+    (--allowed-origins '["*"]') works too. See _list_values."""
+
+    name = "text"
+    envvar_list_splitter = ","
+
+
+def _list_values(ctx: Any, param: Any, values: tuple[str, ...] | None) -> tuple[str, ...]:
+    items: list[str] = []
+    for value in values or ():
+        value = value.strip()
+        if value.startswith("["):
+            try:
+                parsed = json.loads(value)
+            except ValueError:
+                raise click.BadParameter("not a JSON list of strings") from None
+            if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+                raise click.BadParameter("not a JSON list of strings")
+            items += parsed
+        else:
+            items += value.split(",")
+    return tuple(dict.fromkeys(item.strip() for item in items if item.strip()))
+
+
 def _options(decorators: list[Callable]) -> Callable:
     def apply(fn: Callable) -> Callable:
         for decorator in reversed(decorators):
@@ -140,6 +167,34 @@ ENGINE_OPTIONS = [
            help="--backend fake only: simulated milliseconds per forward."),
 ]
 
+# Who may call the HTTP API, and how often (gateway/auth.py, gateway/rate_limit.py).
+HTTP_ACCESS_OPTIONS = [
+    option("--api-key", "api_keys", type=ListItem(), multiple=True, callback=_list_values,
+           help="Bearer key required on /v1/*, /tokenize and /detokenize (repeat it, or "
+                "separate keys with commas). [default: none: the API is open]"),
+    option("--api-key-file", type=click.Path(exists=True, dir_okay=False), default=None,
+           help="A file of API keys, one a line (blank lines and # comments skipped), added "
+                "to --api-key."),
+    option("--allowed-origins", type=ListItem(), multiple=True, callback=_list_values,
+           help="Origins whose web pages may read replies (CORS), e.g. https://app.example "
+                "or '*'. [default: none: browsers cannot read replies]"),
+    option("--allowed-hosts", type=ListItem(), multiple=True, callback=_list_values,
+           help="Host header values accepted (e.g. api.example.com, *.example.com); others "
+                "get 400. Loopback names always pass. [default: any]"),
+    option("--rate-limit-rps", type=click.FloatRange(min=0, min_open=True), default=None,
+           help="Requests per second per API key (per client IP without keys). "
+                "[default: unlimited]"),
+    option("--rate-limit-burst", type=click.IntRange(min=1), default=None,
+           help="Requests a key may send at once. [default: --rate-limit-rps rounded up]"),
+    option("--rate-limit-tpm", type=click.IntRange(min=1), default=None,
+           help="Prompt + completion tokens per minute per API key (per client IP without "
+                "keys), charged when a response ends. [default: unlimited]"),
+    option("--rate-limits", "rate_limits_file", type=click.Path(exists=True, dir_okay=False),
+           default=None,
+           help="Per-key limits, a JSON or .toml file: {KEY: {requests_per_second, burst, "
+                "tokens_per_minute}}; a field left out takes the flag's default."),
+]
+
 GATEWAY_OPTIONS = [
     option("--host", default="127.0.0.1", help="HTTP bind address."),
     option("--port", type=click.IntRange(0, 65535), default=8000, help="HTTP port."),
@@ -184,6 +239,7 @@ GATEWAY_OPTIONS = [
                 "left in the context, at most this."),
     option("--max-prompt-chars", type=click.IntRange(min=1), default=1_000_000,
            help="Characters per prompt, per conversation and per /tokenize input; beyond: 400."),
+    *HTTP_ACCESS_OPTIONS,
 ]
 
 ADDRESS_OPTIONS = [
@@ -264,7 +320,22 @@ def gateway_config(opts: dict[str, Any]):
         keys_dir=opts["keys_dir"], insecure=opts["insecure"],
         admin_keys=(opts["admin_key"],) if opts["admin_key"] else (),
         **_input_limits(opts),
+        **_http_access(opts),
     )
+
+
+def _http_access(opts: dict[str, Any]) -> dict[str, Any]:
+    keys = list(opts["api_keys"])
+    if opts["api_key_file"] is not None:
+        try:
+            with open(opts["api_key_file"], encoding="utf-8") as lines:
+                keys += [k.strip() for k in lines if k.strip() and not k.startswith("#")]
+        except (OSError, UnicodeDecodeError) as e:
+            raise click.UsageError(f"cannot read --api-key-file: {e}") from None
+    return dict(api_keys=tuple(dict.fromkeys(keys)), allowed_origins=opts["allowed_origins"],
+                allowed_hosts=opts["allowed_hosts"], rate_limit_rps=opts["rate_limit_rps"],
+                rate_limit_burst=opts["rate_limit_burst"], rate_limit_tpm=opts["rate_limit_tpm"],
+                rate_limits_file=opts["rate_limits_file"])
 
 
 def _input_limits(opts: dict[str, Any]) -> dict[str, Any]:
@@ -346,6 +417,7 @@ def gateway_args(config: Any) -> list[str]:
         "--worker-stall-timeout", str(config.worker_stall_timeout_s),
         *_security_args(config),
         *_input_limit_args(config),
+        *_http_access_args(config),
     ]
     if config.served_model_name is not None:
         args += ["--served-model-name", config.served_model_name]
@@ -358,6 +430,22 @@ def _input_limit_args(config: Any) -> list[str]:
             "--header-timeout", str(config.header_timeout_s),
             "--max-tokens-limit", str(config.max_tokens_limit),
             "--max-prompt-chars", str(config.max_prompt_chars)]
+
+
+def _http_access_args(config: Any) -> list[str]:
+    """Everything but the API keys: those travel in the child's environment (serve_children)."""
+    args = []
+    for origin in config.allowed_origins:
+        args += ["--allowed-origins", origin]
+    for host in config.allowed_hosts:
+        args += ["--allowed-hosts", host]
+    for flag, value in (("--rate-limit-rps", config.rate_limit_rps),
+                        ("--rate-limit-burst", config.rate_limit_burst),
+                        ("--rate-limit-tpm", config.rate_limit_tpm),
+                        ("--rate-limits", config.rate_limits_file)):
+        if value is not None:
+            args += [flag, str(value)]
+    return args
 
 
 def _security_args(config: Any) -> list[str]:
@@ -373,6 +461,8 @@ def serve_children(gateway: Any, workers: list[Any], log_args: list[str]) -> lis
     python = sys.executable
     # Secrets travel in the child's environment, never on its command line (ps shows that).
     secrets = {env_name("--admin-key"): gateway.admin_keys[0]} if gateway.admin_keys else {}
+    if gateway.api_keys:
+        secrets[env_name("--api-key")] = ",".join(gateway.api_keys)
     specs = [ChildSpec(GATEWAY_CHILD, (python, "-m", "common.cli", "gateway",
                                        *gateway_args(gateway), *log_args),
                        stop_timeout_s=15.0, stop_phase=1, env=secrets or None)]
@@ -468,7 +558,8 @@ def serve(**opts: Any) -> None:
             for worker_id, device in zip(worker_ids, devices, strict=True)
         ]
         children = serve_children(gateway, workers, log_args=_log_args(opts))
-        readiness = GatewayReadiness(local_url(gateway.host, gateway.port))
+        readiness = GatewayReadiness(local_url(gateway.host, gateway.port),
+                                     gateway.api_keys[0] if gateway.api_keys else None)
         code = Supervisor(children, RestartPolicy(), readiness=readiness).run()
     finally:
         if ephemeral_keys is not None:
@@ -690,7 +781,11 @@ def keys_generate(key_dir: str, worker_ids: tuple[str, ...], num_workers: int) -
 @option("--worker-id", default=None,
         help="Check that this worker is registered and ready, not just the gateway.")
 @option("--timeout", type=float, default=5.0, callback=_positive, help="Seconds to wait.")
-def check(url: str, is_live: bool, worker_id: str | None, timeout: float) -> None:
+@option("--api-key", default=None,
+        help="One of the gateway's API keys (the first, if a comma-separated list): with keys "
+             "on, /health lists workers only to callers with one.")
+def check(url: str, is_live: bool, worker_id: str | None, timeout: float,
+          api_key: str | None) -> None:
     """Health check for containers: exit 0 if the gateway is live, ready, or has this worker.
 
     --live: GET /health/live answers 200 (for a liveness probe: a gateway with no worker yet
@@ -700,7 +795,9 @@ def check(url: str, is_live: bool, worker_id: str | None, timeout: float) -> Non
     """
     if is_live and worker_id is not None:
         raise click.UsageError("--live checks the gateway alone; drop --worker-id")
-    status, body = _get(url.rstrip("/") + ("/health/live" if is_live else "/health"), timeout)
+    api_key = (api_key or "").split(",")[0].strip() or None
+    status, body = _get(url.rstrip("/") + ("/health/live" if is_live else "/health"), timeout,
+                        api_key)
     if is_live:
         if status != 200:
             raise click.ClickException(f"/health/live answered {status}")
@@ -712,20 +809,24 @@ def check(url: str, is_live: bool, worker_id: str | None, timeout: float) -> Non
             raise click.ClickException(f"/health answered {status}: no worker is ready")
         click.echo(f"ok: {len(workers)} worker(s)")
         return
+    if not isinstance(body, dict) or "workers" not in body:
+        raise click.ClickException("the gateway lists workers only to callers with an API key: "
+                                   "pass --api-key or set ZEROSERVE_API_KEY")
     states = {w.get("worker_id"): w.get("status") for w in workers if isinstance(w, dict)}
     if states.get(worker_id) != "ready":
         raise click.ClickException(f"worker {worker_id} is {states.get(worker_id, 'unknown')}")
     click.echo(f"ok: {worker_id} is ready")
 
 
-def _get(url: str, timeout: float) -> tuple[int, Any]:
+def _get(url: str, timeout: float, api_key: str | None = None) -> tuple[int, Any]:
     """(status, parsed JSON body or None) of a GET; a ClickException if nothing answers."""
-    import json
     import urllib.error
     import urllib.request
 
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                    timeout=timeout) as response:
             status, body = response.status, response.read()
     except urllib.error.HTTPError as e:
         status, body = e.code, e.read()
