@@ -90,7 +90,8 @@ def server_error(message: str) -> APIError:
 
 
 def client_too_slow(timeout_s: float) -> APIError:
-    return APIError(408, f"The client read nothing for {timeout_s:g}s; the stream was aborted.",
+    return APIError(408, f"The client read too slowly for {timeout_s:g}s (nothing at all, or "
+                         "below the server's minimum rate); the stream was aborted.",
                     type="timeout_error", code="slow_client")
 
 
