@@ -34,6 +34,10 @@ class EngineConfig:
     # (native for bf16 on the CPU where it builds, torch otherwise).
     attention_backend: str = "auto"
     seed: int = 0
+    # Prepared weights are written once to a cache file and memory-mapped on later starts
+    # (worker/weight_cache.py). None: $ZEROSERVE_CACHE_DIR/weights or ~/.cache/zeroserve/weights.
+    weight_cache: bool = True
+    weight_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

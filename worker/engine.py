@@ -14,6 +14,7 @@ from worker.outputs import EngineStats, RequestOutput, StepTiming
 from worker.plan import SampledToken, SchedulerOutput
 from worker.scheduler import Scheduler
 from worker.sequence import RequestError, SamplingParams, Sequence
+from worker.startup import StartupTimer, seconds_since_process_start
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +32,15 @@ class Runner(Protocol):
 
 class Engine:
     def __init__(self, config: EngineConfig, runner: Runner | None = None) -> None:
+        timer = StartupTimer()
+        boot_s = seconds_since_process_start()
+        if boot_s is not None:
+            timer.add("boot", boot_s)
         if runner is None:
-            from worker.model_runner import ModelRunner  # torch stays out of engine imports
+            with timer.phase("import"):
+                from worker.model_runner import ModelRunner  # torch stays out of engine imports
 
-            runner = ModelRunner(config)
+            runner = ModelRunner(config, timer)
         self.config = config
         self.runner = runner
         self.info: ModelInfo = runner.info
@@ -54,6 +60,13 @@ class Engine:
         self._num_steps = 0
         self._last_step = StepTiming()
         self._generate_ids = itertools.count()
+        # Seconds per start-up phase (worker/startup.py), for the log and the HELLO.
+        total_s = seconds_since_process_start()
+        if total_s is not None:
+            timer.add("total", total_s)
+        self.startup_phases: dict[str, float] = timer.rounded()
+        logger.info("startup phases", extra={"startup_phases_s": self.startup_phases,
+                                             **timer.notes})
 
     # ---- requests ---------------------------------------------------------------------------
 

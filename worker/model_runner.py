@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 import time
 from dataclasses import dataclass
 
 import torch
 
-from worker import cpu_kernels
+from worker import cpu_kernels, weight_cache
 from worker.attention import (
     AttentionMetadata,
     DecodeGroup,
@@ -26,6 +27,8 @@ from worker.model.loader import load_model
 from worker.outputs import StepTiming
 from worker.plan import SampledToken, ScheduledChunk, SchedulerOutput
 from worker.sampler import Sampler
+from worker.startup import StartupTimer
+from worker.weight_cache import WeightCache
 
 logger = logging.getLogger(__name__)
 
@@ -42,31 +45,36 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, timer: StartupTimer | None = None):
+        timer = timer or StartupTimer()
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        self.device = resolve_device(config.device)
-        if self.device.type == "cuda":
-            # Allocations that name no index (workspaces, library handles) land on our GPU.
-            torch.cuda.set_device(self.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
         started = time.perf_counter()
+        with timer.phase("device"):
+            self.device = resolve_device(config.device)
+            if self.device.type == "cuda":
+                # Allocations that name no index (workspaces, library handles) land on our GPU.
+                torch.cuda.set_device(self.device)
+            self.dtype = resolve_dtype(config.dtype, self.device)
         self.model, self.info = load_model(config.model, self.device, self.dtype,
-                                           config.max_model_len)
+                                           config.max_model_len, _weight_cache(config), timer)
         self.block_size = config.block_size
-        self.num_kv_blocks = self._pool_size(config, self.info)
-        self.kv_caches = self._allocate_kv(self.info)
+        with timer.phase("kv_cache"):
+            self.num_kv_blocks = self._pool_size(config, self.info)
+            self.kv_caches = self._allocate_kv(self.info)
         self.sampler = Sampler(self.info.vocab_size, self.info.eos_token_ids, self.device,
                                config.seed)
         self.group = self.model.config.num_queries_per_kv
-        self.decode_kernel = self._decode_kernel(config.attention_backend)
+        with timer.phase("kernel"):
+            self.decode_kernel = self._decode_kernel(config.attention_backend)
         self.last_timing = StepTiming()
         logger.info(
             "loaded %s on %s (%s) in %.1fs: %d KV blocks of %d tokens, context %d, "
-            "%s decode attention",
+            "%s decode attention, weight cache %s",
             self.info.name, self.info.device, self.info.dtype, time.perf_counter() - started,
             self.num_kv_blocks, self.block_size, self.info.max_model_len,
             "native" if self.decode_kernel is not None else "torch",
+            timer.notes.get("weight_cache", "off"),
         )
 
     def _decode_kernel(self, backend: str) -> DecodeKernel | None:
@@ -106,13 +114,19 @@ class ModelRunner:
         return int(num_blocks)
 
     def _allocate_kv(self, info: ModelInfo) -> list[KVCache]:
-        shape = (self.num_kv_blocks, self.block_size, info.num_kv_heads, info.head_dim)
-        # Zeroed, not empty: padded attention reads unwritten slots, and 0 * NaN would leak.
-        return [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(info.num_layers)
-        ]
+        """One pool for all layers, K and V. Every slot must hold finite values before it is
+        first written: padded attention reads unwritten slots and weighs them by 0, and
+        0 * NaN would leak. On the CPU the pool is a fresh anonymous mapping, which the OS
+        hands out zeroed, page by page as blocks are first touched: no zero-fill pass at
+        start, and no memory committed for blocks never used. On a GPU zeroing is a fast
+        memset (and the caching allocator may hand back dirty memory)."""
+        shape = (info.num_layers, 2, self.num_kv_blocks, self.block_size, info.num_kv_heads,
+                 info.head_dim)
+        if self.device.type == "cpu":
+            pool = _zeroed_cpu_tensor(shape, self.dtype)
+        else:
+            pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return [(pool[i, 0], pool[i, 1]) for i in range(info.num_layers)]
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> list[SampledToken]:
@@ -239,6 +253,22 @@ class ModelRunner:
         inputs.positions = move(inputs.positions)
         inputs.sample_rows = move(inputs.sample_rows)
         return inputs
+
+
+def _zeroed_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor over a private anonymous mapping: zero by the kernel's guarantee, committed
+    only as pages are touched. The tensor keeps the mapping alive."""
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buffer, dtype=dtype).view(shape)
+
+
+def _weight_cache(config: EngineConfig) -> WeightCache | None:
+    if not config.weight_cache:
+        return None
+    if config.weight_cache_dir is not None:
+        return WeightCache(config.weight_cache_dir)
+    return WeightCache(weight_cache.default_directory())
 
 
 def _padded_tables(block_tables: list[list[int]], num_blocks: int) -> list[list[int]]:

@@ -116,6 +116,15 @@ def write_gguf(model, path: Path, qtype=gguf.GGMLQuantizationType.F32) -> Path:
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _weight_cache_in_tmp(tmp_path_factory):
+    """Runners built here cache their tiny models' weights in a temporary directory, not in
+    the user's ~/.cache/zeroserve."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ZEROSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("zeroserve-cache")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_hf_model():
     return make_tiny_hf_model()

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from worker.attention import AttentionMetadata, PrefillSpan, causal_mask, paged_attention
 from worker.model.linear import Linear
 from worker.model.llama_config import LlamaConfig
-from worker.model.quant import Int4Blocks, PackedInt4, PackedInt8, int4_kernels_available
-from worker.model.weights import ModelWeights
+from worker.model.quant import PackedInt4, PackedInt8
+from worker.model.weights import PreparedWeights
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each [num_blocks, block_size, kv_heads, head_dim]
 
@@ -47,38 +47,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + swapped * sin
 
 
-def build_linear(weights: ModelWeights, names: list[str], device: torch.device,
-                 dtype: torch.dtype, pack: bool) -> Linear:
-    """One projection from the row-wise concatenation of `names` (fused QKV, gate/up)."""
-    blocks = [weights.int4.pop(name, None) for name in names]
-    dense = torch.cat([weights.take(name) for name in names])
+def load_linear(tensors: dict[str, torch.Tensor], name: str, device: torch.device) -> Linear:
+    """A prepared projection (worker.model.prepare) and its int4 copy if it has one."""
     packed = None
-    if pack and all(b is not None for b in blocks):
-        merged = Int4Blocks.concat(blocks)
-        packed = PackedInt4(merged, dtype)
-        dense = merged.dequantize(dtype)  # the very values the int4 kernel uses
-    return Linear(dense.to(device=device, dtype=dtype).contiguous(), packed)
+    if f"{name}.int4.weight" in tensors:
+        packed = PackedInt4(tensors[f"{name}.int4.weight"],
+                            tensors[f"{name}.int4.scales_and_zeros"])
+    return Linear(tensors[name].to(device), packed)
 
 
 class LlamaLayer:
-    def __init__(self, config: LlamaConfig, weights: ModelWeights, index: int,
-                 device: torch.device, dtype: torch.dtype, pack: bool):
-        prefix = f"model.layers.{index}."
-
-        def linear(*names: str) -> Linear:
-            return build_linear(weights, [f"{prefix}{n}.weight" for n in names], device, dtype,
-                                pack)
-
-        def norm(name: str) -> torch.Tensor:
-            return weights.take(f"{prefix}{name}.weight").to(device=device, dtype=dtype)
-
+    def __init__(self, config: LlamaConfig, tensors: dict[str, torch.Tensor], index: int,
+                 device: torch.device):
+        prefix = f"layers.{index}."
         self.config = config
-        self.input_norm = norm("input_layernorm")
-        self.qkv = linear("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-        self.o_proj = linear("self_attn.o_proj")
-        self.post_norm = norm("post_attention_layernorm")
-        self.gate_up = linear("mlp.gate_proj", "mlp.up_proj")
-        self.down = linear("mlp.down_proj")
+        self.input_norm = tensors[prefix + "input_norm"].to(device)
+        self.qkv = load_linear(tensors, prefix + "qkv", device)
+        self.o_proj = load_linear(tensors, prefix + "o_proj", device)
+        self.post_norm = tensors[prefix + "post_norm"].to(device)
+        self.gate_up = load_linear(tensors, prefix + "gate_up", device)
+        self.down = load_linear(tensors, prefix + "down", device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache | None, meta: AttentionMetadata) -> torch.Tensor:
@@ -100,23 +88,23 @@ class LlamaLayer:
 
 
 class LlamaModel:
-    def __init__(self, weights: ModelWeights, max_len: int, device: torch.device,
+    def __init__(self, prepared: PreparedWeights, max_len: int, device: torch.device,
                  dtype: torch.dtype):
-        config = weights.config
+        """`prepared` holds CPU tensors already in `dtype`; on the CPU they are used in place
+        (memory-mapped from the weight cache, shared by every worker that maps the file)."""
+        config = prepared.config
+        tensors = prepared.tensors
         self.config = config
         self.device = device
         self.dtype = dtype
-        # Low-bit copies for small batches only where the kernels exist and the dense path is
-        # bf16 anyway; fp32 stays bit-faithful to the file (the reference path).
-        pack = device.type == "cpu" and dtype == torch.bfloat16 and int4_kernels_available()
-        self.embed = weights.take("model.embed_tokens.weight").to(device=device, dtype=dtype)
-        self.layers = [LlamaLayer(config, weights, i, device, dtype, pack)
-                       for i in range(config.num_layers)]
-        self.norm = weights.take("model.norm.weight").to(device=device, dtype=dtype)
-        lm_head = self.embed
-        if not config.tie_word_embeddings and "lm_head.weight" in weights.tensors:
-            lm_head = weights.take("lm_head.weight").to(device=device, dtype=dtype)
-        self.lm_head = Linear(lm_head, PackedInt8(lm_head, dtype) if pack else None)
+        self.embed = tensors["embed"].to(device)
+        self.layers = [LlamaLayer(config, tensors, i, device) for i in range(config.num_layers)]
+        self.norm = tensors["norm"].to(device)
+        lm_head = tensors["lm_head"].to(device) if "lm_head" in tensors else self.embed
+        packed = None
+        if "lm_head.int8.weight" in tensors:
+            packed = PackedInt8(tensors["lm_head.int8.weight"], tensors["lm_head.int8.scales"])
+        self.lm_head = Linear(lm_head, packed)
         self.rotary = RotaryEmbedding(config, max_len, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

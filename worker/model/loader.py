@@ -1,39 +1,87 @@
-"""Loading a model once per worker process: GGUF file or Hugging Face directory -> LlamaModel."""
+"""Loading a model once per worker process: GGUF file or Hugging Face directory -> LlamaModel.
+
+read the file (worker.model.gguf_weights / hf_weights) -> prepare (worker.model.prepare) ->
+LlamaModel. With a weight cache the first two steps run once; later starts map their result.
+"""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
 
 from common.model_files import model_display_name, resolve_model
 from worker.device import dtype_name
-from worker.model.gguf_weights import load_gguf
-from worker.model.hf_weights import load_hf_directory
 from worker.model.info import ModelInfo
 from worker.model.llama import LlamaModel
 from worker.model.llama_config import UnsupportedModelError
-from worker.model.weights import ModelWeights
+from worker.model.prepare import prepare_weights, should_pack
+from worker.model.weights import ModelWeights, PreparedWeights
+from worker.startup import StartupTimer
+from worker.weight_cache import WeightCache
 
 
 def load_weights(path: Path) -> ModelWeights:
     """Read a .gguf file or a HF directory (config.json + *.safetensors) into HF-named weights."""
+    # Imported here: a start that maps the weight cache never needs gguf or safetensors.
     if path.is_dir():
+        from worker.model.hf_weights import load_hf_directory
+
         return load_hf_directory(path)
     if path.suffix == ".gguf":
+        from worker.model.gguf_weights import load_gguf
+
         return load_gguf(path)
     raise UnsupportedModelError(f"{path} is neither a .gguf file nor a Hugging Face directory")
 
 
+def _read_and_prepare(path: Path, dtype: torch.dtype, pack: bool,
+                      timer: StartupTimer) -> PreparedWeights:
+    with timer.phase("load_weights"):
+        weights = load_weights(path)
+    with timer.phase("quantize"):
+        return prepare_weights(weights, dtype, pack)
+
+
+def prepared_weights(path: Path, device: torch.device, dtype: torch.dtype,
+                     cache: WeightCache | None = None,
+                     timer: StartupTimer | None = None) -> PreparedWeights:
+    """The model's prepared tensors: mapped from the cache, or read, prepared and cached."""
+    timer = timer or StartupTimer()
+    pack = should_pack(device, dtype)
+    if cache is None:
+        timer.notes["weight_cache"] = "off"
+        return _read_and_prepare(path, dtype, pack, timer)
+    with timer.phase("load_weights"):
+        entry = cache.entry(path, dtype, device, pack)
+        prepared = entry.load()
+    if prepared is None:
+        waited_from = time.perf_counter()
+        with entry.lock():
+            timer.add("cache_wait", time.perf_counter() - waited_from)
+            prepared = entry.load()  # another worker may have built it while we waited
+            if prepared is None:
+                prepared = _read_and_prepare(path, dtype, pack, timer)
+                with timer.phase("cache_write"):
+                    entry.store(prepared)
+                timer.notes["weight_cache"] = f"miss (written to {entry.path})"
+                return prepared
+    timer.notes.setdefault("weight_cache", f"hit ({entry.path})")
+    return prepared
+
+
 def load_model(model: str, device: torch.device, dtype: torch.dtype,
-               max_model_len: int | None = None) -> tuple[LlamaModel, ModelInfo]:
+               max_model_len: int | None = None, cache: WeightCache | None = None,
+               timer: StartupTimer | None = None) -> tuple[LlamaModel, ModelInfo]:
     """`model` as EngineConfig.model ("default", a .gguf path or a HF directory).
 
     The context in effect is the smaller of max_model_len and the model's own.
     """
+    timer = timer or StartupTimer()
     path = resolve_model(model)
-    weights = load_weights(path)
-    config = weights.config
+    prepared = prepared_weights(path, device, dtype, cache, timer)
+    config = prepared.config
     context_len = config.max_position_embeddings
     if max_model_len is not None:
         context_len = min(context_len, max_model_len)
@@ -42,12 +90,13 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype,
         path=str(path),
         max_model_len=context_len,
         vocab_size=config.vocab_size,
-        eos_token_ids=weights.eos_token_ids,
-        bos_token_id=weights.bos_token_id,
+        eos_token_ids=prepared.eos_token_ids,
+        bos_token_id=prepared.bos_token_id,
         num_layers=config.num_layers,
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
         device=str(device),
         dtype=dtype_name(dtype),
     )
-    return LlamaModel(weights, context_len, device, dtype), info
+    with timer.phase("model"):
+        return LlamaModel(prepared, context_len, device, dtype), info

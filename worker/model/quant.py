@@ -12,12 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import gguf
 import numpy as np
 import torch
 
 GROUP_SIZE = 32
-Q = gguf.GGMLQuantizationType
 
 
 @dataclass
@@ -46,8 +44,10 @@ class Int4Blocks:
                                                            strict=True)))
 
 
-def int4_blocks_from_gguf(raw: np.ndarray, qtype: Q) -> Int4Blocks | None:
+def int4_blocks_from_gguf(raw: np.ndarray, qtype) -> Int4Blocks | None:
     """Unpack Q4_0 (d, 16 bytes) or Q4_1 (d, m, 16 bytes) blocks; None for other types."""
+    from gguf import GGMLQuantizationType as Q  # only when parsing a file: gguf imports slowly
+
     if qtype not in (Q.Q4_0, Q.Q4_1):
         return None
     header = 2 if qtype == Q.Q4_0 else 4
@@ -74,13 +74,18 @@ class PackedInt4:
     # (One layer timed over and over keeps its weights in cache and favours dense.)
     max_rows = 24
 
-    def __init__(self, blocks: Int4Blocks, dtype: torch.dtype):
+    def __init__(self, weight: torch.Tensor, scales_and_zeros: torch.Tensor):
+        self.weight = weight  # the kernel's packed layout
+        self.scales_and_zeros = scales_and_zeros  # [cols / 32, rows, 2]
+
+    @classmethod
+    def from_blocks(cls, blocks: Int4Blocks, dtype: torch.dtype) -> PackedInt4:
         q = torch.from_numpy(blocks.q.astype(np.int32))
-        self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        # [cols / 32, rows, 2]
-        self.scales_and_zeros = torch.stack(
+        weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        scales_and_zeros = torch.stack(
             [torch.from_numpy(blocks.scale).t(), torch.from_numpy(blocks.zero).t()], dim=-1
         ).to(dtype).contiguous()
+        return cls(weight, scales_and_zeros)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, GROUP_SIZE,
@@ -95,11 +100,16 @@ class PackedInt8:
     # whole decode steps measured no faster.
     max_rows = 12
 
-    def __init__(self, dense: torch.Tensor, dtype: torch.dtype):
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor):
+        self.weight = weight  # [rows, cols] int8
+        self.scales = scales  # [rows]
+
+    @classmethod
+    def quantize(cls, dense: torch.Tensor, dtype: torch.dtype) -> PackedInt8:
         w = dense.float()
         scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)  # [rows]
-        self.weight = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        self.scales = scale.to(dtype)
+        return cls(torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8),
+                   scale.to(dtype))
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x, self.weight, self.scales)

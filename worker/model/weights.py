@@ -27,3 +27,15 @@ class ModelWeights:
             return self.tensors.pop(name)
         except KeyError:
             raise KeyError(f"the model file has no tensor {name}") from None
+
+
+@dataclass
+class PreparedWeights:
+    """The tensors the model computes with, on the CPU: projections fused (Q/K/V, gate/up)
+    and in the compute dtype, plus their low-bit copies where the model uses them. Names
+    are the model's own (worker.model.prepare); the weight cache stores exactly this."""
+
+    config: LlamaConfig
+    tensors: dict[str, torch.Tensor]
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None

@@ -1,0 +1,68 @@
+"""Preparing weights for serving: what a loader read -> the tensors the model computes with.
+
+Q/K/V and gate/up are fused into one matrix each, everything is converted to the compute
+dtype, and on the CPU in bfloat16 the small-batch copies are made: int4 from GGUF Q4 blocks
+(the dense copy then holds the very values the int4 kernel uses) and int8 for the lm_head.
+This is the slow part of a start after parsing the file; the result is plain CPU tensors, so
+the weight cache (worker/weight_cache.py) can store it once and map it on later starts.
+
+Names: `embed`, `norm`, `lm_head` (absent when tied to `embed`), `lm_head.int8.*`, and per
+layer `layers.{i}.{input_norm,post_norm,qkv,o_proj,gate_up,down}` with `.int4.*` copies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.model.quant import Int4Blocks, PackedInt4, PackedInt8, int4_kernels_available
+from worker.model.weights import ModelWeights, PreparedWeights
+
+# Fused projection -> the Hugging Face projections it concatenates, row-wise in this order.
+LAYER_LINEARS = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o_proj": ("self_attn.o_proj",),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
+}
+LAYER_NORMS = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
+
+
+def should_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    """Low-bit copies for small batches only where the kernels exist and the dense path is
+    bf16 anyway; fp32 stays bit-faithful to the file (the reference path)."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and int4_kernels_available()
+
+
+def prepare_weights(weights: ModelWeights, dtype: torch.dtype, pack: bool) -> PreparedWeights:
+    """Consumes `weights` (each tensor is taken as it is used, so memory stays flat)."""
+    config = weights.config
+    tensors: dict[str, torch.Tensor] = {}
+
+    def linear(name: str, hf_names: list[str]) -> None:
+        blocks = [weights.int4.pop(n, None) for n in hf_names]
+        dense = torch.cat([weights.take(n) for n in hf_names])
+        if pack and all(b is not None for b in blocks):
+            merged = Int4Blocks.concat(blocks)
+            packed = PackedInt4.from_blocks(merged, dtype)
+            tensors[f"{name}.int4.weight"] = packed.weight
+            tensors[f"{name}.int4.scales_and_zeros"] = packed.scales_and_zeros
+            dense = merged.dequantize(dtype)  # the very values the int4 kernel uses
+        tensors[name] = dense.to(dtype).contiguous()
+
+    tensors["embed"] = weights.take("model.embed_tokens.weight").to(dtype).contiguous()
+    for i in range(config.num_layers):
+        hf_prefix = f"model.layers.{i}."
+        for name, hf_name in LAYER_NORMS.items():
+            tensors[f"layers.{i}.{name}"] = weights.take(f"{hf_prefix}{hf_name}.weight").to(dtype)
+        for name, hf_names in LAYER_LINEARS.items():
+            linear(f"layers.{i}.{name}", [f"{hf_prefix}{n}.weight" for n in hf_names])
+    tensors["norm"] = weights.take("model.norm.weight").to(dtype)
+    lm_head = tensors["embed"]
+    if not config.tie_word_embeddings and "lm_head.weight" in weights.tensors:
+        lm_head = tensors["lm_head"] = weights.take("lm_head.weight").to(dtype).contiguous()
+    if pack:
+        packed8 = PackedInt8.quantize(lm_head, dtype)
+        tensors["lm_head.int8.weight"] = packed8.weight
+        tensors["lm_head.int8.scales"] = packed8.scales
+    return PreparedWeights(config=config, tensors=tensors, eos_token_ids=weights.eos_token_ids,
+                           bos_token_id=weights.bos_token_id)
