@@ -165,6 +165,11 @@ ENGINE_OPTIONS = [
     option("--seed", type=int, default=_default(EngineConfig, "seed")),
     option("--fake-forward-ms", type=click.FloatRange(min=0), default=0.0,
            help="--backend fake only: simulated milliseconds per forward."),
+    option("--weight-cache/--no-weight-cache", default=_default(EngineConfig, "weight_cache"),
+           help="Write the prepared weights once and memory-map them on later starts."),
+    option("--weight-cache-dir", default=None,
+           help="Where the weight cache lives. [default: $ZEROSERVE_CACHE_DIR/weights or "
+                "~/.cache/zeroserve/weights]"),
 ]
 
 # Who may call the HTTP API, and how often (gateway/auth.py, gateway/rate_limit.py).
@@ -300,6 +305,7 @@ def engine_config(opts: dict[str, Any], device: str | None = None) -> EngineConf
         batching_mode=BatchingMode(opts["batching_mode"]), batch_wait_ms=opts["batch_wait_ms"],
         num_threads=opts["num_threads"], seed=opts["seed"],
         attention_backend=opts["attention_backend"],
+        weight_cache=opts["weight_cache"], weight_cache_dir=opts["weight_cache_dir"],
     )
 
 
@@ -375,8 +381,8 @@ def engine_args(config: EngineConfig) -> list[str]:
         value = getattr(config, f.name)
         if value is None:
             continue
-        if f.name == "enable_prefix_caching":
-            args.append("--enable-prefix-caching" if value else "--no-enable-prefix-caching")
+        if isinstance(value, bool):  # --enable-prefix-caching / --no-enable-prefix-caching
+            args.append(_flag(f.name) if value else "--no-" + _flag(f.name)[2:])
         else:
             args += [_flag(f.name), str(value.value if isinstance(value, BatchingMode) else value)]
     return args
