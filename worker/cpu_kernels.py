@@ -2,8 +2,14 @@
 
 torch's C++ extension loader builds `csrc/decode_attention.cpp` with the system compiler and
 ninja into torch's extension cache (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR),
-once per source version and machine (about 15 s on 2 cores); later processes load the cached
+once per source version and CPU (about 15 s on 2 cores); later processes load the cached
 library. Concurrent workers share one build through the loader's lock file.
+
+The build uses `-march=native`, so the library only runs on CPUs with the builder's
+instruction set. The loader keys its cache by name, sources and flags, not by CPU: the name
+carries a tag of this CPU (its model and feature flags), so a cache shared with another CPU
+(a network home, a volume, an image built elsewhere) builds its own copy instead of loading
+one that dies with SIGILL.
 
 `load()` returns None when the build is impossible here (no compiler, no ninja); callers then
 use the pure torch path, which computes the same attention.
@@ -12,7 +18,9 @@ use the pure torch path, which computes the same attention.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import platform
 from pathlib import Path
 from types import ModuleType
 
@@ -28,6 +36,25 @@ class KernelBuildError(RuntimeError):
     pass
 
 
+def cpu_tag(cpuinfo: str | None = None) -> str:
+    """A short hash of what `-march=native` depends on: the architecture, the CPU model and
+    its feature flags (from /proc/cpuinfo where there is one)."""
+    if cpuinfo is None:
+        path = Path("/proc/cpuinfo")
+        cpuinfo = path.read_text(errors="replace") if path.is_file() else ""
+    wanted = ("vendor_id", "cpu family", "model", "model name", "flags", "features",
+              "cpu implementer", "cpu part")  # x86 and arm64 spellings
+    lines = []
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip().lower() in wanted:
+            lines.append(f"{name.strip().lower()}:{' '.join(sorted(value.split()))}")
+        elif not line.strip() and lines:
+            break  # the first processor's block is enough: the others are the same CPU
+    text = "\n".join([platform.machine(), *lines])
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 @functools.cache
 def _build() -> ModuleType | KernelBuildError:
     """Build (or load the cached build) once per process; a failure is remembered too."""
@@ -35,8 +62,8 @@ def _build() -> ModuleType | KernelBuildError:
 
     try:
         return cpp_extension.load(
-            name="zeroserve_decode_attention", sources=[str(SOURCE)], extra_cflags=FLAGS,
-            extra_ldflags=["-fopenmp"], verbose=False,
+            name=f"zeroserve_decode_attention_{cpu_tag()}", sources=[str(SOURCE)],
+            extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False,
         )
     except Exception as exc:  # compiler, ninja or linker missing or failing
         logger.warning("native CPU attention kernel unavailable (%s); using the torch path", exc)
