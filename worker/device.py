@@ -35,6 +35,17 @@ def resolve_device(name: str) -> torch.device:
             raise ValueError(f"device {name!r} asked for, but CUDA is not available")
         if device.index is None:
             device = torch.device("cuda:0")
+        num_visible = torch.cuda.device_count()
+        if device.index >= num_visible:
+            # Indices count the GPUs this process sees: in a container given one GPU (or
+            # under CUDA_VISIBLE_DEVICES=3) that GPU is cuda:0, whatever its host index.
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise ValueError(
+                f"device {name!r} asked for, but this process sees {num_visible} CUDA "
+                f"device(s) (cuda:0 to cuda:{num_visible - 1})"
+                + (f", CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else "")
+                + "; indices count visible devices only: use cuda or cuda:0 in a container "
+                "given one GPU")
     elif device.type != "cpu":
         raise ValueError(f"unsupported device {name!r} (use auto, cpu or cuda[:N])")
     return device

@@ -67,10 +67,11 @@ def test_one_worker_service_per_gpu():
     tokens_port = setting(gateway, "--tokens-address").rsplit(":", 1)[1]
     gpus, ids = set(), set()
     for name, service in found.items():
-        device = flag(service["command"], "--device")
-        assert re.fullmatch(r"cuda:\d+", device), name
-        gpu = device.split(":")[1]
+        # A container sees only the GPU it reserves, as cuda:0: a higher index would not exist.
+        assert flag(service["command"], "--device") in ("cuda", "cuda:0"), name
         reserved = service["deploy"]["resources"]["reservations"]["devices"]
+        assert len(reserved) == 1 and len(reserved[0]["device_ids"]) == 1, name
+        gpu = reserved[0]["device_ids"][0]
         assert reserved == [{"driver": "nvidia", "device_ids": [gpu], "capabilities": ["gpu"]}]
         gpus.add(gpu)
         ids.add(setting(service, "--worker-id"))

@@ -21,11 +21,22 @@ def test_auto_is_the_cpu_without_cuda(monkeypatch):
 
 def test_cuda_names_resolve_to_an_indexed_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert resolve_device("auto") == GPU
     assert resolve_device("cuda") == GPU
     assert resolve_device("cuda:1") == torch.device("cuda:1")
     with pytest.raises(ValueError, match="unsupported device"):
         resolve_device("mps")
+
+
+def test_a_cuda_index_beyond_the_visible_devices_fails_clearly(monkeypatch):
+    """A container given one GPU sees it as cuda:0, whatever its index on the host."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-3")
+    assert resolve_device("cuda") == resolve_device("cuda:0") == GPU
+    with pytest.raises(ValueError, match=r"sees 1 CUDA device.*CUDA_VISIBLE_DEVICES='GPU-3'"):
+        resolve_device("cuda:1")
 
 
 @pytest.mark.parametrize("capability,expected", [
