@@ -181,3 +181,18 @@ def test_the_kv_pool_starts_zeroed_without_a_fill(q4_model, tmp_path):
     assert k.shape == (32, 4, 2, 16) and k.is_contiguous()
     assert not k.any() and not v.any()
     assert engine.runner.kv_caches[0][0].any()  # the engine that generated wrote its pool
+
+
+@pytest.mark.slow  # three loads of the real model, two of them parsing the GGUF file
+def test_the_default_model_from_the_cache_generates_what_a_fresh_load_does(tmp_path):
+    prompts = [[1, 504, 3204, 314, 260, 2156], [1, 9690, 28, 1001]]
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+
+    def engine(**cache) -> Engine:
+        return Engine(EngineConfig(device="cpu", num_kv_blocks=64, **cache))
+
+    fresh = engine(weight_cache=False).generate(prompts, params)
+    built = engine(weight_cache_dir=str(tmp_path)).generate(prompts, params)
+    mapped_engine = engine(weight_cache_dir=str(tmp_path))
+    assert "quantize" not in mapped_engine.startup_phases  # a hit
+    assert mapped_engine.generate(prompts, params) == built == fresh
