@@ -527,9 +527,10 @@ def test_client_disconnect_while_non_stream_aborts(served):
 def test_slow_reader_stops_credit_then_is_aborted():
     import socket
 
-    with GatewayServer(credit_window=16, slow_client_timeout_s=1.5) as gw:
+    with GatewayServer(credit_window=16, slow_client_timeout_s=1.5,
+                       max_tokens_limit=1_000_000) as gw:
         worker = gw.worker(reply=cyclic_reply("x" * 50), tokens_per_step=16,
-                           step_s=0.001, max_model_len=100_000_000).start()
+                           step_s=0.001, max_model_len=10_000_000).start()
         assert worker.ready.wait(5)
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
