@@ -125,7 +125,10 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)  # [num_rows, vocab]
         uniform = self._uniforms(chunks, device)  # [num_rows]
         token_ids = _inverse_cdf(probs, uniform)
-        truncated = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
+        # top_k at or above the vocabulary truncates nothing: such a row is a plain draw
+        # (not one among the top CANDIDATES).
+        vocab = probs.shape[1]
+        truncated = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
         if truncated:
             rows = torch.tensor(truncated, device=device)
             token_ids[rows] = _sample_truncated(probs[rows], uniform[rows],

@@ -20,6 +20,9 @@ class FinishReason(enum.Enum):
     ERROR = "error"  # worker-side failure (slow client timeout, engine error)
 
 
+MIN_TEMPERATURE = 1e-5  # temperatures below this sample greedily
+
+
 class RequestError(ValueError):
     """A request the engine cannot take (too long, bad parameters). Message is user-facing."""
 
@@ -64,7 +67,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # Below MIN_TEMPERATURE, logits / temperature overflows to inf and the softmax to NaN;
+        # such a temperature means "the most likely token" anyway (vLLM draws the same line).
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
 
 @dataclass

@@ -179,3 +179,23 @@ def test_seeded_top_k_and_top_p_rows_repeat_whatever_shares_the_batch():
         batch = [chunk(plain, "x"), chunk(params, outputs=[0] * n), chunk(plain, "y")]
         crowded.append(sampler(n).sample(logits_of(ROW, ROW, ROW), batch)[1].token_id)
     assert alone == crowded
+
+
+def test_top_k_at_or_above_the_vocabulary_keeps_every_token():
+    from worker.sampler import CANDIDATES
+
+    vocab = CANDIDATES * 3
+    flat = torch.zeros(1, vocab)  # uniform over the whole vocabulary
+    s = Sampler(vocab, [EOS], torch.device("cpu"), 0)
+    for top_k in (vocab, vocab + 5):
+        params = SamplingParams(temperature=1.0, top_k=top_k, top_p=1.0)
+        seen = {s.sample(flat.clone(), [chunk(params, outputs=[0] * i)])[0].token_id
+                for i in range(300)}
+        # Not only the first CANDIDATES: about 2/3 of 300 uniform draws land beyond them.
+        assert max(seen) >= CANDIDATES and sum(t >= CANDIDATES for t in seen) > 120
+
+
+def test_a_tiny_temperature_is_greedy_not_nan():
+    for temperature in (1e-300, 1e-8):
+        tokens = draw_many(SamplingParams(temperature=temperature), n=20)
+        assert set(tokens) == {2}  # the argmax, never a NaN draw
