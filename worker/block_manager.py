@@ -6,8 +6,10 @@ exactly the tokens whose K/V are computed or being computed this step:
 ceil(tokens / block_size) blocks, never a max-length reservation.
 
 Prefix caching: once a block is full of computed K/V it is keyed by a chained hash of
-(parent block hash, its tokens), so equal prefixes share physical blocks. A hit is verified
-against the block's stored tokens, so a hash collision costs a miss, never wrong K/V. Blocks
+(parent block hash, its tokens), rooted in a per-process random number, so equal prefixes
+share physical blocks. A hit is verified against the whole lineage: the block's stored tokens
+and the block its K/V were computed after (its parent, itself verified one step earlier), so
+a hash collision, crafted or not, costs a miss, never another request's K/V. Blocks
 with no users keep their contents and stay findable until a new allocation needs them; they
 are evicted lazily in least-recently-freed order.
 
@@ -19,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import secrets
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
@@ -33,13 +36,16 @@ def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "parent_id")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.hash: int | None = None  # set while the block is registered in the prefix cache
-        self.token_ids: tuple[int, ...] | None = None  # kept to verify prefix-cache hits
+        # Kept to verify prefix-cache hits: its tokens, and the cached block before it in the
+        # sequence it was computed for (None for a first block).
+        self.token_ids: tuple[int, ...] | None = None
+        self.parent_id: int | None = None
 
 
 class BlockManager:
@@ -56,6 +62,8 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._hash_fn = hash_fn
+        # The chain's root: random per process, so hashes cannot be precomputed elsewhere.
+        self._root = secrets.randbits(63)
         self._blocks = [Block(i) for i in range(num_blocks)]
         self._free_uncached: deque[int] = deque(range(num_blocks))
         # Unreferenced blocks still holding a cached prefix; oldest-freed first (LRU order).
@@ -106,8 +114,10 @@ class BlockManager:
             block_id = self._cached.get(chain[i])
             if block_id is None:
                 break
-            if self._blocks[block_id].token_ids != self._block_tokens(seq, i):
-                break  # hash collision: different tokens, so different K/V
+            block = self._blocks[block_id]
+            parent = hits[-1] if hits else None
+            if block.token_ids != self._block_tokens(seq, i) or block.parent_id != parent:
+                break  # hash collision: other tokens, or the same after another prefix
             hits.append(block_id)
         return hits
 
@@ -183,6 +193,9 @@ class BlockManager:
             if block.hash is None and chain[i] not in self._cached:
                 block.hash = chain[i]
                 block.token_ids = self._block_tokens(seq, i)
+                # The copy a lookup of the previous block finds (this sequence's own, or an
+                # equal one computed concurrently and cached first).
+                block.parent_id = self._cached.get(chain[i - 1]) if i else None
                 self._cached[chain[i]] = block.block_id
             # Otherwise it is a hit block (already registered) or an equal block computed
             # concurrently by another sequence; the first one stays the cached copy.
@@ -200,6 +213,7 @@ class BlockManager:
                 del self._cached[block.hash]
             block.hash = None
             block.token_ids = None
+            block.parent_id = None
         self._blocks[block_id].ref_count = 1
         return block_id
 
@@ -218,6 +232,6 @@ class BlockManager:
         """Hashes of seq's first num_blocks full blocks, extending the cached chain as needed."""
         chain = self._hash_chains.setdefault(seq.request_id, [])
         while len(chain) < num_blocks:
-            parent = chain[-1] if chain else None
+            parent = chain[-1] if chain else self._root
             chain.append(self._hash_fn(parent, self._block_tokens(seq, len(chain))))
         return chain

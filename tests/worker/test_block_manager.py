@@ -179,3 +179,19 @@ def test_a_freed_sequence_loses_its_tail_blocks_before_its_head():
     compute(bm, make_seq(prompt_token_ids=prompt(8, start=600)), 8)  # evicts one cached block
     # The first block, the one every longer prompt needs, is still there.
     assert len(bm.match_prefix(make_seq(prompt_token_ids=prompt(9)))) == 1
+
+
+def test_a_colliding_block_after_another_prefix_is_a_miss():
+    # A hash that ignores the parent makes every block with the same tokens collide, as a
+    # crafted collision would: lineage must catch what the token check alone cannot.
+    bm = make_block_manager(num_blocks=16, block_size=4,
+                            hash_fn=lambda parent, tokens: hash(tokens))
+    a = make_seq(prompt_token_ids=prompt(4, start=100) + prompt(4, start=900) + [1])
+    admit_and_compute(bm, a)  # caches [100..103] and [900..903] computed after it
+    b = make_seq(prompt_token_ids=prompt(4, start=300) + prompt(4, start=900) + [1])
+    admit_and_compute(bm, b)  # caches [300..303]; its [900..903] collides with a's
+    probe = make_seq(prompt_token_ids=prompt(4, start=300) + prompt(4, start=900) + [1])
+    # Block 0 is b's; block 1 would be a's [900..903], whose K/V followed [100..103].
+    assert bm.match_prefix(probe) == b.block_table[:1]
+    same_as_a = make_seq(prompt_token_ids=prompt(4, start=100) + prompt(4, start=900) + [1])
+    assert bm.match_prefix(same_as_a) == a.block_table[:2]
