@@ -139,7 +139,10 @@ class BlockManager:
         seq.block_table = list(hits)
         self._num_registered[seq.request_id] = len(hits)
         seq.num_computed_tokens = len(hits) * self.block_size
-        seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+        if seq.num_preemptions == 0:
+            # Usage reports what the cache saved the request on arrival; a re-admission
+            # after preemption finds its own blocks again, which saved the client nothing.
+            seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
         self.allocate(seq, num_new_tokens)
 
     # ---- growth and release ----------------------------------------------------------------

@@ -122,6 +122,12 @@ class Scheduler:
         seq = self.paused.pop(request_id, None)
         if seq is None:
             return request_id in self._requests
+        is_batch_full = (self.config.batching_mode is BatchingMode.CONTINUOUS
+                         and len(self.running) >= self.config.max_num_seqs)
+        if seq.block_table and is_batch_full:
+            # No slot for it now: give its blocks back (full ones stay in the prefix cache,
+            # so it recomputes little) and let it take the next free slot.
+            self._preempt(seq)
         if seq.block_table:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

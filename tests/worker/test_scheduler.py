@@ -181,6 +181,36 @@ def test_pause_keeps_blocks_out_of_the_batch_and_resume_rejoins():
     assert not scheduler.pause("unknown") and not scheduler.resume("unknown")
 
 
+def test_resume_never_pushes_the_batch_past_max_num_seqs():
+    scheduler, runner = make_scheduler(max_num_seqs=2)
+    paused = add(scheduler, 6, max_tokens=10)
+    run_step(scheduler, runner)
+    scheduler.pause(paused.request_id)
+    a, b = add(scheduler, 6, max_tokens=10), add(scheduler, 6, max_tokens=10)
+    run_step(scheduler, runner)  # a and b fill the batch meanwhile
+    assert scheduler.resume(paused.request_id)
+    assert len(scheduler.running) == 2 and scheduler.waiting[0] is paused
+    assert paused.block_table == []  # its blocks went back; it takes the next free slot
+    run_until_idle(scheduler, runner)
+    assert [s.num_output_tokens for s in (paused, a, b)] == [10] * 3
+
+
+def test_usage_cached_tokens_are_those_of_the_first_admission():
+    scheduler, runner = make_scheduler(num_kv_blocks=7, block_size=4, max_num_seqs=4)
+    first = add(scheduler, 8, max_tokens=12)
+    second = add(scheduler, 8, max_tokens=12)
+    paused = add(scheduler, 8, max_tokens=12)
+    run_step(scheduler, runner)
+    assert paused.num_cached_tokens == 0
+    scheduler.pause(paused.request_id)
+    run_step(scheduler, runner)  # preempted: its full blocks stay in the prefix cache
+    scheduler.resume(paused.request_id)
+    run_until_idle(scheduler, runner)
+    assert paused.num_preemptions >= 1
+    assert paused.num_cached_tokens == 0  # not the blocks it found again of its own
+    assert [s.num_output_tokens for s in (first, second)] == [12, 12]
+
+
 def test_a_paused_sequence_is_preempted_before_a_running_one():
     scheduler, runner = make_scheduler(num_kv_blocks=7, block_size=4, max_num_seqs=4)
     first = add(scheduler, 8, max_tokens=12)
