@@ -11,7 +11,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from common.model_files import model_display_name
@@ -20,10 +20,11 @@ from gateway.auth import ApiKeyMiddleware, ApiKeys, warn_if_exposed
 from gateway.chat_template import ChatTemplate
 from gateway.config import GatewayConfig
 from gateway.core import Gateway
-from gateway.errors import APIError, server_error
+from gateway.errors import APIError, invalid_api_key, server_error
 from gateway.health import HealthEndpoints
 from gateway.logging import get_logger
 from gateway.loop_monitor import LoopLagMonitor
+from gateway.metrics import DEFAULT_MAX_MODEL_LEN, Metrics
 from gateway.rate_limit import RateLimiter, RateLimitMiddleware, default_limits, load_key_limits
 from gateway.routes import Api
 from gateway.tokenizer import TextTokenizer, load_tokenizer
@@ -44,9 +45,12 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None) -> 
     if tokenizer.is_byte_level:
         tokenizer.bytes_table()  # built now, not on the first request
     template = ChatTemplate.from_tokenizer(tokenizer)
-    gateway = Gateway(config)
-    api = Api(config, gateway, tokenizer, template, served_model_names(config))
+    names = served_model_names(config)
+    metrics = Metrics(names[0], tokenizer.max_model_len or DEFAULT_MAX_MODEL_LEN)
+    gateway = Gateway(config, metrics=metrics.requests)
+    api = Api(config, gateway, tokenizer, template, names)
     loop_monitor = LoopLagMonitor(warn_s=config.loop_lag_warn_s)
+    metrics.watch(gateway, loop_monitor)
     keys = ApiKeys(config.api_keys)
     health = HealthEndpoints(gateway, loop_monitor, keys)
 
@@ -80,6 +84,7 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None) -> 
         Route("/tokenize", api.tokenize, methods=["POST"]),
         Route("/detokenize", api.detokenize, methods=["POST"]),
         *health.routes(),
+        Route("/metrics", metrics_endpoint(metrics, keys), methods=["GET"]),
         *AdminApi(config, gateway).routes(),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, middleware=http_middleware(config, keys),
@@ -87,6 +92,20 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None) -> 
     app.state.gateway = gateway
     app.state.api = api
     return app
+
+
+def metrics_endpoint(metrics: Metrics, keys: ApiKeys):
+    """GET /metrics. With API keys set it needs one (Prometheus sends it with
+    `authorization: {credentials: KEY}`): it names workers and their load. It is not rate
+    limited, so scrapes never crowd out requests."""
+
+    async def scrape(request: Request) -> Response:
+        if not keys.is_authorized(request):
+            return invalid_api_key().response()
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
+
+    return scrape
 
 
 def http_middleware(config: GatewayConfig, keys: ApiKeys) -> list[Middleware]:

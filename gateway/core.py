@@ -41,6 +41,7 @@ from gateway.admission import Admission
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, request_timeout, server_error, worker_failed
 from gateway.logging import get_logger
+from gateway.metrics import Metrics, RequestMetrics
 from gateway.reconcile import Reconciler, TokenCheck, check_token_counts
 from gateway.registry import WorkerRegistry, WorkerStatus
 from gateway.streams import RequestPhase, RequestState, StreamTable, WorkerOutbox
@@ -57,9 +58,12 @@ MAX_SUBMITS_AFTER_ERROR = 2
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig, clock=time.monotonic):
+    def __init__(self, config: GatewayConfig, clock=time.monotonic,
+                 metrics: RequestMetrics | None = None):
         self.config = config
         self.clock = clock
+        # Counted here from the streams, so a worker's restart cannot make them go back.
+        self.metrics = metrics or Metrics(config.served_model_name or "").requests
         # Tells workers which gateway process speaks: a new one means the old streams are gone.
         self.gateway_id = uuid.uuid4().hex
         self.registry = WorkerRegistry(config.max_waiting_per_worker,
@@ -170,6 +174,8 @@ class Gateway:
         if state.num_submits >= max_submits or state.params is None:
             self._fail(state, error)
             return
+        if state.num_received:
+            self.metrics.on_failover()
         log.info("failover" if state.num_received else "resubmitting",
                  extra={"request_id": state.request_id, "worker_id": state.worker_id,
                         "num_output_tokens": state.num_received})

@@ -17,6 +17,7 @@ from common.protocol import TokenOutput
 from gateway.core import Gateway
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import APIError, server_error, worker_failed
+from gateway.metrics import RequestMetrics
 from gateway.stop_strings import StopStringMatcher
 from gateway.streams import RequestState
 from gateway.tokenizer import TextTokenizer
@@ -41,9 +42,18 @@ class Choice:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
+    # Gateway clock, for the metrics: when the request arrived, when its last output came.
+    created_at: float = 0.0
+    last_output_at: float = 0.0
 
-    def consume(self, out: TokenOutput) -> ChoiceUpdate:
+    def consume(self, out: TokenOutput, metrics: RequestMetrics, now: float) -> ChoiceUpdate:
         """One batch from the worker -> text to emit (maybe "") and maybe a finish."""
+        if out.new_token_ids:
+            is_first = self.num_output_tokens == 0
+            metrics.on_output(len(out.new_token_ids),
+                              now - (self.created_at if is_first else self.last_output_at),
+                              is_first)
+            self.last_output_at = now
         self.num_output_tokens += len(out.new_token_ids)
         self.num_cached_tokens = out.num_cached_tokens
         if out.finish_reason in ("abort", "error"):
@@ -58,6 +68,9 @@ class Choice:
             self.finish_reason = "stop"
         elif out.finish_reason is not None:
             self.finish_reason = out.finish_reason
+        if self.finish_reason is not None:
+            metrics.on_finished(self.finish_reason, self.num_output_tokens,
+                                now - self.created_at)
         return ChoiceUpdate(self.index, text, out.new_token_ids, out.logprobs,
                             self.finish_reason)
 
@@ -76,7 +89,7 @@ class RequestGroup:
         state = self.gateway.new_request(index, prompt_ids, self.sink)
         detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self.choices.append(Choice(index, state, detok, StopStringMatcher(list(stop)),
-                                   len(prompt_ids)))
+                                   len(prompt_ids), created_at=self.gateway.clock()))
         self._params.append(params)
 
     async def submit(self) -> None:
@@ -92,6 +105,10 @@ class RequestGroup:
             await asyncio.gather(*tasks, return_exceptions=True)
             self.close()
             raise
+        for c in self.choices:
+            if c.state.num_submits:  # else it ended while it waited
+                self.gateway.metrics.on_admitted(c.num_prompt_tokens,
+                                                 c.state.submitted_at - c.created_at)
 
     @property
     def is_finished(self) -> bool:
@@ -108,6 +125,7 @@ class RequestGroup:
             while not self.sink.empty():
                 items.append(self.sink.get_nowait())
             batch, error = [], None
+            now = self.gateway.clock()
             for state, item in items:
                 choice = self.choices[state.index]
                 if choice.finish_reason is not None:
@@ -116,7 +134,7 @@ class RequestGroup:
                     error = item
                     break
                 try:
-                    update = choice.consume(item)
+                    update = choice.consume(item, self.gateway.metrics, now)
                 except APIError as e:
                     error = e
                     break

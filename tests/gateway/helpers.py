@@ -133,6 +133,7 @@ class FakeWorker:
     drop_incoming: Callable[[object], bool] = field(default=lambda msg: False)
     drop_outgoing: Callable[[Tokens], bool] = field(default=lambda msg: False)
     progress_age_s: float = 0.0  # what heartbeats report (a large value: engine stuck)
+    num_free_blocks: int = 1000  # what heartbeats report (of 1000)
     state: str = "ready"  # what heartbeats report
     keys: object | None = None  # common.keys.WorkerKeys: speak CurveZMQ
     # The worker id its HELLO and TOKENS claim (default: worker_id); a rogue claims another.
@@ -212,7 +213,8 @@ class FakeWorker:
                 if now >= next_beat and self.is_heartbeating and self.ready.is_set():
                     next_beat = now + self.heartbeat_s
                     dealer.send_multipart(encode(Heartbeat(
-                        self.worker_id, self.state, len(self.streams), 0, 0, 1000, 1000,
+                        self.worker_id, self.state, len(self.streams), 0, 0,
+                        self.num_free_blocks, 1000,
                         time.time(), request_ids=list(self.streams),
                         progress_age_s=self.progress_age_s)))
         finally:

@@ -1,0 +1,207 @@
+"""Prometheus metrics for `GET /metrics`: vLLM's names with the `zeroserve:` prefix.
+
+Two kinds, so that counters never go backwards:
+
+- **Request figures** are counted here, in the gateway, from the streams it serves
+  (`RequestMetrics`): token counters, finishes by reason, and the latency and size
+  histograms. A worker that restarts or a stream that moves to another worker changes
+  nothing in them; after N requests of M tokens `generation_tokens` has grown by N x M.
+  The generation group calls `on_*` at the points a request is admitted, gets output and
+  finishes: one `observe()` per chunk of output, no per-token objects.
+- **Worker figures** (running, waiting, paused, KV use; workers by status) and gateway
+  internals (event-loop lag, messages dropped) are read when scraped (`GatewayCollector`)
+  from the state the gateway already keeps (heartbeats in the registry): nothing per
+  heartbeat.
+
+`inter_token_latency_seconds` is the gap between two chunks of one stream as the gateway
+receives them (one worker step's tokens come together), not per token as vLLM's.
+Each app has its own `CollectorRegistry`, so several apps in one process do not clash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
+
+from gateway.registry import WorkerStatus
+
+if TYPE_CHECKING:
+    from gateway.core import Gateway
+    from gateway.loop_monitor import LoopLagMonitor
+
+PREFIX = "zeroserve:"
+# The size histograms' top bucket when the model files do not say the context length.
+DEFAULT_MAX_MODEL_LEN = 131072
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py, as of v0.8-0.10).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                           40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def token_buckets(max_value: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's build_1_2_5_buckets)."""
+    buckets, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10 ** exponent
+            if value > max_value:
+                return tuple(buckets)
+            buckets.append(float(value))
+        exponent += 1
+
+
+class RequestMetrics:
+    """Counters and histograms fed by the gateway's request path."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str,
+                 max_model_len: int = DEFAULT_MAX_MODEL_LEN):
+        label = ["model_name"]
+
+        def counter(name: str, doc: str, labels: list[str] = label) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=registry)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(PREFIX + name, doc, label, buckets=buckets, registry=registry)
+
+        m = model_name
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.").labels(m)
+        self.generation_tokens = counter("generation_tokens",
+                                         "Output tokens received from workers.").labels(m)
+        self._success = counter("request_success", "Requests finished, by finish reason.",
+                                ["model_name", "finished_reason"])
+        self._success_by_reason = {r: self._success.labels(m, r) for r in ("stop", "length")}
+        self.failovers = counter("failovers", "Streams with output moved to another "
+                                 "worker.").labels(m)
+        self.ttft = histogram("time_to_first_token_seconds",
+                              "From arrival to the first output token.", TTFT_BUCKETS).labels(m)
+        self.itl = histogram("inter_token_latency_seconds",
+                             "Gap between two output chunks of a stream.", ITL_BUCKETS).labels(m)
+        self.e2e = histogram("e2e_request_latency_seconds", "From arrival to the finish.",
+                             REQUEST_LATENCY_BUCKETS).labels(m)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "From arrival to the first SUBMIT to a worker.",
+                                    REQUEST_LATENCY_BUCKETS).labels(m)
+        sizes = token_buckets(max_model_len)
+        self.prompt_size = histogram("request_prompt_tokens", "Prompt tokens per request.",
+                                     sizes).labels(m)
+        self.generation_size = histogram("request_generation_tokens",
+                                         "Output tokens per finished request.", sizes).labels(m)
+        self.model_name = m
+
+    # --- the request path's calls ------------------------------------------------------
+
+    def on_admitted(self, num_prompt_tokens: int, queue_time_s: float) -> None:
+        """One engine request was sent to a worker for the first time."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.prompt_size.observe(num_prompt_tokens)
+        self.queue_time.observe(queue_time_s)
+
+    def on_output(self, num_tokens: int, since_last_s: float, is_first: bool) -> None:
+        """A chunk of output: `since_last_s` is from arrival (first) or the last chunk."""
+        self.generation_tokens.inc(num_tokens)
+        (self.ttft if is_first else self.itl).observe(since_last_s)
+
+    def on_finished(self, finish_reason: str, num_output_tokens: int, e2e_s: float) -> None:
+        success = self._success_by_reason.get(finish_reason)
+        if success is None:
+            success = self._success_by_reason[finish_reason] = self._success.labels(
+                self.model_name, finish_reason)
+        success.inc()
+        self.e2e.observe(e2e_s)
+        self.generation_size.observe(num_output_tokens)
+
+    def on_failover(self) -> None:
+        self.failovers.inc()
+
+
+class GatewayCollector(Collector):
+    """Worker and gateway state, read at scrape time."""
+
+    def __init__(self, gateway: Gateway, model_name: str,
+                 loop_monitor: Callable[[], LoopLagMonitor | None]):
+        self.gateway = gateway
+        self.model_name = model_name
+        self.loop_monitor = loop_monitor
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.model_name
+        workers = list(self.gateway.registry.workers.values())
+        per_worker = {
+            "num_requests_running": ("Requests in the worker's running batch.",
+                                     lambda w: w.num_running),
+            "num_requests_waiting": ("Requests waiting in the worker's queue.",
+                                     lambda w: w.num_waiting),
+            "num_requests_paused": ("Streams paused in the worker for want of credit.",
+                                    lambda w: w.num_paused),
+            "kv_cache_usage_perc": ("KV cache use, 1 = full (1 - free/total blocks).",
+                                    lambda w: 1 - w.num_free_blocks / w.num_total_blocks
+                                    if w.num_total_blocks else 0.0),
+        }
+        for name, (doc, value) in per_worker.items():
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name", "worker_id"])
+            for w in workers:
+                family.add_metric([m, w.worker_id], value(w))
+            yield family
+        by_status = GaugeMetricFamily(PREFIX + "workers", "Workers known, by status.",
+                                      labels=["model_name", "status"])
+        for status in WorkerStatus:
+            by_status.add_metric([m, status.value],
+                                 sum(1 for w in workers if w.status is status))
+        yield by_status
+        queued = GaugeMetricFamily(PREFIX + "num_requests_queued_gateway",
+                                   "Requests waiting in the gateway for a worker.",
+                                   labels=["model_name"])
+        queued.add_metric([m], self.gateway.admission.num_queued)
+        yield queued
+        dropped = CounterMetricFamily(PREFIX + "zmq_messages_dropped",
+                                      "Malformed or refused messages from workers.",
+                                      labels=["model_name"])
+        dropped.add_metric([m], self.gateway.edge.num_dropped)
+        yield dropped
+        monitor = self.loop_monitor()
+        if monitor is not None:
+            yield from _loop_lag(monitor, m)
+
+
+def _loop_lag(monitor: LoopLagMonitor, model_name: str) -> Iterator[Metric]:
+    ordered = sorted(monitor.samples)
+    lag = GaugeMetricFamily(PREFIX + "event_loop_lag_seconds",
+                            "Gateway event-loop lag over the last window of samples.",
+                            labels=["model_name", "quantile"])
+    for q in (0.5, 0.99, 1.0):
+        value = ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+        lag.add_metric([model_name, str(q)], value)
+    yield lag
+    stalls = CounterMetricFamily(PREFIX + "event_loop_stalls",
+                                 "Event-loop lag samples at or above the warning threshold.",
+                                 labels=["model_name"])
+    stalls.add_metric([model_name], monitor.num_stalls)
+    yield stalls
+
+
+class Metrics:
+    """One app's metrics: its registry, the request-path recorder, the scrape body."""
+
+    def __init__(self, model_name: str, max_model_len: int = DEFAULT_MAX_MODEL_LEN):
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = RequestMetrics(self.registry, model_name, max_model_len)
+        self._collector: GatewayCollector | None = None
+
+    def watch(self, gateway: Gateway, loop_monitor: LoopLagMonitor | None = None) -> None:
+        """Expose the gateway's worker and loop state (once)."""
+        if self._collector is None:
+            self._collector = GatewayCollector(gateway, self.model_name, lambda: loop_monitor)
+            self.registry.register(self._collector)
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

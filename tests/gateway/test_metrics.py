@@ -1,0 +1,141 @@
+"""GET /metrics: vLLM's names, counters held to the workload that ran, worker gauges from
+heartbeats, failovers, and the API-key rule."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.metrics import token_buckets
+from tests.gateway.helpers import GatewayServer, cyclic_reply, wait_until
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def scrape(gw, headers=None) -> dict[tuple[str, tuple], float]:
+    """(sample name, sorted labels) -> value, parsed by prometheus-client's own parser."""
+    r = httpx.get(gw.url + "/metrics", headers=headers, timeout=5)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def value(samples, name: str, **labels) -> float:
+    labels.setdefault("model_name", MODEL)
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+COUNTED = ["zeroserve:time_to_first_token_seconds_count",
+           "zeroserve:e2e_request_latency_seconds_count",
+           "zeroserve:request_queue_time_seconds_count",
+           "zeroserve:request_prompt_tokens_count",
+           "zeroserve:request_generation_tokens_count"]
+
+
+def test_counters_and_histogram_counts_match_the_workload():
+    num_requests, num_tokens, prompt = 5, 7, "hello"  # the byte tokenizer: 5 tokens
+    with GatewayServer() as gw:
+        worker = gw.worker(reply=cyclic_reply("ab"), tokens_per_step=2).start()
+        assert worker.ready.wait(5)
+        before = scrape(gw)
+        for i in range(num_requests):
+            body = {"prompt": prompt, "max_tokens": num_tokens, "stream": i % 2 == 0}
+            r = httpx.post(gw.url + "/v1/completions", json=body, timeout=10)
+            assert r.status_code == 200
+        after = scrape(gw)
+        worker.stop()
+
+    def delta(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("zeroserve:generation_tokens_total") == num_requests * num_tokens
+    assert delta("zeroserve:prompt_tokens_total") == num_requests * len(prompt)
+    assert delta("zeroserve:request_success_total", finished_reason="length") == num_requests
+    for name in COUNTED:
+        assert delta(name) == num_requests, name
+    assert delta("zeroserve:request_generation_tokens_sum") == num_requests * num_tokens
+    # Chunks of 2 tokens: 4 chunks per request, so 3 gaps after the first token.
+    assert delta("zeroserve:inter_token_latency_seconds_count") == num_requests * 3
+    assert value(after, "zeroserve:request_prompt_tokens_bucket", le="5.0") == num_requests
+
+
+def test_stop_string_finishes_count_as_stop():
+    with GatewayServer() as gw:
+        worker = gw.worker(reply=cyclic_reply("abc")).start()
+        assert worker.ready.wait(5)
+        r = httpx.post(gw.url + "/v1/completions", timeout=10, json={
+            "prompt": "x", "max_tokens": 50, "stop": ["c"]})
+        assert r.json()["choices"][0]["finish_reason"] == "stop"
+        samples = scrape(gw)
+        worker.stop()
+    assert value(samples, "zeroserve:request_success_total", finished_reason="stop") == 1
+    assert value(samples, "zeroserve:e2e_request_latency_seconds_count") == 1
+
+
+def test_worker_gauges_follow_heartbeats():
+    with GatewayServer() as gw:
+        worker = gw.worker(worker_id="w0", num_free_blocks=250).start()
+        assert worker.ready.wait(5)
+        assert wait_until(lambda: value(scrape(gw), "zeroserve:kv_cache_usage_perc",
+                                        worker_id="w0") == 0.75)
+        samples = scrape(gw)
+        assert value(samples, "zeroserve:workers", status="ready") == 1
+        assert value(samples, "zeroserve:num_requests_running", worker_id="w0") == 0
+        assert ("zeroserve:num_requests_paused", (("model_name", MODEL),
+                                                  ("worker_id", "w0"))) in samples
+        assert value(samples, "zeroserve:event_loop_lag_seconds", quantile="0.99") >= 0
+        assert ("zeroserve:zmq_messages_dropped_total", (("model_name", MODEL),)) in samples
+        worker.stop()
+
+
+def test_a_failover_is_counted_and_tokens_stay_exact():
+    with GatewayServer() as gw:
+        worker = gw.worker(reply=cyclic_reply("abc"), step_s=0.01).start()
+        assert worker.ready.wait(5)
+        before = scrape(gw)
+        with httpx.stream("POST", gw.url + "/v1/completions", timeout=10, json={
+                "prompt": "x", "max_tokens": 300, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(x for x in lines if x.startswith("data: {"))
+            worker.stop()  # the process dies ...
+            worker2 = gw.worker(reply=cyclic_reply("abc")).start()  # ... and comes back
+            rest = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        assert rest[-1]["choices"][0]["finish_reason"] == "length"
+        after = scrape(gw)
+        worker2.stop()
+
+    def delta(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("zeroserve:failovers_total") == 1
+    assert delta("zeroserve:generation_tokens_total") == 300  # across both workers
+    assert delta("zeroserve:request_generation_tokens_sum") == 300
+    assert delta("zeroserve:time_to_first_token_seconds_count") == 1
+    assert delta("zeroserve:e2e_request_latency_seconds_count") == 1
+    assert delta("zeroserve:request_queue_time_seconds_count") == 1
+
+
+def test_metrics_need_the_api_key_when_keys_are_set():
+    with GatewayServer(api_keys=("sk-metrics",)) as gw:
+        assert httpx.get(gw.url + "/metrics").status_code == 401
+        samples = scrape(gw, headers={"Authorization": "Bearer sk-metrics"})
+        assert ("zeroserve:generation_tokens_total", (("model_name", MODEL),)) in samples
+
+
+def test_two_apps_in_one_process_keep_their_own_figures():
+    with GatewayServer() as a, GatewayServer() as b:
+        worker = a.worker().start()
+        assert worker.ready.wait(5)
+        assert httpx.post(a.url + "/v1/completions", json={"prompt": "x"}).status_code == 200
+        assert value(scrape(a), "zeroserve:e2e_request_latency_seconds_count") == 1
+        assert value(scrape(b), "zeroserve:e2e_request_latency_seconds_count") == 0
+        worker.stop()
+
+
+def test_token_buckets_are_1_2_5():
+    assert token_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
