@@ -87,7 +87,8 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None) -> 
         Route("/metrics", metrics_endpoint(metrics, keys), methods=["GET"]),
         *AdminApi(config, gateway).routes(),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, middleware=http_middleware(config, keys),
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    middleware=http_middleware(config, keys, metrics),
                     exception_handlers={HTTPException: http_error, Exception: unexpected_error})
     app.state.gateway = gateway
     app.state.api = api
@@ -108,7 +109,8 @@ def metrics_endpoint(metrics: Metrics, keys: ApiKeys):
     return scrape
 
 
-def http_middleware(config: GatewayConfig, keys: ApiKeys) -> list[Middleware]:
+def http_middleware(config: GatewayConfig, keys: ApiKeys,
+                    metrics: Metrics | None = None) -> list[Middleware]:
     """Outermost first: the Host check, CORS (so preflights and 401s carry its headers), the
     API key, then the rate limiter (which needs to know the key)."""
     stack = []
@@ -130,5 +132,6 @@ def http_middleware(config: GatewayConfig, keys: ApiKeys) -> list[Middleware]:
     limiter = RateLimiter(default, load_key_limits(config.rate_limits_file, config.api_keys,
                                                    default))
     if limiter.is_enabled:
-        stack.append(Middleware(RateLimitMiddleware, limiter=limiter))
+        stack.append(Middleware(RateLimitMiddleware, limiter=limiter,
+                                on_refused=None if metrics is None else metrics.requests.on_refused))
     return stack

@@ -3,8 +3,8 @@
 Two kinds, so that counters never go backwards:
 
 - **Request figures** are counted here, in the gateway, from the streams it serves
-  (`RequestMetrics`): token counters, finishes by reason, and the latency and size
-  histograms. A worker that restarts or a stream that moves to another worker changes
+  (`RequestMetrics`): token counters, finishes by reason, failovers, 429s by reason, and
+  the latency and size histograms. A worker that restarts or a stream that moves to another worker changes
   nothing in them; after N requests of M tokens `generation_tokens` has grown by N x M.
   The generation group calls `on_*` at the points a request is admitted, gets output and
   finishes: one `observe()` per chunk of output, no per-token objects.
@@ -28,6 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
+from gateway.errors import APIError
 from gateway.registry import WorkerStatus
 
 if TYPE_CHECKING:
@@ -79,6 +80,10 @@ class RequestMetrics:
         self._success = counter("request_success", "Requests finished, by finish reason.",
                                 ["model_name", "finished_reason"])
         self._success_by_reason = {r: self._success.labels(m, r) for r in ("stop", "length")}
+        self._rejected = counter("request_rejected", "Requests refused with 429, by reason.",
+                                 ["model_name", "reason"])
+        self._rejected_by_reason = {r: self._rejected.labels(m, r)
+                                    for r in ("queue_full", "rate_limit_exceeded")}
         self.failovers = counter("failovers", "Streams with output moved to another "
                                  "worker.").labels(m)
         self.ttft = histogram("time_to_first_token_seconds",
@@ -121,6 +126,17 @@ class RequestMetrics:
 
     def on_failover(self) -> None:
         self.failovers.inc()
+
+    def on_refused(self, error: APIError) -> None:
+        """An HTTP request refused: counted if it is a 429 (the error code is the reason)."""
+        if error.status != 429:
+            return
+        reason = error.code or "unknown"
+        rejected = self._rejected_by_reason.get(reason)
+        if rejected is None:
+            rejected = self._rejected_by_reason[reason] = self._rejected.labels(
+                self.model_name, reason)
+        rejected.inc()
 
 
 class GatewayCollector(Collector):

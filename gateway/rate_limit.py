@@ -206,9 +206,11 @@ def track_usage(request: Request, group: Any) -> None:
 class RateLimitMiddleware:
     """ASGI middleware, inside ApiKeyMiddleware: admit or 429, then charge the tokens."""
 
-    def __init__(self, app: ASGIApp, limiter: RateLimiter):
+    def __init__(self, app: ASGIApp, limiter: RateLimiter,
+                 on_refused: Callable[[APIError], None] | None = None):
         self.app = app
         self.limiter = limiter
+        self.on_refused = on_refused  # the metrics' count of 429s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (scope["type"] != "http" or scope["method"] == "OPTIONS"
@@ -218,6 +220,8 @@ class RateLimitMiddleware:
         client = _client(scope)
         refusal = self.limiter.admit(client)
         if refusal is not None:
+            if self.on_refused is not None:
+                self.on_refused(refusal)
             await refusal.response()(scope, receive, send)
             return
         meter = scope.setdefault("state", {})[USAGE_STATE] = UsageMeter()

@@ -194,8 +194,9 @@ class Api:
             "engine_request_ids": [c.state.request_id for c in group.choices]})
         try:
             is_gone, _ = await race_disconnect(group.submit(), request.receive)
-        except APIError:
+        except APIError as e:
             group.close()
+            self.gateway.metrics.on_refused(e)
             raise
         if is_gone:
             group.close()

@@ -139,3 +139,21 @@ def test_two_apps_in_one_process_keep_their_own_figures():
 
 def test_token_buckets_are_1_2_5():
     assert token_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
+
+
+def test_429s_are_counted_by_reason():
+    with GatewayServer(max_queued_requests=1, queue_timeout_s=1, rate_limit_rps=1,
+                       rate_limit_burst=2) as gw, httpx.Client() as c:
+        import threading
+        first = threading.Thread(target=lambda: c.post(
+            gw.url + "/v1/completions", json={"prompt": "x"}, timeout=10))
+        first.start()  # no worker: it waits in the queue
+        assert wait_until(lambda: gw.gateway.admission.num_queued == 1)
+        assert httpx.post(gw.url + "/v1/completions", json={"prompt": "y"}).status_code == 429
+        # The bucket (2) is spent: the next one is refused by the rate limiter.
+        assert httpx.get(gw.url + "/v1/models").status_code == 429
+        first.join()
+        samples = scrape(gw)  # /metrics is not rate limited
+    assert value(samples, "zeroserve:request_rejected_total", reason="queue_full") == 1
+    assert value(samples, "zeroserve:request_rejected_total",
+                 reason="rate_limit_exceeded") == 1
