@@ -269,6 +269,7 @@ class Gateway:
         old = self.registry.register(msg, peer.route, self.clock())
         self.edge.bind_route(worker_id, peer.route)
         if old is not None:
+            self.metrics.on_worker_event(worker_id, "restarted")
             self._fail_worker_requests(worker_id, "restarted")
         log.info("worker ready", extra={"worker_id": worker_id, "pid": msg.pid,
                                         "device": msg.device, "model": msg.model,
@@ -378,6 +379,7 @@ class Gateway:
             log.error("worker lost", extra={"worker_id": worker.worker_id,
                                             "silent_s": round(now - worker.last_seen, 3),
                                             "num_in_flight": len(worker.request_ids)})
+            self.metrics.on_worker_event(worker.worker_id, "lost")
             self._fail_worker_requests(worker.worker_id, "was lost (no heartbeat)")
             self.edge.unbind(worker.worker_id)
         for worker_id in list(self.registry.workers):

@@ -3,8 +3,8 @@
 Two kinds, so that counters never go backwards:
 
 - **Request figures** are counted here, in the gateway, from the streams it serves
-  (`RequestMetrics`): token counters, finishes by reason, failovers, 429s by reason, and
-  the latency and size histograms. A worker that restarts or a stream that moves to another worker changes
+  (`RequestMetrics`): token counters, finishes by reason, failovers, 429s and client-side
+  aborts by reason, worker restarts and losses, and the latency and size histograms. A worker that restarts or a stream that moves to another worker changes
   nothing in them; after N requests of M tokens `generation_tokens` has grown by N x M.
   The generation group calls `on_*` at the points a request is admitted, gets output and
   finishes: one `observe()` per chunk of output, no per-token objects.
@@ -84,6 +84,14 @@ class RequestMetrics:
                                  ["model_name", "reason"])
         self._rejected_by_reason = {r: self._rejected.labels(m, r)
                                     for r in ("queue_full", "rate_limit_exceeded")}
+        self._aborted = counter("request_aborted", "HTTP requests ended by the client's "
+                                "side: it disconnected, or read too slowly.",
+                                ["model_name", "reason"])
+        self._aborted_by_reason = {r: self._aborted.labels(m, r)
+                                   for r in ("disconnect", "slow_client")}
+        self._worker_events = counter("worker_events", "Worker restarts (a HELLO replacing a "
+                                      "live incarnation) and losses (no heartbeat).",
+                                      ["model_name", "worker_id", "event"])
         self.failovers = counter("failovers", "Streams with output moved to another "
                                  "worker.").labels(m)
         self.ttft = histogram("time_to_first_token_seconds",
@@ -126,6 +134,14 @@ class RequestMetrics:
 
     def on_failover(self) -> None:
         self.failovers.inc()
+
+    def on_aborted(self, reason: str) -> None:
+        """The client's side ended an HTTP request: "disconnect" or "slow_client"."""
+        self._aborted_by_reason[reason].inc()
+
+    def on_worker_event(self, worker_id: str, event: str) -> None:
+        """A worker "restarted" or was "lost" (rare: a label lookup each time is fine)."""
+        self._worker_events.labels(self.model_name, worker_id, event).inc()
 
     def on_refused(self, error: APIError) -> None:
         """An HTTP request refused: counted if it is a 429 (the error code is the reason)."""

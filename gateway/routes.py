@@ -198,16 +198,21 @@ class Api:
             group.close()
             self.gateway.metrics.on_refused(e)
             raise
+        metrics = self.gateway.metrics
         if is_gone:
             group.close()
+            metrics.on_aborted("disconnect")
             return Response(status_code=499)
         if stream:
+            def on_slow_client() -> bytes:
+                metrics.on_aborted("slow_client")
+                return sse(client_too_slow(self.config.slow_client_timeout_s).body()) + SSE_DONE
+
             return SSEResponse(self._events(group, ctx, sampling),
                                self.config.slow_client_timeout_s,
-                               on_slow_client=lambda: sse(client_too_slow(
-                                   self.config.slow_client_timeout_s).body()) + SSE_DONE,
-                               request_id=ctx.id,
-                               min_client_rate=self.config.min_client_rate)
+                               on_slow_client=on_slow_client, request_id=ctx.id,
+                               min_client_rate=self.config.min_client_rate,
+                               on_disconnect=lambda: metrics.on_aborted("disconnect"))
         try:
             is_gone, result = await race_disconnect(self._collect(group, ctx, sampling),
                                                     request.receive)
@@ -216,6 +221,7 @@ class Api:
             self._log_done(ctx, group)
         if is_gone:
             log.info("client disconnected", extra={"request_id": ctx.id})
+            metrics.on_aborted("disconnect")
             return Response(status_code=499)
         return JSONResponse(result)
 

@@ -80,13 +80,15 @@ class SSEResponse:
 
     def __init__(self, events: AsyncIterator[bytes], slow_client_timeout_s: float,
                  on_slow_client: Callable[[], bytes], request_id: str = "",
-                 min_client_rate: float = 0.0):
+                 min_client_rate: float = 0.0,
+                 on_disconnect: Callable[[], None] | None = None):
         self.events = events
         self.slow_client_timeout_s = slow_client_timeout_s
         self.min_client_rate = min_client_rate  # bytes/s; 0: only the stalled-send rule
         # Called when the client is too slow: ends the work, returns the error event.
         self.on_slow_client = on_slow_client
         self.request_id = request_id
+        self.on_disconnect = on_disconnect  # called once the client is found gone
         self._send_started: float | None = None
         self._num_bytes_sent = 0
         self._blocked_s = 0.0  # time spent in sends that have returned
@@ -127,6 +129,8 @@ class SSEResponse:
         if self.is_disconnected or (watch.done() and not watch.cancelled()):
             self.is_disconnected = True
             log.info("client disconnected", extra={"request_id": self.request_id})
+            if self.on_disconnect is not None:
+                self.on_disconnect()
         elif self.is_slow_client:
             await self._final_write(send, self.on_slow_client())
         else:

@@ -113,6 +113,7 @@ def test_a_failover_is_counted_and_tokens_stay_exact():
         return value(after, name, **labels) - value(before, name, **labels)
 
     assert delta("zeroserve:failovers_total") == 1
+    assert delta("zeroserve:worker_events_total", worker_id="fake-0", event="restarted") == 1
     assert delta("zeroserve:generation_tokens_total") == 300  # across both workers
     assert delta("zeroserve:request_generation_tokens_sum") == 300
     assert delta("zeroserve:time_to_first_token_seconds_count") == 1
@@ -157,3 +158,19 @@ def test_429s_are_counted_by_reason():
     assert value(samples, "zeroserve:request_rejected_total", reason="queue_full") == 1
     assert value(samples, "zeroserve:request_rejected_total",
                  reason="rate_limit_exceeded") == 1
+
+
+def test_a_client_that_disconnects_mid_stream_is_counted():
+    with GatewayServer() as gw:
+        worker = gw.worker(reply=cyclic_reply("abc"), step_s=0.01).start()
+        assert worker.ready.wait(5)
+        with httpx.stream("POST", gw.url + "/v1/completions", timeout=10, json={
+                "prompt": "x", "max_tokens": 1000, "stream": True}) as r:
+            next(x for x in r.iter_lines() if x.startswith("data: {"))
+        # Closed mid-stream: the gateway sees the disconnect.
+        assert wait_until(lambda: value(scrape(gw), "zeroserve:request_aborted_total",
+                                        reason="disconnect") == 1)
+        samples = scrape(gw)
+        assert value(samples, "zeroserve:request_aborted_total", reason="slow_client") == 0
+        assert value(samples, "zeroserve:e2e_request_latency_seconds_count") == 0
+        worker.stop()
