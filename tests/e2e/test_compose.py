@@ -40,7 +40,8 @@ def setting(service: dict, name: str) -> str | None:
 
 
 def workers(services: dict[str, dict]) -> dict[str, dict]:
-    return {name: s for name, s in services.items() if s["command"][:2] == ["zeroserve", "worker"]}
+    return {name: s for name, s in services.items()
+            if s.get("command", [])[:2] == ["zeroserve", "worker"]}
 
 
 def test_gateway_service():
