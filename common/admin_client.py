@@ -69,6 +69,18 @@ def wait_restarted(client: AdminClient, worker_id: str, old_incarnation: str,
     raise AdminError(f"{worker_id} was not ready again within {timeout_s:g}s")
 
 
+def restart(client: AdminClient, worker_id: str, deadline_s: float, timeout_s: float,
+            say: Callable[[str], None]) -> float:
+    """Restart one worker and wait until it is ready again as a new process (its drain
+    deadline plus `timeout_s` at most); the seconds it took."""
+    incarnation = _incarnation(client, worker_id)
+    client.restart(worker_id, deadline_s)
+    say(f"{worker_id}: draining (deadline {deadline_s:g}s), restarting ...")
+    took = wait_restarted(client, worker_id, incarnation, deadline_s + timeout_s)
+    say(f"{worker_id}: ready again after {took:.1f}s")
+    return took
+
+
 def rolling_restart(client: AdminClient, deadline_s: float, timeout_s: float,
                     say: Callable[[str], None]) -> list[str]:
     """Restart every worker, one at a time: the next only once the last is ready again.
@@ -77,11 +89,7 @@ def rolling_restart(client: AdminClient, deadline_s: float, timeout_s: float,
     if not ids:
         raise AdminError("no worker is connected")
     for worker_id in ids:
-        incarnation = _incarnation(client, worker_id)
-        client.restart(worker_id, deadline_s)
-        say(f"{worker_id}: draining (deadline {deadline_s:g}s), restarting ...")
-        took = wait_restarted(client, worker_id, incarnation, deadline_s + timeout_s)
-        say(f"{worker_id}: ready again after {took:.1f}s")
+        restart(client, worker_id, deadline_s, timeout_s, say)
     return ids
 
 

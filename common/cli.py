@@ -729,7 +729,7 @@ def workers_restart(worker_id: str | None, restart_all: bool, **opts: Any) -> No
 
     Exits 0 only when every restarted worker is ready again as a new process.
     """
-    from common.admin_client import rolling_restart, wait_restarted
+    from common.admin_client import restart, rolling_restart
 
     if restart_all == (worker_id is not None):
         raise click.UsageError("give one WORKER_ID or --all")
@@ -739,14 +739,8 @@ def workers_restart(worker_id: str | None, restart_all: bool, **opts: Any) -> No
                                                   click.echo))
         click.echo(f"restarted {len(ids)} worker(s): {', '.join(ids)}")
         return
-    before = _admin_call(lambda: {w["worker_id"]: w for w in client.workers()})
-    if worker_id not in before:
-        raise click.ClickException(f"no worker with id {worker_id!r} is connected")
-    _admin_call(lambda: client.restart(worker_id, opts["deadline"]))
-    took = _admin_call(lambda: wait_restarted(client, worker_id,
-                                              before[worker_id]["incarnation"],
-                                              opts["deadline"] + opts["timeout"]))
-    click.echo(f"{worker_id}: ready again after {took:.1f}s")
+    _admin_call(lambda: restart(client, worker_id, opts["deadline"], opts["timeout"],
+                                click.echo))
 
 
 @main.group()
