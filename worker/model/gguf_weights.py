@@ -14,11 +14,11 @@ import gguf
 import numpy as np
 import torch
 
+from worker.model.arch import Architecture, for_gguf_arch
+from worker.model.kquant import int4_blocks
 from worker.model.llama_config import LlamaConfig, UnsupportedModelError
-from worker.model.quant import Int4Blocks, int4_blocks_from_gguf
-from worker.model.weights import ModelWeights
-
-SUPPORTED_ARCHITECTURES = ("llama",)
+from worker.model.quant import Int4Blocks
+from worker.model.weights import ROPE_FREQS, ModelWeights
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -26,6 +26,8 @@ _LAYER_TENSORS = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -35,6 +37,8 @@ _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    # Llama 3.x rope scaling: per-frequency divisors (worker.model.rope).
+    "rope_freqs.weight": ROPE_FREQS,
 }
 
 
@@ -54,7 +58,8 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS and parts[3] in (
+            "weight", "bias"):
         return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
     return None
 
@@ -65,45 +70,52 @@ def _field(reader: gguf.GGUFReader, key: str, default=None):
 
 
 def read_config(reader: gguf.GGUFReader) -> LlamaConfig:
-    arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported (llama only)")
+    name = _field(reader, "general.architecture")
+    arch = for_gguf_arch(name)
+
+    def get(key: str, default=None):
+        return _field(reader, f"{name}.{key}", default)
+
     tensor_names = {t.name for t in reader.tensors}
-    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    num_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
     embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads))
-    if int(_field(reader, f"{arch}.rope.dimension_count", head_dim)) != head_dim:
+    head_dim = int(get("attention.key_length", hidden // num_heads))
+    if int(get("rope.dimension_count", head_dim)) != head_dim:
         raise UnsupportedModelError("partial rotary embeddings are not supported")
-    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    scaling = get("rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
         raise UnsupportedModelError(f"rope scaling {scaling!r} is not supported")
     return LlamaConfig(
         vocab_size=int(embed.shape[1]),  # GGUF shapes list the fastest-varying dim first
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{arch}.block_count")),
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
         num_heads=num_heads,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        num_kv_heads=int(get("attention.head_count_kv", num_heads)),
         head_dim=head_dim,
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         tie_word_embeddings="output.weight" not in tensor_names,
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
-        rope_scaling_factor=float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))
+        max_position_embeddings=int(get("context_length", 2048)),
+        rope_type="linear" if scaling == "linear" else "default",
+        rope_scaling_factor=float(get("rope.scaling.factor", 1.0))
         if scaling == "linear"
         else 1.0,
+        architecture=arch.name,
+        **arch.gguf_fields(get),
     )
 
 
-def _read_tensors(reader: gguf.GGUFReader, config: LlamaConfig
+def _read_tensors(reader: gguf.GGUFReader, config: LlamaConfig, arch: Architecture
                   ) -> tuple[dict[str, torch.Tensor], dict[str, Int4Blocks]]:
     tensors: dict[str, torch.Tensor] = {}
     int4: dict[str, Int4Blocks] = {}
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
-        if name is None:
-            continue  # e.g. rope_freqs for rope types we reject in read_config
+        if name is None:  # never drop a tensor we do not know: the text would be wrong
+            raise UnsupportedModelError(
+                f"tensor {tensor.name} is not supported for GGUF architecture {arch.name!r}")
         try:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError as exc:
@@ -111,9 +123,9 @@ def _read_tensors(reader: gguf.GGUFReader, config: LlamaConfig
                 f"tensor {tensor.name} has type {tensor.tensor_type.name}, which gguf cannot dequantize"
             ) from exc
         array = np.asarray(array, dtype=np.float32).reshape(tuple(reversed(tensor.shape.tolist())))
-        blocks = int4_blocks_from_gguf(tensor.data, tensor.tensor_type)
+        blocks = int4_blocks(tensor.data, tensor.tensor_type)
         heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(name.split(".")[-2])
-        if heads is not None:
+        if heads is not None and arch.gguf_permuted_qk:
             array = unpermute_qk(array, heads)
             if blocks is not None:
                 blocks = blocks.map_rows(lambda rows, h=heads: unpermute_qk(rows, h))
@@ -140,6 +152,6 @@ def load_gguf(path: Path) -> ModelWeights:
     reader = gguf.GGUFReader(str(path))
     config = read_config(reader)
     eos_ids, bos_id = _special_ids(reader)
-    tensors, int4 = _read_tensors(reader, config)
+    tensors, int4 = _read_tensors(reader, config, for_gguf_arch(_field(reader, "general.architecture")))
     return ModelWeights(config=config, tensors=tensors, eos_token_ids=eos_ids,
                         bos_token_id=bos_id, int4=int4)

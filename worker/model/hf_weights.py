@@ -8,36 +8,44 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from worker.model.llama_config import LlamaConfig, UnsupportedModelError
+from worker.model.arch import for_hf_model_type
+from worker.model.llama_config import ROPE_TYPES, LlamaConfig, UnsupportedModelError
 from worker.model.weights import ModelWeights
-
-SUPPORTED_MODEL_TYPES = ("llama",)
 
 
 def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
-
-def _rope_settings(hf: dict) -> tuple[float, float]:
-    """(rope_theta, linear scaling factor). transformers >= 5 nests them in rope_parameters."""
+def _rope_settings(hf: dict) -> dict:
+    """rope_theta and scaling fields. transformers >= 5 nests them in rope_parameters."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or params
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in ("default", "linear"):
-        raise UnsupportedModelError(f"rope scaling {kind!r} is not supported")
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    factor = float(scaling.get("factor", 1.0)) if kind == "linear" else 1.0
-    return theta, factor
+    if kind not in ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope scaling {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    out = {"rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),
+           "rope_type": kind}
+    if kind == "linear":
+        out["rope_scaling_factor"] = float(scaling["factor"])
+    elif kind == "llama3":
+        out.update(
+            rope_scaling_factor=float(scaling["factor"]),
+            rope_low_freq_factor=float(scaling["low_freq_factor"]),
+            rope_high_freq_factor=float(scaling["high_freq_factor"]),
+            rope_original_max_position=int(scaling["original_max_position_embeddings"]),
+        )
+    return out
 
 
 def read_config(hf: dict) -> LlamaConfig:
-    if hf.get("model_type") not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"model_type {hf.get('model_type')!r} is not supported (llama only)"
-        )
+    arch = for_hf_model_type(hf.get("model_type"))
+    if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UnsupportedModelError("partial rotary embeddings are not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"hidden_act {hf.get('hidden_act')!r} is not supported (silu)")
     num_heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
-    theta, factor = _rope_settings(hf)
     return LlamaConfig(
         vocab_size=int(hf["vocab_size"]),
         hidden_size=hidden,
@@ -46,11 +54,12 @@ def read_config(hf: dict) -> LlamaConfig:
         num_heads=num_heads,
         num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
         head_dim=int(hf.get("head_dim") or hidden // num_heads),
-        rope_theta=theta,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-        rope_scaling_factor=factor,
+        architecture=arch.name,
+        **_rope_settings(hf),
+        **arch.hf_fields(hf),
     )
 
 

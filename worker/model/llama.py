@@ -1,9 +1,13 @@
-"""The Llama architecture in plain torch, over a flattened batch of tokens.
+"""The Llama-family decoder in plain torch, over a flattened batch of tokens.
 
 Every projection and the MLP run on `[num_tokens, hidden]` with no padding; only attention
 (worker.attention) knows where one sequence ends and the next begins. Q/K/V and gate/up are
 each one fused weight, so a layer is four matmuls. The layers are plain objects rather than
 nn.Modules: nothing here trains, and module call overhead adds up at 30 layers per step.
+
+The architectures of worker/model/arch differ only in what the config and weights carry:
+Q/K/V (and output) biases (Qwen2), per-head Q/K RMSNorm (Qwen3), rope scaling (Llama 3) and
+a sliding attention window (Mistral); a layer without them runs the plain Llama path.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from worker.attention import AttentionMetadata, PrefillSpan, causal_mask, paged_
 from worker.model.linear import Linear
 from worker.model.llama_config import LlamaConfig
 from worker.model.quant import PackedInt4, PackedInt8
-from worker.model.weights import PreparedWeights
+from worker.model.rope import inv_freq
+from worker.model.sliding_window import windowed
+from worker.model.weights import ROPE_FREQS, PreparedWeights
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each [num_blocks, block_size, kv_heads, head_dim]
 
@@ -23,12 +29,12 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each [num_blocks, block_
 class RotaryEmbedding:
     """cos/sin tables for positions 0 .. max_len-1, in fp32 as Hugging Face computes them."""
 
-    def __init__(self, config: LlamaConfig, max_len: int, device: torch.device):
-        dim = config.head_dim
-        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-        inv_freq = 1.0 / (config.rope_theta**exponents)  # [head_dim / 2]
-        positions = torch.arange(max_len, dtype=torch.float32) / config.rope_scaling_factor
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_len, head_dim / 2]
+    def __init__(self, config: LlamaConfig, max_len: int, device: torch.device,
+                 freq_factors: torch.Tensor | None = None):
+        positions = torch.arange(max_len, dtype=torch.float32)
+        if config.rope_type == "linear":
+            positions = positions / config.rope_scaling_factor
+        freqs = positions[:, None] * inv_freq(config, freq_factors)[None, :]  # [max_len, d / 2]
         # Full-width tables with the rotate-half sign folded into sin, so that
         # rotary(x) = x * cos + swap_halves(x) * sin: three arithmetic ops per layer.
         self.cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(device)  # [max_len, d]
@@ -56,6 +62,11 @@ def load_linear(tensors: dict[str, torch.Tensor], name: str, device: torch.devic
     return Linear(tensors[name].to(device), packed)
 
 
+def _optional(tensors: dict[str, torch.Tensor], name: str,
+              device: torch.device) -> torch.Tensor | None:
+    return tensors[name].to(device) if name in tensors else None
+
+
 class LlamaLayer:
     def __init__(self, config: LlamaConfig, tensors: dict[str, torch.Tensor], index: int,
                  device: torch.device):
@@ -67,6 +78,11 @@ class LlamaLayer:
         self.post_norm = tensors[prefix + "post_norm"].to(device)
         self.gate_up = load_linear(tensors, prefix + "gate_up", device)
         self.down = load_linear(tensors, prefix + "down", device)
+        self.qkv_bias = _optional(tensors, prefix + "qkv_bias", device)  # [q_size + 2 kv_size]
+        self.o_bias = _optional(tensors, prefix + "o_bias", device)
+        self.q_norm = _optional(tensors, prefix + "q_norm", device)  # [head_dim]
+        self.k_norm = _optional(tensors, prefix + "k_norm", device)
+        self.window = config.window_of(index)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache | None, meta: AttentionMetadata) -> torch.Tensor:
@@ -74,14 +90,23 @@ class LlamaLayer:
         n = x.shape[0]
         h = F.rms_norm(x, (cfg.hidden_size,), self.input_norm, cfg.rms_norm_eps)
         qkv = self.qkv(h)  # [num_tokens, q_size + 2 * kv_size]
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        qk = qkv[:, : cfg.q_size + cfg.kv_size].view(n, -1, cfg.head_dim)
+        if self.q_norm is not None:
+            qk = torch.cat([
+                F.rms_norm(qk[:, : cfg.num_heads], (cfg.head_dim,), self.q_norm, cfg.rms_norm_eps),
+                F.rms_norm(qk[:, cfg.num_heads :], (cfg.head_dim,), self.k_norm, cfg.rms_norm_eps),
+            ], dim=1)
         # Rotate q and k in one go: [num_tokens, heads + kv_heads, head_dim]
-        qk = apply_rotary(qkv[:, : cfg.q_size + cfg.kv_size].view(n, -1, cfg.head_dim), cos, sin)
+        qk = apply_rotary(qk, cos, sin)
         q = qk[:, : cfg.num_heads]
         k = qk[:, cfg.num_heads :]
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(n, cfg.num_kv_heads, cfg.head_dim)
         k_cache, v_cache = kv_cache if kv_cache is not None else (None, None)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta, cfg.head_dim**-0.5)
-        x = x + self.o_proj(attn)
+        out = self.o_proj(attn)
+        x = x + (out if self.o_bias is None else out + self.o_bias)
         h = F.rms_norm(x, (cfg.hidden_size,), self.post_norm, cfg.rms_norm_eps)
         gate, up = self.gate_up(h).chunk(2, dim=-1)  # [num_tokens, intermediate] each
         return x + self.down(F.silu(gate) * up)
@@ -105,15 +130,21 @@ class LlamaModel:
         if "lm_head.int8.weight" in tensors:
             packed = PackedInt8(tensors["lm_head.int8.weight"], tensors["lm_head.int8.scales"])
         self.lm_head = Linear(lm_head, packed)
-        self.rotary = RotaryEmbedding(config, max_len, device)
+        self.rotary = RotaryEmbedding(config, max_len, device, tensors.get(ROPE_FREQS))
+        self.windows = sorted({layer.window for layer in self.layers} - {None})
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_caches: list[KVCache] | None) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden] (pre-norm)."""
         cos, sin = self.rotary.tables(positions, self.dtype)
         x = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
+        metas = {None: meta}
+        if self.windows:
+            block_size = kv_caches[0][0].shape[1] if kv_caches else 1
+            metas.update({w: windowed(meta, w, block_size, self.dtype) for w in self.windows})
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x, cos, sin, None if kv_caches is None else kv_caches[i], meta)
+            x = layer.forward(x, cos, sin, None if kv_caches is None else kv_caches[i],
+                              metas[layer.window])
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -7,15 +7,19 @@ This is the slow part of a start after parsing the file; the result is plain CPU
 the weight cache (worker/weight_cache.py) can store it once and map it on later starts.
 
 Names: `embed`, `norm`, `lm_head` (absent when tied to `embed`), `lm_head.int8.*`, and per
-layer `layers.{i}.{input_norm,post_norm,qkv,o_proj,gate_up,down}` with `.int4.*` copies.
+layer `layers.{i}.{input_norm,post_norm,qkv,o_proj,gate_up,down}` with `.int4.*` copies;
+where the architecture has them, `layers.{i}.{qkv_bias,o_bias,q_norm,k_norm}` and the GGUF
+rope factors `rope_freqs` (fp32). A tensor of the file that none of these uses is refused:
+a model that ignored part of its weights would serve wrong text.
 """
 
 from __future__ import annotations
 
 import torch
 
+from worker.model.llama_config import UnsupportedModelError
 from worker.model.quant import Int4Blocks, PackedInt4, PackedInt8, int4_kernels_available
-from worker.model.weights import ModelWeights, PreparedWeights
+from worker.model.weights import ROPE_FREQS, ModelWeights, PreparedWeights
 
 # Fused projection -> the Hugging Face projections it concatenates, row-wise in this order.
 LAYER_LINEARS = {
@@ -25,6 +29,9 @@ LAYER_LINEARS = {
     "down": ("mlp.down_proj",),
 }
 LAYER_NORMS = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
+QK_NORMS = {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
+# Saved by some checkpoints and recomputed here: safe to leave.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def should_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -56,13 +63,46 @@ def prepare_weights(weights: ModelWeights, dtype: torch.dtype, pack: bool) -> Pr
             tensors[f"layers.{i}.{name}"] = weights.take(f"{hf_prefix}{hf_name}.weight").to(dtype)
         for name, hf_names in LAYER_LINEARS.items():
             linear(f"layers.{i}.{name}", [f"{hf_prefix}{n}.weight" for n in hf_names])
+        _attention_extras(weights, tensors, i, dtype)
     tensors["norm"] = weights.take("model.norm.weight").to(dtype)
     lm_head = tensors["embed"]
     if not config.tie_word_embeddings and "lm_head.weight" in weights.tensors:
         lm_head = tensors["lm_head"] = weights.take("lm_head.weight").to(dtype).contiguous()
+    if ROPE_FREQS in weights.tensors:
+        tensors[ROPE_FREQS] = weights.take(ROPE_FREQS).float()
+    if config.tie_word_embeddings:
+        weights.tensors.pop("lm_head.weight", None)  # a saved copy of the tied embedding
+    _check_all_used(weights)
     if pack:
         packed8 = PackedInt8.quantize(lm_head, dtype)
         tensors["lm_head.int8.weight"] = packed8.weight
         tensors["lm_head.int8.scales"] = packed8.scales
     return PreparedWeights(config=config, tensors=tensors, eos_token_ids=weights.eos_token_ids,
                            bos_token_id=weights.bos_token_id)
+
+
+def _attention_extras(weights: ModelWeights, tensors: dict[str, torch.Tensor], i: int,
+                      dtype: torch.dtype) -> None:
+    """Q/K/V and output biases where the file has them, Q/K norms where the config says."""
+    prefix = f"model.layers.{i}.self_attn."
+    qkv = [f"{prefix}{p}_proj.bias" for p in "qkv"]
+    present = [name in weights.tensors for name in qkv]
+    if any(present):
+        if not all(present):
+            raise UnsupportedModelError(f"layer {i} has biases on only some of q/k/v")
+        tensors[f"layers.{i}.qkv_bias"] = torch.cat([weights.take(n) for n in qkv]).to(dtype)
+    if f"{prefix}o_proj.bias" in weights.tensors:
+        tensors[f"layers.{i}.o_bias"] = weights.take(f"{prefix}o_proj.bias").to(dtype)
+    if weights.config.qk_norm:
+        for name, hf_name in QK_NORMS.items():
+            tensors[f"layers.{i}.{name}"] = weights.take(
+                f"model.layers.{i}.{hf_name}.weight").to(dtype)
+
+
+def _check_all_used(weights: ModelWeights) -> None:
+    unused = sorted(n for n in weights.tensors if not n.endswith(_IGNORED_SUFFIXES))
+    if unused:
+        more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
+        raise UnsupportedModelError(
+            f"the {weights.config.architecture} model has weights this server does not use "
+            f"({', '.join(unused[:5])}{more}); refusing to serve it wrong")

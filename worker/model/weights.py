@@ -9,6 +9,9 @@ import torch
 from worker.model.llama_config import LlamaConfig
 from worker.model.quant import Int4Blocks
 
+# A GGUF file's Llama 3 rope factors (llama.cpp's rope_freqs tensor) under this name.
+ROPE_FREQS = "rope_freqs"
+
 
 @dataclass
 class ModelWeights:
