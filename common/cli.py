@@ -11,6 +11,7 @@ each child process its configuration.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -231,6 +232,17 @@ GATEWAY_OPTIONS = [
     option("--worker-stall-timeout", type=float, default=30.0, callback=_positive,
            help="Seconds a worker's engine may make no progress (its heartbeats say) before it "
                 "is marked unhealthy and gets no new work."),
+    option("--routing", type=click.Choice(["cache_aware", "least_loaded"]),
+           default="cache_aware",
+           help="Which worker gets a request: cache_aware (the one holding the prompt's "
+                "prefix in its KV cache, within a load bound) or least_loaded."),
+    option("--otlp-traces-endpoint", default=None,
+           help="Send a trace per request (queue, prefill and decode spans) to this OTLP "
+                "collector: http://host:4318 (OTLP/HTTP) or grpc://host:4317. Needs "
+                "`pip install 'zeroserve[tracing]'`. [default: no tracing]"),
+    option("--disable-metrics", is_flag=True, default=False,
+           help="No Prometheus metrics: GET /metrics answers 404 and requests record "
+                "nothing."),
     # HTTP input limits (gateway/request_body.py, gateway/limits.py, gateway/http_protocol.py)
     option("--max-request-body", type=ByteSize(), default=8 * 1024 * 1024,
            help="Largest request body in bytes (e.g. 8MiB); beyond: 413."),
@@ -312,6 +324,10 @@ def engine_config(opts: dict[str, Any], device: str | None = None) -> EngineConf
 def gateway_config(opts: dict[str, Any]):
     from gateway.config import GatewayConfig
 
+    if opts["otlp_traces_endpoint"] and importlib.util.find_spec("opentelemetry.sdk") is None:
+        raise click.UsageError("--otlp-traces-endpoint needs the OpenTelemetry SDK: "
+                               "pip install 'zeroserve[tracing]'")
+
     return _build(
         GatewayConfig, host=opts["host"], port=opts["port"], model=opts["model"],
         served_model_name=opts["served_model_name"], router_address=opts["router_address"],
@@ -322,9 +338,11 @@ def gateway_config(opts: dict[str, Any]):
         log_level=opts["log_level"].lower(),
         min_client_rate=opts["min_client_rate"], loop_lag_warn_s=opts["loop_lag_warn"],
         request_idle_timeout_s=opts["request_idle_timeout"],
-        worker_stall_timeout_s=opts["worker_stall_timeout"],
+        worker_stall_timeout_s=opts["worker_stall_timeout"], routing=opts["routing"],
         keys_dir=opts["keys_dir"], insecure=opts["insecure"],
         admin_keys=(opts["admin_key"],) if opts["admin_key"] else (),
+        otlp_traces_endpoint=opts["otlp_traces_endpoint"],
+        disable_metrics=opts["disable_metrics"],
         **_input_limits(opts),
         **_http_access(opts),
     )
@@ -421,12 +439,17 @@ def gateway_args(config: Any) -> list[str]:
         "--loop-lag-warn", str(config.loop_lag_warn_s),
         "--request-idle-timeout", str(config.request_idle_timeout_s),
         "--worker-stall-timeout", str(config.worker_stall_timeout_s),
+        "--routing", config.routing,
         *_security_args(config),
         *_input_limit_args(config),
         *_http_access_args(config),
     ]
     if config.served_model_name is not None:
         args += ["--served-model-name", config.served_model_name]
+    if config.otlp_traces_endpoint is not None:
+        args += ["--otlp-traces-endpoint", config.otlp_traces_endpoint]
+    if config.disable_metrics:
+        args.append("--disable-metrics")
     return args
 
 

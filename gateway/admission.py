@@ -6,7 +6,8 @@ and up to `timeout_s` (then 503). With no live worker, requests wait too, so a w
 restart does not fail the requests that arrive meanwhile. Whoever frees capacity (a
 request ending, a worker saying HELLO) calls `wake()`, which hands workers out in order.
 The worker is reserved for the request before its waiter resumes, so two waiters never
-count the same free slot.
+count the same free slot. Each request goes where the registry's router sends its prompt
+(gateway/routing.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections import deque
 
 from gateway.errors import no_worker, queue_full
 from gateway.registry import WorkerHandle, WorkerRegistry
+from gateway.routing import Prefix
 
 
 class Admission:
@@ -25,11 +27,11 @@ class Admission:
         self.max_queued = max_queued
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
-        self._waiters: deque[tuple[str, asyncio.Future]] = deque()
+        self._waiters: deque[tuple[str, Prefix | None, asyncio.Future]] = deque()
 
     @property
     def num_queued(self) -> int:
-        return sum(1 for _, f in self._waiters if not f.done())
+        return sum(1 for _, _, f in self._waiters if not f.done())
 
     def check_room(self, num_requests: int = 1) -> None:
         """Raise 429 now if these many new requests could not all be queued."""
@@ -37,17 +39,20 @@ class Admission:
             if self.num_queued + num_requests > self.max_queued:
                 raise queue_full(self.retry_after_s)
 
-    async def acquire(self, request_id: str) -> WorkerHandle:
-        """A worker with the request already assigned to it; 429 or 503 otherwise."""
+    async def acquire(self, request_id: str,
+                      prompt_token_ids: list[int] | None = None) -> WorkerHandle:
+        """A worker with the request already assigned to it; 429 or 503 otherwise.
+        `prompt_token_ids`: what the router places the request by (None: least loaded)."""
+        prefix = None if prompt_token_ids is None else Prefix(prompt_token_ids)
         if not self._waiters:
-            worker = self.registry.pick()
+            worker = self.registry.pick(prefix)
             if worker is not None:
-                self.registry.assign(worker, request_id)
+                self.registry.assign(worker, request_id, prefix)
                 return worker
         if self.num_queued >= self.max_queued:
             raise queue_full(self.retry_after_s)
         future: asyncio.Future = asyncio.get_running_loop().create_future()
-        entry = (request_id, future)
+        entry = (request_id, prefix, future)
         self._waiters.append(entry)
         is_handed_over = False
         try:
@@ -73,14 +78,14 @@ class Admission:
     def wake(self) -> None:
         """Hand free capacity to waiters, oldest first."""
         while self._waiters:
-            request_id, future = self._waiters[0]
+            request_id, prefix, future = self._waiters[0]
             if future.done():
                 self._waiters.popleft()
                 continue
-            worker = self.registry.pick()
+            worker = self.registry.pick(prefix)
             if worker is None:
                 return
             self._waiters.popleft()
-            self.registry.assign(worker, request_id)
+            self.registry.assign(worker, request_id, prefix)
             future.set_result(worker)
 

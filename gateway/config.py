@@ -10,6 +10,7 @@ from pathlib import Path
 
 from common.keys import InsecurePlaneError, check_plane_security
 from gateway.rate_limit import default_limits, load_key_limits
+from gateway.routing import ROUTING_POLICIES
 
 LOG_FORMATS = ("text", "json")
 
@@ -57,6 +58,10 @@ class GatewayConfig:
     request_idle_timeout_s: float = 300.0
     # a worker whose engine made no progress for this long gets no new work (UNHEALTHY).
     worker_stall_timeout_s: float = 30.0
+    # Observability (gateway/metrics.py, gateway/tracing.py): an OTLP collector for request
+    # traces (None: no tracing), and whether to skip Prometheus metrics altogether.
+    otlp_traces_endpoint: str | None = None
+    disable_metrics: bool = False
     # HTTP access (gateway/auth.py, gateway/rate_limit.py; CORS and hosts in gateway/app.py):
     # bearer keys for /v1/*, /tokenize and /detokenize; never logged or shown in repr.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -67,6 +72,8 @@ class GatewayConfig:
     rate_limit_burst: int | None = None  # requests at once; None -> rps rounded up
     rate_limit_tpm: int | None = None  # prompt + completion tokens per minute
     rate_limits_file: str | None = None  # per-key limits, JSON or TOML (gateway/rate_limit.py)
+    # Which worker gets a request (gateway/routing.py): "cache_aware" or "least_loaded".
+    routing: str = "cache_aware"
 
     def __post_init__(self) -> None:
         self._check_input_limits()
@@ -98,6 +105,8 @@ class GatewayConfig:
             raise ValueError("min_client_rate must be >= 0")
         if self.loop_lag_warn_s <= 0:
             raise ValueError("loop_lag_warn_s must be > 0")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {ROUTING_POLICIES}")
 
     def _check_input_limits(self) -> None:
         if self.max_request_body_bytes < 1024:

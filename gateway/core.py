@@ -45,6 +45,7 @@ from gateway.metrics import Metrics, RequestMetrics
 from gateway.reconcile import Reconciler, TokenCheck, check_token_counts
 from gateway.registry import WorkerRegistry, WorkerStatus
 from gateway.streams import RequestPhase, RequestState, StreamTable, WorkerOutbox
+from gateway.tracing import RequestTracer
 from gateway.zmq_io import Peer, ZmqEdge
 
 log = get_logger("core")
@@ -59,15 +60,16 @@ MAX_SUBMITS_AFTER_ERROR = 2
 
 class Gateway:
     def __init__(self, config: GatewayConfig, clock=time.monotonic,
-                 metrics: RequestMetrics | None = None):
+                 metrics: RequestMetrics | None = None, tracer: RequestTracer | None = None):
         self.config = config
         self.clock = clock
         # Counted here from the streams, so a worker's restart cannot make them go back.
         self.metrics = metrics or Metrics(config.served_model_name or "").requests
+        self.tracer = tracer  # a span tree per finished request (gateway/tracing.py), or None
         # Tells workers which gateway process speaks: a new one means the old streams are gone.
         self.gateway_id = uuid.uuid4().hex
         self.registry = WorkerRegistry(config.max_waiting_per_worker,
-                                       config.worker_stall_timeout_s)
+                                       config.worker_stall_timeout_s, config.routing)
         self.streams = StreamTable()
         self.admission = Admission(self.registry, config.max_queued_requests,
                                    config.queue_timeout_s)
@@ -126,7 +128,7 @@ class Gateway:
     async def submit(self, state: RequestState, params: dict[str, Any]) -> None:
         """Wait for a worker (admission) and send the request to it. Raises APIError."""
         state.params = params
-        worker = await self.admission.acquire(state.request_id)
+        worker = await self.admission.acquire(state.request_id, state.prompt_token_ids)
         if state.phase is not RequestPhase.QUEUED:  # ended while it waited
             self.registry.release(worker.worker_id, state.request_id)
             self.admission.wake()
@@ -285,6 +287,7 @@ class Gateway:
         now = self.clock()
         worker = self.registry.on_heartbeat(msg, now)
         if worker is not None:
+            self.metrics.on_worker_counters(worker_id, worker.route, msg.counters)
             self.reconciler.on_worker_report(worker, msg.request_ids, msg.request_ids_age_s,
                                              now)
             self.admission.wake()

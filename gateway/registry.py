@@ -15,6 +15,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 from common.protocol import Heartbeat, Hello, WorkerState
+from gateway.routing import Prefix, PrefixIndex, Router, RoutingPolicy
 
 
 class WorkerStatus(enum.Enum):
@@ -42,6 +43,8 @@ class WorkerHandle:
     # Requests routed here since its last heartbeat (not yet in the reported counts).
     num_sent_since_heartbeat: int = 0
     request_ids: set[str] = field(default_factory=set)  # in flight here, as we see it
+    # The prompt blocks routed here, which its prefix cache likely holds (gateway/routing.py).
+    prefix_index: PrefixIndex = field(default_factory=lambda: PrefixIndex(1))
 
     @property
     def worker_id(self) -> str:
@@ -83,9 +86,11 @@ class WorkerHandle:
 
 class WorkerRegistry:
     def __init__(self, max_waiting_per_worker: int | None = None,
-                 stall_timeout_s: float = 30.0):
+                 stall_timeout_s: float = 30.0,
+                 routing: RoutingPolicy | str = RoutingPolicy.CACHE_AWARE):
         self.max_waiting_per_worker = max_waiting_per_worker
         self.stall_timeout_s = stall_timeout_s
+        self.router = Router(routing)
         self.workers: dict[str, WorkerHandle] = {}
         self.last_max_model_len: int | None = None
 
@@ -108,7 +113,8 @@ class WorkerRegistry:
                        else self.max_waiting_per_worker)
         self.workers[hello.worker_id] = WorkerHandle(
             hello=hello, route=route, last_seen=now, max_waiting=max_waiting,
-            num_free_blocks=hello.num_kv_blocks, num_total_blocks=hello.num_kv_blocks)
+            num_free_blocks=hello.num_kv_blocks, num_total_blocks=hello.num_kv_blocks,
+            prefix_index=PrefixIndex(hello.num_kv_blocks))
         self.last_max_model_len = hello.max_model_len
         return old
 
@@ -157,17 +163,17 @@ class WorkerRegistry:
     def remove(self, worker_id: str) -> WorkerHandle | None:
         return self.workers.pop(worker_id, None)
 
-    def pick(self) -> WorkerHandle | None:
-        """The least-loaded worker that can take a request, or None."""
-        candidates = [w for w in self.workers.values() if w.can_accept]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda w: (max(w.load, len(w.request_ids)),
-                                               -w.num_free_blocks, w.worker_id))
+    def pick(self, prefix: Prefix | None = None) -> WorkerHandle | None:
+        """The worker for a request with this prompt (gateway/routing.py: the one holding
+        its prefix within a load bound, else the least loaded), among those that can take
+        it; None if none can. Without a prompt: the least loaded."""
+        return self.router.pick([w for w in self.workers.values() if w.can_accept], prefix)
 
-    def assign(self, worker: WorkerHandle, request_id: str) -> None:
+    def assign(self, worker: WorkerHandle, request_id: str,
+               prefix: Prefix | None = None) -> None:
         worker.request_ids.add(request_id)
         worker.num_sent_since_heartbeat += 1
+        self.router.on_assigned(worker, prefix)
 
     def release(self, worker_id: str, request_id: str) -> None:
         worker = self.workers.get(worker_id)
