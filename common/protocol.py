@@ -26,6 +26,8 @@ MAX_FRAME_BYTES = 16 * 1024 * 1024  # a 1M-token prompt still fits; anything big
 MAX_LIST_ITEMS = 2_000_000
 MAX_OUTPUTS_PER_STEP = 65_536  # streams one TOKENS message may carry
 MAX_NAME_CHARS = 256  # worker ids, model names, devices
+GRAMMAR_KINDS = ("json_schema", "lark", "regex")  # Submit.grammar kinds
+MAX_GRAMMAR_CHARS = 256 * 1024
 
 
 class ProtocolError(ValueError):
@@ -139,7 +141,8 @@ class Submit(Message):
 
     TYPE: ClassVar[MsgType] = MsgType.SUBMIT
     SCHEMA: ClassVar = {"request_id": _STR, "prompt_token_ids": _LIST, "params": _DICT,
-                        "credit": _INT, "output_token_ids": _LIST}
+                        "credit": _INT, "output_token_ids": _LIST,
+                        "grammar": (list, type(None))}
     request_id: str
     prompt_token_ids: list[int]
     params: dict[str, Any]
@@ -148,6 +151,9 @@ class Submit(Message):
     # The worker continues after them as if it had generated them itself (same counts,
     # penalties and seeded sampling), so the continuation is exact.
     output_token_ids: list[int] = field(default_factory=list)
+    # Constrained decoding: [kind, source] with kind one of GRAMMAR_KINDS (a JSON schema as
+    # JSON text, a Lark grammar in llguidance's dialect, or a regex); None: unconstrained.
+    grammar: list[str] | None = None
 
     def validate(self) -> None:
         for ids in (self.prompt_token_ids, self.output_token_ids):
@@ -155,6 +161,12 @@ class Submit(Message):
                 raise ProtocolError("token ids must be non-negative 32-bit ints")
         if not 1 <= self.credit < _MAX_U32:
             raise ProtocolError("credit must be in [1, 2^32)")
+        g = self.grammar
+        if g is not None and not (
+                len(g) == 2 and g[0] in GRAMMAR_KINDS and isinstance(g[1], str)
+                and 0 < len(g[1]) <= MAX_GRAMMAR_CHARS):
+            raise ProtocolError(f"grammar must be [kind, source] with kind in {GRAMMAR_KINDS} "
+                                f"and 1 to {MAX_GRAMMAR_CHARS} characters")
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -9,6 +10,7 @@ from typing import Protocol
 
 from worker.block_manager import BlockManager
 from worker.config import EngineConfig
+from worker.grammar import GrammarCompiler, GrammarError, GrammarSpec, GrammarState
 from worker.model.info import ModelInfo
 from worker.outputs import EngineStats, RequestOutput, StepTiming
 from worker.plan import SampledToken, SchedulerOutput
@@ -60,6 +62,8 @@ class Engine:
         self._num_steps = 0
         self._last_step = StepTiming()
         self._generate_ids = itertools.count()
+        # Vocabulary and compiled-grammar cache for constrained decoding, made on first use.
+        self.grammar_compiler: GrammarCompiler | None = None
         # Seconds per start-up phase (worker/startup.py), for the log and the HELLO.
         total_s = seconds_since_process_start()
         if total_s is not None:
@@ -73,6 +77,7 @@ class Engine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         output_token_ids: list[int] | tuple[int, ...] = (),
+        grammar: GrammarSpec | None = None,
     ) -> None:
         """Queue a request. Raises RequestError (user-facing message) if it can never run.
 
@@ -85,10 +90,21 @@ class Engine:
             raise RequestError(f"Token ids must be in [0, {vocab_size}).")
         if len(output_token_ids) >= params.max_tokens:
             raise RequestError("The request has produced all of its max_tokens already.")
+        if grammar is not None:  # its matcher resumes over output_token_ids at the first mask
+            params = dataclasses.replace(params, grammar=self._attach_grammar(grammar))
         seq = Sequence(request_id, list(prompt_token_ids), params,
                        output_token_ids=list(output_token_ids),
                        num_emitted_tokens=len(output_token_ids))
         self.scheduler.add(seq)
+
+    def _attach_grammar(self, spec: GrammarSpec) -> GrammarState:
+        if self.grammar_compiler is None:
+            self.grammar_compiler = GrammarCompiler(self.info.path, self.info.vocab_size,
+                                                    self.info.eos_token_ids)
+        try:
+            return self.grammar_compiler.attach(spec)
+        except GrammarError as e:
+            raise RequestError(str(e)) from None
 
     def abort(self, request_id: str) -> bool:
         """Finish a request now, freeing its KV blocks; it is reported once by the next step."""

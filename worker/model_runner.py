@@ -136,6 +136,7 @@ class ModelRunner:
             return []
         started = time.perf_counter()
         inputs = self._prepare(plan.chunks)
+        self.sampler.prepare(inputs.sample_chunks)  # grammar masks, while the model runs
         prepared = time.perf_counter()
         hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta,
                                     self.kv_caches)

@@ -64,6 +64,7 @@ from common.protocol import (
     encode,
 )
 from worker.config import EngineConfig
+from worker.grammar import GrammarSpec
 from worker.link import LINGER_MS, SNDHWM, GatewayLink
 from worker.outputs import RequestOutput
 from worker.sequence import RequestError, SamplingParams
@@ -338,7 +339,9 @@ class WorkerLoop:
             return
         try:
             params = _sampling_params(msg.params)
-            self.engine.add_request(rid, msg.prompt_token_ids, params, msg.output_token_ids)
+            grammar = None if msg.grammar is None else GrammarSpec.from_wire(msg.grammar)
+            self.engine.add_request(rid, msg.prompt_token_ids, params, msg.output_token_ids,
+                                    grammar=grammar)
         except (RequestError, TypeError, ValueError) as e:
             self._reject(rid, str(e), num_prompt_tokens=len(msg.prompt_token_ids))
             return

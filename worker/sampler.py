@@ -5,10 +5,14 @@ Order of operations for each row (as vLLM does it):
      temperature and truncation): vLLM's default `raw_logprobs` convention.
   2. repetition penalty (prompt and output tokens), then frequency and presence penalties
      (output tokens only).
-  3. while a request has fewer than min_tokens outputs, its stop_token_ids and (unless
+  3. logit_bias (OpenAI's: added to the logits of the given token ids).
+  4. while a request has fewer than min_tokens outputs, its stop_token_ids and (unless
      ignore_eos) the model's EOS ids are masked out.
-  4. greedy rows (temperature 0 or top_k 1) take the argmax: exact, no noise.
-  5. the other rows: temperature, min-p, top-k, top-p (vLLM v1's order), then one draw.
+  5. a request with a grammar (worker/grammar.py) keeps only the tokens its grammar allows
+     next; the masks are computed by llguidance on a helper thread, started by `prepare()`
+     before the forward so that they are ready (or nearly) when the logits are.
+  6. greedy rows (temperature 0 or top_k 1) take the argmax: exact, no noise.
+  7. the other rows: temperature, min-p, top-k, top-p (vLLM v1's order), then one draw.
 
 A draw is one uniform number per row pushed through the row's cumulative distribution (no
 per-token noise, so a batch of 32 costs a cumsum, not 1.5M random numbers). A request with a
@@ -22,9 +26,12 @@ streams for one seed, and a seeded request should draw the same numbers on eithe
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 
+from worker.grammar import GrammarState
 from worker.plan import SampledToken, ScheduledChunk
 from worker.sequence import SamplingParams
 
@@ -51,6 +58,12 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator()  # on the CPU, whatever the device (module doc)
         self.generator.manual_seed(seed)
+        self._grammar_masks = GrammarMasks()
+
+    def prepare(self, chunks: Sequence[ScheduledChunk]) -> None:
+        """Start computing this step's grammar masks (call before the forward, with the
+        chunks that `sample` will get)."""
+        self._grammar_masks.start(chunks, self.vocab_size)
 
     def sample(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> list[SampledToken]:
         """logits [num_rows, vocab] (fp32, one row per chunk, same order; modified in place)."""
@@ -59,7 +72,9 @@ class Sampler:
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         self._apply_penalties(logits, chunks)
+        _apply_logit_bias(logits, chunks)
         self._mask_early_stops(logits, chunks)
+        self._grammar_masks.apply(logits, chunks, self.eos_token_ids)
         token_ids = torch.argmax(logits, dim=-1)  # [num_rows]; final for greedy rows
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:
@@ -104,8 +119,8 @@ class Sampler:
     def _mask_early_stops(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> None:
         for i, chunk in enumerate(chunks):
             p = chunk.params
-            if len(chunk.output_token_ids) >= p.min_tokens:
-                continue
+            if len(chunk.output_token_ids) >= p.min_tokens or p.grammar is not None:
+                continue  # a grammar decides by itself where the output may end
             stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
             stops = [t for t in stops if 0 <= t < logits.shape[1]]
             if stops:
@@ -162,6 +177,94 @@ class Sampler:
                 top = list(zip(indices.tolist(), values.tolist(), strict=True))
             results.append(SampledToken(chunk.request_id, ids[i], float(row[ids[i]]), top))
         return results
+
+
+def _apply_logit_bias(logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> None:
+    rows, ids, biases = [], [], []
+    vocab = logits.shape[1]
+    for i, chunk in enumerate(chunks):
+        for token_id, bias in chunk.params.logit_bias:
+            if 0 <= token_id < vocab:
+                rows.append(i)
+                ids.append(token_id)
+                biases.append(bias)
+    if rows:
+        device = logits.device
+        logits.index_put_((torch.tensor(rows, device=device), torch.tensor(ids, device=device)),
+                          torch.tensor(biases, dtype=logits.dtype, device=device),
+                          accumulate=True)
+
+
+class GrammarMasks:
+    """The allowed-token masks of a step's constrained rows, computed off the calling thread.
+
+    `start` syncs each constrained sequence's matcher with its output tokens and has
+    llguidance fill one bitmask row per sequence (32 tokens per int32) on a helper thread;
+    `apply` waits for it (computing it now if `start` was not called) and sets every token
+    the grammar forbids to -inf. A matcher that failed, or whose grammar is complete, allows
+    only the EOS ids, so the sequence ends. Rows without a grammar cost nothing.
+    """
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._executor = None  # llguidance.LLExecutor, created with the first grammar
+        self._pending: tuple[list, Future] | None = None  # (chunks, future of the masks)
+
+    def start(self, chunks: Sequence[ScheduledChunk], vocab_size: int) -> None:
+        self._pending = None
+        if not any(c.params.grammar is not None for c in chunks):
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        chunks = list(chunks)
+        self._pending = (chunks, self._pool.submit(self._compute, chunks, vocab_size))
+
+    def apply(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk],
+              eos_token_ids: tuple[int, ...]) -> None:
+        pending, self._pending = self._pending, None
+        if not any(c.params.grammar is not None for c in chunks):
+            return
+        if pending is not None and len(pending[0]) == len(chunks) and all(
+                a is b for a, b in zip(pending[0], chunks, strict=True)):
+            rows, bitmask = pending[1].result()
+        else:
+            rows, bitmask = self._compute(list(chunks), logits.shape[1])
+        vocab = logits.shape[1]
+        bits = torch.from_numpy(bitmask)  # [num_rows, words] int32
+        shifts = torch.arange(32, dtype=torch.int32)
+        allowed = ((bits[:, :, None] >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
+        allowed = allowed.to(logits.device)
+        eos = [t for t in eos_token_ids if 0 <= t < vocab]
+        for j, i in enumerate(rows):
+            state: GrammarState = chunks[i].params.grammar
+            if state.is_done or not bool(allowed[j].any()):
+                allowed[j] = False
+                allowed[j, eos] = True
+        index = torch.tensor(rows, device=logits.device)
+        sub = logits[index]
+        sub.masked_fill_(~allowed, float("-inf"))
+        logits[index] = sub
+
+    def _compute(self, chunks: list[ScheduledChunk], vocab_size: int
+                 ) -> tuple[list[int], np.ndarray]:
+        """Rows of the constrained chunks and their bitmasks [rows, ceil(vocab / 32)]."""
+        import llguidance
+
+        rows = [i for i, c in enumerate(chunks) if c.params.grammar is not None]
+        words = (vocab_size + 31) // 32
+        bitmask = np.zeros((len(rows), words), dtype=np.int32)
+        live = []
+        for j, i in enumerate(rows):
+            state: GrammarState = chunks[i].params.grammar
+            state.sync(chunks[i].output_token_ids)
+            if not state.is_done:
+                live.append((state.matcher, j))
+        if live:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            self._executor.unsafe_compute_mask_ptr(live, bitmask.ctypes.data, words * 4,
+                                                   len(rows))
+        return rows, bitmask
 
 
 # top-k / top-p look for their tokens among the most likely CANDIDATES first (a partial

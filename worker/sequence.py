@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from worker.grammar import GrammarState
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued; holds no blocks (new, or preempted for recompute)
@@ -21,6 +23,7 @@ class FinishReason(enum.Enum):
 
 
 MIN_TEMPERATURE = 1e-5  # temperatures below this sample greedily
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 
 
 class RequestError(ValueError):
@@ -44,6 +47,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per sampled token; None means off
+    # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # The request's grammar and its matcher (worker/grammar.py): one object per request,
+    # compared by identity; None means unconstrained.
+    grammar: GrammarState | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -64,6 +72,17 @@ class SamplingParams:
             raise RequestError("presence_penalty and frequency_penalty must be in [-2, 2]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise RequestError("logprobs must be between 0 and 20")
+        bias = self.logit_bias
+        if bias is None or isinstance(bias, dict):  # {id: bias} from a local caller
+            bias = () if bias is None else tuple(bias.items())
+        if len(bias) > MAX_LOGIT_BIAS or not all(
+                isinstance(pair, (list, tuple)) and len(pair) == 2 and type(pair[0]) is int
+                and pair[0] >= 0 and isinstance(pair[1], (int, float))
+                and not isinstance(pair[1], bool) and -100 <= pair[1] <= 100
+                for pair in bias):
+            raise RequestError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to "
+                               "biases in [-100, 100]")
+        object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in bias))
 
     @property
     def is_greedy(self) -> bool:
