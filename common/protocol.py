@@ -61,6 +61,10 @@ UNKNOWN_WORKER = "unknown"
 # Finish reasons on the wire are the strings of worker.sequence.FinishReason.
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
+# Heartbeat.counters a worker reports (others are ignored): prompt tokens looked up in the
+# prefix cache and found there (at each request's first admission), and sequences preempted.
+COUNTER_NAMES = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
+
 
 @dataclass
 class Message:
@@ -78,6 +82,12 @@ _LIST = (list,)
 _DICT = (dict,)
 _BOOL = (bool,)
 _MAX_U32 = 2**32
+MAX_COUNTERS = 32  # named counters one HEARTBEAT may carry
+
+
+def _is_duration(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and 0 <= value <= 1e9)
 
 
 @dataclass
@@ -212,17 +222,22 @@ class TokenOutput:
     # Per new token: [logprob, [[token_id, logprob], ...]] when logprobs were asked for.
     logprobs: list | None = None
     error: str | None = None
+    # On the output that carries a stream's first token from this worker: [seconds it waited
+    # in the worker's queue, seconds from its first scheduling to that token (the prefill)].
+    # Durations, not timestamps, so the gateway needs no shared clock.
+    timings: list | None = None
 
     def to_wire(self) -> list:
         return [
             self.request_id, self.new_token_ids, self.finish_reason, self.num_prompt_tokens,
             self.num_output_tokens, self.num_cached_tokens, self.logprobs, self.error,
+            self.timings,
         ]
 
     @classmethod
     def from_wire(cls, item: Any) -> TokenOutput:
-        if not isinstance(item, list) or len(item) != 8:
-            raise ProtocolError("token output must be an 8-item array")
+        if not isinstance(item, list) or len(item) not in (8, 9):
+            raise ProtocolError("token output must be an 8- or 9-item array")
         out = cls(*item)
         if not isinstance(out.request_id, str) or not isinstance(out.new_token_ids, list):
             raise ProtocolError("bad token output")
@@ -239,6 +254,10 @@ class TokenOutput:
             raise ProtocolError("logprobs must be an array or nil")
         if not isinstance(out.error, (str, type(None))):
             raise ProtocolError("error must be a string or nil")
+        if out.timings is not None and not (
+                isinstance(out.timings, list) and len(out.timings) == 2
+                and all(_is_duration(t) for t in out.timings)):
+            raise ProtocolError("timings must be nil or [queue_s, prefill_s]")
         return out
 
 
@@ -273,7 +292,7 @@ class Heartbeat(Message):
         "worker_id": _STR, "state": _STR, "num_running": _INT, "num_waiting": _INT,
         "num_paused": _INT, "num_free_blocks": _INT, "num_total_blocks": _INT,
         "time": _FLOAT, "gateway_id": _STR, "num_steps": _INT, "progress_age_s": _FLOAT,
-        "request_ids": _LIST, "request_ids_age_s": _FLOAT,
+        "request_ids": _LIST, "request_ids_age_s": _FLOAT, "counters": _DICT,
     }
     worker_id: str
     state: str = WorkerState.READY.value
@@ -292,10 +311,18 @@ class Heartbeat(Message):
     # thread takes the snapshot; the I/O thread sends it).
     request_ids: list[str] = field(default_factory=list)
     request_ids_age_s: float = 0.0
+    # The worker process's cumulative counters since it started, by name (see
+    # COUNTER_NAMES); they start again from 0 in a new process, which the gateway sees by the
+    # new route and so keeps its own totals monotonic.
+    counters: dict[str, int] = field(default_factory=dict)
 
     def validate(self) -> None:
         if not all(isinstance(r, str) for r in self.request_ids):
             raise ProtocolError("request_ids must be strings")
+        if len(self.counters) > MAX_COUNTERS or not all(
+                isinstance(k, str) and len(k) <= 64 and type(v) is int and 0 <= v < 2**63
+                for k, v in self.counters.items()):
+            raise ProtocolError(f"counters must map up to {MAX_COUNTERS} names to counts")
         counts = (self.num_running, self.num_waiting, self.num_paused, self.num_free_blocks,
                   self.num_total_blocks, self.num_steps)
         if not all(0 <= n < 2**63 for n in counts):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -24,10 +25,11 @@ from gateway.errors import APIError, invalid_api_key, server_error
 from gateway.health import HealthEndpoints
 from gateway.logging import get_logger
 from gateway.loop_monitor import LoopLagMonitor
-from gateway.metrics import DEFAULT_MAX_MODEL_LEN, Metrics
+from gateway.metrics import DEFAULT_MAX_MODEL_LEN, Metrics, NoRequestMetrics
 from gateway.rate_limit import RateLimiter, RateLimitMiddleware, default_limits, load_key_limits
 from gateway.routes import Api
 from gateway.tokenizer import TextTokenizer, load_tokenizer
+from gateway.tracing import RequestTracer
 
 log = get_logger("app")
 
@@ -46,11 +48,16 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None) -> 
         tokenizer.bytes_table()  # built now, not on the first request
     template = ChatTemplate.from_tokenizer(tokenizer)
     names = served_model_names(config)
-    metrics = Metrics(names[0], tokenizer.max_model_len or DEFAULT_MAX_MODEL_LEN)
-    gateway = Gateway(config, metrics=metrics.requests)
+    metrics = None if config.disable_metrics else Metrics(
+        names[0], tokenizer.max_model_len or DEFAULT_MAX_MODEL_LEN)
+    tracer = None if config.otlp_traces_endpoint is None else RequestTracer.for_endpoint(
+        config.otlp_traces_endpoint, names[0])
+    gateway = Gateway(config, metrics=NoRequestMetrics() if metrics is None else metrics.requests,
+                      tracer=tracer)
     api = Api(config, gateway, tokenizer, template, names)
     loop_monitor = LoopLagMonitor(warn_s=config.loop_lag_warn_s)
-    metrics.watch(gateway, loop_monitor)
+    if metrics is not None:
+        metrics.watch(gateway, loop_monitor)
     keys = ApiKeys(config.api_keys)
     health = HealthEndpoints(gateway, loop_monitor, keys)
 
@@ -67,6 +74,8 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None) -> 
         finally:
             await gateway.stop()
             await loop_monitor.stop()
+            if tracer is not None:  # flushes queued spans (bounded by the export timeout)
+                await asyncio.get_running_loop().run_in_executor(None, tracer.shutdown)
             log.info("gateway stopped")
 
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -84,7 +93,8 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None) -> 
         Route("/tokenize", api.tokenize, methods=["POST"]),
         Route("/detokenize", api.detokenize, methods=["POST"]),
         *health.routes(),
-        Route("/metrics", metrics_endpoint(metrics, keys), methods=["GET"]),
+        *([] if metrics is None else [
+            Route("/metrics", metrics_endpoint(metrics, keys), methods=["GET"])]),
         *AdminApi(config, gateway).routes(),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,

@@ -42,9 +42,15 @@ class Choice:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
-    # Gateway clock, for the metrics: when the request arrived, when its last output came.
+    # Gateway clock, for metrics and traces: when the request arrived, was first sent to a
+    # worker, got its first and its last output.
     created_at: float = 0.0
+    submitted_at: float = 0.0
+    first_output_at: float = 0.0
     last_output_at: float = 0.0
+    # Phases, from the worker's timings where it sent them (0 until the first token).
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
 
     def consume(self, out: TokenOutput, metrics: RequestMetrics, now: float) -> ChoiceUpdate:
         """One batch from the worker -> text to emit (maybe "") and maybe a finish."""
@@ -53,6 +59,8 @@ class Choice:
             metrics.on_output(len(out.new_token_ids),
                               now - (self.created_at if is_first else self.last_output_at),
                               is_first)
+            if is_first:
+                self._on_first_output(out.timings, metrics, now)
             self.last_output_at = now
         self.num_output_tokens += len(out.new_token_ids)
         self.num_cached_tokens = out.num_cached_tokens
@@ -69,10 +77,26 @@ class Choice:
         elif out.finish_reason is not None:
             self.finish_reason = out.finish_reason
         if self.finish_reason is not None:
+            self.last_output_at = now
+            has_output = self.first_output_at > 0
             metrics.on_finished(self.finish_reason, self.num_output_tokens,
-                                now - self.created_at)
+                                now - self.created_at,
+                                self.prefill_s if has_output else None,
+                                now - self.first_output_at if has_output else None)
         return ChoiceUpdate(self.index, text, out.new_token_ids, out.logprobs,
                             self.finish_reason)
+
+    def _on_first_output(self, timings: list | None, metrics: RequestMetrics,
+                         now: float) -> None:
+        """Split the wait for the first token into queue and prefill: the gateway's queue
+        (arrival to the first SUBMIT) plus the worker's, then the worker's prefill. A worker
+        that sent no timings leaves everything after the SUBMIT to the prefill."""
+        self.first_output_at = now
+        submitted_at = self.submitted_at or now
+        worker_queue_s, prefill_s = timings if timings else (0.0, now - submitted_at)
+        self.queue_s = max(0.0, submitted_at - self.created_at) + worker_queue_s
+        self.prefill_s = prefill_s
+        metrics.on_first_token(self.queue_s, self.prefill_s)
 
 
 @dataclass
@@ -81,6 +105,8 @@ class RequestGroup:
     choices: list[Choice] = field(default_factory=list)
     prompt_lengths: list[int] = field(default_factory=list)  # per prompt, once
     sink: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # The HTTP request's W3C trace-context headers, for the traces' parent (with tracing on).
+    trace_headers: dict[str, str] | None = None
     _params: list[dict] = field(default_factory=list)
 
     def add(self, prompt_ids: list[int], params: dict, tokenizer: TextTokenizer,
@@ -107,8 +133,8 @@ class RequestGroup:
             raise
         for c in self.choices:
             if c.state.num_submits:  # else it ended while it waited
-                self.gateway.metrics.on_admitted(c.num_prompt_tokens,
-                                                 c.state.submitted_at - c.created_at)
+                c.submitted_at = c.state.submitted_at
+                self.gateway.metrics.on_admitted(c.num_prompt_tokens)
 
     @property
     def is_finished(self) -> bool:
@@ -132,13 +158,16 @@ class RequestGroup:
                     continue  # stale: arrived after the choice ended
                 if isinstance(item, APIError):
                     error = item
+                    self._trace(choice, state, now, error)
                     break
                 try:
                     update = choice.consume(item, self.gateway.metrics, now)
                 except APIError as e:
                     error = e
+                    self._trace(choice, state, now, error)
                     break
                 if update.finish_reason is not None:
+                    self._trace(choice, state, now)
                     # A worker finish means the worker already forgot it; a stop string
                     # means it is still generating.
                     self.gateway.finish(state, abort=item.finish_reason is None)
@@ -147,6 +176,13 @@ class RequestGroup:
                 yield batch
             if error is not None:
                 raise error
+
+    def _trace(self, choice: Choice, state: RequestState, now: float,
+               error: APIError | None = None) -> None:
+        tracer = self.gateway.tracer
+        if tracer is not None:
+            tracer.record(choice, state.request_id, state.worker_id, self.trace_headers, now,
+                          None if error is None else error.message)
 
     def close(self) -> None:
         """End every choice still open (client gone, error, slow client)."""

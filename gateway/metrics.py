@@ -100,9 +100,27 @@ class RequestMetrics:
                              "Gap between two output chunks of a stream.", ITL_BUCKETS).labels(m)
         self.e2e = histogram("e2e_request_latency_seconds", "From arrival to the finish.",
                              REQUEST_LATENCY_BUCKETS).labels(m)
-        self.queue_time = histogram("request_queue_time_seconds",
-                                    "From arrival to the first SUBMIT to a worker.",
-                                    REQUEST_LATENCY_BUCKETS).labels(m)
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Waiting before the first scheduling: in the "
+            "gateway's queue, then in the worker's.", REQUEST_LATENCY_BUCKETS).labels(m)
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds", "From the first scheduling on a worker to the "
+            "first output token (the worker's measure).", REQUEST_LATENCY_BUCKETS).labels(m)
+        self.decode_time = histogram(
+            "request_decode_time_seconds", "From the first output token to the finish.",
+            REQUEST_LATENCY_BUCKETS).labels(m)
+        self.inference_time = histogram(
+            "request_inference_time_seconds", "Prefill plus decode time.",
+            REQUEST_LATENCY_BUCKETS).labels(m)
+        # Worker counters (from heartbeats), kept monotonic here across worker restarts.
+        self._worker_counters = {
+            name: counter(name, doc, ["model_name", "worker_id"]) for name, doc in (
+                ("prefix_cache_queries", "Prompt tokens looked up in a worker's prefix cache "
+                 "(at each request's first admission)."),
+                ("prefix_cache_hits", "Prompt tokens found in a worker's prefix cache."),
+                ("num_preemptions", "Sequences a worker preempted for want of KV blocks."),
+            )}
+        self._last_counters: dict[str, tuple[bytes, dict[str, int]]] = {}
         sizes = token_buckets(max_model_len)
         self.prompt_size = histogram("request_prompt_tokens", "Prompt tokens per request.",
                                      sizes).labels(m)
@@ -112,18 +130,24 @@ class RequestMetrics:
 
     # --- the request path's calls ------------------------------------------------------
 
-    def on_admitted(self, num_prompt_tokens: int, queue_time_s: float) -> None:
+    def on_admitted(self, num_prompt_tokens: int) -> None:
         """One engine request was sent to a worker for the first time."""
         self.prompt_tokens.inc(num_prompt_tokens)
         self.prompt_size.observe(num_prompt_tokens)
-        self.queue_time.observe(queue_time_s)
+
+    def on_first_token(self, queue_s: float, prefill_s: float) -> None:
+        """A request's first output token arrived: its queue and prefill phases are known."""
+        self.queue_time.observe(queue_s)
+        self.prefill_time.observe(prefill_s)
 
     def on_output(self, num_tokens: int, since_last_s: float, is_first: bool) -> None:
         """A chunk of output: `since_last_s` is from arrival (first) or the last chunk."""
         self.generation_tokens.inc(num_tokens)
         (self.ttft if is_first else self.itl).observe(since_last_s)
 
-    def on_finished(self, finish_reason: str, num_output_tokens: int, e2e_s: float) -> None:
+    def on_finished(self, finish_reason: str, num_output_tokens: int, e2e_s: float,
+                    prefill_s: float | None = None, decode_s: float | None = None) -> None:
+        """A request finished; `prefill_s`/`decode_s` are None if it never had output."""
         success = self._success_by_reason.get(finish_reason)
         if success is None:
             success = self._success_by_reason[finish_reason] = self._success.labels(
@@ -131,6 +155,24 @@ class RequestMetrics:
         success.inc()
         self.e2e.observe(e2e_s)
         self.generation_size.observe(num_output_tokens)
+        if decode_s is not None:
+            self.decode_time.observe(decode_s)
+            self.inference_time.observe((prefill_s or 0.0) + decode_s)
+
+    def on_worker_counters(self, worker_id: str, route: bytes, counters: dict[str, int]) -> None:
+        """A heartbeat's cumulative counters. Each worker process counts from 0, so a new
+        route (a restart) starts a new baseline: our totals only ever grow."""
+        last = self._last_counters.get(worker_id)
+        previous = last[1] if last is not None and last[0] == route else {}
+        for name, family in self._worker_counters.items():
+            value = counters.get(name)
+            if value is None:
+                continue
+            before = previous.get(name, 0)
+            delta = value - before if value >= before else value
+            if delta:
+                family.labels(self.model_name, worker_id).inc(delta)
+        self._last_counters[worker_id] = (route, dict(counters))
 
     def on_failover(self) -> None:
         self.failovers.inc()
@@ -153,6 +195,42 @@ class RequestMetrics:
             rejected = self._rejected_by_reason[reason] = self._rejected.labels(
                 self.model_name, reason)
         rejected.inc()
+
+
+class NoRequestMetrics(RequestMetrics):
+    """`--disable-metrics`: the request path's calls do nothing (used to measure their cost,
+    and for operators who scrape nothing)."""
+
+    def __init__(self) -> None:  # no registry, no families
+        self.model_name = ""
+
+    def on_admitted(self, num_prompt_tokens: int) -> None:
+        pass
+
+    def on_first_token(self, queue_s: float, prefill_s: float) -> None:
+        pass
+
+    def on_output(self, num_tokens: int, since_last_s: float, is_first: bool) -> None:
+        pass
+
+    def on_finished(self, finish_reason: str, num_output_tokens: int, e2e_s: float,
+                    prefill_s: float | None = None, decode_s: float | None = None) -> None:
+        pass
+
+    def on_worker_counters(self, worker_id: str, route: bytes, counters: dict[str, int]) -> None:
+        pass
+
+    def on_failover(self) -> None:
+        pass
+
+    def on_aborted(self, reason: str) -> None:
+        pass
+
+    def on_worker_event(self, worker_id: str, event: str) -> None:
+        pass
+
+    def on_refused(self, error: APIError) -> None:
+        pass
 
 
 class GatewayCollector(Collector):

@@ -40,6 +40,7 @@ from gateway.responses import (
 )
 from gateway.sse import SSEResponse, race_disconnect
 from gateway.tokenizer import TextTokenizer
+from gateway.tracing import trace_headers
 
 log = get_logger("api")
 
@@ -177,7 +178,8 @@ class Api:
     async def _generate(self, request: Request, ctx: ResponseContext, prompts: list[list[int]],
                         sampling: SamplingOptions, stream: bool, what: str = "prompt"
                         ) -> Response:
-        group = RequestGroup(self.gateway)
+        group = RequestGroup(self.gateway, trace_headers=None if self.gateway.tracer is None
+                             else trace_headers(request.headers))
         track_usage(request, group)  # its tokens count against the client's rate limit
         for ids in prompts:
             max_tokens = check_context(len(ids), sampling.max_tokens, self.max_model_len, what,

@@ -61,6 +61,9 @@ class BlockManager:
         self.num_total_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # Prompt tokens looked up in the prefix cache at first admission, and found there.
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
         self._hash_fn = hash_fn
         # The chain's root: random per process, so hashes cannot be precomputed elsewhere.
         self._root = secrets.randbits(63)
@@ -143,6 +146,8 @@ class BlockManager:
             # Usage reports what the cache saved the request on arrival; a re-admission
             # after preemption finds its own blocks again, which saved the client nothing.
             seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+            self.num_prefix_queries += seq.num_prompt_tokens
+            self.num_prefix_hits += seq.num_cached_tokens
         self.allocate(seq, num_new_tokens)
 
     # ---- growth and release ----------------------------------------------------------------

@@ -168,6 +168,8 @@ class Engine:
             num_cached_blocks=self.block_manager.num_cached_blocks,
             num_total_blocks=self.block_manager.num_total_blocks,
             num_preemptions=scheduler.num_preemptions,
+            num_prefix_queries=self.block_manager.num_prefix_queries,
+            num_prefix_hits=self.block_manager.num_prefix_hits,
             num_steps=self._num_steps,
             last_step=self._last_step,
         )
@@ -218,12 +220,16 @@ class Engine:
             outputs.append(self._output(seq, token))
         return outputs
 
-    @staticmethod
     def _output(
-        seq: Sequence, token: SampledToken | None, error: str | None = None
+        self, seq: Sequence, token: SampledToken | None, error: str | None = None
     ) -> RequestOutput:
         new_token_ids = seq.output_token_ids[seq.num_emitted_tokens :]
         seq.num_emitted_tokens = seq.num_output_tokens
+        timings = None
+        if new_token_ids and seq.first_token_time is None and seq.first_scheduled_time:
+            seq.first_token_time = now = self.scheduler.clock()
+            timings = (max(0.0, seq.first_scheduled_time - seq.arrival_time),
+                       max(0.0, now - seq.first_scheduled_time))
         logprobs = None
         if token is not None and token.logprob is not None and new_token_ids:
             logprobs = [(token.logprob, list(token.top_logprobs or []))]
@@ -236,6 +242,7 @@ class Engine:
             num_cached_tokens=seq.num_cached_tokens,
             logprobs=logprobs,
             error=error,
+            timings=timings,
         )
 
     def _fail(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:

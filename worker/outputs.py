@@ -20,6 +20,8 @@ class RequestOutput:
     # One entry per new token when logprobs were asked for: (logprob, [(id, logprob), ...]).
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     error: str | None = None  # user-facing message when finish_reason is ERROR
+    # With this request's first token here: (seconds queued, seconds from scheduled to it).
+    timings: tuple[float, float] | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -51,4 +53,6 @@ class EngineStats:
     num_total_blocks: int
     num_preemptions: int
     num_steps: int
+    num_prefix_queries: int = 0  # prompt tokens looked up in the prefix cache (first admission)
+    num_prefix_hits: int = 0  # ... and found there
     last_step: StepTiming = field(default_factory=StepTiming)

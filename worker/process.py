@@ -505,6 +505,9 @@ class WorkerLoop:
             num_paused=stats.num_paused, num_free_blocks=stats.num_free_blocks,
             num_total_blocks=stats.num_total_blocks, num_steps=self.num_steps,
             request_ids=list(self.streams),
+            counters={"prefix_cache_queries": stats.num_prefix_queries,
+                      "prefix_cache_hits": stats.num_prefix_hits,
+                      "num_preemptions": stats.num_preemptions},
         ), self._ids_at)
 
     def _send_tokens(self, msg: Tokens) -> None:
@@ -567,4 +570,5 @@ def _to_wire(out: RequestOutput) -> TokenOutput:
         finish_reason=None if out.finish_reason is None else out.finish_reason.value,
         num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
         num_cached_tokens=out.num_cached_tokens, logprobs=logprobs, error=out.error,
+        timings=None if out.timings is None else list(out.timings),
     )

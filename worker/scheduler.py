@@ -381,9 +381,17 @@ class Scheduler:
             return None
         self.waiting.popleft()
         bm.admit(seq, hits, num_new)
+        self._mark_scheduled(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         return num_new
+
+    def _mark_scheduled(self, seq: Sequence) -> None:
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = self._clock()
+
+    def clock(self) -> float:
+        return self._clock()
 
     def _is_batch_active(self) -> bool:
         # Padding rows alone do not keep a batch going: they only stand in for the finished.
@@ -411,6 +419,7 @@ class Scheduler:
             hits = bm.match_prefix(seq)
             self.waiting.popleft()
             bm.admit(seq, hits, 0)
+            self._mark_scheduled(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
 

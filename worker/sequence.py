@@ -110,6 +110,9 @@ class Sequence:
     num_preemptions: int = 0
     # Output tokens not yet handed out by engine.step() (kept across preemption).
     num_emitted_tokens: int = 0
+    # Scheduler clock: when it first got KV blocks, and when it first produced a token here.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

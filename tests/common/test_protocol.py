@@ -224,5 +224,23 @@ def test_fields_travel_in_declaration_order():
     assert [f.name for f in fields(Heartbeat)] == [
         "worker_id", "state", "num_running", "num_waiting", "num_paused",
         "num_free_blocks", "num_total_blocks", "time", "gateway_id", "num_steps",
-        "progress_age_s", "request_ids", "request_ids_age_s",
+        "progress_age_s", "request_ids", "request_ids_age_s", "counters",
     ]
+
+
+def test_heartbeat_counters_and_output_timings_are_checked():
+    hb = Heartbeat("w", counters={"prefix_cache_hits": 5})
+    assert decode(encode(hb)).counters == {"prefix_cache_hits": 5}
+    for bad in ({"x": -1}, {"x": 1.5}, {"x": True}, {f"k{i}": 1 for i in range(33)}):
+        with pytest.raises(ProtocolError):
+            decode(encode(Heartbeat("w", counters=bad)))
+    out = TokenOutput("r", [1], None, 3, 1, 0, None, None, [0.5, 0.25])
+    got = decode(encode(Tokens("w", 1, [out]))).outputs[0]
+    assert got.timings == [0.5, 0.25]
+    # An 8-item output (no timings) from an older worker still decodes.
+    body = msgpack.packb(["w", 1, [out.to_wire()[:8]]])
+    assert decode([bytes([MsgType.TOKENS]), body]).outputs[0].timings is None
+    for bad in ([1.0], [-1.0, 0.0], [float("nan"), 0.0], "x"):
+        out.timings = bad
+        with pytest.raises(ProtocolError):
+            decode(encode(Tokens("w", 1, [out])))

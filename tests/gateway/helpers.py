@@ -135,6 +135,7 @@ class FakeWorker:
     progress_age_s: float = 0.0  # what heartbeats report (a large value: engine stuck)
     num_free_blocks: int = 1000  # what heartbeats report (of 1000)
     state: str = "ready"  # what heartbeats report
+    counters: dict = field(default_factory=dict)  # what heartbeats report (cumulative)
     keys: object | None = None  # common.keys.WorkerKeys: speak CurveZMQ
     # The worker id its HELLO and TOKENS claim (default: worker_id); a rogue claims another.
     claimed_id: str | None = None
@@ -216,7 +217,7 @@ class FakeWorker:
                         self.worker_id, self.state, len(self.streams), 0, 0,
                         self.num_free_blocks, 1000,
                         time.time(), request_ids=list(self.streams),
-                        progress_age_s=self.progress_age_s)))
+                        progress_age_s=self.progress_age_s, counters=dict(self.counters))))
         finally:
             dealer.close(0)
             push.close(0)

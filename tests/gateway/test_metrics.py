@@ -4,12 +4,16 @@ heartbeats, failovers, and the API-key rule."""
 from __future__ import annotations
 
 import json
+import signal
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.metrics import token_buckets
+from gateway.tokenizer import load_tokenizer
 from tests.gateway.helpers import GatewayServer, cyclic_reply, wait_until
+from tests.gateway.test_real_worker import start_worker
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -33,6 +37,8 @@ def value(samples, name: str, **labels) -> float:
 COUNTED = ["zeroserve:time_to_first_token_seconds_count",
            "zeroserve:e2e_request_latency_seconds_count",
            "zeroserve:request_queue_time_seconds_count",
+           "zeroserve:request_prefill_time_seconds_count",
+           "zeroserve:request_decode_time_seconds_count",
            "zeroserve:request_prompt_tokens_count",
            "zeroserve:request_generation_tokens_count"]
 
@@ -174,3 +180,59 @@ def test_a_client_that_disconnects_mid_stream_is_counted():
         assert value(samples, "zeroserve:request_aborted_total", reason="slow_client") == 0
         assert value(samples, "zeroserve:e2e_request_latency_seconds_count") == 0
         worker.stop()
+
+
+def test_worker_counters_stay_monotonic_across_a_restart():
+    """Heartbeat counters are per process: a restarted worker counts from 0 again, and the
+    gateway's totals keep what the old process counted."""
+    name = "zeroserve:prefix_cache_hits_total"
+    with GatewayServer() as gw:
+        w1 = gw.worker(worker_id="w0", counters={"prefix_cache_hits": 10,
+                                                 "num_preemptions": 1}).start()
+        assert w1.ready.wait(5)
+        assert wait_until(lambda: value(scrape(gw), name, worker_id="w0") == 10)
+        w1.counters = {"prefix_cache_hits": 15, "num_preemptions": 1}
+        assert wait_until(lambda: value(scrape(gw), name, worker_id="w0") == 15)
+        w1.stop()
+        w2 = gw.worker(worker_id="w0", counters={"prefix_cache_hits": 3}).start()
+        assert w2.ready.wait(5)
+        assert wait_until(lambda: value(scrape(gw), name, worker_id="w0") == 18)
+        samples = scrape(gw)
+        w2.stop()
+    assert value(samples, "zeroserve:num_preemptions_total", worker_id="w0") == 1
+
+
+@pytest.mark.slow
+def test_worker_figures_match_ground_truth_across_a_worker_restart():
+    """A real worker process (fake backend): prefix-cache queries and hits equal what the
+    responses' usage says, the phase histograms count every request, and a killed and
+    restarted worker's figures add to the totals instead of resetting them."""
+    tokenizer = load_tokenizer("default")
+    prompt = "The same long system prompt, shared by every request of this test. " * 3
+    num_prompt, num_cached, num_requests = 0, 0, 0
+    with GatewayServer(tokenizer, worker_timeout_s=1.0) as gw:
+        for incarnation in range(2):
+            proc = start_worker(gw, "real-0")
+            try:
+                assert wait_until(lambda: httpx.get(gw.url + "/health").status_code == 200, 60)
+                for i in range(3):
+                    r = httpx.post(gw.url + "/v1/completions", timeout=30, json={
+                        "prompt": prompt + str(i), "max_tokens": 5, "ignore_eos": True})
+                    usage = r.json()["usage"]
+                    num_prompt += usage["prompt_tokens"]
+                    num_cached += usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+                    num_requests += 1
+                assert num_cached > 0
+                assert wait_until(lambda: value(scrape(gw), "zeroserve:prefix_cache_queries_total",
+                                                worker_id="real-0") == num_prompt, 10)
+            finally:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(10)
+        samples = scrape(gw)
+    assert value(samples, "zeroserve:prefix_cache_hits_total", worker_id="real-0") == num_cached
+    for name in ("request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds"):
+        assert value(samples, f"zeroserve:{name}_count") == num_requests, name
+    # The worker's phases: a 5 ms fake forward per step, 4 decode steps after the first token.
+    assert value(samples, "zeroserve:request_decode_time_seconds_sum") >= num_requests * 0.015
+    assert 0 < value(samples, "zeroserve:request_prefill_time_seconds_sum") < num_requests * 5
