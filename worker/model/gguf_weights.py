@@ -124,7 +124,8 @@ def _read_tensors(reader: gguf.GGUFReader, config: LlamaConfig, arch: Architectu
             ) from exc
         array = np.asarray(array, dtype=np.float32).reshape(tuple(reversed(tensor.shape.tolist())))
         blocks = int4_blocks(tensor.data, tensor.tensor_type)
-        heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(name.split(".")[-2])
+        module = name.split(".")[-2] if "." in name else name
+        heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(module)
         if heads is not None and arch.gguf_permuted_qk:
             array = unpermute_qk(array, heads)
             if blocks is not None:
