@@ -211,7 +211,7 @@ def test_worker_figures_match_ground_truth_across_a_worker_restart():
     prompt = "The same long system prompt, shared by every request of this test. " * 3
     num_prompt, num_cached, num_requests = 0, 0, 0
     with GatewayServer(tokenizer, worker_timeout_s=1.0) as gw:
-        for incarnation in range(2):
+        for _incarnation in range(2):
             proc = start_worker(gw, "real-0")
             try:
                 assert wait_until(lambda: httpx.get(gw.url + "/health").status_code == 200, 60)
@@ -223,8 +223,9 @@ def test_worker_figures_match_ground_truth_across_a_worker_restart():
                     num_cached += usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
                     num_requests += 1
                 assert num_cached > 0
+                expected = num_prompt
                 assert wait_until(lambda: value(scrape(gw), "zeroserve:prefix_cache_queries_total",
-                                                worker_id="real-0") == num_prompt, 10)
+                                                worker_id="real-0") == expected, 10)  # noqa: B023
             finally:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait(10)
