@@ -40,6 +40,7 @@ class LoopLagMonitor:
         self.samples: deque[float] = deque(maxlen=window_size)  # seconds late, oldest first
         self.num_samples = 0
         self.num_stalls = 0
+        self.lag_sum_s = 0.0  # since start
         self.max_lag_s = 0.0  # since start
         self._clock = clock
         self._last_log_at: float | None = None
@@ -67,6 +68,7 @@ class LoopLagMonitor:
     def record(self, lag_s: float) -> None:
         self.samples.append(lag_s)
         self.num_samples += 1
+        self.lag_sum_s += lag_s
         self.max_lag_s = max(self.max_lag_s, lag_s)
         if lag_s < self.warn_s:
             return

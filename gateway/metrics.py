@@ -283,13 +283,16 @@ class GatewayCollector(Collector):
 
 
 def _loop_lag(monitor: LoopLagMonitor, model_name: str) -> Iterator[Metric]:
+    # A summary: quantiles over the last window of samples, count and sum since start.
+    name = PREFIX + "event_loop_lag_seconds"
+    lag = Metric(name, "Gateway event-loop lag (quantiles over the last window of samples).",
+                 "summary")
     ordered = sorted(monitor.samples)
-    lag = GaugeMetricFamily(PREFIX + "event_loop_lag_seconds",
-                            "Gateway event-loop lag over the last window of samples.",
-                            labels=["model_name", "quantile"])
     for q in (0.5, 0.99, 1.0):
         value = ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
-        lag.add_metric([model_name, str(q)], value)
+        lag.add_sample(name, {"model_name": model_name, "quantile": str(q)}, value)
+    lag.add_sample(name + "_count", {"model_name": model_name}, monitor.num_samples)
+    lag.add_sample(name + "_sum", {"model_name": model_name}, monitor.lag_sum_s)
     yield lag
     stalls = CounterMetricFamily(PREFIX + "event_loop_stalls",
                                  "Event-loop lag samples at or above the warning threshold.",

@@ -173,6 +173,9 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=18765)
     ap.add_argument("--credit-window", type=int, default=32)
     ap.add_argument("--result-json", default=None)
+    ap.add_argument("--gateway-arg", action="append", default=[],
+                    help="an extra flag for `zeroserve gateway` (repeatable), e.g. "
+                         "--gateway-arg=--disable-metrics")
     args = ap.parse_args()
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -187,7 +190,7 @@ def main() -> None:
     gateway = subprocess.Popen(
         [py, "-m", "common.cli", "gateway", "--port", str(args.port), "--log-level", "warning",
          "--max-queued-requests", str(args.streams * 2),
-         "--credit-window", str(args.credit_window)], env=env, cwd=ROOT)
+         "--credit-window", str(args.credit_window), *args.gateway_arg], env=env, cwd=ROOT)
     procs = [gateway]
     tmp = tempfile.mkdtemp(prefix="relay-bench-")
     stamps_path, stop_path = os.path.join(tmp, "stamps.json"), os.path.join(tmp, "stop")

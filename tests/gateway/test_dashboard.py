@@ -28,13 +28,18 @@ def exposed_names(text: str) -> set[str]:
 
 def test_every_panel_queries_a_metric_the_gateway_exposes():
     with GatewayServer() as gw:
-        worker = gw.worker(reply=cyclic_reply("ab"), step_s=0.005).start()
+        counters = {"prefix_cache_queries": 4, "prefix_cache_hits": 2, "num_preemptions": 1}
+        old = gw.worker(counters=counters).start()
+        assert old.ready.wait(5)
+        old.stop()  # and a restart, so the worker-event counter has a sample
+        worker = gw.worker(reply=cyclic_reply("ab"), step_s=0.005, counters=counters).start()
         assert worker.ready.wait(5)
         with httpx.stream("POST", gw.url + "/v1/completions", timeout=10, json={
                 "prompt": "x", "max_tokens": 8, "stream": True}) as r:
             assert r.status_code == 200 and list(r.iter_lines())
-        assert wait_until(lambda: "zeroserve:e2e_request_latency_seconds_count"
-                          in httpx.get(gw.url + "/metrics").text)
+        assert wait_until(lambda: all(name in httpx.get(gw.url + "/metrics").text for name in (
+            "zeroserve:e2e_request_latency_seconds_count", "zeroserve:num_preemptions_total{",
+            'event="restarted"')))
         exposed = exposed_names(httpx.get(gw.url + "/metrics").text)
         worker.stop()
     board = json.loads(DASHBOARD.read_text())
