@@ -138,9 +138,12 @@ class Gateway:
         state.num_submits += 1
         state.submitted_at = state.last_activity = self.clock()
         state.missing_since = None
+        # params holds the sampling fields and, for constrained decoding, "grammar"
+        # ([kind, source]), which travels in SUBMIT's own field.
+        sampling = {k: v for k, v in params.items() if k != "grammar"}
         sent = self.edge.send(worker.worker_id, Submit(
-            state.request_id, state.prompt_token_ids, params, state.credit_limit,
-            state.output_token_ids))
+            state.request_id, state.prompt_token_ids, sampling, state.credit_limit,
+            state.output_token_ids, params.get("grammar")))
         log.debug("submitted", extra={"request_id": state.request_id,
                                       "worker_id": worker.worker_id})
         if not sent:

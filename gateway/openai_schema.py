@@ -5,11 +5,19 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway.errors import invalid_request, model_not_found
 from gateway.limits import RequestLimits
+from gateway.structured_output import (
+    ANY_OBJECT,
+    Grammar,
+    json_schema_grammar,
+    named_tool_grammar,
+    regex_grammar,
+    required_tool_grammar,
+)
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -27,6 +35,10 @@ MIN_TOP_P = 1e-5  # smaller keeps only the top token anyway, and 1e-300 is 0 in 
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 10.0
 DEFAULT_LIMITS = RequestLimits()
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias (the worker's limit too)
+MAX_TOOLS = 128
+_FUNCTION_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                 "0123456789_-")
 _MISSING = object()
 
 
@@ -50,11 +62,19 @@ class SamplingOptions:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: Grammar | None = None  # constrained decoding (response_format, forced tools)
 
     def worker_params(self, max_tokens: int, choice: int) -> dict[str, Any]:
-        """SamplingParams fields by name for SUBMIT. Choice i of n gets seed + i."""
+        """SamplingParams fields by name for SUBMIT (plus "grammar", which SUBMIT carries in
+        a field of its own). Choice i of n gets seed + i."""
         seed = None if self.seed is None else (self.seed + choice) % (2 ** 63)
-        return {
+        extra: dict[str, Any] = {}
+        if self.logit_bias:
+            extra["logit_bias"] = [list(pair) for pair in self.logit_bias]
+        if self.grammar is not None:
+            extra["grammar"] = self.grammar.to_wire()
+        return extra | {
             "max_tokens": max_tokens, "min_tokens": min(self.min_tokens, max_tokens),
             "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
             "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
@@ -72,6 +92,25 @@ class CompletionRequest:
     sampling: SamplingOptions
     stream: bool = False
     include_usage: bool = False
+    echo: bool = False  # the prompt's text comes before the completion's
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """A chat request's tools: the functions, and whether/how the model must call one."""
+
+    tools: list[dict[str, Any]]  # as the client sent them ({"type": "function", ...})
+    mode: str = "auto"  # "none", "auto", "required" or "named"
+    name: str | None = None  # the function, when mode is "named"
+    parallel: bool = True  # parallel_tool_calls
+
+    @property
+    def functions(self) -> list[dict[str, Any]]:
+        return [t["function"] for t in self.tools]
+
+    @property
+    def is_forced(self) -> bool:
+        return self.mode in ("required", "named")
 
 
 @dataclass(frozen=True)
@@ -83,6 +122,7 @@ class ChatRequest:
     include_usage: bool = False
     add_generation_prompt: bool = True
     extra_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: ToolChoice | None = None  # None: no tools given (or tool_choice "none")
 
 
 # --- field readers ---------------------------------------------------------------------
@@ -223,14 +263,152 @@ def _parse_sampling(body: dict, *, max_tokens: int | None, logprobs: int | None,
     _in_range("frequency_penalty", frequency, -2, 2)
     repetition = float(_get(body, "repetition_penalty", float, 1.0))
     _in_range("repetition_penalty", repetition, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
-    _reject_if_set(body, "logit_bias", "logit_bias is not implemented.")
     return SamplingOptions(
         max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p,
         top_k=top_k, min_p=min_p, seed=seed, stop=_parse_stop(body),
         stop_token_ids=_parse_stop_token_ids(body, limits), n=n, logprobs=logprobs,
         ignore_eos=_get(body, "ignore_eos", bool, False), presence_penalty=presence,
         frequency_penalty=frequency, repetition_penalty=repetition,
-        skip_special_tokens=_get(body, "skip_special_tokens", bool, True))
+        skip_special_tokens=_get(body, "skip_special_tokens", bool, True),
+        logit_bias=_parse_logit_bias(body, limits.vocab_size))
+
+
+def _parse_logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id as a string": bias in [-100, 100]}."""
+    name = "logit_bias"
+    value = _get(body, name, dict, {})
+    if len(value) > MAX_LOGIT_BIAS:
+        raise invalid_request(f"'{name}' may hold at most {MAX_LOGIT_BIAS} tokens.", param=name)
+    out = []
+    for key, bias in value.items():
+        token = int(key) if key.isascii() and key.isdigit() and len(key) <= 10 else -1
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            within = f" in [0, {vocab_size})" if vocab_size is not None else ""
+            raise invalid_request(f"'{name}' keys must be token ids{within}, got "
+                                  f"{_preview(key)}.", param=name)
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not (
+                -100 <= bias <= 100):
+            raise invalid_request(f"'{name}' values must be numbers in [-100, 100], got "
+                                  f"{_preview(bias)} for token {token}.", param=name)
+        out.append((token, float(bias)))
+    return tuple(out)
+
+
+def _parse_response_format(body: dict) -> Grammar | None:
+    """response_format: text (None), json_object (any JSON object) or json_schema."""
+    name = "response_format"
+    fmt = _get(body, name, dict)
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_schema_grammar(ANY_OBJECT, name)
+    if kind != "json_schema":
+        raise invalid_request(f"'{name}.type' must be 'text', 'json_object' or 'json_schema'.",
+                              param=f"{name}.type")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise invalid_request(f"'{name}.json_schema' must be an object with 'name' and "
+                              "'schema'.", param=f"{name}.json_schema")
+    _check_function_name(spec.get("name"), f"{name}.json_schema.name")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise invalid_request(f"'{name}.json_schema.strict' must be a boolean.",
+                              param=f"{name}.json_schema.strict")
+    schema = spec.get("schema")
+    # Strict or not, the schema is enforced: constrained decoding has no weaker mode.
+    return json_schema_grammar(ANY_OBJECT if schema is None else schema,
+                               f"{name}.json_schema.schema")
+
+
+def _parse_guided(body: dict) -> Grammar | None:
+    """vLLM's extra parameters: guided_json (a schema) and guided_regex."""
+    schema = body.get("guided_json")
+    if schema is not None:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError:
+                raise invalid_request("'guided_json' must be a JSON schema.",
+                                      param="guided_json") from None
+        return json_schema_grammar(schema, "guided_json")
+    pattern = _get(body, "guided_regex", str)
+    return None if pattern is None else regex_grammar(pattern, "guided_regex")
+
+
+def _parse_output_grammar(body: dict) -> Grammar | None:
+    fmt = _parse_response_format(body)
+    guided = _parse_guided(body)
+    if fmt is not None and guided is not None:
+        raise invalid_request("Give either 'response_format' or a guided_* parameter, not "
+                              "both.", param="response_format")
+    return fmt or guided
+
+
+def _check_function_name(name: Any, param: str) -> str:
+    if not (isinstance(name, str) and 0 < len(name) <= 64
+            and all(c in _FUNCTION_NAME_CHARS for c in name)):
+        raise invalid_request(f"'{param}' must be 1 to 64 letters, digits, '_' or '-'.",
+                              param=param)
+    return name
+
+
+def _parse_tools(body: dict) -> ToolChoice | None:
+    """tools and tool_choice -> None when the model may not call anything."""
+    tools = _get(body, "tools", list, [])
+    choice = body.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none"):
+            raise invalid_request("'tool_choice' is only allowed when 'tools' are given.",
+                                  param="tool_choice")
+        return None
+    if len(tools) > MAX_TOOLS:
+        raise invalid_request(f"'tools' may hold at most {MAX_TOOLS} functions.", param="tools")
+    names = set()
+    for i, tool in enumerate(tools):
+        param = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(
+                tool.get("function"), dict):
+            raise invalid_request(f"'{param}' must be {{\"type\": \"function\", \"function\": "
+                                  "{...}}.", param=param)
+        function = tool["function"]
+        name = _check_function_name(function.get("name"), f"{param}.function.name")
+        if name in names:
+            raise invalid_request(f"Function '{name}' is given twice in 'tools'.", param=param)
+        names.add(name)
+        params = function.get("parameters")
+        if params is not None:
+            json_schema_grammar(params, f"{param}.function.parameters")
+        description = function.get("description")
+        if description is not None and not isinstance(description, str):
+            raise invalid_request(f"'{param}.function.description' must be a string.",
+                                  param=f"{param}.function.description")
+    parallel = _get(body, "parallel_tool_calls", bool, True)
+    if choice is None or choice == "auto":
+        return ToolChoice(tools, "auto", parallel=parallel)
+    if choice == "none":
+        return None
+    if choice == "required":
+        return ToolChoice(tools, "required", parallel=parallel)
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(
+            choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in names:
+            raise invalid_request(f"'tool_choice' names the function {_preview(name)}, which "
+                                  "is not in 'tools'.", param="tool_choice")
+        return ToolChoice(tools, "named", name=name, parallel=parallel)
+    raise invalid_request("'tool_choice' must be 'none', 'auto', 'required' or "
+                          "{\"type\": \"function\", \"function\": {\"name\": ...}}.",
+                          param="tool_choice")
+
+
+def _forced_tool_grammar(tools: ToolChoice) -> Grammar:
+    if tools.mode == "named":
+        function = next(f for f in tools.functions if f["name"] == tools.name)
+        return named_tool_grammar(function)
+    return required_tool_grammar(tools.functions, tools.parallel)
 
 
 def _parse_stream(body: dict) -> tuple[bool, bool]:
@@ -254,7 +432,10 @@ def parse_completion(body: dict, served_names: tuple[str, ...],
     if prompt is None:
         raise invalid_request("'prompt' is required.", param="prompt")
     prompts = _parse_prompts(prompt, limits)
-    _reject_if_set(body, "echo", "echo is not implemented.")
+    echo = _get(body, "echo", bool, False)
+    if echo and body.get("logprobs") is not None:
+        raise invalid_request("'echo' together with 'logprobs' (the prompt's logprobs) is not "
+                              "supported.", param="echo")
     _reject_if_set(body, "suffix", "suffix is not implemented.", allowed=(None, ""))
     logprobs = _get(body, "logprobs", int)
     _in_range("logprobs", logprobs, 0, MAX_LOGPROBS)
@@ -262,8 +443,11 @@ def parse_completion(body: dict, served_names: tuple[str, ...],
     max_tokens = _get(body, "max_tokens", int, min(16, limits.max_tokens_limit))
     _parse_max_tokens("max_tokens", max_tokens, limits)
     sampling = _parse_sampling(body, max_tokens=max_tokens, logprobs=logprobs, limits=limits)
+    grammar = _parse_output_grammar(body)
+    if grammar is not None:
+        sampling = replace(sampling, grammar=grammar)
     _check_num_engine_requests(len(prompts), sampling.n, limits)
-    return CompletionRequest(model, prompts, sampling, stream, include_usage)
+    return CompletionRequest(model, prompts, sampling, stream, include_usage, echo)
 
 
 def _parse_prompts(prompt: Any, limits: RequestLimits) -> list[str | list[int]]:
@@ -301,7 +485,8 @@ def _check_num_engine_requests(num_prompts: int, n: int, limits: RequestLimits) 
 
 
 # What the server itself passes to a chat template.
-_TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+_TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token",
+                             "tools"})
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
@@ -309,12 +494,16 @@ def parse_chat(body: dict, served_names: tuple[str, ...],
                limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequest:
     model = check_model(body, served_names)
     parsed = _parse_messages(body.get("messages"), limits)
-    _reject_if_set(body, "tools", "tool calling is not implemented.")
-    _reject_if_set(body, "functions", "function calling is not implemented.")
-    fmt = _get(body, "response_format", dict)
-    if fmt is not None and fmt.get("type") not in (None, "text"):
-        raise invalid_request("Only response_format {'type': 'text'} is supported.",
-                              param="response_format")
+    _reject_if_set(body, "functions", "use 'tools' (the legacy 'functions' is not "
+                   "supported).")
+    tools = _parse_tools(body)
+    grammar = _parse_output_grammar(body)
+    if tools is not None and tools.is_forced:
+        if grammar is not None:
+            raise invalid_request("'response_format' cannot be combined with a forced tool "
+                                  "call ('tool_choice' required or a named function).",
+                                  param="response_format")
+        grammar = _forced_tool_grammar(tools)
     logprobs_on = _get(body, "logprobs", bool, False)
     top_logprobs = _get(body, "top_logprobs", int)
     _in_range("top_logprobs", top_logprobs, 0, MAX_LOGPROBS)
@@ -331,6 +520,8 @@ def parse_chat(body: dict, served_names: tuple[str, ...],
     sampling = _parse_sampling(body, max_tokens=max_tokens,
                                logprobs=(top_logprobs or 0) if logprobs_on else None,
                                limits=limits)
+    if grammar is not None:
+        sampling = replace(sampling, grammar=grammar)
     _check_num_engine_requests(1, sampling.n, limits)
     kwargs = _get(body, "chat_template_kwargs", dict, {})
     reserved = _TEMPLATE_NAMES.intersection(kwargs)
@@ -339,7 +530,7 @@ def parse_chat(body: dict, served_names: tuple[str, ...],
                               param="chat_template_kwargs")
     return ChatRequest(model, parsed, sampling, stream, include_usage,
                        add_generation_prompt=_get(body, "add_generation_prompt", bool, True),
-                       extra_template_kwargs=kwargs)
+                       extra_template_kwargs=kwargs, tools=tools)
 
 
 def _parse_messages(messages: Any, limits: RequestLimits) -> list[dict[str, Any]]:

@@ -10,6 +10,7 @@ from json.encoder import encode_basestring as _json_string
 from typing import Any
 
 from gateway.generation import ChoiceUpdate
+from gateway.openai_schema import ToolChoice
 from gateway.tokenizer import TextTokenizer
 
 
@@ -30,6 +31,7 @@ class ResponseContext:
     include_usage: bool = False
     id: str = ""
     created_at: float = field(default_factory=time.time)
+    tools: ToolChoice | None = None  # chat: the model may call these
 
     @property
     def created(self) -> int:
@@ -140,6 +142,14 @@ def chat_chunk(ctx: ResponseContext, update: ChoiceUpdate, logprobs: dict | None
     return ctx.render_choice(
         f'{{"index":{update.index},"delta":{delta},"logprobs":{_json(logprobs)},'
         f'"finish_reason":{_finish_json(update.finish_reason)}}}')
+
+
+def chat_delta_chunk(ctx: ResponseContext, index: int, delta: dict, logprobs: dict | None,
+                     finish_reason: str | None) -> bytes:
+    """A chat chunk with any delta (tool-call pieces, content)."""
+    return ctx.render_choice(
+        f'{{"index":{index},"delta":{_json(delta)},"logprobs":{_json(logprobs)},'
+        f'"finish_reason":{_finish_json(finish_reason)}}}')
 
 
 def usage_chunk(ctx: ResponseContext, usage: dict) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -31,6 +32,7 @@ from gateway.responses import (
     LogprobsFormatter,
     ResponseContext,
     chat_chunk,
+    chat_delta_chunk,
     chat_response,
     chat_role_chunk,
     completion_chunk,
@@ -40,6 +42,7 @@ from gateway.responses import (
 )
 from gateway.sse import SSEResponse, race_disconnect
 from gateway.tokenizer import TextTokenizer
+from gateway.tool_calls import ToolCallStream, parse_calls, prepare_messages
 from gateway.tracing import trace_headers
 
 log = get_logger("api")
@@ -121,6 +124,7 @@ class Api:
             req = parse_completion(await self._read_json(request), self.served_names,
                                    self.limits)
             prompts = []
+            echoes = [] if req.echo else None
             for p in req.prompts:
                 if isinstance(p, str):
                     ids = await self._encode(p)
@@ -130,18 +134,24 @@ class Api:
                     check_token_ids(p, self.tokenizer.vocab_size)
                     ids = list(p)
                 prompts.append(ids)
+                if echoes is not None:
+                    echoes.append(p if isinstance(p, str) else
+                                  self.tokenizer.decode(ids, skip_special_tokens=False))
             ctx = ResponseContext("completion", req.model, req.include_usage)
-            return await self._generate(request, ctx, prompts, req.sampling, req.stream)
+            return await self._generate(request, ctx, prompts, req.sampling, req.stream,
+                                        echoes=echoes)
         except APIError as e:
             return e.response()
 
     async def chat(self, request: Request) -> Response:
         try:
             req = parse_chat(await self._read_json(request), self.served_names, self.limits)
-            text = await self._render(req.messages, req.add_generation_prompt,
-                                      req.extra_template_kwargs)
+            messages, tool_kwargs = prepare_messages(req.messages, req.tools,
+                                                     self.template.source)
+            text = await self._render(messages, req.add_generation_prompt,
+                                      tool_kwargs | req.extra_template_kwargs)
             ids = await self._encode(text, add_special_tokens=False)
-            ctx = ResponseContext("chat", req.model, req.include_usage)
+            ctx = ResponseContext("chat", req.model, req.include_usage, tools=req.tools)
             return await self._generate(request, ctx, [ids], req.sampling, req.stream,
                                         what="messages")
         except APIError as e:
@@ -176,8 +186,9 @@ class Api:
 
 
     async def _generate(self, request: Request, ctx: ResponseContext, prompts: list[list[int]],
-                        sampling: SamplingOptions, stream: bool, what: str = "prompt"
-                        ) -> Response:
+                        sampling: SamplingOptions, stream: bool, what: str = "prompt",
+                        echoes: list[str] | None = None) -> Response:
+        """`echoes`: per prompt, the text that comes before its completions (echo)."""
         group = RequestGroup(self.gateway, trace_headers=None if self.gateway.tracer is None
                              else trace_headers(request.headers))
         track_usage(request, group)  # its tokens count against the client's rate limit
@@ -210,14 +221,14 @@ class Api:
                 metrics.on_aborted("slow_client")
                 return sse(client_too_slow(self.config.slow_client_timeout_s).body()) + SSE_DONE
 
-            return SSEResponse(self._events(group, ctx, sampling),
+            return SSEResponse(self._events(group, ctx, sampling, echoes),
                                self.config.slow_client_timeout_s,
                                on_slow_client=on_slow_client, request_id=ctx.id,
                                min_client_rate=self.config.min_client_rate,
                                on_disconnect=lambda: metrics.on_aborted("disconnect"))
         try:
-            is_gone, result = await race_disconnect(self._collect(group, ctx, sampling),
-                                                    request.receive)
+            is_gone, result = await race_disconnect(
+                self._collect(group, ctx, sampling, echoes), request.receive)
         finally:
             group.close()
             self._log_done(ctx, group)
@@ -237,12 +248,16 @@ class Api:
         return fmt.completion(update.token_ids, update.logprobs, offset)
 
     async def _events(self, group: RequestGroup, ctx: ResponseContext,
-                      sampling: SamplingOptions) -> AsyncIterator[bytes]:
+                      sampling: SamplingOptions, echoes: list[str] | None = None
+                      ) -> AsyncIterator[bytes]:
         offsets = [0] * len(group.choices)
         # Like vLLM and llama-server, the role chunk goes out with a choice's first output,
         # not before prefill, so clients that stop a TTFT clock at the first chunk measure
         # the time to the first token.
         needs_role = {c.index for c in group.choices} if ctx.kind == "chat" else set()
+        needs_echo = {c.index for c in group.choices} if echoes is not None else set()
+        tool_streams = ({c.index: ToolCallStream(ctx.tools) for c in group.choices}
+                        if ctx.kind == "chat" and ctx.tools is not None else None)
         try:
             build = chat_chunk if ctx.kind == "chat" else completion_chunk
             async for batch in group.update_batches():
@@ -251,9 +266,19 @@ class Api:
                     if update.index in needs_role:
                         needs_role.discard(update.index)
                         out.append(sse(chat_role_chunk(ctx, update.index)))
-                    lp = self._logprobs(ctx, update, offsets[update.index])
-                    offsets[update.index] += len(update.text)
-                    if update.text or update.finish_reason is not None or lp is not None:
+                    if update.index in needs_echo:
+                        needs_echo.discard(update.index)
+                        echo = echoes[update.index // sampling.n]
+                        offsets[update.index] += len(echo)
+                        update = dataclasses.replace(update, text=echo + update.text)
+                        lp = self._logprobs(ctx, update, offsets[update.index])
+                        offsets[update.index] += len(update.text) - len(echo)
+                    else:
+                        lp = self._logprobs(ctx, update, offsets[update.index])
+                        offsets[update.index] += len(update.text)
+                    if tool_streams is not None:
+                        out += _tool_chunks(ctx, tool_streams[update.index], update, lp)
+                    elif update.text or update.finish_reason is not None or lp is not None:
                         out.append(build(ctx, update, lp))
                 if out:
                     yield b"".join(out)
@@ -278,8 +303,10 @@ class Api:
             "num_output_tokens": sum(c.num_output_tokens for c in group.choices)})
 
     async def _collect(self, group: RequestGroup, ctx: ResponseContext,
-                       sampling: SamplingOptions) -> dict:
+                       sampling: SamplingOptions, echoes: list[str] | None = None) -> dict:
         texts = [""] * len(group.choices)
+        if echoes is not None:
+            texts = [echoes[c.index // sampling.n] for c in group.choices]
         logprobs: list[dict | None] = [None] * len(group.choices)
         async for batch in group.update_batches():
             for update, state in batch:
@@ -293,14 +320,39 @@ class Api:
         choices = []
         for c in group.choices:
             if ctx.kind == "chat":
-                choices.append({"index": c.index, "message": {"role": "assistant",
-                                                               "content": texts[c.index]},
-                                "logprobs": logprobs[c.index], "finish_reason": c.finish_reason})
+                message: dict = {"role": "assistant", "content": texts[c.index]}
+                finish_reason = c.finish_reason
+                if ctx.tools is not None:
+                    content, calls = parse_calls(texts[c.index], ctx.tools)
+                    message["content"] = content
+                    if calls:
+                        message["tool_calls"] = [call.to_openai() for call in calls]
+                        if finish_reason == "stop":
+                            finish_reason = "tool_calls"
+                choices.append({"index": c.index, "message": message,
+                                "logprobs": logprobs[c.index], "finish_reason": finish_reason})
             else:
                 choices.append({"index": c.index, "text": texts[c.index],
                                 "logprobs": logprobs[c.index], "finish_reason": c.finish_reason})
         build = chat_response if ctx.kind == "chat" else completion_response
         return build(ctx, choices, group.usage())
+
+
+def _tool_chunks(ctx: ResponseContext, stream: ToolCallStream, update: ChoiceUpdate,
+                 logprobs: dict | None) -> list[bytes]:
+    """A chat update of a request with tools -> its chunks: content or tool-call deltas; the
+    last carries the logprobs and the finish ("tool_calls" when calls were made)."""
+    deltas = stream.push(update.text)
+    finish_reason = update.finish_reason
+    if finish_reason is not None:
+        deltas += stream.finish()
+        if finish_reason == "stop" and stream.has_calls:
+            finish_reason = "tool_calls"
+    chunks = [chat_delta_chunk(ctx, update.index, d, None, None) for d in deltas[:-1]]
+    if deltas or finish_reason is not None or logprobs is not None:
+        last = deltas[-1] if deltas else {}
+        chunks.append(chat_delta_chunk(ctx, update.index, last, logprobs, finish_reason))
+    return chunks
 
 
 def _tokenize_body(ids: list[int], max_model_len: int) -> bytes:

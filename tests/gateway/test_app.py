@@ -237,7 +237,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "x", "stop": 3}, 400, "stop"),
     ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "x", "echo": "yes"}, 400, "echo"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),

@@ -71,7 +71,8 @@ def test_content_parts_are_joined_and_assistant_may_be_empty():
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
     ({"prompt": "x", "min_tokens": 20, "max_tokens": 10}, "min_tokens"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
-    ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"1": 500}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"-1": 5}}, "logit_bias"),
     ({"prompt": "x", "stop": ["a"] * 17}, "stop"),
     ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
     ({"prompt": []}, "prompt"),
@@ -91,12 +92,13 @@ def test_unknown_model_is_404_and_missing_model_is_the_served_one():
     assert parse_completion({"prompt": "x", "model": NAMES[1]}, NAMES).model == NAMES[1]
 
 
-def test_chat_rejects_tools_and_json_mode():
+def test_chat_rejects_malformed_tools_and_response_format():
+    # (tools and response_format themselves: tests/gateway/test_structured_output.py)
     msgs = [{"role": "user", "content": "x"}]
     assert error_of(parse_chat, {"messages": msgs, "tools": [{"type": "function"}]},
-                    NAMES).param == "tools"
+                    NAMES).param == "tools[0]"
     assert error_of(parse_chat, {"messages": msgs, "response_format": {
-        "type": "json_object"}}, NAMES).param == "response_format"
+        "type": "xml"}}, NAMES).param == "response_format.type"
     parse_chat({"messages": msgs, "tools": [], "response_format": {"type": "text"}}, NAMES)
 
 

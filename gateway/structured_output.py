@@ -1,0 +1,104 @@
+"""What a request's output must look like, as a grammar for the worker's constrained decoding.
+
+`response_format` json_object / json_schema and forced tool calls (tool_choice "required" or a
+named function) become a JSON schema that travels in SUBMIT as ["json_schema", text]; the
+worker compiles it with llguidance (worker/grammar.py). The schema is checked here first, with
+the same engine, so a schema it cannot run is a 400 before any worker sees the request.
+
+Forced tool calls follow vLLM's shapes, which need no knowledge of the model's own call
+syntax: a named function constrains the output to that function's arguments object; "required"
+to a JSON array of {"name": ..., "arguments": {...}} objects, one of the given functions each.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from common.protocol import MAX_GRAMMAR_CHARS
+from gateway.errors import invalid_request
+
+# Any JSON object (json_object mode and functions without `parameters`).
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+@dataclass(frozen=True)
+class Grammar:
+    kind: str  # "json_schema", "regex" (common.protocol.GRAMMAR_KINDS)
+    source: str
+
+    def to_wire(self) -> list[str]:
+        return [self.kind, self.source]
+
+
+def json_schema_grammar(schema: Any, param: str) -> Grammar:
+    """A JSON schema (already parsed) -> a grammar, or a 400 naming `param`."""
+    if not isinstance(schema, (dict, bool)):
+        raise invalid_request(f"'{param}' must be a JSON schema object.", param=param)
+    text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise invalid_request(f"'{param}' is too large ({len(text)} characters; the limit is "
+                              f"{MAX_GRAMMAR_CHARS}).", param=param)
+    error = _schema_error(text)
+    if error:
+        raise invalid_request(f"'{param}' is not a JSON schema this server can enforce: "
+                              f"{error}", param=param)
+    return Grammar("json_schema", text)
+
+
+def regex_grammar(pattern: str, param: str) -> Grammar:
+    if not 0 < len(pattern) <= MAX_GRAMMAR_CHARS:
+        raise invalid_request(f"'{param}' must have 1 to {MAX_GRAMMAR_CHARS} characters.",
+                              param=param)
+    error = _regex_error(pattern)
+    if error:
+        raise invalid_request(f"'{param}' is not a valid regular expression: {error}",
+                              param=param)
+    return Grammar("regex", pattern)
+
+
+def named_tool_grammar(function: dict[str, Any]) -> Grammar:
+    """The output is the named function's arguments object."""
+    name = function["name"]
+    return json_schema_grammar(function.get("parameters") or ANY_OBJECT,
+                               f"tools[{name}].function.parameters")
+
+
+def required_tool_grammar(functions: list[dict[str, Any]], parallel: bool) -> Grammar:
+    """The output is a JSON array of calls: {"name": one of the functions, "arguments": its
+    parameters' object}; exactly one call unless parallel calls are allowed."""
+    calls = [{
+        "type": "object",
+        "properties": {"name": {"const": f["name"]},
+                       "arguments": f.get("parameters") or ANY_OBJECT},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    } for f in functions]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                              "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return json_schema_grammar(schema, "tools")
+
+
+@lru_cache(maxsize=256)
+def _schema_error(text: str) -> str:
+    import llguidance
+
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(text)
+    except ValueError as e:
+        return str(e)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    return (messages[0] if messages else "invalid schema") if is_error else ""
+
+
+@lru_cache(maxsize=256)
+def _regex_error(pattern: str) -> str:
+    import llguidance
+
+    grammar = llguidance.LLMatcher.grammar_from_regex(pattern)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    return (messages[0] if messages else "invalid regex") if is_error else ""
