@@ -8,6 +8,7 @@ dimension i with i + head_dim/2 ("rotate half"). `unpermute_qk` undoes the conve
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import gguf
@@ -154,5 +155,6 @@ def load_gguf(path: Path) -> ModelWeights:
     config = read_config(reader)
     eos_ids, bos_id = _special_ids(reader)
     tensors, int4 = _read_tensors(reader, config, for_gguf_arch(_field(reader, "general.architecture")))
+    types = Counter(t.tensor_type.name for t in reader.tensors)
     return ModelWeights(config=config, tensors=tensors, eos_token_ids=eos_ids,
-                        bos_token_id=bos_id, int4=int4)
+                        bos_token_id=bos_id, int4=int4, tensor_types=dict(types))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -97,9 +98,7 @@ def load_hf_directory(directory: Path) -> ModelWeights:
     generation = _read_json(directory / "generation_config.json")
     config = read_config(hf)
     eos_ids, bos_id = _special_ids(hf, generation)
-    return ModelWeights(
-        config=config,
-        tensors=_read_tensors(directory),
-        eos_token_ids=eos_ids,
-        bos_token_id=bos_id,
-    )
+    tensors = _read_tensors(directory)
+    types = Counter(str(t.dtype).removeprefix("torch.") for t in tensors.values())
+    return ModelWeights(config=config, tensors=tensors, eos_token_ids=eos_ids,
+                        bos_token_id=bos_id, tensor_types=dict(types))

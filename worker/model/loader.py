@@ -6,6 +6,7 @@ LlamaModel. With a weight cache the first two steps run once; later starts map t
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from worker.model.prepare import prepare_weights, should_pack
 from worker.model.weights import ModelWeights, PreparedWeights
 from worker.startup import StartupTimer
 from worker.weight_cache import WeightCache
+
+logger = logging.getLogger(__name__)
 
 
 def load_weights(path: Path) -> ModelWeights:
@@ -40,6 +43,8 @@ def _read_and_prepare(path: Path, dtype: torch.dtype, pack: bool,
                       timer: StartupTimer) -> PreparedWeights:
     with timer.phase("load_weights"):
         weights = load_weights(path)
+    timer.notes["file_tensor_types"] = ", ".join(
+        f"{name} x{count}" for name, count in sorted(weights.tensor_types.items()))
     with timer.phase("quantize"):
         return prepare_weights(weights, dtype, pack)
 
@@ -82,6 +87,10 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype,
     path = resolve_model(model)
     prepared = prepared_weights(path, device, dtype, cache, timer)
     config = prepared.config
+    timer.notes["weights_memory"] = prepared.memory_summary()
+    logger.info("%s: %s model, %s weights in %s (file: %s)", path.name, config.architecture,
+                dtype_name(dtype), timer.notes["weights_memory"],
+                timer.notes.get("file_tensor_types", "prepared, from the weight cache"))
     context_len = config.max_position_embeddings
     if max_model_len is not None:
         context_len = min(context_len, max_model_len)

@@ -20,9 +20,12 @@ class ModelWeights:
     tensors: dict[str, torch.Tensor]
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+
     # The original 4-bit blocks of GGUF Q4_0/Q4_1 tensors (same names, HF layout), for the
     # small-batch int4 kernels; `tensors` holds their dequantized values as well.
     int4: dict[str, Int4Blocks] = field(default_factory=dict)
+    # How the file stored its tensors: type name ("Q4_K", "F32", "bfloat16") -> count.
+    tensor_types: dict[str, int] = field(default_factory=dict)
 
     def take(self, name: str) -> torch.Tensor:
         """Remove and return one tensor, so the loader's copy is freed as the model is built."""
@@ -42,3 +45,13 @@ class PreparedWeights:
     tensors: dict[str, torch.Tensor]
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+
+    def memory_summary(self) -> str:
+        """'540.2 MiB (dense 480.0, int4 52.1, int8 8.1)': what the weights take in memory."""
+        kinds = {"dense": 0, "int4": 0, "int8": 0}
+        for name, tensor in self.tensors.items():
+            kind = "int4" if ".int4." in name else "int8" if ".int8." in name else "dense"
+            kinds[kind] += tensor.nbytes
+        mib = 1 << 20
+        parts = ", ".join(f"{k} {v / mib:.1f}" for k, v in kinds.items() if v)
+        return f"{sum(kinds.values()) / mib:.1f} MiB ({parts})"
