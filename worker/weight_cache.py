@@ -46,7 +46,7 @@ from worker.model.weights import PreparedWeights
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: architectures (biases, q/k norms, rope_freqs, windows in the config)
 _PROBE_BYTES = 64 << 10  # hashed from each end of every model file
 _LOCK_TIMEOUT_S = 600.0  # then build without the lock (the rename keeps it safe anyway)
 
