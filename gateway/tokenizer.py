@@ -1,7 +1,10 @@
 """The model's tokenizer, built with the `tokenizers` library from the model's own metadata.
 
-- GGUF: llama.cpp stores a byte-level BPE ("gpt2") vocabulary as `tokenizer.ggml.*` keys;
-  we rebuild the tokenizer from them. `tokenizer.ggml.pre` names the pre-tokenizer the
+- GGUF: llama.cpp stores the vocabulary as `tokenizer.ggml.*` keys; we rebuild the tokenizer
+  from them. Two kinds: byte-level BPE ("gpt2": Llama 3, Qwen, SmolLM) and SentencePiece
+  ("llama": Llama 2, Mistral), whose pieces spell spaces as U+2581, fall back to `<0xNN>`
+  byte tokens, and merge by score: as BPE, a merge of two pieces ranks by the score of the
+  piece it makes (what llama.cpp's SPM tokenizer and transformers' GGUF loader both do). `tokenizer.ggml.pre` names the pre-tokenizer the
   merges were learned with: for "smollm" (and the StarCoder family) llama.cpp first
   isolates every digit (`\\p{N}`) and then applies GPT-2's split regex, which is what the
   model's own tokenizer.json says (Digits(individual_digits) then ByteLevel).
@@ -17,7 +20,16 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 
 from common.model_files import resolve_model
 from gateway.gguf_metadata import read_gguf_metadata
@@ -25,6 +37,7 @@ from gateway.gguf_metadata import read_gguf_metadata
 # llama.cpp token types (tokenizer.ggml.token_type)
 _TOKEN_CONTROL = 3
 _TOKEN_USER_DEFINED = 4
+_SPIECE_SPACE = "\u2581"
 
 # Pre-tokenizer families by `tokenizer.ggml.pre`, following llama.cpp's llama-vocab.cpp.
 _DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone",
@@ -165,10 +178,37 @@ def load_tokenizer(model: str) -> TextTokenizer:
 def _from_gguf(path: Path) -> TextTokenizer:
     meta = read_gguf_metadata(path)
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind == "gpt2":
+        tk = _gguf_byte_level_bpe(meta)
+    elif kind == "llama":
+        tk = _gguf_sentencepiece(meta)
+    else:
         raise TokenizerLoadError(
-            f"{path.name}: tokenizer.ggml.model={kind!r} is not supported (only byte-level BPE"
-            " 'gpt2'); use the model's Hugging Face directory instead")
+            f"{path.name}: tokenizer.ggml.model={kind!r} is not supported (byte-level BPE"
+            " 'gpt2' and SentencePiece 'llama' are); use the model's Hugging Face directory")
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+
+    def special(key: str) -> str | None:
+        idx = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[idx] if isinstance(idx, int) and 0 <= idx < len(tokens) else None
+
+    bos, eos = special("bos_token_id"), special("eos_token_id")
+    if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
+        tk.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+            special_tokens=[(bos, tokens.index(bos))])
+    eos_ids = [meta["tokenizer.ggml.eos_token_id"]] if eos is not None else []
+    for key in ("eot_token_id", "eom_token_id"):  # end of turn / of message: stop there too
+        extra = meta.get(f"tokenizer.ggml.{key}")
+        if isinstance(extra, int) and extra not in eos_ids:
+            eos_ids.append(extra)
+    arch = meta.get("general.architecture")
+    ctx = meta.get(f"{arch}.context_length")
+    return TextTokenizer(tk, bos, eos, tuple(eos_ids), meta.get("tokenizer.chat_template"),
+                         int(ctx) if ctx else None, is_byte_level=kind == "gpt2")
+
+
+def _gguf_byte_level_bpe(meta: dict) -> Tokenizer:
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
@@ -186,27 +226,62 @@ def _from_gguf(path: Path) -> TextTokenizer:
     tk.add_special_tokens([AddedToken(t, normalized=False, special=True)
                            for t, ty in zip(tokens, token_types, strict=False)
                            if ty == _TOKEN_CONTROL and set(t) <= alphabet])
+    _add_user_defined(tk, tokens, token_types)
+    return tk
+
+
+def _add_user_defined(tk: Tokenizer, tokens: list[str], token_types: list[int]) -> None:
     tk.add_tokens([AddedToken(t, normalized=False, special=False)
                    for t, ty in zip(tokens, token_types, strict=False)
                    if ty == _TOKEN_USER_DEFINED])
 
-    def special(key: str) -> str | None:
-        idx = meta.get(f"tokenizer.ggml.{key}")
-        return tokens[idx] if isinstance(idx, int) and 0 <= idx < len(tokens) else None
 
-    bos, eos = special("bos_token_id"), special("eos_token_id")
-    if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
-        tk.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-            special_tokens=[(bos, tokens.index(bos))])
-    eos_ids = [meta["tokenizer.ggml.eos_token_id"]] if eos is not None else []
-    eot = meta.get("tokenizer.ggml.eot_token_id")
-    if isinstance(eot, int) and eot not in eos_ids:
-        eos_ids.append(eot)
-    arch = meta.get("general.architecture")
-    ctx = meta.get(f"{arch}.context_length")
-    return TextTokenizer(tk, bos, eos, tuple(eos_ids), meta.get("tokenizer.chat_template"),
-                         int(ctx) if ctx else None, is_byte_level=True)
+def sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges that reproduce SentencePiece's merge-by-score: every split of a piece
+    into two pieces of the vocabulary, best score of the merged piece first (then the
+    longer left part, then the longer right part, then vocabulary order)."""
+    index = {}
+    for i, tok in enumerate(tokens):
+        index.setdefault(tok, i)
+    ranked = []
+    for i, tok in enumerate(tokens):
+        if index[tok] != i:
+            continue
+        for cut in range(1, len(tok)):
+            left, right = tok[:cut], tok[cut:]
+            if left in index and right in index:
+                ranked.append((-scores[i], -len(left), -len(right), i, index[left], left, right))
+    ranked.sort(key=lambda r: r[:5])
+    return [(r[5], r[6]) for r in ranked]
+
+
+def _gguf_sentencepiece(meta: dict) -> Tokenizer:
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    scores: list[float] = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    vocab = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(tokens) else None
+    tk = Tokenizer(models.BPE(vocab, sentencepiece_merges(tokens, scores), unk_token=unk,
+                              fuse_unk=True, byte_fallback=True))
+    # SentencePiece (and llama.cpp, after every special token) put one space before the
+    # text even where it starts with spaces; a normalizer does that per segment between
+    # special tokens. (Metaspace would skip it on text that starts with a space.)
+    prefix_space = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    spaces = normalizers.Replace(" ", _SPIECE_SPACE)
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend(_SPIECE_SPACE), spaces]) \
+        if prefix_space else spaces
+    steps = [decoders.Replace(_SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix_space:
+        steps.append(decoders.Strip(content=" ", left=1))
+    tk.decoder = decoders.Sequence(steps)
+    tk.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                           for t, ty in zip(tokens, token_types, strict=False)
+                           if ty == _TOKEN_CONTROL])
+    _add_user_defined(tk, tokens, token_types)
+    return tk
 
 
 def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
