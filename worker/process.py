@@ -183,6 +183,9 @@ class WorkerLoop:
         self.state = WorkerState.STARTING
         self.link_state = LinkState.CONNECTING
         self.streams: dict[str, _Stream] = {}
+        # Request id -> ABORT outputs still to come (the next step reports them) from engine
+        # requests we dropped; stale, they must not end a new SUBMIT of the same id.
+        self._stale_aborts: dict[str, int] = {}
         self.num_steps = 0
         self.gateway_id: str | None = None  # the gateway process we serve (from READY)
         self._num_failed_steps = 0  # in a row
@@ -298,6 +301,9 @@ class WorkerLoop:
         wire = self._pending
         self._pending = []
         for out in outputs:
+            if out.is_finished and out.request_id in self._stale_aborts:
+                self._take_stale_abort(out.request_id)
+                continue  # a dropped incarnation's abort (it comes before a new one's)
             stream = self.streams.get(out.request_id)
             if stream is None:
                 continue  # the gateway aborted it already and forgot it
@@ -329,10 +335,8 @@ class WorkerLoop:
 
     def _on_submit(self, msg: Submit) -> None:
         rid = msg.request_id
-        if rid in self.streams:
-            # A resubmission of a request we hold (the gateway thought its SUBMIT was lost):
-            # keep the running one.
-            log.warning("duplicate SUBMIT ignored", extra={**self._log_extra, "request_id": rid})
+        stream = self.streams.get(rid)
+        if stream is not None and self._on_repeated_submit(msg, stream):
             return
         if self.state is WorkerState.DRAINING:
             self._reject(rid, "worker is draining; retry on another worker", retryable=True)
@@ -354,11 +358,38 @@ class WorkerLoop:
         log.debug("request added", extra={**self._log_extra, "request_id": rid,
                                           "num_prompt_tokens": len(msg.prompt_token_ids)})
 
+    def _on_repeated_submit(self, msg: Submit, stream: _Stream) -> bool:
+        """A SUBMIT of a request we hold: the gateway thought it lost (its SUBMIT, or this
+        worker for a while: a cut link). True if handled. Where the gateway's stream is
+        where ours is, take its credit and go on; where tokens we sent never reached it,
+        drop ours and start over from what it has (the caller adds it anew)."""
+        rid = msg.request_id
+        if stream.num_sent == len(msg.output_token_ids):
+            log.info("repeated SUBMIT: continuing", extra={**self._log_extra, "request_id": rid})
+            self._on_credit(Credit([[rid, msg.credit]]))
+            return True
+        log.info("repeated SUBMIT: restarting from the gateway's %d tokens (we sent %d)",
+                 len(msg.output_token_ids), stream.num_sent,
+                 extra={**self._log_extra, "request_id": rid})
+        self._drop(rid)
+        return False
+
+    def _drop(self, rid: str) -> None:
+        """End a request in the engine now and forget its stream."""
+        if self.engine.abort(rid):
+            self._stale_aborts[rid] = self._stale_aborts.get(rid, 0) + 1
+        self.streams.pop(rid, None)
+
+    def _take_stale_abort(self, rid: str) -> None:
+        num_left = self._stale_aborts.pop(rid) - 1
+        if num_left:
+            self._stale_aborts[rid] = num_left
+
     def _on_abort(self, msg: Abort) -> None:
         for rid in msg.request_ids:
-            self.engine.abort(rid)
-            if self.streams.pop(rid, None) is not None:
+            if rid in self.streams:
                 log.debug("request aborted", extra={**self._log_extra, "request_id": rid})
+            self._drop(rid)
 
     def _on_credit(self, msg: Credit) -> None:
         for rid, limit in msg.grants:
@@ -483,8 +514,7 @@ class WorkerLoop:
         """Abort every stream in the engine and tell the gateway each one stopped here (with
         finish reason "abort": not the request's fault, so it may continue elsewhere)."""
         for rid in list(self.streams):
-            self.engine.abort(rid)
-            del self.streams[rid]
+            self._drop(rid)
             self._reject(rid, message, retryable=True)
 
     def _reject(self, request_id: str, message: str, num_prompt_tokens: int = 0,

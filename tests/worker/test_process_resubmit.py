@@ -1,0 +1,58 @@
+"""A SUBMIT of a request the worker already holds: the gateway lost track of this worker for
+a while (a cut link) and sends its streams again. The stream must go on from where the
+gateway's copy is, never stay paused or be ignored (issue 13: workers across hosts)."""
+
+from __future__ import annotations
+
+from common.protocol import Abort, Submit
+from tests.worker.test_process import ScriptedEngine, start, stop
+from tests.worker.test_process import gateway as gateway  # noqa: F401 (fixture)
+
+
+class Engine(ScriptedEngine):
+    def add_request(self, request_id, prompt_token_ids, params, output_token_ids=(), **_):
+        super().add_request(request_id, prompt_token_ids, params, output_token_ids)
+
+
+def tokens_of(outs) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def test_a_repeated_submit_where_the_gateway_is_continues_the_paused_stream(gateway):  # noqa: F811
+    worker, engine, _ = start(gateway, Engine())
+    gateway.send(Submit("s", [1], {"max_tokens": 8}, 3))
+    assert tokens_of(gateway.collect_n("s", 3)) == [101, 102, 103]
+    assert gateway.tokens(timeout_s=0.3) is None  # paused at its window
+    # The gateway's copy holds the same 3 tokens; its new SUBMIT carries a higher limit.
+    gateway.send(Submit("s", [1], {"max_tokens": 8}, 6, [101, 102, 103]))
+    outs = gateway.collect_n("s", 3)
+    assert tokens_of(outs) == [104, 105, 106] and outs[0].num_output_tokens == 4
+    stop(gateway, worker)
+
+
+def test_a_repeated_submit_behind_the_worker_restarts_from_the_gateways_tokens(gateway):  # noqa: F811
+    worker, engine, _ = start(gateway, Engine())
+    gateway.send(Submit("s", [1], {"max_tokens": 8}, 4))
+    assert tokens_of(gateway.collect_n("s", 4)) == [101, 102, 103, 104]
+    # Tokens 103 and 104 never reached the gateway (the link was down): it resubmits with
+    # the two it has. The worker starts over from there, and no stale ABORT ends it.
+    gateway.send(Submit("s", [1], {"max_tokens": 8}, 10, [101, 102]))
+    outs = gateway.collect({"s"})["s"]
+    assert all(o.finish_reason in (None, "length") for o in outs), outs
+    assert tokens_of(outs) == [103, 104, 105, 106, 107, 108]
+    assert outs[0].num_output_tokens == 3 and outs[-1].finish_reason == "length"
+    stop(gateway, worker)
+
+
+def test_abort_then_submit_of_the_same_id_runs_the_new_one(gateway):  # noqa: F811
+    """The gateway found a gap in a stream: it aborts it here and submits it again at once
+    (both before the next step). The old one's ABORT output must not end the new one."""
+    worker, engine, _ = start(gateway, Engine())
+    gateway.send(Submit("s", [1], {"max_tokens": 6}, 2))
+    assert tokens_of(gateway.collect_n("s", 2)) == [101, 102]
+    gateway.send(Abort(["s"]))
+    gateway.send(Submit("s", [1], {"max_tokens": 6}, 10, [101]))
+    outs = gateway.collect({"s"})["s"]
+    assert tokens_of(outs) == [102, 103, 104, 105, 106]
+    assert outs[-1].finish_reason == "length"
+    stop(gateway, worker)
