@@ -54,15 +54,15 @@ class Choice:
 
     def consume(self, out: TokenOutput, metrics: RequestMetrics, now: float) -> ChoiceUpdate:
         """One batch from the worker -> text to emit (maybe "") and maybe a finish."""
-        if out.new_token_ids:
-            is_first = self.num_output_tokens == 0
-            metrics.on_output(len(out.new_token_ids),
-                              now - (self.created_at if is_first else self.last_output_at),
-                              is_first)
-            if is_first:
+        num_new = len(out.new_token_ids)
+        if num_new:
+            # Per chunk, the metrics cost one list append (RequestGroup counts the tokens).
+            if self.num_output_tokens:
+                metrics.record_gap(now - self.last_output_at)
+            else:
                 self._on_first_output(out.timings, metrics, now)
             self.last_output_at = now
-        self.num_output_tokens += len(out.new_token_ids)
+        self.num_output_tokens += num_new
         self.num_cached_tokens = out.num_cached_tokens
         if out.finish_reason in ("abort", "error"):
             detail = out.error or "the worker aborted the request"
@@ -96,7 +96,7 @@ class Choice:
         worker_queue_s, prefill_s = timings if timings else (0.0, now - submitted_at)
         self.queue_s = max(0.0, submitted_at - self.created_at) + worker_queue_s
         self.prefill_s = prefill_s
-        metrics.on_first_token(self.queue_s, self.prefill_s)
+        metrics.on_first_token(now - self.created_at, self.queue_s, self.prefill_s)
 
 
 @dataclass
@@ -173,6 +173,7 @@ class RequestGroup:
                     self.gateway.finish(state, abort=item.finish_reason is None)
                 batch.append((update, state))
             if batch:
+                self.gateway.metrics.on_tokens(sum(len(u.token_ids) for u, _ in batch))
                 yield batch
             if error is not None:
                 raise error

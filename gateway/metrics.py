@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -70,7 +70,7 @@ def token_buckets(max_value: int) -> tuple[float, ...]:
 
 
 class LoopHistogram:
-    """A histogram for the per-chunk path, without prometheus-client's lock and label
+    """A histogram for the request path, without prometheus-client's lock and label
     machinery: a bucket index by bisection and an increment (about a quarter of the cost).
     Only the event loop's thread touches it, the scrape included, so it needs no lock."""
 
@@ -114,18 +114,25 @@ class RequestMetrics:
         def counter(name: str, doc: str, labels: list[str] = label) -> Counter:
             return Counter(PREFIX + name, doc, labels, registry=registry)
 
-        def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(PREFIX + name, doc, label, buckets=buckets, registry=registry)
+        self._histograms: list[LoopHistogram] = []
+
+        def histogram(name: str, doc: str, buckets) -> LoopHistogram:
+            h = LoopHistogram(PREFIX + name, doc, tuple(buckets))
+            self._histograms.append(h)
+            return h
 
         m = model_name
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.").labels(m)
         # Per chunk of output, so plain numbers (exposed by collect_hot_path).
         self.num_generation_tokens = 0
-        self.ttft = LoopHistogram(PREFIX + "time_to_first_token_seconds",
-                                  "From arrival to the first output token.", TTFT_BUCKETS)
-        self.itl = LoopHistogram(PREFIX + "inter_token_latency_seconds",
-                                 "Gap between two output chunks of a stream.", ITL_BUCKETS)
+        self.ttft = histogram("time_to_first_token_seconds",
+                              "From arrival to the first output token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds",
+                             "Gap between two output chunks of a stream.", ITL_BUCKETS)
+        # The gap between two chunks of a stream, the one per-chunk call: a bare list append
+        # (a builtin, no Python frame); bucketed in bulk by numpy, at the latest at a scrape.
         self._itl_pending: list[float] = []
+        self.record_gap: Callable[[float], None] = self._itl_pending.append
         self._success = counter("request_success", "Requests finished, by finish reason.",
                                 ["model_name", "finished_reason"])
         self._success_by_reason = {r: self._success.labels(m, r) for r in ("stop", "length")}
@@ -144,19 +151,19 @@ class RequestMetrics:
         self.failovers = counter("failovers", "Streams with output moved to another "
                                  "worker.").labels(m)
         self.e2e = histogram("e2e_request_latency_seconds", "From arrival to the finish.",
-                             REQUEST_LATENCY_BUCKETS).labels(m)
+                             REQUEST_LATENCY_BUCKETS)
         self.queue_time = histogram(
             "request_queue_time_seconds", "Waiting before the first scheduling: in the "
-            "gateway's queue, then in the worker's.", REQUEST_LATENCY_BUCKETS).labels(m)
+            "gateway's queue, then in the worker's.", REQUEST_LATENCY_BUCKETS)
         self.prefill_time = histogram(
             "request_prefill_time_seconds", "From the first scheduling on a worker to the "
-            "first output token (the worker's measure).", REQUEST_LATENCY_BUCKETS).labels(m)
+            "first output token (the worker's measure).", REQUEST_LATENCY_BUCKETS)
         self.decode_time = histogram(
             "request_decode_time_seconds", "From the first output token to the finish.",
-            REQUEST_LATENCY_BUCKETS).labels(m)
+            REQUEST_LATENCY_BUCKETS)
         self.inference_time = histogram(
             "request_inference_time_seconds", "Prefill plus decode time.",
-            REQUEST_LATENCY_BUCKETS).labels(m)
+            REQUEST_LATENCY_BUCKETS)
         # Worker counters (from heartbeats), kept monotonic here across worker restarts.
         self._worker_counters = {
             name: counter(name, doc, ["model_name", "worker_id"]) for name, doc in (
@@ -168,9 +175,9 @@ class RequestMetrics:
         self._last_counters: dict[str, tuple[bytes, dict[str, int]]] = {}
         sizes = token_buckets(max_model_len)
         self.prompt_size = histogram("request_prompt_tokens", "Prompt tokens per request.",
-                                     sizes).labels(m)
+                                     sizes)
         self.generation_size = histogram("request_generation_tokens",
-                                         "Output tokens per finished request.", sizes).labels(m)
+                                         "Output tokens per finished request.", sizes)
         self.model_name = m
         registry.register(_HotPathCollector(self))
 
@@ -181,23 +188,18 @@ class RequestMetrics:
         self.prompt_tokens.inc(num_prompt_tokens)
         self.prompt_size.observe(num_prompt_tokens)
 
-    def on_first_token(self, queue_s: float, prefill_s: float) -> None:
+    def on_first_token(self, ttft_s: float, queue_s: float, prefill_s: float) -> None:
         """A request's first output token arrived: its queue and prefill phases are known."""
+        self.ttft.observe(ttft_s)
         self.queue_time.observe(queue_s)
         self.prefill_time.observe(prefill_s)
 
-    def on_output(self, num_tokens: int, since_last_s: float, is_first: bool) -> None:
-        """A chunk of output: `since_last_s` is from arrival (first) or the last chunk."""
+    def on_tokens(self, num_tokens: int) -> None:
+        """Output tokens of one batch of updates (many streams' chunks): counted once."""
         self.num_generation_tokens += num_tokens
-        if is_first:
-            self.ttft.observe(since_last_s)
-            return
-        # Gaps are bucketed in bulk (numpy), at most ITL_BATCH at a time and at every scrape.
-        pending = self._itl_pending
-        pending.append(since_last_s)
-        if len(pending) >= ITL_BATCH:
-            self.itl.observe_many(pending)
-            pending.clear()
+        if len(self._itl_pending) >= ITL_BATCH:
+            self.itl.observe_many(self._itl_pending)
+            self._itl_pending.clear()
 
     def collect_hot_path(self) -> Iterator[Metric]:
         self.itl.observe_many(self._itl_pending)
@@ -207,8 +209,8 @@ class RequestMetrics:
                                      labels=["model_name"])
         tokens.add_metric([self.model_name], self.num_generation_tokens)
         yield tokens
-        yield self.ttft.family(self.model_name)
-        yield self.itl.family(self.model_name)
+        for histogram in self._histograms:
+            yield histogram.family(self.model_name)
 
     def on_finished(self, finish_reason: str, num_output_tokens: int, e2e_s: float,
                     prefill_s: float | None = None, decode_s: float | None = None) -> None:
@@ -272,10 +274,13 @@ class NoRequestMetrics(RequestMetrics):
     def on_admitted(self, num_prompt_tokens: int) -> None:
         pass
 
-    def on_first_token(self, queue_s: float, prefill_s: float) -> None:
+    def on_first_token(self, ttft_s: float, queue_s: float, prefill_s: float) -> None:
         pass
 
-    def on_output(self, num_tokens: int, since_last_s: float, is_first: bool) -> None:
+    def record_gap(self, since_last_s: float) -> None:
+        pass
+
+    def on_tokens(self, num_tokens: int) -> None:
         pass
 
     def on_finished(self, finish_reason: str, num_output_tokens: int, e2e_s: float,
