@@ -120,9 +120,25 @@ def _options(decorators: list[Callable]) -> Callable:
     return apply
 
 
-MODEL_OPTION = option("--model", default="default",
-                      help='"default" (the embedded SmolLM2-135M-Instruct), a .gguf file or a '
-                           "Hugging Face model directory.")
+MODEL_OPTION = _options([
+    option("--model", default="default",
+           help='"default" (the embedded SmolLM2-135M-Instruct), a .gguf file, a Hugging Face '
+                'model directory, or a Hub id ("org/name", "org/name/file.gguf"), downloaded '
+                "into the Hugging Face cache once (HF_HUB_OFFLINE=1: from the cache only)."),
+    option("--revision", default=None,
+           help="The Hub model's branch, tag or commit. [default: main]"),
+])
+
+
+def _fetch_hub_model(opts: dict[str, Any]) -> None:
+    """A Hub model is fetched here, before anything starts; what follows (and every child of
+    `serve`) gets its local path in the Hugging Face cache."""
+    from common.model_files import ModelNotFoundError, fetch_model
+
+    try:
+        opts["model"] = fetch_model(opts["model"], opts.pop("revision", None))
+    except ModelNotFoundError as e:
+        raise click.ClickException(str(e)) from None
 
 LOG_OPTIONS = [
     option("--log-format", type=click.Choice(LOG_FORMATS), default="text",
@@ -573,6 +589,7 @@ def serve(**opts: Any) -> None:
     from common.supervisor import RestartPolicy, Supervisor
 
     setup_logging(opts["log_format"], opts["log_level"])
+    _fetch_hub_model(opts)
     devices = worker_devices(opts["device"], opts["workers"],
                              count_cuda_devices() if opts["device"] in ("auto", "cuda") else 0)
     worker_ids = [f"worker-{i}" for i in range(len(devices))]
@@ -624,6 +641,7 @@ def gateway(**opts: Any) -> None:
     from common.model_files import ModelNotFoundError
     from common.supervisor import die_with_parent
 
+    _fetch_hub_model(opts)
     config = gateway_config(opts)
     die_with_parent()
     from gateway.server import run_gateway
@@ -655,6 +673,7 @@ def worker(**opts: Any) -> None:
     from worker.process import build_engine, run_worker
 
     setup_logging(opts["log_format"], opts["log_level"])
+    _fetch_hub_model(opts)
     router, tokens = _default_endpoints(opts["port"])
     config = worker_config(
         opts, engine_config(opts), opts["worker_id"] or f"{socket.gethostname()}-{os.getpid()}",
