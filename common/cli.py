@@ -222,6 +222,9 @@ GATEWAY_OPTIONS = [
     option("--port", type=click.IntRange(0, 65535), default=8000, help="HTTP port."),
     option("--served-model-name", default=None,
            help="The model id clients use. [default: from the model file]"),
+    option("--chat-template", default=None, type=click.Path(dir_okay=False),
+           help="A jinja2 file (or a tokenizer_config.json) whose chat template replaces the "
+                "model's own. [default: the model's]"),
     option("--credit-window", type=click.IntRange(min=1), default=32,
            help="Tokens of one stream in flight before the client must read."),
     option("--slow-client-timeout", type=float, default=30.0, callback=_positive,
@@ -337,6 +340,20 @@ def engine_config(opts: dict[str, Any], device: str | None = None) -> EngineConf
     )
 
 
+def _chat_template(opts: dict[str, Any]) -> str | None:
+    """--chat-template, checked now (readable, compiles) and made absolute for children."""
+    path = opts.get("chat_template")
+    if path is None:
+        return None
+    from gateway.chat_template import ChatTemplateError, read_template_file
+
+    try:
+        read_template_file(path)
+    except ChatTemplateError as e:
+        raise click.UsageError(f"--chat-template: {e}") from None
+    return os.path.abspath(path)
+
+
 def gateway_config(opts: dict[str, Any]):
     from gateway.config import GatewayConfig
 
@@ -346,7 +363,8 @@ def gateway_config(opts: dict[str, Any]):
 
     return _build(
         GatewayConfig, host=opts["host"], port=opts["port"], model=opts["model"],
-        served_model_name=opts["served_model_name"], router_address=opts["router_address"],
+        served_model_name=opts["served_model_name"], chat_template=_chat_template(opts),
+        router_address=opts["router_address"],
         tokens_address=opts["tokens_address"], credit_window=opts["credit_window"],
         slow_client_timeout_s=opts["slow_client_timeout"],
         max_queued_requests=opts["max_queued_requests"], queue_timeout_s=opts["queue_timeout"],
@@ -462,6 +480,8 @@ def gateway_args(config: Any) -> list[str]:
     ]
     if config.served_model_name is not None:
         args += ["--served-model-name", config.served_model_name]
+    if config.chat_template is not None:
+        args += ["--chat-template", config.chat_template]
     if config.otlp_traces_endpoint is not None:
         args += ["--otlp-traces-endpoint", config.otlp_traces_endpoint]
     if config.disable_metrics:

@@ -46,7 +46,7 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None) -> 
     tokenizer = tokenizer or load_tokenizer(config.model)
     if tokenizer.is_byte_level:
         tokenizer.bytes_table()  # built now, not on the first request
-    template = ChatTemplate.from_tokenizer(tokenizer)
+    template = ChatTemplate.from_tokenizer(tokenizer, config.chat_template)
     names = served_model_names(config)
     metrics = None if config.disable_metrics else Metrics(
         names[0], tokenizer.max_model_len or DEFAULT_MAX_MODEL_LEN)

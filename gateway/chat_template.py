@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -41,11 +42,36 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+def read_template_file(path: str | Path) -> str:
+    """`--chat-template FILE`: a jinja2 file, or a tokenizer_config.json (or any JSON object)
+    whose "chat_template" holds one. Raises ChatTemplateError with what is wrong."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ChatTemplateError(f"cannot read the chat template {path}: {e}") from None
+    if Path(path).suffix == ".json":
+        try:
+            source = json.loads(text).get("chat_template")
+        except (ValueError, AttributeError):
+            source = None
+        if not isinstance(source, str):
+            raise ChatTemplateError(f"{path} has no \"chat_template\" string")
+        text = source
+    try:
+        ChatTemplate(text)  # compile now: a broken template fails at start, not per request
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"{path}: line {e.lineno}: {e.message}") from None
+    return text
+
+
 class ChatTemplate:
     @classmethod
-    def from_tokenizer(cls, tokenizer) -> ChatTemplate:
-        """The template a tokenizer carries (ours or transformers'), with its bos/eos."""
-        return cls(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
+    def from_tokenizer(cls, tokenizer, template_file: str | None = None) -> ChatTemplate:
+        """The template a tokenizer carries (ours or transformers'), or the one in
+        `template_file` instead, with the tokenizer's bos/eos."""
+        source = tokenizer.chat_template if template_file is None \
+            else read_template_file(template_file)
+        return cls(source, tokenizer.bos_token, tokenizer.eos_token)
 
     def __init__(self, source: str | None, bos_token: str | None = None,
                  eos_token: str | None = None):

@@ -21,6 +21,7 @@ class GatewayConfig:
     port: int = 8000
     model: str = "default"  # for the tokenizer and chat template; as EngineConfig.model
     served_model_name: str | None = None
+    chat_template: str | None = None  # a file whose template replaces the model's own
     router_address: str | None = None  # None -> default_endpoints(port)
     tokens_address: str | None = None
     credit_window: int = 32
