@@ -230,19 +230,28 @@ class GrammarMasks:
         else:
             rows, bitmask = self._compute(list(chunks), logits.shape[1])
         vocab = logits.shape[1]
-        bits = torch.from_numpy(bitmask)  # [num_rows, words] int32
-        shifts = torch.arange(32, dtype=torch.int32)
-        allowed = ((bits[:, :, None] >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
-        allowed = allowed.to(logits.device)
+        # numpy, single-threaded: microseconds, where torch's threaded bit ops on a loaded
+        # machine took milliseconds. Bit k of word w is token 32 w + k (little endian).
+        allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab,
+                                bitorder="little").view(np.bool_)  # [num_rows, vocab]
         eos = [t for t in eos_token_ids if 0 <= t < vocab]
         for j, i in enumerate(rows):
             state: GrammarState = chunks[i].params.grammar
-            if state.is_done or not bool(allowed[j].any()):
+            if state.is_done or not allowed[j].any():
                 allowed[j] = False
                 allowed[j, eos] = True
+        if logits.device.type == "cpu" and logits.is_contiguous():
+            values = logits.numpy()  # shares memory; numpy's where-copy is single-threaded
+            for j, i in enumerate(rows):
+                np.copyto(values[i], -np.inf, where=~allowed[j])
+            return
+        forbidden = torch.from_numpy(~allowed).to(logits.device)
+        if len(rows) == len(chunks):
+            logits.masked_fill_(forbidden, float("-inf"))
+            return
         index = torch.tensor(rows, device=logits.device)
         sub = logits[index]
-        sub.masked_fill_(~allowed, float("-inf"))
+        sub.masked_fill_(forbidden, float("-inf"))
         logits[index] = sub
 
     def _compute(self, chunks: list[ScheduledChunk], vocab_size: int

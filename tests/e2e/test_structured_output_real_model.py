@@ -1,0 +1,135 @@
+"""JSON schemas and tool calls through the whole system with the real default model.
+
+SmolLM2-135M on its own rarely answers in the shape asked for; constrained decoding must make
+every answer parse and match the schema, and a required tool a valid call, through the
+official `openai` client, streaming and not.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+openai = pytest.importorskip("openai")
+
+ENGINE_FLAGS = ("--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "256",
+                "--max-num-seqs", "4", "--num-threads", "2")
+MAX_TOKENS = 80
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"type": "string", "enum": ["engineer", "doctor", "teacher"]},
+    },
+    "required": ["name", "age", "role"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30},
+                           "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a time zone.",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string",
+                                                             "maxLength": 30}},
+                   "required": ["zone"], "additionalProperties": False}}}
+
+
+def matches(value, schema: dict) -> bool:
+    """The subset of JSON Schema these tests use, checked independently of the server."""
+    kind = schema.get("type")
+    if "enum" in schema and value not in schema["enum"]:
+        return False
+    if kind == "string":
+        return isinstance(value, str) and len(value) <= schema.get("maxLength", len(value))
+    if kind == "integer":
+        return (type(value) is int and schema.get("minimum", value) <= value
+                <= schema.get("maximum", value))
+    if kind == "object":
+        props = schema.get("properties", {})
+        if not isinstance(value, dict) or not set(schema.get("required", ())) <= set(value):
+            return False
+        if schema.get("additionalProperties") is False and not set(value) <= set(props):
+            return False
+        return all(matches(v, props[k]) for k, v in value.items() if k in props)
+    return True
+
+
+@pytest.fixture(scope="module")
+def client(module_servers):
+    server = module_servers(args=ENGINE_FLAGS, timeout_s=240)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=300)
+
+
+def ask(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_json_schema_answers_parse_and_match(client):
+    for question, temperature in [("Tell me about a person.", 0.0),
+                                  ("Invent a character for a story.", 1.0)]:
+        reply = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=ask(question), max_tokens=MAX_TOKENS,
+            temperature=temperature, seed=3,
+            response_format={"type": "json_schema", "json_schema": {
+                "name": "person", "schema": PERSON, "strict": True}})
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop"
+        assert matches(json.loads(choice.message.content), PERSON), choice.message.content
+
+
+def test_json_object_streams_one_object(client):
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=ask("List three fruits."),
+        max_tokens=MAX_TOKENS, temperature=0.0, stream=True,
+        response_format={"type": "json_object"})
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert isinstance(json.loads(text), dict), text
+
+
+def test_required_tool_gives_a_valid_call(client):
+    reply = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=ask("What is the weather like in Paris?"),
+        tools=[WEATHER, TIME], tool_choice="required", max_tokens=MAX_TOKENS,
+        temperature=0.0, parallel_tool_calls=False)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+    assert matches(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+def test_named_tool_streams_openai_deltas(client):
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=ask("Is it cold in Oslo?"),
+        tools=[WEATHER, TIME], max_tokens=MAX_TOKENS, temperature=0.0, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    deltas, finish = [], None
+    for chunk in stream:
+        if chunk.choices:
+            deltas += chunk.choices[0].delta.tool_calls or []
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    first, *rest = deltas
+    assert first.id.startswith("call_") and first.function.name == "get_weather"
+    assert len(rest) > 1  # the arguments come in fragments, as they are generated
+    assert all(d.index == 0 and d.id is None for d in rest)
+    arguments = "".join(d.function.arguments for d in deltas)
+    assert matches(json.loads(arguments), WEATHER["function"]["parameters"])

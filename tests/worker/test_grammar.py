@@ -1,0 +1,145 @@
+"""Constrained decoding in the worker: the vocabulary llguidance sees, the sampler's masks
+(whatever the logits say, only what the grammar allows comes out), the grammar cache, the
+resumption of a failed-over stream, and logit_bias."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from common.model_files import default_model_path
+from worker.engine import Engine
+from worker.fake_runner import FakeRunner
+from worker.grammar import GGUFVocabulary, GrammarCompiler, GrammarError, GrammarSpec
+from worker.plan import ScheduledChunk
+from worker.sampler import Sampler
+from worker.sequence import RequestError, SamplingParams
+
+VOCAB = 49152
+EOS = 2  # SmolLM2's <|im_end|>
+
+
+@pytest.fixture(scope="module")
+def vocabulary() -> GGUFVocabulary:
+    return GGUFVocabulary.read(default_model_path(), [EOS])
+
+
+@pytest.fixture(scope="module")
+def compiler() -> GrammarCompiler:
+    return GrammarCompiler(default_model_path(), VOCAB, (EOS,))
+
+
+def test_gguf_vocabulary_spells_tokens_as_bytes(vocabulary):
+    from gateway.tokenizer import load_tokenizer
+
+    reference = load_tokenizer("default")  # the gateway's tokenizer, built independently
+    for text in ["Hello world", ' {"a": 1}\n', "naïve 日本"]:
+        ids = reference.encode(text, add_special_tokens=False)
+        assert b"".join(vocabulary.tokens[i] for i in ids) == text.encode()
+    assert EOS in vocabulary.special_token_ids and vocabulary.tokens[EOS] == b"<|im_end|>"
+    assert b"".join(vocabulary.tokens[i] for i in vocabulary("hello there")) == b"hello there"
+
+
+def decode(vocabulary, ids: list[int]) -> str:
+    return b"".join(vocabulary.tokens[i] for i in ids).decode()
+
+
+def generate(sampler: Sampler, params: SamplingParams, max_tokens: int, seed: int = 0,
+             prefix: list[int] | None = None) -> list[int]:
+    """Sample from random logits with `params` until EOS (or max_tokens)."""
+    torch.manual_seed(seed)
+    out = list(prefix or [])
+    while len(out) < max_tokens:
+        chunk = ScheduledChunk("r", [1], 5, [0], True, params, [1, 2, 3], list(out))
+        sampler.prepare([chunk])
+        logits = torch.randn(1, VOCAB) * 5
+        [token] = sampler.sample(logits, [chunk])
+        out.append(token.token_id)
+        if token.token_id == EOS:
+            break
+    return out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_random_logits_still_follow_the_grammar(compiler, vocabulary, temperature):
+    sampler = Sampler(VOCAB, (EOS,), torch.device("cpu"))
+    schema = {"type": "object", "properties": {"n": {"type": "integer"},
+                                               "tag": {"enum": ["x", "y"]}},
+              "required": ["n", "tag"], "additionalProperties": False}
+    for seed in range(3):
+        state = compiler.attach(GrammarSpec("json_schema", json.dumps(schema)))
+        params = SamplingParams(max_tokens=64, temperature=temperature, grammar=state)
+        ids = generate(sampler, params, 64, seed)
+        assert ids[-1] == EOS, decode(vocabulary, ids)  # the grammar ends the output
+        value = json.loads(decode(vocabulary, ids[:-1]))
+        assert set(value) == {"n", "tag"} and type(value["n"]) is int
+        assert value["tag"] in ("x", "y")
+    state = compiler.attach(GrammarSpec("regex", "[a-c]{2,4}-[0-9]{3}"))
+    ids = generate(sampler, SamplingParams(max_tokens=32, temperature=temperature,
+                                           grammar=state), 32)
+    assert re.fullmatch("[a-c]{2,4}-[0-9]{3}", decode(vocabulary, ids[:-1]))
+
+
+def test_a_resumed_stream_continues_its_grammar(compiler, vocabulary):
+    """A stream that moved from another worker (its tokens so far handed over) continues as
+    if it had never moved: same tokens, and the grammar state advanced over the handed-over
+    ones (unconstrained at the start it would open a new object)."""
+    sampler = Sampler(VOCAB, (EOS,), torch.device("cpu"))
+    spec = GrammarSpec("json_schema", json.dumps({"type": "array", "items": {
+        "type": "integer"}, "minItems": 3, "maxItems": 3}))
+
+    def params():
+        return SamplingParams(max_tokens=40, temperature=0.0, grammar=compiler.attach(spec))
+
+    full = generate(sampler, params(), 40, seed=7)
+    assert len(json.loads(decode(vocabulary, full[:-1]))) == 3
+    for cut in (1, len(full) // 2, len(full) - 2):
+        resumed = generate(sampler, params(), 40, seed=7, prefix=full[:cut])
+        # the random logits differ per step count, so compare validity and the prefix
+        assert resumed[:cut] == full[:cut]
+        assert len(json.loads(decode(vocabulary, resumed[:-1]))) == 3
+
+
+def test_compiled_grammars_are_cached_and_states_independent(compiler):
+    spec = GrammarSpec("regex", "[0-9]+")
+    a, b = compiler.attach(spec), compiler.attach(GrammarSpec("regex", "[0-9]+"))
+    assert a.matcher is not b.matcher and len([s for s in compiler._cache if s == spec]) == 1
+    digit = next(i for i in range(VOCAB) if compiler.tokenizer.decode_str([i]) == "7")
+    a.sync([digit])
+    assert a.num_consumed == 1 and b.num_consumed == 0
+
+
+def test_invalid_grammars_are_refused_with_a_message(compiler):
+    with pytest.raises(GrammarError, match="invalid"):
+        compiler.attach(GrammarSpec("json_schema", '{"type": "strin"}'))
+    with pytest.raises(GrammarError):
+        compiler.attach(GrammarSpec("regex", "(unclosed"))
+    with pytest.raises(GrammarError):
+        GrammarSpec("cfg", "x")
+    with pytest.raises(GrammarError):
+        GrammarSpec.from_wire(["regex", 5])
+
+
+def test_engine_without_a_vocabulary_refuses_grammars():
+    from tests.worker.factories import make_config
+
+    engine = Engine(make_config(), runner=FakeRunner(make_config()))
+    with pytest.raises(RequestError, match="vocabulary"):
+        engine.add_request("r", [1, 2], SamplingParams(), grammar=GrammarSpec("regex", "a"))
+    assert not engine.has_unfinished()
+
+
+def test_logit_bias_follows_openai():
+    sampler = Sampler(100, (EOS,), torch.device("cpu"))
+    logits = torch.zeros(3, 100)
+    logits[:, 10] = 50.0
+    chunks = [ScheduledChunk(f"r{i}", [1], 0, [0], True, SamplingParams(
+        temperature=0.0, logit_bias=bias)) for i, bias in enumerate(
+        [{}, {42: 100}, {10: -100, 11: 30}])]
+    assert [t.token_id for t in sampler.sample(logits, chunks)] == [10, 42, 11]
+    with pytest.raises(RequestError):
+        SamplingParams(logit_bias={1: 101})
+    assert SamplingParams(logit_bias=[[3, 1]]).logit_bias == ((3, 1.0),)
