@@ -237,8 +237,9 @@ class RequestMetrics:
                 continue
             before = previous.get(name, 0)
             delta = value - before if value >= before else value
+            child = family.labels(self.model_name, worker_id)  # exposed from the first beat
             if delta:
-                family.labels(self.model_name, worker_id).inc(delta)
+                child.inc(delta)
         self._last_counters[worker_id] = (route, dict(counters))
 
     def on_failover(self) -> None:
