@@ -54,6 +54,7 @@ class Scheduler:
         self._last_plan: SchedulerOutput | None = None
         self._last_plan_seqs: list[Sequence | None] = []
         self.num_preemptions = 0
+        self._prompt_keys: dict[str, int] = {}  # request id -> hash of its prompt
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -196,13 +197,25 @@ class Scheduler:
 
         # 3. New sequences from the queue (FCFS; stop at the first that does not fit). Not
         # after a preemption: the pool is full, and a victim must not bounce straight back.
-        while self.waiting and budget > 0 and len(self.running) < max_seqs and not preempted:
+        # A sequence whose prompt another one is prefilling keeps its place but waits for it,
+        # then takes that prompt's blocks from the prefix cache: n choices of one prompt
+        # (the gateway sends one SUBMIT each) prefill it once and share its blocks.
+        prefilling = self._prompts_in_prefill()
+        num_held = 0
+        while (len(self.waiting) > num_held and budget > 0 and len(self.running) < max_seqs
+               and not preempted):
             if len(scheduled) == max_seqs:
                 break
-            seq = self.waiting[0]
-            num_new = self._admit(seq, budget)
+            seq = self.waiting[num_held]
+            key = self._sibling_key(seq)
+            if key is not None and key in prefilling:
+                num_held += 1
+                continue
+            num_new = self._admit(seq, budget, num_held)
             if num_new is None:
                 break
+            if key is not None:
+                prefilling.add(key)
             prefills.append((seq, num_new))
             scheduled.add(seq.request_id)
             budget -= num_new
@@ -372,14 +385,32 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def _admit(self, seq: Sequence, budget: int) -> int | None:
-        """Move the head of the queue to running with a first chunk; None if it does not fit."""
+    def _sibling_key(self, seq: Sequence) -> int | None:
+        """For a new sequence of at least one full prompt block, with prefix caching: a key
+        equal for equal prompts (cached per request); else None (nothing to share)."""
+        if (not self.block_manager.enable_prefix_caching or seq.num_preemptions
+                or seq.num_prompt_tokens <= self.block_manager.block_size):
+            return None
+        key = self._prompt_keys.get(seq.request_id)
+        if key is None:
+            key = self._prompt_keys[seq.request_id] = hash(tuple(seq.prompt_token_ids))
+        return key
+
+    def _prompts_in_prefill(self) -> set[int]:
+        """Keys of the prompts that running sequences have not finished computing (their
+        blocks are in the prefix cache only once computed)."""
+        return {key for seq in self.running
+                if seq.num_computed_tokens < seq.num_prompt_tokens
+                and (key := self._sibling_key(seq)) is not None}
+
+    def _admit(self, seq: Sequence, budget: int, index: int = 0) -> int | None:
+        """Move waiting[index] to running with a first chunk; None if it does not fit."""
         bm = self.block_manager
         hits = bm.match_prefix(seq)
         num_new = min(seq.num_tokens - len(hits) * bm.block_size, budget)
         if not bm.can_admit(seq, hits, num_new):
             return None
-        self.waiting.popleft()
+        del self.waiting[index]
         bm.admit(seq, hits, num_new)
         self._mark_scheduled(seq)
         seq.status = SequenceStatus.RUNNING
@@ -446,6 +477,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._requests[seq.request_id]
+        self._prompt_keys.pop(seq.request_id, None)
         if keeps_padding:
             self.block_manager.allocate(seq, 1)  # the padding slot; within its reservation
             self._padding.append(seq)
