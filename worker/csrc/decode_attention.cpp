@@ -317,11 +317,35 @@ void run(const Problem<T>& p) {
   });
 }
 
+// Every read the kernel makes is within the pool: each row's context is at least one position
+// and fits its table, and the table entries it uses (never the padding past it) name blocks
+// of the pool. One pass over the used entries, before any thread starts.
+void check_tables(const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                  int64_t num_blocks, int64_t block_size) {
+  const int64_t n = context_lens.numel(), width = block_tables.size(1);
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t len = lens[i];
+    TORCH_CHECK_VALUE(len >= 1, "row ", i, ": context length ", len, " (must be at least 1)");
+    TORCH_CHECK_VALUE(len <= width * block_size, "row ", i, ": context length ", len,
+                      " does not fit its table of ", width, " blocks of ", block_size);
+    const int64_t used = (len + block_size - 1) / block_size;
+    for (int64_t b = 0; b < used; ++b) {
+      const int64_t block = tables[i * width + b];
+      TORCH_CHECK_INDEX(block >= 0 && block < num_blocks, "row ", i, ": block id ", block,
+                        " at table entry ", b, " is outside the pool of ", num_blocks,
+                        " blocks");
+    }
+  }
+}
+
 }  // namespace
 
 // q [n, heads, d] (rows may be strided), k_cache/v_cache [num_blocks, block_size, kv_heads, d],
 // block_tables [n, max_blocks] int32 (padding never read), context_lens [n] int32 (>= 1)
-// -> [n, heads * d] in q's dtype.
+// -> [n, heads * d] in q's dtype. Inputs that would read outside q, the tables or the pool
+// raise (ValueError for lengths, IndexError for block ids, RuntimeError for shapes).
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor block_tables, torch::Tensor context_lens,
                                double scale) {
@@ -341,7 +365,9 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
               "context_lens must be contiguous int32 [n]");
   const int64_t n = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == d && heads % kv_heads == 0, "head shapes do not match");
+  TORCH_CHECK(kv_heads > 0 && k_cache.size(3) == d && heads % kv_heads == 0,
+              "head shapes do not match");
+  check_tables(block_tables, context_lens, k_cache.size(0), k_cache.size(1));
   auto out = torch::empty({n, heads * d}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (n == 0) return out;
 
