@@ -114,3 +114,10 @@ def test_weights_the_model_would_ignore_are_refused(tmp_path):
     save_file(tensors, str(file), metadata={"format": "pt"})
     with pytest.raises(UnsupportedModelError, match="gate_proj.bias"):
         load_model(str(tmp_path), torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.cuda
+def test_greedy_matches_transformers_on_a_gpu(variant, tmp_path):
+    name, model = variant
+    model.save_pretrained(tmp_path / name, safe_serialization=True)
+    assert_same_greedy(engine_for(tmp_path / name, device="cuda"), model)
