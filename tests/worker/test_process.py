@@ -59,7 +59,8 @@ class ScriptedEngine:
         self.step_hook = None  # called once inside the next step (e.g. to hang it)
         self.failures = 0  # the next these many steps raise
 
-    def add_request(self, request_id, prompt_token_ids, params, output_token_ids=()):
+    def add_request(self, request_id, prompt_token_ids, params, output_token_ids=(),
+                    grammar=None):
         if not prompt_token_ids:
             raise RequestError("prompt is empty")
         if request_id in self.reqs:
