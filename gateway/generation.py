@@ -19,7 +19,7 @@ from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import APIError, server_error, worker_failed
 from gateway.metrics import RequestMetrics
 from gateway.stop_strings import StopStringMatcher
-from gateway.streams import RequestState
+from gateway.streams import RequestState, Sink
 from gateway.tokenizer import TextTokenizer
 
 
@@ -104,7 +104,7 @@ class RequestGroup:
     gateway: Gateway
     choices: list[Choice] = field(default_factory=list)
     prompt_lengths: list[int] = field(default_factory=list)  # per prompt, once
-    sink: asyncio.Queue = field(default_factory=asyncio.Queue)
+    sink: Sink = field(default_factory=Sink)
     # The HTTP request's W3C trace-context headers, for the traces' parent (with tracing on).
     trace_headers: dict[str, str] | None = None
     _params: list[dict] = field(default_factory=list)
