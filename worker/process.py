@@ -591,14 +591,13 @@ def _sampling_params(params: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**params)
 
 
-def _to_wire(out: RequestOutput) -> TokenOutput:
+def _to_wire(out: RequestOutput) -> list:
+    """A TokenOutput in wire form (TokenOutput.wire_row): one per stream per step."""
     logprobs = None
     if out.logprobs is not None:
         logprobs = [[lp, [[tid, tlp] for tid, tlp in top]] for lp, top in out.logprobs]
-    return TokenOutput(
-        request_id=out.request_id, new_token_ids=list(out.new_token_ids),
-        finish_reason=None if out.finish_reason is None else out.finish_reason.value,
-        num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
-        num_cached_tokens=out.num_cached_tokens, logprobs=logprobs, error=out.error,
-        timings=None if out.timings is None else list(out.timings),
-    )
+    return TokenOutput.wire_row(
+        out.request_id, out.new_token_ids,
+        None if out.finish_reason is None else out.finish_reason.value,
+        out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens, logprobs,
+        out.error, None if out.timings is None else list(out.timings))
