@@ -72,19 +72,20 @@ class FakeRunner:
                 self._check_context(chunk)
                 self._write(chunk)
         t1 = time.perf_counter()
-        sleep_s = self.forward_time_s + self.per_token_time_s * plan.num_tokens
+        num_tokens = plan.num_tokens  # a sum over the chunks: once a step
+        sleep_s = self.forward_time_s + self.per_token_time_s * num_tokens
         if sleep_s > 0:
             time.sleep(sleep_s)
         t2 = time.perf_counter()
-        sampled = [self._sample(chunk) for chunk in plan.chunks if chunk.do_sample]
+        sampled = self._sample_all(plan.chunks)
         t3 = time.perf_counter()
         self.num_steps += 1
-        self.num_computed_tokens += plan.num_tokens
+        self.num_computed_tokens += num_tokens
         self.last_timing = StepTiming(
             prepare_s=t1 - t0,
             forward_s=t2 - t1,
             sample_s=t3 - t2,
-            num_tokens=plan.num_tokens,
+            num_tokens=num_tokens,
             num_seqs=len(plan.chunks),
         )
         return sampled
@@ -95,13 +96,30 @@ class FakeRunner:
         if self.eos_after is not None and num_output == self.eos_after:
             return EOS_TOKEN_ID
         seed = self.config.seed + (chunk.params.seed or 0)
-        position = chunk.context_len - 1
-        token = (chunk.token_ids[-1] * 7919 + position * 104729 + seed * 31 + 17) % VOCAB_SIZE
-        if token == EOS_TOKEN_ID:
-            token += 1
-        return token
+        return _token_after(chunk.token_ids[-1], chunk.context_len - 1, seed)
 
     # ---- internals ----------------------------------------------------------------------------
+
+    def _sample_all(self, chunks: list[ScheduledChunk]) -> list[SampledToken]:
+        """_sample for every chunk that samples. Plain chunks (no logprobs, no forced EOS: a
+        benchmark's 1,000 decode streams) take an inlined next_token: this loop runs once a
+        step per stream, beside a forward that is only a sleep."""
+        if self.eos_after is not None:
+            return [self._sample(chunk) for chunk in chunks if chunk.do_sample]
+        base_seed = self.config.seed
+        sampled = []
+        for chunk in chunks:
+            if not chunk.do_sample:
+                continue
+            params = chunk.params
+            if params.logprobs is not None:
+                sampled.append(self._sample(chunk))
+                continue
+            token_ids = chunk.token_ids
+            position = chunk.start_pos + len(token_ids) - 1
+            token = _token_after(token_ids[-1], position, base_seed + (params.seed or 0))
+            sampled.append(SampledToken(chunk.request_id, token))
+        return sampled
 
     def _sample(self, chunk: ScheduledChunk) -> SampledToken:
         token = self.next_token(chunk)
@@ -184,6 +202,11 @@ class FakeRunner:
     def _slot(self, chunk: ScheduledChunk, position: int) -> int:
         block_id = chunk.block_table[position // self.block_size]
         return block_id * self.block_size + position % self.block_size
+
+
+def _token_after(last_token: int, position: int, seed: int) -> int:
+    token = (last_token * 7919 + position * 104729 + seed * 31 + 17) % VOCAB_SIZE
+    return token + 1 if token == EOS_TOKEN_ID else token
 
 
 def _require(condition: bool, message: str) -> None:
