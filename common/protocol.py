@@ -251,14 +251,19 @@ class TokenOutput:
         out = cls(*item)
         if not isinstance(out.request_id, str) or not isinstance(out.new_token_ids, list):
             raise ProtocolError("bad token output")
-        if not all(type(t) is int for t in out.new_token_ids):
-            raise ProtocolError("new_token_ids must be ints")
+        # Loops and chained tests, not all() over generators: this runs once per stream per
+        # engine step in the gateway's receive loop.
+        for t in out.new_token_ids:
+            if type(t) is not int:
+                raise ProtocolError("new_token_ids must be ints")
         if out.finish_reason is not None and (
             not isinstance(out.finish_reason, str) or out.finish_reason not in FINISH_REASONS
         ):
             raise ProtocolError(f"unknown finish reason {out.finish_reason!r}")
-        counts = (out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
-        if not all(type(n) is int and n >= 0 for n in counts):
+        num_prompt, num_output, num_cached = (out.num_prompt_tokens, out.num_output_tokens,
+                                              out.num_cached_tokens)
+        if not (type(num_prompt) is int and type(num_output) is int and type(num_cached) is int
+                and num_prompt >= 0 and num_output >= 0 and num_cached >= 0):
             raise ProtocolError("token counts must be non-negative ints")
         if not isinstance(out.logprobs, (list, type(None))):
             raise ProtocolError("logprobs must be an array or nil")
