@@ -92,8 +92,12 @@ def prepare_messages(messages: list[dict[str, Any]], tools: ToolChoice | None,
 
 
 def _calls_of(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """A message's earlier tool calls, each with a `function` object (others are dropped:
+    the client's history is not validated beyond what rendering needs)."""
     calls = message.get("tool_calls")
-    return [c for c in calls if isinstance(c, dict)] if isinstance(calls, list) else []
+    if not isinstance(calls, list):
+        return []
+    return [c for c in calls if isinstance(c, dict) and isinstance(c.get("function"), dict)]
 
 
 def _with_object_arguments(message: dict[str, Any]) -> dict[str, Any]:
@@ -103,7 +107,7 @@ def _with_object_arguments(message: dict[str, Any]) -> dict[str, Any]:
         return message
     fixed = []
     for call in calls:
-        function = dict(call.get("function") or {})
+        function = dict(call["function"])
         if isinstance(function.get("arguments"), str):
             try:
                 function["arguments"] = json.loads(function["arguments"])
@@ -119,7 +123,7 @@ def _as_text(message: dict[str, Any]) -> dict[str, Any]:
     if calls:
         blocks = []
         for call in calls:
-            function = call.get("function") or {}
+            function = call["function"]
             arguments = function.get("arguments")
             if isinstance(arguments, str):
                 try:

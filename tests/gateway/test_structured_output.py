@@ -308,3 +308,13 @@ def test_echo_puts_the_prompt_first(served_reply):
     assert streamed == texts
     r = httpx.post(gw.url + "/v1/completions", json={**body, "logprobs": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+
+
+def test_malformed_call_history_renders_or_is_a_400_never_a_500(served_reply):
+    gw, _, reply = served_reply
+    reply["text"] = "ok"
+    for calls in ("x", [{"function": "f"}], [3], [{"function": {"name": 5, "arguments": "{"}}]):
+        r = httpx.post(gw.url + "/v1/chat/completions", json={
+            "messages": MSGS + [{"role": "assistant", "tool_calls": calls}],
+            "tools": [WEATHER], "max_tokens": 5})
+        assert r.status_code in (200, 400), (calls, r.text)
