@@ -216,8 +216,10 @@ def main() -> None:
         worker_pid = stamped.pid if stamped is not None else procs[1].pid
         cpu_before = {"gateway": cpu_seconds(gateway.pid), "worker": cpu_seconds(worker_pid),
                       "client": time.process_time()}
+        load_before = os.getloadavg()[0]
         start, end, arrivals, usage, errors = asyncio.run(
             run_clients(args.port, args.streams, args.tokens))
+        load_after = os.getloadavg()[0]
         cpu_used = {"gateway": cpu_seconds(gateway.pid), "worker": cpu_seconds(worker_pid),
                     "client": time.process_time()}
         cpu_used = {k: (v - cpu_before[k]) if v is not None and cpu_before[k] is not None
@@ -245,6 +247,9 @@ def main() -> None:
         "tokens_per_s": round(num_tokens / wall, 1),
         "chunks_per_s": round(num_chunks / wall, 1),
         "offered_tokens_per_s": round(args.streams * 1000 / args.step_ms, 1),
+        # The machine's 1-minute load average around the run: on a shared machine tokens/s
+        # follows it; CPU per token much less.
+        "load_average": [round(load_before, 2), round(load_after, 2)],
     }
     # CPU per delivered token is robust to a shared, noisy machine, unlike tokens/s.
     result["cpu_s"] = {k: round(v, 2) for k, v in cpu_used.items() if v is not None}
