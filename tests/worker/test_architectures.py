@@ -121,3 +121,17 @@ def test_greedy_matches_transformers_on_a_gpu(variant, tmp_path):
     name, model = variant
     model.save_pretrained(tmp_path / name, safe_serialization=True)
     assert_same_greedy(engine_for(tmp_path / name, device="cuda"), model)
+
+
+def test_a_missing_tensor_is_a_clear_error(tmp_path):
+    """A Qwen3 checkpoint without its q/k norms cannot run: refused, naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    model = make_model("qwen3")
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    file = next(tmp_path.glob("*.safetensors"))
+    tensors = {k: v for k, v in load_file(str(file)).items() if "q_norm" not in k}
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(UnsupportedModelError, match="qwen3 model file has no tensor "
+                                                    "model.layers.0.self_attn.q_norm.weight"):
+        load_model(str(tmp_path), torch.device("cpu"), torch.float32)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.model.llama_config import LlamaConfig
+from worker.model.llama_config import LlamaConfig, UnsupportedModelError
 from worker.model.quant import Int4Blocks
 
 # A GGUF file's Llama 3 rope factors (llama.cpp's rope_freqs tensor) under this name.
@@ -32,7 +32,8 @@ class ModelWeights:
         try:
             return self.tensors.pop(name)
         except KeyError:
-            raise KeyError(f"the model file has no tensor {name}") from None
+            raise UnsupportedModelError(
+                f"the {self.config.architecture} model file has no tensor {name}") from None
 
 
 @dataclass
