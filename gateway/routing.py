@@ -21,8 +21,8 @@ requests in flight (plus one, so that a few chats are not split up for nothing),
 however skewed the prefixes are.
 
 Rendezvous hashing (highest random weight) uses a stable hash of the worker id, so another
-gateway process (`--gateways N`), or this one after a restart, sends a new prefix to the
-same worker.
+gateway process in front of the same workers, or this one after a restart, sends a new
+prefix to the same worker.
 """
 
 from __future__ import annotations
