@@ -89,8 +89,8 @@ def fetch_model(model: str, revision: str | None = None) -> str:
             f"{model} is not in the Hugging Face cache and cannot be downloaded now "
             f"(HF_HUB_OFFLINE set, or the Hub unreachable): {e}") from None
     except (HfHubHTTPError, OSError, ValueError) as e:
-        raise ModelNotFoundError(f"cannot download {model} from the Hugging Face Hub: {e}"
-                                 ) from None
+        raise ModelNotFoundError(f"cannot download {model} from the Hugging Face Hub (and "
+                                 f"there is no local path {model}): {e}") from None
 
 
 def resolve_model(model: str) -> Path:
