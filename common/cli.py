@@ -664,10 +664,8 @@ def gateway(**opts: Any) -> None:
     _fetch_hub_model(opts)
     config = gateway_config(opts)
     die_with_parent()
-    from common.gc_tuning import tune_for_serving
     from gateway.server import run_gateway
 
-    tune_for_serving()
     try:
         run_gateway(config)
     except ModelNotFoundError as e:  # the tokenizer and chat template come from the model
@@ -713,9 +711,6 @@ def worker(**opts: Any) -> None:
         engine = build_engine(config)
     except (OSError, ValueError) as e:  # a missing model file, an unusable device or dtype
         raise click.ClickException(f"cannot load the model: {e}") from None
-    from common.gc_tuning import tune_for_serving
-
-    tune_for_serving()
     sys.exit(run_worker(config, engine=engine))
 
 

@@ -7,6 +7,7 @@ import sys
 import uvicorn
 from starlette.applications import Starlette
 
+from common.gc_tuning import tune_for_serving
 from gateway.app import build_app
 from gateway.config import GatewayConfig
 from gateway.http_protocol import DEFAULT_MAX_HEAD_BYTES, guarded_protocol
@@ -31,6 +32,7 @@ def uvicorn_config(app: Starlette, config: GatewayConfig, **overrides) -> uvicor
 def run_gateway(config: GatewayConfig) -> None:
     setup_logging(config.log_format, config.log_level)
     server = uvicorn.Server(uvicorn_config(build_app(config), config))
+    tune_for_serving()  # the app (tokenizer, template, routes) is built: freeze it
     try:
         server.run()
     except KeyboardInterrupt:

@@ -155,6 +155,9 @@ def build_engine(config: WorkerConfig) -> Engine:
     engine = Engine(config.engine, runner=runner)
     log.info("engine ready", extra={"worker_id": config.worker_id, "backend": config.backend,
                                     "load_s": round(time.monotonic() - started, 2)})
+    from common.gc_tuning import tune_for_serving
+
+    tune_for_serving()  # this process is a worker from now on (its start-up heap is done)
     return engine
 
 
