@@ -152,6 +152,9 @@ class TextTokenizer:
                 return bytes(table[c] for c in piece)
         if _BYTE_FALLBACK.fullmatch(piece):  # sentencepiece's <0xE6>: one raw byte
             return bytes([int(piece[3:5], 16)])
+        if _SPIECE_SPACE in piece and token_id not in self._added_ids:
+            # "▁the" is " the": decoding it alone would strip the prefix space.
+            return piece.replace(_SPIECE_SPACE, " ").encode()
         return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
 
     def token_text(self, token_id: int) -> str:

@@ -122,3 +122,14 @@ def test_incremental_detokenization_rebuilds_the_text(ours):
         detok = IncrementalDetokenizer(ours, prompt)
         streamed = "".join(detok.push([t]) for t in ids) + detok.flush()
         assert streamed == ours.decode(prompt + ids)[len(ours.decode(prompt)):]
+
+
+def test_token_bytes_keep_the_spaces_a_piece_stands_for(ours, spm):
+    """For logprobs: a piece's own bytes, its space included; a byte-fallback piece is its
+    byte (half a character shows as bytes:)."""
+    the = spm.piece_to_id("\u2581the")
+    assert the != spm.unk_id() and ours.token_bytes(the) == b" the"
+    assert ours.token_text(the) == " the"
+    first_byte = ours.encode("日", add_special_tokens=False)[-3]
+    assert ours.token_bytes(first_byte) == "日".encode()[:1]
+    assert ours.token_text(first_byte) == "bytes:\\xe6"
