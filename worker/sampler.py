@@ -240,7 +240,8 @@ class GrammarMasks:
             if state.is_done or not allowed[j].any():
                 allowed[j] = False
                 allowed[j, eos] = True
-        if logits.device.type == "cpu" and logits.is_contiguous():
+        if (logits.device.type == "cpu" and logits.is_contiguous()
+                and logits.dtype in (torch.float32, torch.float64)):
             values = logits.numpy()  # shares memory; numpy's where-copy is single-threaded
             for j, i in enumerate(rows):
                 np.copyto(values[i], -np.inf, where=~allowed[j])
