@@ -141,3 +141,16 @@ def test_logit_bias_follows_openai():
     with pytest.raises(RequestError):
         SamplingParams(logit_bias={1: 101})
     assert SamplingParams(logit_bias=[[3, 1]]).logit_bias == ((3, 1.0),)
+
+
+def test_masks_apply_to_any_logits_layout(compiler, vocabulary):
+    """The torch path (GPU, or logits numpy cannot share) masks like the numpy path."""
+    sampler = Sampler(VOCAB, (EOS,), torch.device("cpu"))
+    for logits in (torch.randn(VOCAB, 2).t() * 5, torch.randn(2, VOCAB) * 5):  # strided, not
+        chunks = [ScheduledChunk(f"r{i}", [1], 5, [0], True, SamplingParams(
+            temperature=0.0, grammar=compiler.attach(GrammarSpec("regex", "[0-9]+")) if i else
+            None)) for i in range(2)]
+        sampler.prepare(chunks)
+        free, constrained = sampler.sample(logits.clone(), chunks)
+        assert free.token_id == int(logits[0].argmax())
+        assert decode(vocabulary, [constrained.token_id]).isdigit()
