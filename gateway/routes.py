@@ -54,6 +54,8 @@ _FALLBACK_MAX_MODEL_LEN = 2048
 _INLINE_CHARS = 2048
 _INLINE_MESSAGES = 16
 _INLINE_TOKENS = 4096
+# Request fields whose checking compiles a grammar (gateway/structured_output.py).
+_GRAMMAR_FIELDS = ("response_format", "tools", "guided_json", "guided_regex")
 
 
 class Api:
@@ -121,8 +123,7 @@ class Api:
 
     async def completions(self, request: Request) -> Response:
         try:
-            req = parse_completion(await self._read_json(request), self.served_names,
-                                   self.limits)
+            req = await self._parse(parse_completion, await self._read_json(request))
             prompts = []
             echoes = [] if req.echo else None
             for p in req.prompts:
@@ -145,7 +146,7 @@ class Api:
 
     async def chat(self, request: Request) -> Response:
         try:
-            req = parse_chat(await self._read_json(request), self.served_names, self.limits)
+            req = await self._parse(parse_chat, await self._read_json(request))
             messages, tool_kwargs = prepare_messages(req.messages, req.tools,
                                                      self.template.source)
             text = await self._render(messages, req.add_generation_prompt,
@@ -163,6 +164,13 @@ class Api:
         raw = await read_body(request, self.config.max_request_body_bytes,
                               self.config.request_body_timeout_s)
         return await parse_json_object(raw, self.cpu)
+
+    async def _parse(self, parse, body: dict):
+        """parse(body, ...) -> a typed request; in the CPU pool when it holds a schema or
+        tools: checking a large JSON schema with the grammar engine takes up to a second."""
+        if any(body.get(k) is not None for k in _GRAMMAR_FIELDS):
+            return await self.cpu.run(parse, body, self.served_names, self.limits)
+        return parse(body, self.served_names, self.limits)
 
     async def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) <= _INLINE_CHARS:
