@@ -135,3 +135,21 @@ def test_a_missing_tensor_is_a_clear_error(tmp_path):
     with pytest.raises(UnsupportedModelError, match="qwen3 model file has no tensor "
                                                     "model.layers.0.self_attn.q_norm.weight"):
         load_model(str(tmp_path), torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("name, file", [("qwen2-window", "hf"), ("llama3", "gguf"),
+                                        ("qwen3", "gguf")])
+def test_weight_cache_keeps_what_each_architecture_needs(name, file, tmp_path):
+    """Windows per layer, rope factors, biases and norms survive the weight cache: a start
+    that maps it generates what transformers does."""
+    model = make_model(name)
+    if file == "hf":
+        model.save_pretrained(tmp_path / name, safe_serialization=True)
+        path = tmp_path / name
+    else:
+        path = write_gguf(model, tmp_path / f"{name}.gguf")
+    cache = dict(weight_cache=True, weight_cache_dir=str(tmp_path / "cache"))
+    assert "quantize" in engine_for(path, **cache).startup_phases  # built, then written
+    mapped = engine_for(path, **cache)
+    assert mapped.startup_phases.get("quantize") is None  # nothing was rebuilt
+    assert_same_greedy(mapped, model)
