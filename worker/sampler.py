@@ -294,25 +294,46 @@ def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
 
 def _sample_truncated(probs: torch.Tensor, uniform: torch.Tensor,
                       params: list[SamplingParams]) -> torch.Tensor:
-    """Rows with top_k and/or top_p: keep each row's top_k tokens, then the smallest prefix
-    whose mass reaches top_p (the first token always stays), and sample among them."""
-    num_rows, vocab = probs.shape
+    """Rows with top_k and/or top_p: order each row's tokens by probability, ties by token id,
+    keep the first top_k, then the smallest prefix whose mass reaches top_p (the first token
+    always stays), and sample among them.
+
+    The tie order is fixed so that a row's token never depends on the rest of the batch
+    (bf16 logits tie often; topk's order among equal values varies with k and with the
+    batch). A row is worked out among its candidates where every token it keeps is strictly
+    more likely than the last candidate (then all tokens that likely are candidates, in the
+    full order); otherwise its whole vocabulary is sorted."""
+    vocab = probs.shape[1]
     device = probs.device
-    top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    num_candidates = min(vocab, max(k if k < vocab else CANDIDATES for k in top_ks))
-    needs_all = [k >= vocab and p.top_p < 1.0 for k, p in zip(top_ks, params, strict=True)]
-    values, indices = torch.topk(probs, num_candidates, dim=-1)  # sorted, descending
-    # A top-p row without top_k whose nucleus does not fit in the candidates: sort it all.
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
+                         device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device)
-    short = (values.sum(dim=-1) < top_p * probs.sum(dim=-1)).tolist()
-    if any(n and s for n, s in zip(needs_all, short, strict=True)):
-        values, indices = torch.sort(probs, dim=-1, descending=True)
-    ranks = torch.arange(values.shape[1], device=device)
-    top_k = torch.tensor(top_ks, device=device)
+    # One more than the largest top_k, so that a top_k row is exact unless a tie straddles it.
+    num_candidates = min(vocab, max(k if k < vocab else CANDIDATES for k in top_k.tolist()) + 1)
+    values, indices = torch.topk(probs, num_candidates, dim=-1)
+    by_id = indices.argsort(dim=-1)
+    values, order = torch.sort(values.gather(1, by_id), dim=-1, descending=True, stable=True)
+    indices = indices.gather(1, by_id).gather(1, order)
+    keep = _kept(values, probs, top_k, top_p)
+    token_ids = indices.gather(1, _inverse_cdf(values * keep, uniform)[:, None])[:, 0]
+    if num_candidates < vocab:
+        # Zero-probability tokens are never drawn, so ties among them do not matter.
+        inexact = (keep & (values <= values[:, -1:]) & (values > 0)).any(dim=-1)
+        rows = inexact.nonzero()[:, 0]
+        if len(rows):
+            values, indices = torch.sort(probs[rows], dim=-1, descending=True, stable=True)
+            keep = _kept(values, probs[rows], top_k[rows], top_p[rows])
+            picked = _inverse_cdf(values * keep, uniform[rows])
+            token_ids[rows] = indices.gather(1, picked[:, None])[:, 0]
+    return token_ids
+
+
+def _kept(values: torch.Tensor, probs: torch.Tensor, top_k: torch.Tensor,
+          top_p: torch.Tensor) -> torch.Tensor:
+    """[rows, n] True for the tokens a row keeps, of its n most likely (`values`, sorted)."""
+    ranks = torch.arange(values.shape[1], device=values.device)
     keep = ranks[None, :] < top_k[:, None]
     total = probs.sum(dim=-1, keepdim=True)
     mass_before = (torch.cumsum(values, dim=-1) - values) / total
     # top_p 1 keeps everything, even where rounding lets the cumulative sum pass 1.
-    keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
-    picked = _inverse_cdf(values * keep, uniform)
-    return indices.gather(1, picked[:, None])[:, 0]
+    return keep & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))

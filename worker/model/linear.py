@@ -1,4 +1,4 @@
-"""A projection with an optional low-bit copy for small batches (see worker.model.quant)."""
+"""A projection with an optional low-bit copy for decode rows (see worker.model.quant)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,23 @@ class Linear:
         self.dense = dense  # [out, in]
         self.packed = packed
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [num_tokens, in] -> [num_tokens, out]."""
-        # Few rows: bound by reading weights, the low-bit copy wins. Many rows: compute-bound,
-        # oneDNN's dense bf16 path wins.
-        if self.packed is not None and x.shape[0] <= self.packed.max_rows:
+    def __call__(self, x: torch.Tensor, num_packed_rows: int | None = None) -> torch.Tensor:
+        """x [num_tokens, in] -> [num_tokens, out]. The first `num_packed_rows` rows (None: all)
+        go through the low-bit copy where there is one, the others through the dense weight.
+
+        The kernel is chosen per row, never by how many rows the step has: each kernel
+        computes a row on its own, so a row's output does not depend on what shares its batch
+        (docs/architecture.md, "Batch independence"). The model passes its decode rows, which
+        are bound by reading weights (the low-bit copy reads 4x less); prefill chunks are
+        compute-bound, where oneDNN's dense path wins.
+        """
+        rows = x.shape[0]
+        num_packed = rows if num_packed_rows is None else min(num_packed_rows, rows)
+        if self.packed is None or num_packed == 0:
+            return F.linear(x, self.dense)
+        if num_packed == rows:
             return self.packed.mm(x)
-        return F.linear(x, self.dense)
+        out = x.new_empty(rows, self.dense.shape[0])
+        out[:num_packed] = self.packed.mm(x[:num_packed])
+        out[num_packed:] = F.linear(x[num_packed:], self.dense)
+        return out

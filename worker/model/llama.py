@@ -89,7 +89,8 @@ class LlamaLayer:
         cfg = self.config
         n = x.shape[0]
         h = F.rms_norm(x, (cfg.hidden_size,), self.input_norm, cfg.rms_norm_eps)
-        qkv = self.qkv(h)  # [num_tokens, q_size + 2 * kv_size]
+        # Decode rows take the low-bit kernels, prefill rows the dense weights (Linear).
+        qkv = self.qkv(h, meta.num_decode)  # [num_tokens, q_size + 2 * kv_size]
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         qk = qkv[:, : cfg.q_size + cfg.kv_size].view(n, -1, cfg.head_dim)
@@ -105,11 +106,11 @@ class LlamaLayer:
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(n, cfg.num_kv_heads, cfg.head_dim)
         k_cache, v_cache = kv_cache if kv_cache is not None else (None, None)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta, cfg.head_dim**-0.5)
-        out = self.o_proj(attn)
+        out = self.o_proj(attn, meta.num_decode)
         x = x + (out if self.o_bias is None else out + self.o_bias)
         h = F.rms_norm(x, (cfg.hidden_size,), self.post_norm, cfg.rms_norm_eps)
-        gate, up = self.gate_up(h).chunk(2, dim=-1)  # [num_tokens, intermediate] each
-        return x + self.down(F.silu(gate) * up)
+        gate, up = self.gate_up(h, meta.num_decode).chunk(2, dim=-1)  # [num_tokens, intermediate] each
+        return x + self.down(F.silu(gate) * up, meta.num_decode)
 
 
 class LlamaModel:

@@ -4,8 +4,9 @@ A decode step with few sequences is bound by reading the weights (a bf16 matrix-
 runs at ~5 GB/s here), so it pays to read 4-bit weights instead: torch's CPU int4 kernel
 (`_weight_int4pack_mm_for_cpu`) is ~5x faster than bf16 at one row. GGUF Q4_0/Q4_1 tensors are
 already 4-bit with a scale (and offset) per group of 32 inputs, which is exactly the kernel's
-format, so no extra quantization error is added beyond rounding scales to bf16. Larger batches
-are compute-bound and use the dense bf16 copy (same values), where oneDNN is faster.
+format, so no extra quantization error is added beyond rounding scales to bf16. Prefill chunks
+are compute-bound and use the dense bf16 copy (same values), where oneDNN is faster; the
+kernel is chosen per row (decode or prefill), not by the step's size (worker.model.linear).
 """
 
 from __future__ import annotations
@@ -68,11 +69,12 @@ def int4_blocks_from_gguf(raw: np.ndarray, qtype) -> Int4Blocks | None:
 class PackedInt4:
     """An Int4Blocks matrix in torch's CPU int4 kernel layout."""
 
-    # Up to this many rows the int4 kernel beats dense bf16. Measured as a step runs, all 30
-    # SmolLM2 layers' weights streaming from memory, 2 threads: 2.4 vs 10.8 ms at 1 row,
-    # 10.5 vs 14.2 at 16, 12.9 vs 15.5 at 20, 15.1 vs 15.7 at 24, 19.7 vs 18.0 at 32.
-    # (One layer timed over and over keeps its weights in cache and favours dense.)
-    max_rows = 24
+    # Decode rows take this kernel however many there are (worker.model.linear: the choice
+    # is per row, so a row's result never depends on its batch). Cost against dense bf16,
+    # all 30 SmolLM2 layers' weights streaming from memory, 2 threads: 2.4 vs 10.8 ms at
+    # 1 row, 10.5 vs 14.2 at 16, 15.1 vs 15.7 at 24, 19.7 vs 18.0 at 32; beyond, the dense
+    # path is cheaper per row (a price paid for batch independence). (One layer timed over
+    # and over keeps its weights in cache and favours dense.)
 
     def __init__(self, weight: torch.Tensor, scales_and_zeros: torch.Tensor):
         self.weight = weight  # the kernel's packed layout
@@ -95,10 +97,9 @@ class PackedInt4:
 class PackedInt8:
     """Per-row symmetric int8 (for the lm_head, which GGUF keeps at 8 bits or more)."""
 
+    # Every sampled row takes this kernel, however many there are (per row, as PackedInt4).
     # torch's int8 kernel wins for few rows (49152 x 576 lm_head, 2 threads: 0.7 vs 2.3 ms at
-    # 1 row, 1.6 vs 2.8 at 8, 2.3 vs 3.2 at 12, 3.2 vs 3.5 at 16, 4.9 vs 4.0 at 24); past 12
-    # whole decode steps measured no faster.
-    max_rows = 12
+    # 1 row, 1.6 vs 2.8 at 8, 2.3 vs 3.2 at 12, 3.2 vs 3.5 at 16, 4.9 vs 4.0 at 24).
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor):
         self.weight = weight  # [rows, cols] int8
