@@ -10,7 +10,13 @@ import json
 import pytest
 import torch
 
-from tests.worker.arch_models import VARIANTS, hf_greedy, make_model, write_gguf
+from tests.worker.arch_models import (
+    VARIANTS,
+    hf_greedy,
+    make_model,
+    one_thread,  # noqa: F401 - autouse
+    write_gguf,
+)
 from worker.config import EngineConfig
 from worker.engine import Engine
 from worker.model.hf_weights import read_config
@@ -32,45 +38,57 @@ def engine_for(path, **overrides) -> Engine:
     return Engine(EngineConfig(**{**fields, **overrides}))
 
 
-def assert_same_greedy(engine: Engine, model) -> None:
-    expected = [hf_greedy(model, p, NUM_TOKENS) for p in PROMPTS]
+def assert_same_greedy(engine: Engine, expected: list[list[int]]) -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS)
     assert engine.generate(PROMPTS, greedy) == expected  # all batched together
     assert engine.generate([PROMPTS[2]], greedy) == [expected[2]]  # and alone
 
 
+@pytest.fixture(scope="module")
+def reference():
+    """variant name -> (make_model(name), transformers' greedy tokens for PROMPTS), each
+    computed once (make_model is deterministic)."""
+    cache: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in cache:
+            model = make_model(name)
+            cache[name] = model, [hf_greedy(model, p, NUM_TOKENS) for p in PROMPTS]
+        return cache[name]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=list(VARIANTS))
-def variant(request):
-    return request.param, make_model(request.param)
+def variant(request, reference):
+    return request.param, *reference(request.param)
 
 
 def test_hf_directory_greedy_matches_transformers(variant, tmp_path):
-    name, model = variant
+    name, model, expected = variant
     model.save_pretrained(tmp_path / name, safe_serialization=True)
     engine = engine_for(tmp_path / name)
     assert engine.runner.model.config.architecture == name.split("-")[0].replace("llama3", "llama")
-    assert_same_greedy(engine, model)
+    assert_same_greedy(engine, expected)
 
 
 # Every variant but Qwen2's per-layer windows, which GGUF has no key for.
 @pytest.mark.parametrize("name", [v for v in VARIANTS if v != "qwen2-window"])
-def test_gguf_greedy_matches_transformers(name, tmp_path):
-    model = make_model(name)
-    assert_same_greedy(engine_for(write_gguf(model, tmp_path / f"{name}.gguf")), model)
+def test_gguf_greedy_matches_transformers(name, tmp_path, reference):
+    model, expected = reference(name)
+    assert_same_greedy(engine_for(write_gguf(model, tmp_path / f"{name}.gguf")), expected)
 
 
-def test_the_differences_matter(tmp_path):
+def test_the_differences_matter(tmp_path, reference):
     """Each variant's difference changes the tokens: without it the same weights give other
     text, so the tests above hold each feature, not just plain Llama."""
     greedy = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS)
-    llama3 = make_model("llama3")
+    llama3, expected = reference("llama3")
     no_freqs = write_gguf(llama3, tmp_path / "no-freqs.gguf", rope_freqs=False)
-    assert engine_for(no_freqs).generate(PROMPTS, greedy) != [
-        hf_greedy(llama3, p, NUM_TOKENS) for p in PROMPTS]
-    mistral = make_model("mistral")
+    assert engine_for(no_freqs).generate(PROMPTS, greedy) != expected
+    mistral, expected = reference("mistral")
     no_window = write_gguf(mistral, tmp_path / "no-window.gguf", sliding_window=False)
-    assert engine_for(no_window).generate(PROMPTS, greedy) != [
-        hf_greedy(mistral, p, NUM_TOKENS) for p in PROMPTS]
+    assert engine_for(no_window).generate(PROMPTS, greedy) != expected
 
 
 def test_llama3_config_in_the_released_layout():
@@ -118,9 +136,9 @@ def test_weights_the_model_would_ignore_are_refused(tmp_path):
 
 @pytest.mark.cuda
 def test_greedy_matches_transformers_on_a_gpu(variant, tmp_path):
-    name, model = variant
+    name, model, expected = variant
     model.save_pretrained(tmp_path / name, safe_serialization=True)
-    assert_same_greedy(engine_for(tmp_path / name, device="cuda"), model)
+    assert_same_greedy(engine_for(tmp_path / name, device="cuda"), expected)
 
 
 def test_a_missing_tensor_is_a_clear_error(tmp_path):
@@ -139,10 +157,10 @@ def test_a_missing_tensor_is_a_clear_error(tmp_path):
 
 @pytest.mark.parametrize("name, file", [("qwen2-window", "hf"), ("llama3", "gguf"),
                                         ("qwen3", "gguf")])
-def test_weight_cache_keeps_what_each_architecture_needs(name, file, tmp_path):
+def test_weight_cache_keeps_what_each_architecture_needs(name, file, tmp_path, reference):
     """Windows per layer, rope factors, biases and norms survive the weight cache: a start
     that maps it generates what transformers does."""
-    model = make_model(name)
+    model, expected = reference(name)
     if file == "hf":
         model.save_pretrained(tmp_path / name, safe_serialization=True)
         path = tmp_path / name
@@ -152,4 +170,4 @@ def test_weight_cache_keeps_what_each_architecture_needs(name, file, tmp_path):
     assert "quantize" in engine_for(path, **cache).startup_phases  # built, then written
     mapped = engine_for(path, **cache)
     assert mapped.startup_phases.get("quantize") is None  # nothing was rebuilt
-    assert_same_greedy(mapped, model)
+    assert_same_greedy(mapped, expected)

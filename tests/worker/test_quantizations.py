@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from tests.worker.arch_models import hf_greedy, make_model, quantize_like_file, write_gguf
+from tests.worker.arch_models import (
+    hf_greedy,
+    make_model,
+    one_thread,  # noqa: F401 - autouse
+    quantize_like_file,
+    write_gguf,
+)
 from worker.config import EngineConfig
 from worker.engine import Engine
 from worker.model.loader import load_model
