@@ -11,13 +11,18 @@ One fixed mixed workload, every system in the same run on the same model:
   in static batches of --max-num-seqs (left padded, run to the batch's longest output),
   in fp32 and/or bf16 (--hf-dtypes).
 
+Every system is warmed the same way before it is measured (every prompt pushed through once
+with 4 output tokens: zeroserve on a throwaway engine, transformers batch by batch), and the
+whole set runs --repeats times (default 5) in a rotating order; the table gives each
+system's median tokens/s with the min-max over repeats, and ratios taken inside each repeat.
+
 Output tokens/s counts only the tokens each request asked for (a static batch's extra tokens
 for early finishers are waste). "Rows computed" is the noise-free side of the same story:
 token rows pushed through the model (prompts, outputs, padding rows, padded prompts). For continuous mode it also reports where the time of steps
 with --max-num-seqs sequences in the batch went: the share outside the model forward is
 1 - forward / step wall time (schedule, input preparation, sampling and state update).
 
-    python scripts/bench_engine.py                      # defaults: 128 prompts, 32 seqs
+    python scripts/bench_engine.py                      # defaults: 128 prompts, 32 seqs, 5 repeats
     python scripts/bench_engine.py --systems continuous --num-prompts 96   # overhead only
 
 Prints a markdown table (and --json PATH writes the raw numbers).
@@ -132,7 +137,7 @@ def run_engine(
     return Result(name, wall_s, num_tokens, stats.num_steps, num_rows, "", full_steps)
 
 
-def load_hf_model(args: argparse.Namespace):
+def load_hf_model(args: argparse.Namespace, dtype_name: str = "float32"):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -150,13 +155,19 @@ def load_hf_model(args: argparse.Namespace):
         )
     else:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    return model.eval()
+    # One copy per dtype, converted once from fp32 (not bf16 -> fp32 round trips).
+    return model.to(getattr(torch, dtype_name)).eval()
+
+
+def warm_up_hf(model, workload: Workload, batch_size: int, pad_id: int) -> None:
+    """As zeroserve's warm-up: every prompt once, 4 output tokens, in the measured batches."""
+    short = Workload(workload.prompts, [4] * len(workload.prompts))
+    run_hf(model, short, str(model.dtype).removeprefix("torch."), batch_size, pad_id)
 
 
 def run_hf(model, workload: Workload, dtype_name: str, batch_size: int, pad_id: int) -> Result:
     import torch
 
-    model = model.to(getattr(torch, dtype_name))
     started = time.perf_counter()
     num_generated = num_rows = 0
     for start in range(0, len(workload.prompts), batch_size):
@@ -216,6 +227,50 @@ def overhead_summary(result: Result) -> str:
     return text
 
 
+def _key(result: Result) -> str:
+    return result.system.split(" (")[0]
+
+
+def paired(runs: list[list[Result]], a: str, b: str) -> list[float]:
+    """a's tokens/s over b's, one ratio per repeat (both measured in that repeat)."""
+    out = []
+    for results in runs:
+        by = {_key(r): r.tokens_per_s for r in results}
+        if a in by and b in by:
+            out.append(by[a] / by[b])
+    return out
+
+
+def _spread(values: list[float], nd: int = 1, unit: str = "") -> str:
+    med = statistics.median(values)
+    if len(values) == 1:
+        return f"{med:.{nd}f}{unit}"
+    return f"{med:.{nd}f}{unit} ({min(values):.{nd}f}-{max(values):.{nd}f})"
+
+
+def print_table(runs: list[list[Result]], repeats: int) -> None:
+    """Median tokens/s with min-max over repeats; ratios paired inside each repeat."""
+    systems: dict[str, list[Result]] = {}
+    for results in runs:
+        for r in results:
+            systems.setdefault(r.system, []).append(r)
+    print(f"Medians of {repeats} repeat(s), (min-max) across them; ratios taken inside each "
+          "repeat.")
+    print()
+    print("| system | output tok/s | wall s | vs static | rows computed | notes |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    for name, rs in systems.items():
+        ratios = paired(runs, _key(rs[0]), "zeroserve static")
+        ratio = _spread(ratios, 2, "x") if ratios else "n/a"
+        print(f"| {name} | {_spread([r.tokens_per_s for r in rs])} "
+              f"| {statistics.median(r.wall_s for r in rs):.1f} | {ratio} | {rs[0].num_rows} "
+              f"| {rs[0].notes} |")
+    for other in sorted({_key(r) for rs in runs for r in rs if _key(r) != "zeroserve continuous"}):
+        ratios = paired(runs, "zeroserve continuous", other)
+        if ratios:
+            print(f"- continuous / {other}: {_spread(ratios, 2, 'x')}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default")
@@ -231,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--batch-wait-ms", type=float, default=50.0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument(
         "--systems",
         default="continuous,static,dynamic,hf",
@@ -261,79 +317,80 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    results: list[Result] = []
     runner = None
     warmed_up = False
-    for system in systems:
-        if system in ENGINE_MODES:
-            mode = ENGINE_MODES[system]
-            config = engine_config(args, mode)
-            if runner is None and args.fake_forward_ms is not None:
-                from worker.fake_runner import FakeRunner
+    hf_models: dict[str, object] = {}  # dtype -> model, loaded and warmed up once
+    hf_dtypes = [d.strip() for d in args.hf_dtypes.split(",") if d.strip()]
+    pad_id = None
+    runs: list[list[Result]] = []  # per repeat
+    for rep in range(args.repeats):
+        k = rep % len(systems)
+        order = systems[k:] + systems[:k]  # rotate, so drift does not favour one system
+        print(f"=== repeat {rep + 1}/{args.repeats}: {', '.join(order)} ===", flush=True)
+        results: list[Result] = []
+        for system in order:
+            if system in ENGINE_MODES:
+                mode = ENGINE_MODES[system]
+                config = engine_config(args, mode)
+                if runner is None and args.fake_forward_ms is not None:
+                    from worker.fake_runner import FakeRunner
 
-                runner = FakeRunner(
-                    config, forward_time_s=args.fake_forward_ms / 1e3, check_plans=False
-                )
-            elif runner is None:
-                from worker.model_runner import ModelRunner
+                    runner = FakeRunner(
+                        config, forward_time_s=args.fake_forward_ms / 1e3, check_plans=False
+                    )
+                elif runner is None:
+                    from worker.model_runner import ModelRunner
 
-                runner = ModelRunner(config)
-            if not warmed_up:
-                # Whichever mode ran first used to be several times slower: the CPU kernels
-                # build per-shape state on first use. Push every prompt through once (short
-                # outputs) on a throwaway engine, so no mode measures that and no mode finds
-                # the prompts in its prefix cache.
-                Engine(config, runner=runner).generate(
-                    workload.prompts, SamplingParams(max_tokens=4, ignore_eos=True)
-                )
-                warmed_up = True
-            engine = Engine(config, runner=runner)
-            name = f"zeroserve {system} ({runner.info.dtype}, max_num_seqs {args.max_num_seqs})"
-            result = run_engine(engine, workload, name, args.max_num_seqs)
-            result.notes = f"{result.num_steps} steps, {engine.stats().num_preemptions} preemptions"
-        elif system == "hf":
-            model = load_hf_model(args)
-            tokenizer = load_tokenizer()
-            pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-            for dtype_name in [d.strip() for d in args.hf_dtypes.split(",") if d.strip()]:
-                result = run_hf(model, workload, dtype_name, args.max_num_seqs, pad_id)
+                    runner = ModelRunner(config)
+                if not warmed_up:
+                    # Whichever mode ran first used to be several times slower: the CPU
+                    # kernels build per-shape state on first use. Push every prompt through
+                    # once (short outputs) on a throwaway engine, so no mode measures that and
+                    # no mode finds the prompts in its prefix cache.
+                    Engine(config, runner=runner).generate(
+                        workload.prompts, SamplingParams(max_tokens=4, ignore_eos=True)
+                    )
+                    warmed_up = True
+                engine = Engine(config, runner=runner)
+                name = f"zeroserve {system} ({runner.info.dtype}, max_num_seqs {args.max_num_seqs})"
+                result = run_engine(engine, workload, name, args.max_num_seqs)
+                result.notes = (f"{result.num_steps} steps, "
+                                f"{engine.stats().num_preemptions} preemptions")
                 results.append(result)
                 print(f"{result.system}: {result.tokens_per_s:.1f} tok/s", flush=True)
-            del model
-            continue
-        else:
-            raise SystemExit(f"unknown system {system!r}")
-        results.append(result)
-        print(f"{result.system}: {result.tokens_per_s:.1f} tok/s", flush=True)
+            elif system == "hf":
+                if pad_id is None:
+                    tokenizer = load_tokenizer()
+                    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+                for dtype_name in hf_dtypes:
+                    if dtype_name not in hf_models:
+                        hf_models[dtype_name] = load_hf_model(args, dtype_name)
+                        # The same warm-up as zeroserve's, before the first measured run.
+                        warm_up_hf(hf_models[dtype_name], workload, args.max_num_seqs, pad_id)
+                    result = run_hf(hf_models[dtype_name], workload, dtype_name,
+                                    args.max_num_seqs, pad_id)
+                    results.append(result)
+                    print(f"{result.system}: {result.tokens_per_s:.1f} tok/s", flush=True)
+            else:
+                raise SystemExit(f"unknown system {system!r}")
+        runs.append(results)
 
     print()
-    base = {r.system.split(" (")[0]: r.tokens_per_s for r in results}
-    print("| system | output tok/s | wall s | vs static | rows computed | notes |")
-    print("| --- | ---: | ---: | ---: | ---: | --- |")
-    static = base.get("zeroserve static")
-    for r in results:
-        ratio = f"{r.tokens_per_s / static:.2f}x" if static else "n/a"
-        print(
-            f"| {r.system} | {r.tokens_per_s:.1f} | {r.wall_s:.1f} | {ratio} | {r.num_rows} "
-            f"| {r.notes} |"
-        )
-    continuous = next((r for r in results if r.system.startswith("zeroserve continuous")), None)
-    if continuous is not None:
+    print_table(runs, args.repeats)
+    results = [r for rs in runs for r in rs]
+    continuous = [r for r in results if r.system.startswith("zeroserve continuous")]
+    if continuous:
+        pooled = Result(continuous[0].system, 0.0, 0,
+                        full_steps=[step for r in continuous for step in r.full_steps])
         print()
-        print(
-            f"Continuous, steps with {args.max_num_seqs} sequences: {overhead_summary(continuous)}"
-        )
-        hf = [r for r in results if r.system.startswith("transformers")]
-        if hf:
-            best = max(hf, key=lambda r: r.tokens_per_s)
-            print(
-                f"Continuous vs best transformers ({best.system}): {continuous.tokens_per_s / best.tokens_per_s:.2f}x"
-            )
+        print(f"Continuous, steps with {args.max_num_seqs} sequences (all repeats): "
+              f"{overhead_summary(pooled)}")
     if args.json:
         Path(args.json).write_text(
             json.dumps(
                 [
                     {
+                        "repeat": rep,
                         "system": r.system,
                         "tokens_per_s": r.tokens_per_s,
                         "wall_s": r.wall_s,
@@ -341,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
                         "num_rows": r.num_rows,
                         "notes": r.notes,
                     }
-                    for r in results
+                    for rep, rs in enumerate(runs)
+                    for r in rs
                 ],
                 indent=2,
             )

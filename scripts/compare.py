@@ -3,7 +3,11 @@
 For each repeat, for each system in turn (the order rotates between repeats, so drift in the
 shared machine's load does not always favour the same system): start the server, wait for
 /health, run the same workload at every load level with scripts/bench_serving.py, stop it.
-Only one system runs at a time. Medians over repeats go into:
+Only one system runs at a time, and every system is treated alike: one server per repeat,
+started with as many slots as the largest level has clients and kept up through every level
+(llama-server too: it is not restarted per level), the same warm-up requests before each
+level (BenchConfig.num_warmup). Medians over repeats, with the spread (min-max), and each
+ratio taken inside one repeat (both systems measured minutes apart) go into:
 
 - a results JSON (every run's summary, the command line, the machine),
 - a PNG: output throughput, TTFT, ITL vs concurrency, and the ITL distribution per system,
@@ -11,7 +15,7 @@ Only one system runs at a time. Medians over repeats go into:
 
     python scripts/compare.py --quick
     python scripts/compare.py --systems zeroserve,llama-server --concurrency 1,16,32 \\
-        --prompts-per-client 4 --output-len 128 --repeats 3
+        --prompts-per-client 4 --output-len 128 --repeats 5
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ def markers(section: str = "") -> tuple[str, str]:
 
 ALL_SYSTEMS = ("zeroserve", "zeroserve-static", "zeroserve-dynamic", "llama-server", "hf",
                "hf-bf16")
-DEFAULT_SYSTEMS = ("zeroserve", "zeroserve-static", "llama-server", "hf")
+DEFAULT_SYSTEMS = ("zeroserve", "zeroserve-static", "zeroserve-dynamic", "llama-server", "hf")
 
 
 @dataclass(frozen=True)
@@ -128,11 +132,10 @@ def server_command(system: str, plan: Plan, port: int, slots: int) -> list[str] 
     raise ValueError(f"unknown system {system!r}; known: {', '.join(ALL_SYSTEMS)}")
 
 
-def slots_for(system: str, level: Level, plan: Plan) -> int:
-    """llama-server gets exactly as many slots as clients (as a user would configure it);
-    the others are started once with room for the largest level."""
-    if system == "llama-server" and level.concurrency is not None:
-        return level.concurrency
+def slots_for(plan: Plan) -> int:
+    """Every system is started once per repeat with room for the largest level, as an
+    operator would configure a server facing varying load (llama-server's -c is shared by
+    its slots, so each slot still gets the context it needs)."""
     return plan.max_concurrency
 
 
@@ -198,29 +201,24 @@ def _get_ok(url: str) -> bool:
 
 
 def run_system(system: str, plan: Plan, samples, log_dir: Path) -> list[dict]:
-    """Every level for one system; a server per distinct slot count."""
+    """Every level for one system, on one server kept up through all of them."""
     runs: list[dict] = []
-    server: Server | None = None
+    slots = slots_for(plan)
+    port = free_port()
+    cmd = server_command(system, plan, port, slots)
+    if cmd is None:
+        print(f"[{system}] skipped: {LLAMA_SERVER} is not built "
+              "(run scripts/build_llama_server.sh)", flush=True)
+        return []
+    print(f"[{system}] starting: {shlex.join(cmd)}", flush=True)
+    server = Server(system, cmd, port, slots, log_dir / f"{system}.log")
     try:
+        why = server.wait_ready(plan.startup_timeout_s)
+        if why is not None:
+            print(f"[{system}] failed to start: {why}", flush=True)
+            _print_log_tail(server.log_path)
+            return runs
         for level in plan.levels:
-            slots = slots_for(system, level, plan)
-            if server is None or server.slots != slots:
-                if server is not None:
-                    server.stop()
-                    server = None
-                port = free_port()
-                cmd = server_command(system, plan, port, slots)
-                if cmd is None:
-                    print(f"[{system}] skipped: {LLAMA_SERVER} is not built "
-                          "(run scripts/build_llama_server.sh)", flush=True)
-                    return []
-                print(f"[{system}] starting: {shlex.join(cmd)}", flush=True)
-                server = Server(system, cmd, port, slots, log_dir / f"{system}.log")
-                why = server.wait_ready(plan.startup_timeout_s)
-                if why is not None:
-                    print(f"[{system}] failed to start: {why}", flush=True)
-                    _print_log_tail(server.log_path)
-                    return runs
             n = plan.num_prompts(level)
             cfg = BenchConfig(
                 base_url=server.base_url, num_prompts=n, concurrency=level.concurrency,
@@ -241,8 +239,7 @@ def run_system(system: str, plan: Plan, samples, log_dir: Path) -> list[dict]:
             print(format_summary(summary), flush=True)
             runs.append(summary)
     finally:
-        if server is not None:
-            server.stop()
+        server.stop()
     return runs
 
 
@@ -266,6 +263,10 @@ def aggregate(runs: list[dict]) -> dict[tuple[str, str], dict]:
         vals = [v for v in vals if v is not None]
         return statistics.median(vals) if vals else None
 
+    def spread(rs, path):
+        vals = [v for v in (_dig(r, path) for r in rs) if v is not None]
+        return (min(vals), max(vals)) if vals else None
+
     table = {}
     for key, rs in groups.items():
         table[key] = {
@@ -276,6 +277,8 @@ def aggregate(runs: list[dict]) -> dict[tuple[str, str], dict]:
             "failed": sum(r["failed"] for r in rs),
             "token_mismatches": sum(r["token_mismatches"] for r in rs),
             "output_throughput": med(rs, "output_throughput"),
+            "output_throughput_range": spread(rs, "output_throughput"),
+            "ttft_p50_range": spread(rs, "ttft_ms.p50"),
             "request_throughput": med(rs, "request_throughput"),
             "goodput": med(rs, "goodput"),
             "ttft_p50": med(rs, "ttft_ms.p50"), "ttft_p99": med(rs, "ttft_ms.p99"),
@@ -299,8 +302,17 @@ def _fmt(x, nd=0) -> str:
     return "-" if x is None else f"{x:,.{nd}f}"
 
 
+def _fmt_spread(x, spread, nd=0) -> str:
+    """'median (min-max)' over repeats."""
+    if x is None:
+        return "-"
+    if not spread or spread[0] == spread[1]:
+        return _fmt(x, nd)
+    return f"{_fmt(x, nd)} ({_fmt(spread[0], nd)}-{_fmt(spread[1], nd)})"
+
+
 def markdown(plan: Plan, table: dict, command: str, started: str, loadavg: tuple,
-             image: str | None = None, section: str = "") -> str:
+             image: str | None = None, section: str = "", runs: list[dict] | None = None) -> str:
     levels = [lv.key for lv in plan.levels]
     systems = [s for s in plan.systems if any((s, lv) in table for lv in levels)]
     lines = [
@@ -311,8 +323,9 @@ def markdown(plan: Plan, table: dict, command: str, started: str, loadavg: tuple
         + (f"{plan.output_len} output tokens per request" if plan.output_len_mode == "fixed"
            else f"output lengths from the dataset's replies, at most {plan.output_len}")
         + " (`ignore_eos`), medians of "
-        f"{plan.repeats} repeat(s), systems alternated. Goodput SLO: TTFT <= 2 s and "
-        "TPOT <= 100 ms.",
+        f"{plan.repeats} repeat(s) with (min-max) across them, systems alternated, each "
+        "started once per repeat and kept up through every level. Goodput SLO: TTFT <= 2 s "
+        "and TPOT <= 100 ms.",
         "",
         "```",
         command,
@@ -329,30 +342,50 @@ def markdown(plan: Plan, table: dict, command: str, started: str, loadavg: tuple
                 continue
             lines.append(
                 f"| {s} | {lv} | {row['completed']} / {row['failed']} | {row['token_mismatches']} "
-                f"| {_fmt(row['output_throughput'], 1)} | {_fmt(row['goodput'], 2)} "
-                f"| {_fmt(row['ttft_p50'])} | {_fmt(row['ttft_p99'])} | {_fmt(row['tpot_p50'], 1)} "
+                f"| {_fmt_spread(row['output_throughput'], row['output_throughput_range'], 1)} "
+                f"| {_fmt(row['goodput'], 2)} "
+                f"| {_fmt_spread(row['ttft_p50'], row['ttft_p50_range'])} "
+                f"| {_fmt(row['ttft_p99'])} | {_fmt(row['tpot_p50'], 1)} "
                 f"| {_fmt(row['itl_p50'], 1)} | {_fmt(row['itl_p99'], 1)} | {_fmt(row['e2e_p50'])} |")
-    ratios = _ratio_lines(table, levels)
+    ratios = _ratio_lines(runs or [], levels)
     if ratios:
-        lines += ["", "Ratios (output tokens/s, TTFT p50):", "", *ratios]
+        lines += ["", "Ratios, each taken inside one repeat (both systems minutes apart), "
+                  "median (min-max) over repeats:", "", *ratios]
     if image:
         lines += ["", f"![throughput and latency per system]({image})"]
     lines += ["", markers(section)[1]]
     return "\n".join(lines)
 
 
-def _ratio_lines(table: dict, levels: list[str]) -> list[str]:
+def paired_ratios(runs: list[dict], other: str, level: str, path: str) -> list[float]:
+    """zeroserve's number over `other`'s, one ratio per repeat that measured both."""
+    by_repeat: dict[int, dict[str, float]] = {}
+    for r in runs:
+        value = _dig(r, path)
+        if r["level"] == level and value:
+            by_repeat.setdefault(r.get("repeat", 0), {})[r["system"]] = value
+    return [v["zeroserve"] / v[other] for v in by_repeat.values()
+            if "zeroserve" in v and other in v]
+
+
+def _ratio_lines(runs: list[dict], levels: list[str]) -> list[str]:
     out = []
-    for other in ("llama-server", "zeroserve-static", "zeroserve-dynamic", "hf"):
+    for other in ("llama-server", "zeroserve-static", "zeroserve-dynamic", "hf", "hf-bf16"):
         for lv in levels:
-            a, b = table.get(("zeroserve", lv)), table.get((other, lv))
-            if not a or not b or not a["output_throughput"] or not b["output_throughput"]:
+            tput = paired_ratios(runs, other, lv, "output_throughput")
+            if not tput:
                 continue
-            ttft = (f"; TTFT p50 {a['ttft_p50']:.0f} vs {b['ttft_p50']:.0f} ms"
-                    if a["ttft_p50"] and b["ttft_p50"] else "")
-            out.append(f"- zeroserve / {other} at {lv}: "
-                       f"{a['output_throughput'] / b['output_throughput']:.2f}x throughput{ttft}")
+            ttft = paired_ratios(runs, other, lv, "ttft_ms.p50")
+            text = f"- zeroserve / {other} at {lv}: throughput {_ratio_spread(tput)}"
+            if ttft:
+                text += f", TTFT p50 {_ratio_spread(ttft)}"
+            out.append(text + f" ({len(tput)} repeats)")
     return out
+
+
+def _ratio_spread(ratios: list[float]) -> str:
+    return (f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+            if len(ratios) > 1 else f"{ratios[0]:.2f}x")
 
 
 def write_docs(section: str, page: Path, name: str = "") -> None:
@@ -453,7 +486,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Plan, argparse.Namespace]
                     help="sampled: each request asks for its ShareGPT reply's length (clipped "
                          "at 512), still with ignore_eos; mixed lengths are where continuous "
                          "batching beats static")
-    ap.add_argument("--repeats", type=int, default=None, help="[default 2; quick 1]")
+    ap.add_argument("--repeats", type=int, default=None, help="[default 5; quick 1]")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-prompt-tokens", type=int, default=None,
                     help="[default 1024; quick 512]")
@@ -483,7 +516,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Plan, argparse.Namespace]
         min_prompts=a.min_prompts or (3 if a.quick else 4),
         output_len=a.output_len or (32 if a.quick else 128),
         output_len_mode=a.output_len_mode,
-        repeats=a.repeats or (1 if a.quick else 2), threads=a.threads,
+        repeats=a.repeats or (1 if a.quick else 5), threads=a.threads,
         max_prompt_tokens=a.max_prompt_tokens or (512 if a.quick else 1024),
         startup_timeout_s=a.startup_timeout_s,
         level_timeout_s=a.level_timeout_s, zeroserve_args=tuple(shlex.split(a.zeroserve_args)),
@@ -538,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     image = None
     if a.plot and a.docs:
         image = os.path.relpath(Path(a.plot).resolve(), Path(a.docs).resolve().parent)
-    section = markdown(plan, table, command, started, loadavg, image, a.section)
+    section = markdown(plan, table, command, started, loadavg, image, a.section, runs)
     print(section)
     if runs:
         if a.plot:

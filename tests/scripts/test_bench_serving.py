@@ -215,15 +215,18 @@ def test_compare_takes_medians_and_rewrites_only_its_docs_section(tmp_path):
 
     plan, _ = compare.parse_args(["--quick", "--systems", "zeroserve,llama-server",
                                   "--concurrency", "16"])
-    runs = [_fake_run("zeroserve", "c16", 16, t, 100.0) for t in (300.0, 100.0, 200.0)]
-    runs.append(_fake_run("llama-server", "c16", 16, 50.0, 400.0))
+    runs = []
+    for repeat, (ours, theirs) in enumerate([(300.0, 100.0), (100.0, 50.0), (200.0, 100.0)]):
+        runs.append({**_fake_run("zeroserve", "c16", 16, ours, 100.0), "repeat": repeat})
+        runs.append({**_fake_run("llama-server", "c16", 16, theirs, 400.0), "repeat": repeat})
     table = compare.aggregate(runs)
     assert table[("zeroserve", "c16")]["output_throughput"] == 200.0  # the median of 3
     assert table[("zeroserve", "c16")]["completed"] == 12
     section = compare.markdown(plan, table, "python scripts/compare.py --quick", "now",
-                               (1.0, 1.0, 1.0))
-    assert "| zeroserve | c16 | 12 / 0 |" in section
-    assert "zeroserve / llama-server at c16: 4.00x throughput" in section
+                               (1.0, 1.0, 1.0), runs=runs)
+    assert "| zeroserve | c16 | 12 / 0 | 0 | 200.0 (100.0-300.0) |" in section
+    # Ratios pair the systems inside each repeat (3x, 2x, 2x), not medians with medians.
+    assert "zeroserve / llama-server at c16: throughput 2.00x (2.00-3.00)" in section
     page = tmp_path / "benchmarks.md"
     begin, end = compare.markers()
     page.write_text("# Benchmarks\n\nintro\n\n" + begin + "\nold\n" + end + "\n\n## After\n")
