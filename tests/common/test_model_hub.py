@@ -44,10 +44,16 @@ def write_tiny_repo(directory: Path) -> Path:
     return directory
 
 
+GGUF_REPO = "tiny-org/tiny-GGUF"
+
+
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
     repo = write_tiny_repo(tmp_path_factory.mktemp("repo"))
-    with HubStandIn({REPO: repo}) as stand_in:
+    gguf_repo = tmp_path_factory.mktemp("gguf-repo")
+    for quant in ("Q4_K_M", "Q8_0"):  # stand-ins: only the file asked for may be fetched
+        (gguf_repo / f"tiny.{quant}.gguf").write_bytes(b"GGUF" + quant.encode() * 1000)
+    with HubStandIn({REPO: repo, GGUF_REPO: gguf_repo}) as stand_in:
         yield stand_in
 
 
@@ -97,6 +103,15 @@ def test_download_into_the_hub_cache_then_offline(hub, tmp_path):
     assert sum(hub.requests.values()) == before
     missing = fetch(offline, "tiny-org/never-fetched")
     assert missing.returncode != 0 and "not in the Hugging Face cache" in missing.stderr
+
+
+def test_one_gguf_file_of_a_repository(hub, tmp_path):
+    done = fetch(hub_env(hub, tmp_path / "hf"), f"{GGUF_REPO}/tiny.Q4_K_M.gguf")
+    assert done.returncode == 0, done.stderr
+    path = Path(done.stdout.strip().splitlines()[-1])
+    assert path.name == "tiny.Q4_K_M.gguf" and path.read_bytes().startswith(b"GGUFQ4_K_M")
+    assert hub.downloads("tiny.Q4_K_M.gguf") == 1 and hub.downloads("tiny.Q8_0.gguf") == 0
+    assert model_display_name(str(path)) == "tiny.Q4_K_M"
 
 
 def test_unknown_repository_and_revision_for_a_local_path_are_clear_errors(hub, tmp_path):
