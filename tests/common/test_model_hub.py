@@ -85,6 +85,7 @@ def test_hub_ids_and_local_paths_are_told_apart(tmp_path):
 
 def test_download_into_the_hub_cache_then_offline(hub, tmp_path):
     env = hub_env(hub, tmp_path / "hf")
+    before = hub.downloads("model.safetensors")  # other tests' caches share the stand-in
     done = fetch(env)
     assert done.returncode == 0, done.stderr
     path = Path(done.stdout.strip().splitlines()[-1])
@@ -92,10 +93,10 @@ def test_download_into_the_hub_cache_then_offline(hub, tmp_path):
     assert {p.name for p in path.iterdir()} == {"config.json", "generation_config.json",
                                                 "model.safetensors", "tokenizer.json",
                                                 "tokenizer_config.json"}  # no *.bin
-    assert hub.downloads("model.safetensors") == 1
+    assert hub.downloads("model.safetensors") == before + 1
     # Again: the cache answers, nothing is downloaded twice.
     assert fetch(env).stdout.strip().splitlines()[-1] == str(path)
-    assert hub.downloads("model.safetensors") == 1
+    assert hub.downloads("model.safetensors") == before + 1
     # Offline, as transformers: served from the cache; a model never fetched is a clear error.
     offline = hub_env(hub, tmp_path / "hf", HF_HUB_OFFLINE="1")
     before = sum(hub.requests.values())
@@ -127,12 +128,13 @@ def test_unknown_repository_and_revision_for_a_local_path_are_clear_errors(hub, 
 def test_serve_a_hub_model_fetched_once_for_gateway_and_workers(hub, tmp_path, zeroserve):
     """Two workers and a gateway from one download; the model's id is "org/name"; the tiny
     Qwen2 model answers a chat through its own chat template."""
-    env = hub_env(hub, tmp_path / "hf")
+    env = hub_env(hub, tmp_path / "hf")  # a fresh cache
+    before = {f: hub.downloads(f) for f in ("model.safetensors", "tokenizer.json")}
     server = zeroserve(args=("--model", REPO, "--revision", "main", "--workers", "2",
                              "--device", "cpu", "--dtype", "float32", "--no-weight-cache"),
                        num_workers=2, env=env)
-    assert hub.downloads("model.safetensors") == 1
-    assert hub.downloads("tokenizer.json") == 1
+    assert {f: hub.downloads(f) - n for f, n in before.items()} == {
+        "model.safetensors": 1, "tokenizer.json": 1}
     models = httpx.get(server.url + "/v1/models", timeout=10).json()
     assert [m["id"] for m in models["data"]] == [REPO]
     reply = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
