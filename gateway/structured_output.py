@@ -12,9 +12,11 @@ to a JSON array of {"name": ..., "arguments": {...}} objects, one of the given f
 
 from __future__ import annotations
 
+import hashlib
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 from common.protocol import MAX_GRAMMAR_CHARS
@@ -83,8 +85,42 @@ def required_tool_grammar(functions: list[dict[str, Any]], parallel: bool) -> Gr
     return json_schema_grammar(schema, "tools")
 
 
-@lru_cache(maxsize=256)
+class _Verdicts:
+    """What the grammar engine said about recent schema texts, keyed by their digest (not
+    the texts: 256 cached 256 KiB schemas would hold 64 MiB). Shared by the CPU pool."""
+
+    def __init__(self, size: int = 1024) -> None:
+        self._size = size
+        self._items: OrderedDict[bytes, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, kind: str, text: str, check) -> str:
+        key = hashlib.blake2b(f"{kind}\0{text}".encode(), digest_size=16).digest()
+        with self._lock:
+            verdict = self._items.get(key)
+            if verdict is not None:
+                self._items.move_to_end(key)
+                return verdict
+        verdict = check(text)
+        with self._lock:
+            self._items[key] = verdict
+            if len(self._items) > self._size:
+                self._items.popitem(last=False)
+        return verdict
+
+
+_VERDICTS = _Verdicts()
+
+
 def _schema_error(text: str) -> str:
+    return _VERDICTS.get("json_schema", text, _check_schema)
+
+
+def _regex_error(pattern: str) -> str:
+    return _VERDICTS.get("regex", pattern, _check_regex)
+
+
+def _check_schema(text: str) -> str:
     import llguidance
 
     try:
@@ -95,8 +131,7 @@ def _schema_error(text: str) -> str:
     return (messages[0] if messages else "invalid schema") if is_error else ""
 
 
-@lru_cache(maxsize=256)
-def _regex_error(pattern: str) -> str:
+def _check_regex(pattern: str) -> str:
     import llguidance
 
     grammar = llguidance.LLMatcher.grammar_from_regex(pattern)

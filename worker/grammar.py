@@ -27,7 +27,7 @@ from typing import Any
 
 from common.protocol import GRAMMAR_KINDS, MAX_GRAMMAR_CHARS
 
-MAX_CACHED_GRAMMARS = 256
+MAX_CACHED_GRAMMARS = 64  # compiled matchers kept (each may hold a large lexer)
 # Compact JSON: a small model offered free whitespace may emit newlines until max_tokens.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
