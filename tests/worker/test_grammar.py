@@ -154,3 +154,32 @@ def test_masks_apply_to_any_logits_layout(compiler, vocabulary):
         free, constrained = sampler.sample(logits.clone(), chunks)
         assert free.token_id == int(logits[0].argmax())
         assert decode(vocabulary, [constrained.token_id]).isdigit()
+
+
+def test_a_hugging_face_tokenizer_json_works_too(tmp_path):
+    """A model directory's tokenizer.json (byte-level BPE, an EOS added token) as the
+    vocabulary, with logits wider than the tokenizer (padded embeddings)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from gateway.tokenizer import byte_to_unicode
+
+    spell = byte_to_unicode()
+    tk = Tokenizer(models.BPE({spell[b]: b for b in range(256)}, [], fuse_unk=False))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens([AddedToken("<eos>", special=True, normalized=False)])  # id 256
+    tk.save(str(tmp_path / "tokenizer.json"))
+    width = 320
+    compiler = GrammarCompiler(tmp_path, width, (256,))
+    sampler = Sampler(width, (256,), torch.device("cpu"))
+    for seed in range(3):
+        state = compiler.attach(GrammarSpec("regex", "(ab|cd)[0-9]{2}"))
+        out = []
+        while not out or out[-1] != 256:
+            chunk = ScheduledChunk("r", [1], 5, [0], True, SamplingParams(
+                temperature=1.0, seed=seed, grammar=state), [1], list(out))
+            torch.manual_seed(seed * 100 + len(out))
+            [token] = sampler.sample(torch.randn(1, width) * 3, [chunk])
+            out.append(token.token_id)
+            assert len(out) < 10
+        assert re.fullmatch("(ab|cd)[0-9]{2}", bytes(out[:-1]).decode())
