@@ -183,3 +183,17 @@ def test_a_hugging_face_tokenizer_json_works_too(tmp_path):
             out.append(token.token_id)
             assert len(out) < 10
         assert re.fullmatch("(ab|cd)[0-9]{2}", bytes(out[:-1]).decode())
+
+
+def test_a_sentencepiece_gguf_vocabulary_spells_like_sentencepiece(tmp_path_factory):
+    """tokenizer.ggml.model "llama" (Llama 2, Mistral): '▁' is a space, <0xNN> a byte."""
+    pytest.importorskip("sentencepiece")
+    from tests.gateway import test_tokenizer_sentencepiece as spm_tests
+
+    spm = spm_tests.spm.__wrapped__()
+    path = spm_tests.gguf_path.__wrapped__(spm, tmp_path_factory)
+    vocabulary = GGUFVocabulary.read(path, [2])
+    for text in ["Hello, world!", "Unseen: 日本語 😀", "line one\n\ttabbed  twice"]:
+        ids = spm.encode(text)
+        assert b"".join(vocabulary.tokens[i] for i in ids).decode() == " " + text
+    assert {0, 1, 2} <= set(vocabulary.special_token_ids)  # unk, bos, eos
