@@ -141,6 +141,10 @@ class Engine:
                 return self._fail(plan, exc)
             runner_timing = self.runner.last_timing
         t2 = time.perf_counter()
+        prompt_logprobs = None if plan.is_empty else getattr(self.runner,
+                                                              "last_prompt_logprobs", None)
+        if prompt_logprobs:  # before update(): a request may finish in this step
+            self._take_prompt_logprobs(prompt_logprobs)
         changed = self.scheduler.update(plan, sampled)
         outputs = self._pending
         self._pending = []
@@ -233,6 +237,10 @@ class Engine:
         logprobs = None
         if token is not None and token.logprob is not None and new_token_ids:
             logprobs = [(token.logprob, list(token.top_logprobs or []))]
+        prompt_logprobs = None
+        if seq.prompt_logprobs is not None and not seq.is_prompt_logprobs_sent and (
+                new_token_ids or seq.finish_reason is not None):
+            prompt_logprobs, seq.is_prompt_logprobs_sent = seq.prompt_logprobs, True
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new_token_ids,
@@ -243,7 +251,20 @@ class Engine:
             logprobs=logprobs,
             error=error,
             timings=timings,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _take_prompt_logprobs(self, computed: dict[str, tuple[int, list]]) -> None:
+        """Append what the runner computed to each sequence's prompt logprobs, in order (a
+        recompute after preemption repeats positions it already has)."""
+        for request_id, (first, entries) in computed.items():
+            seq = self.scheduler.get(request_id)
+            if seq is None:
+                continue
+            have = seq.prompt_logprobs if seq.prompt_logprobs is not None else []
+            if first <= len(have) + 1 < first + len(entries):
+                have += entries[len(have) + 1 - first:]
+            seq.prompt_logprobs = have
 
     def _fail(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """Finish every sequence of a batch the runner could not compute, with ERROR."""

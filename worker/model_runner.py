@@ -6,7 +6,7 @@ import logging
 import math
 import mmap
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,6 +42,8 @@ class StepInputs:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [num_sampled] row of each sampling chunk's last token
     sample_chunks: list[ScheduledChunk]  # in plan order, matching sample_rows
+    # Chunks of requests that want prompt logprobs, with the row of their first token.
+    prompt_rows: list[tuple[ScheduledChunk, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -68,6 +70,7 @@ class ModelRunner:
         with timer.phase("kernel"):
             self.decode_kernel = self._decode_kernel(config.attention_backend)
         self.last_timing = StepTiming()
+        self.last_prompt_logprobs: dict[str, tuple[int, list]] = {}
         logger.info(
             "loaded %s on %s (%s) in %.1fs: %d KV blocks of %d tokens, context %d, "
             "%s decode attention, weight cache %s",
@@ -149,6 +152,9 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         forwarded = time.perf_counter()
         sampled = [] if logits is None else self.sampler.sample(logits, inputs.sample_chunks)
+        # request id -> (first prompt position, entries); see Engine.step.
+        self.last_prompt_logprobs = self.sampler.prompt_logprobs(
+            self.model.compute_logits, hidden, inputs.prompt_rows)
         finished = time.perf_counter()
         timing.prepare_s = prepared - started
         timing.forward_s = forwarded - prepared
@@ -201,6 +207,8 @@ class ModelRunner:
             meta=meta,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long),
             sample_chunks=sample_chunks,
+            prompt_rows=[(c, last_row[id(c)] - len(c.token_ids) + 1) for c in chunks
+                         if c.params.prompt_logprobs is not None],
         ))
 
     def _paged_decode(self, decodes: list[ScheduledChunk]) -> PagedDecode | None:

@@ -19,6 +19,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # One entry per new token when logprobs were asked for: (logprob, [(id, logprob), ...]).
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # The prompt's logprobs (params.prompt_logprobs), on the first output only: one entry
+    # per prompt token after the first, in the shape of `logprobs`.
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     error: str | None = None  # user-facing message when finish_reason is ERROR
     # With this request's first token here: (seconds queued, seconds from scheduled to it).
     timings: tuple[float, float] | None = None

@@ -83,6 +83,39 @@ class Sampler:
             token_ids[rows] = picked
         return self._results(chunks, token_ids, raw_logprobs)
 
+    def prompt_logprobs(self, compute_logits, hidden: torch.Tensor,
+                        prompt_rows: list[tuple[ScheduledChunk, int]]
+                        ) -> dict[str, tuple[int, list]]:
+        """For chunks of requests with params.prompt_logprobs: the logprob of each prompt
+        token the chunk's rows predict (position p's row predicts token p + 1), with the
+        top-N alternatives, from the raw logits. hidden [num_tokens, hidden]; returns request
+        id -> (first predicted position, [(logprob, [(id, logprob), ...]), ...])."""
+        out: dict[str, tuple[int, list]] = {}
+        for chunk, first_row in prompt_rows:
+            prompt = chunk.prompt_token_ids
+            # Rows whose next token is a prompt token (the last prompt row predicts an output).
+            num_rows = min(chunk.context_len, len(prompt) - 1) - chunk.start_pos
+            entries: list = []
+            for start in range(0, max(num_rows, 0), PROMPT_LOGPROB_ROWS):  # bounded memory
+                end = min(start + PROMPT_LOGPROB_ROWS, num_rows)
+                rows = hidden[first_row + start:first_row + end]
+                logprobs = torch.log_softmax(compute_logits(rows).float(), dim=-1)
+                pos = chunk.start_pos + start
+                targets = torch.tensor(prompt[pos + 1:pos + 1 + end - start],
+                                       device=logprobs.device)
+                chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+                k = chunk.params.prompt_logprobs
+                if k:
+                    values, indices = torch.topk(logprobs, k, dim=-1)
+                    tops = [list(zip(i, v, strict=True)) for i, v in
+                            zip(indices.tolist(), values.tolist(), strict=True)]
+                else:
+                    tops = [[] for _ in chosen]
+                entries += list(zip(chosen, tops, strict=True))
+            if entries:
+                out[chunk.request_id] = (chunk.start_pos + 1, entries)
+        return out
+
     def _apply_penalties(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> None:
         rows = [i for i, c in enumerate(chunks) if _has_penalties(c.params)]
         if not rows:
@@ -276,6 +309,9 @@ class GrammarMasks:
                                                    len(rows))
         return rows, bitmask
 
+
+# Prompt logprobs are computed this many rows at a time ([rows, vocab] floats each).
+PROMPT_LOGPROB_ROWS = 256
 
 # top-k / top-p look for their tokens among the most likely CANDIDATES first (a partial
 # top-k is far cheaper than sorting the vocabulary); a top-p row whose nucleus is larger

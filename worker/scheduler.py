@@ -389,7 +389,8 @@ class Scheduler:
         """For a new sequence of at least one full prompt block, with prefix caching: a key
         equal for equal prompts (cached per request); else None (nothing to share)."""
         if (not self.block_manager.enable_prefix_caching or seq.num_preemptions
-                or seq.num_prompt_tokens <= self.block_manager.block_size):
+                or seq.num_prompt_tokens <= self.block_manager.block_size
+                or seq.params.prompt_logprobs is not None):
             return None
         key = self._prompt_keys.get(seq.request_id)
         if key is None:
@@ -406,7 +407,8 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int, index: int = 0) -> int | None:
         """Move waiting[index] to running with a first chunk; None if it does not fit."""
         bm = self.block_manager
-        hits = bm.match_prefix(seq)
+        # Prompt logprobs come from computing the prompt: no cached blocks for those.
+        hits = bm.match_prefix(seq) if seq.params.prompt_logprobs is None else []
         num_new = min(seq.num_tokens - len(hits) * bm.block_size, budget)
         if not bm.can_admit(seq, hits, num_new):
             return None

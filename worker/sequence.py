@@ -47,6 +47,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per sampled token; None means off
+    # Logprobs of the prompt's tokens (each given the ones before it), with the top-N
+    # alternatives; None means off. Such a request computes its whole prompt (no cache hits).
+    prompt_logprobs: int | None = None
     # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits.
     logit_bias: tuple[tuple[int, float], ...] = ()
     # The request's grammar and its matcher (worker/grammar.py): one object per request,
@@ -72,6 +75,8 @@ class SamplingParams:
             raise RequestError("presence_penalty and frequency_penalty must be in [-2, 2]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise RequestError("logprobs must be between 0 and 20")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise RequestError("prompt_logprobs must be between 0 and 20")
         bias = self.logit_bias
         if bias is None or isinstance(bias, dict):  # {id: bias} from a local caller
             bias = () if bias is None else tuple(bias.items())
@@ -110,6 +115,10 @@ class Sequence:
     num_preemptions: int = 0
     # Output tokens not yet handed out by engine.step() (kept across preemption).
     num_emitted_tokens: int = 0
+    # params.prompt_logprobs: entries for prompt positions 1.. as the prefill computes them
+    # ((logprob, [(id, logprob), ...]) each); handed out once, with the first output.
+    prompt_logprobs: list | None = None
+    is_prompt_logprobs_sent: bool = False
     # Scheduler clock: when it first got KV blocks, and when it first produced a token here.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
