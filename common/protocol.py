@@ -226,28 +226,31 @@ class TokenOutput:
     # in the worker's queue, seconds from its first scheduling to that token (the prefill)].
     # Durations, not timestamps, so the gateway needs no shared clock.
     timings: list | None = None
+    # Once, on a stream's first output, when SamplingParams.prompt_logprobs was set: per
+    # prompt token after the first, [logprob, [[token_id, logprob], ...]] as in `logprobs`.
+    prompt_logprobs: list | None = None
 
     def to_wire(self) -> list:
         return [
             self.request_id, self.new_token_ids, self.finish_reason, self.num_prompt_tokens,
             self.num_output_tokens, self.num_cached_tokens, self.logprobs, self.error,
-            self.timings,
+            self.timings, self.prompt_logprobs,
         ]
 
     @staticmethod
     def wire_row(request_id: str, new_token_ids: list[int], finish_reason: str | None,
                  num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int = 0,
                  logprobs: list | None = None, error: str | None = None,
-                 timings: list | None = None) -> list:
+                 timings: list | None = None, prompt_logprobs: list | None = None) -> list:
         """What to_wire() gives, without the object: a worker emits one per stream per step,
         and the dataclass cost ~1.6 us of each (Tokens takes either form)."""
         return [request_id, new_token_ids, finish_reason, num_prompt_tokens, num_output_tokens,
-                num_cached_tokens, logprobs, error, timings]
+                num_cached_tokens, logprobs, error, timings, prompt_logprobs]
 
     @classmethod
     def from_wire(cls, item: Any) -> TokenOutput:
-        if not isinstance(item, list) or len(item) not in (8, 9):
-            raise ProtocolError("token output must be an 8- or 9-item array")
+        if not isinstance(item, list) or len(item) not in (8, 9, 10):
+            raise ProtocolError("token output must be an 8- to 10-item array")
         out = cls(*item)
         if not isinstance(out.request_id, str) or not isinstance(out.new_token_ids, list):
             raise ProtocolError("bad token output")
@@ -265,8 +268,9 @@ class TokenOutput:
         if not (type(num_prompt) is int and type(num_output) is int and type(num_cached) is int
                 and num_prompt >= 0 and num_output >= 0 and num_cached >= 0):
             raise ProtocolError("token counts must be non-negative ints")
-        if not isinstance(out.logprobs, (list, type(None))):
-            raise ProtocolError("logprobs must be an array or nil")
+        if not isinstance(out.logprobs, (list, type(None))) or not isinstance(
+                out.prompt_logprobs, (list, type(None))):
+            raise ProtocolError("logprobs and prompt_logprobs must be arrays or nil")
         if not isinstance(out.error, (str, type(None))):
             raise ProtocolError("error must be a string or nil")
         if out.timings is not None and not (

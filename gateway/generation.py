@@ -30,6 +30,7 @@ class ChoiceUpdate:
     token_ids: list[int]
     logprobs: list | None  # the worker's entries for token_ids: [logprob, [[id, lp], ...]]
     finish_reason: str | None
+    prompt_logprobs: list | None = None  # once: entries for the prompt's tokens after the first
 
 
 @dataclass
@@ -84,7 +85,7 @@ class Choice:
                                 self.prefill_s if has_output else None,
                                 now - self.first_output_at if has_output else None)
         return ChoiceUpdate(self.index, text, out.new_token_ids, out.logprobs,
-                            self.finish_reason)
+                            self.finish_reason, out.prompt_logprobs)
 
     def _on_first_output(self, timings: list | None, metrics: RequestMetrics,
                          now: float) -> None:

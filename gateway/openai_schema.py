@@ -64,6 +64,7 @@ class SamplingOptions:
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()
     grammar: Grammar | None = None  # constrained decoding (response_format, forced tools)
+    prompt_logprobs: int | None = None  # echo + logprobs: the prompt's logprobs too
 
     def worker_params(self, max_tokens: int, choice: int) -> dict[str, Any]:
         """SamplingParams fields by name for SUBMIT (plus "grammar", which SUBMIT carries in
@@ -74,6 +75,8 @@ class SamplingOptions:
             extra["logit_bias"] = [list(pair) for pair in self.logit_bias]
         if self.grammar is not None:
             extra["grammar"] = self.grammar.to_wire()
+        if self.prompt_logprobs is not None:
+            extra["prompt_logprobs"] = self.prompt_logprobs
         return extra | {
             "max_tokens": max_tokens, "min_tokens": min(self.min_tokens, max_tokens),
             "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
@@ -433,9 +436,6 @@ def parse_completion(body: dict, served_names: tuple[str, ...],
         raise invalid_request("'prompt' is required.", param="prompt")
     prompts = _parse_prompts(prompt, limits)
     echo = _get(body, "echo", bool, False)
-    if echo and body.get("logprobs") is not None:
-        raise invalid_request("'echo' together with 'logprobs' (the prompt's logprobs) is not "
-                              "supported.", param="echo")
     _reject_if_set(body, "suffix", "suffix is not implemented.", allowed=(None, ""))
     logprobs = _get(body, "logprobs", int)
     _in_range("logprobs", logprobs, 0, MAX_LOGPROBS)
@@ -446,6 +446,8 @@ def parse_completion(body: dict, served_names: tuple[str, ...],
     grammar = _parse_output_grammar(body)
     if grammar is not None:
         sampling = replace(sampling, grammar=grammar)
+    if echo and logprobs is not None:  # OpenAI: the echoed prompt comes with its logprobs
+        sampling = replace(sampling, prompt_logprobs=logprobs)
     _check_num_engine_requests(len(prompts), sampling.n, limits)
     return CompletionRequest(model, prompts, sampling, stream, include_usage, echo)
 

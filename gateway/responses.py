@@ -102,6 +102,26 @@ class LogprobsFormatter:
         return {"tokens": tokens, "token_logprobs": token_logprobs,
                 "top_logprobs": top_logprobs, "text_offset": offsets}
 
+    def prompt(self, token_ids: list[int], entries: list) -> dict:
+        """echo + logprobs: the prompt's tokens in the completion shape, the first with no
+        logprob (nothing precedes it), as OpenAI returns them."""
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        offset = 0
+        for i, tid in enumerate(token_ids):
+            text = self.tokenizer.token_text(tid)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+            if 0 < i <= len(entries):
+                lp, top = entries[i - 1]
+                token_logprobs.append(lp)
+                top_logprobs.append({self.tokenizer.token_text(t): v for t, v in top})
+            else:
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+        return {"tokens": tokens, "token_logprobs": token_logprobs,
+                "top_logprobs": top_logprobs, "text_offset": offsets}
+
     @staticmethod
     def merge(acc: dict | None, new: dict) -> dict:
         if acc is None:

@@ -41,6 +41,7 @@ from gateway.responses import (
     usage_chunk,
 )
 from gateway.sse import SSEResponse, race_disconnect
+from gateway.streams import RequestState
 from gateway.tokenizer import TextTokenizer
 from gateway.tool_calls import ToolCallStream, parse_calls, prepare_messages
 from gateway.tracing import trace_headers
@@ -255,6 +256,13 @@ class Api:
             return fmt.chat(update.token_ids, update.logprobs)
         return fmt.completion(update.token_ids, update.logprobs, offset)
 
+    def _with_prompt_logprobs(self, lp: dict | None, update: ChoiceUpdate,
+                              state: RequestState) -> dict:
+        """echo + logprobs: the prompt's tokens and logprobs before the completion's."""
+        prompt = LogprobsFormatter(self.tokenizer, "completion").prompt(
+            state.prompt_token_ids, update.prompt_logprobs or [])
+        return prompt if lp is None else LogprobsFormatter.merge(prompt, lp)
+
     async def _events(self, group: RequestGroup, ctx: ResponseContext,
                       sampling: SamplingOptions, echoes: list[str] | None = None
                       ) -> AsyncIterator[bytes]:
@@ -270,7 +278,7 @@ class Api:
             build = chat_chunk if ctx.kind == "chat" else completion_chunk
             async for batch in group.update_batches():
                 out = []
-                for update, _ in batch:
+                for update, state in batch:
                     if update.index in needs_role:
                         needs_role.discard(update.index)
                         out.append(sse(chat_role_chunk(ctx, update.index)))
@@ -281,6 +289,8 @@ class Api:
                         update = dataclasses.replace(update, text=echo + update.text)
                         lp = self._logprobs(ctx, update, offsets[update.index])
                         offsets[update.index] += len(update.text) - len(echo)
+                        if sampling.prompt_logprobs is not None:
+                            lp = self._with_prompt_logprobs(lp, update, state)
                     else:
                         lp = self._logprobs(ctx, update, offsets[update.index])
                         offsets[update.index] += len(update.text)
@@ -316,8 +326,12 @@ class Api:
         if echoes is not None:
             texts = [echoes[c.index // sampling.n] for c in group.choices]
         logprobs: list[dict | None] = [None] * len(group.choices)
+        echoed: set[int] = set()
         async for batch in group.update_batches():
             for update, state in batch:
+                if sampling.prompt_logprobs is not None and update.index not in echoed:
+                    echoed.add(update.index)
+                    logprobs[update.index] = self._with_prompt_logprobs(None, update, state)
                 lp = self._logprobs(ctx, update, len(texts[update.index]))
                 if lp is not None:
                     logprobs[update.index] = LogprobsFormatter.merge(logprobs[update.index], lp)

@@ -599,8 +599,12 @@ def _to_wire(out: RequestOutput) -> list:
     logprobs = None
     if out.logprobs is not None:
         logprobs = [[lp, [[tid, tlp] for tid, tlp in top]] for lp, top in out.logprobs]
+    prompt_logprobs = None
+    if out.prompt_logprobs is not None:
+        prompt_logprobs = [[lp, [[tid, tlp] for tid, tlp in top]]
+                           for lp, top in out.prompt_logprobs]
     return TokenOutput.wire_row(
         out.request_id, out.new_token_ids,
         None if out.finish_reason is None else out.finish_reason.value,
         out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens, logprobs,
-        out.error, None if out.timings is None else list(out.timings))
+        out.error, None if out.timings is None else list(out.timings), prompt_logprobs)

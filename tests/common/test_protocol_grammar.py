@@ -1,11 +1,20 @@
-"""SUBMIT's grammar field: optional (old senders omit it), and strictly checked on decode."""
+"""SUBMIT's grammar and TokenOutput's prompt_logprobs: optional (older peers omit them), and
+checked on decode."""
 
 from __future__ import annotations
 
 import msgpack
 import pytest
 
-from common.protocol import MAX_GRAMMAR_CHARS, ProtocolError, Submit, decode, encode
+from common.protocol import (
+    MAX_GRAMMAR_CHARS,
+    ProtocolError,
+    Submit,
+    TokenOutput,
+    Tokens,
+    decode,
+    encode,
+)
 
 
 def roundtrip(msg: Submit) -> Submit:
@@ -31,3 +40,14 @@ def test_bad_grammars_are_refused_on_decode(grammar):
     body = msgpack.packb(["r", [1], {}, 8, [], grammar], use_bin_type=True)
     with pytest.raises(ProtocolError):
         decode([frames[0], body])
+
+
+def test_prompt_logprobs_travel_in_token_outputs():
+    row = TokenOutput.wire_row("r", [5], None, 3, 1, 0, None, None, None,
+                               [[-1.5, [[7, -0.5]]], [-2.0, []]])
+    [out] = decode(encode(Tokens("w", 1, [row]))).outputs
+    assert out.prompt_logprobs == [[-1.5, [[7, -0.5]]], [-2.0, []]]
+    [old] = decode(encode(Tokens("w", 1, [row[:9]]))).outputs  # a worker before the field
+    assert old.prompt_logprobs is None
+    with pytest.raises(ProtocolError):
+        decode(encode(Tokens("w", 1, [row[:9] + ["not a list"]])))

@@ -306,8 +306,6 @@ def test_echo_puts_the_prompt_first(served_reply):
         for choice in c["choices"]:
             streamed[choice["index"]] += choice["text"]
     assert streamed == texts
-    r = httpx.post(gw.url + "/v1/completions", json={**body, "logprobs": 1})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
 
 
 def test_malformed_call_history_renders_or_is_a_400_never_a_500(served_reply):
@@ -318,3 +316,47 @@ def test_malformed_call_history_renders_or_is_a_400_never_a_500(served_reply):
             "messages": MSGS + [{"role": "assistant", "tool_calls": calls}],
             "tools": [WEATHER], "max_tokens": 5})
         assert r.status_code in (200, 400), (calls, r.text)
+
+
+def test_echo_with_logprobs_gives_the_prompts_logprobs_first():
+    """OpenAI's echo + logprobs: the prompt's tokens lead the logprobs, the first with None;
+    the worker is asked for prompt logprobs (a fake worker answers with made-up values)."""
+    from dataclasses import dataclass
+
+    from tests.gateway.helpers import FakeWorker
+
+    @dataclass
+    class PromptLogprobWorker(FakeWorker):
+        def _step(self):
+            outputs = super()._step()
+            for out in outputs:
+                sub = next(s for s in self.submits if s.request_id == out.request_id)
+                if out.num_output_tokens == len(out.new_token_ids) and sub.params.get(
+                        "prompt_logprobs") is not None:  # the stream's first output
+                    out.prompt_logprobs = [[-1.0 - i, [[t, -0.5]]]
+                                           for i, t in enumerate(sub.prompt_token_ids[1:])]
+            return outputs
+
+    with GatewayServer() as gw:
+        worker = PromptLogprobWorker(*gw.config.endpoints, reply=fixed_reply("ok")).start()
+        assert worker.ready.wait(5)
+        body = {"prompt": "Hi!", "max_tokens": 5, "echo": True, "logprobs": 1}
+        choice = httpx.post(gw.url + "/v1/completions", json=body).json()["choices"][0]
+        assert worker.submits[-1].params["prompt_logprobs"] == 1
+        lp = choice["logprobs"]
+        assert choice["text"] == "Hi!ok"
+        assert lp["tokens"] == ["H", "i", "!", "o", "k"]
+        assert lp["token_logprobs"][:3] == [None, -1.0, -2.0]
+        assert lp["top_logprobs"][:3] == [None, {"i": -0.5}, {"!": -0.5}]
+        assert lp["text_offset"] == [0, 1, 2, 3, 4]
+        chunks = post_stream(gw, "/v1/completions", {**body, "stream": True})
+        streamed = {"tokens": [], "token_logprobs": [], "text_offset": []}
+        for c in chunks[:-1]:
+            for part in c["choices"]:
+                for k in streamed:
+                    streamed[k] += (part["logprobs"] or {}).get(k, [])
+        assert streamed == {k: lp[k] for k in streamed}
+        plain = httpx.post(gw.url + "/v1/completions", json={**body, "echo": False}).json()
+        assert "prompt_logprobs" not in worker.submits[-1].params
+        assert plain["choices"][0]["logprobs"]["tokens"] == ["o", "k"]
+        worker.stop()
