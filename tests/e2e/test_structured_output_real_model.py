@@ -133,3 +133,27 @@ def test_named_tool_streams_openai_deltas(client):
     assert all(d.index == 0 and d.id is None for d in rest)
     arguments = "".join(d.function.arguments for d in deltas)
     assert matches(json.loads(arguments), WEATHER["function"]["parameters"])
+
+
+def test_echo_with_logprobs_and_n_sharing_the_prompt(client):
+    """echo + logprobs gives the prompt's logprobs first; n choices of one prompt prefill it
+    once (the others' prompt tokens are reported as cached)."""
+    prompt = ("The following is a list of the planets of the solar system, in order from "
+              "the sun, with one fact about each:")
+    reply = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt,
+                                      max_tokens=4, temperature=0.0, echo=True, logprobs=2)
+    choice = reply.choices[0]
+    num_prompt = reply.usage.prompt_tokens
+    assert choice.text.startswith(prompt)
+    lp = choice.logprobs
+    assert len(lp.tokens) == num_prompt + 4 and "".join(lp.tokens[:num_prompt]) == prompt
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    assert all(len(top) <= 2 for top in lp.top_logprobs[1:])
+    story = ("Here is a short story about a lighthouse keeper who finds a message in a "
+             "bottle on a stormy night, told in the first person. It begins:")  # uncached
+    reply = client.completions.create(model="SmolLM2-135M-Instruct", prompt=story,
+                                      max_tokens=3, temperature=1.0, seed=5, n=3)
+    assert len(reply.choices) == 3
+    shared = (reply.usage.prompt_tokens - 1) // 16 * 16  # full blocks of the default size
+    assert reply.usage.prompt_tokens_details.cached_tokens >= 2 * shared > 0
