@@ -9,8 +9,9 @@ Order of operations for each row (as vLLM does it):
   4. while a request has fewer than min_tokens outputs, its stop_token_ids and (unless
      ignore_eos) the model's EOS ids are masked out.
   5. a request with a grammar (worker/grammar.py) keeps only the tokens its grammar allows
-     next; the masks are computed by llguidance on a helper thread, started by `prepare()`
-     before the forward so that they are ready (or nearly) when the logits are.
+     next; on an accelerator the masks are computed by llguidance on a helper thread,
+     started by `prepare()` before the forward so that they are ready when the logits are;
+     on the CPU (whose cores the forward already uses) right after the forward.
   6. greedy rows (temperature 0 or top_k 1) take the argmax: exact, no noise.
   7. the other rows: temperature, min-p, top-k, top-p (vLLM v1's order), then one draw.
 
@@ -58,7 +59,10 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator()  # on the CPU, whatever the device (module doc)
         self.generator.manual_seed(seed)
-        self._grammar_masks = GrammarMasks()
+        # Masks overlap the forward only where it leaves the CPU free (an accelerator); on
+        # the CPU the forward's threads use every core, and a mask thread beside them slowed
+        # the forward more than the masks cost after it.
+        self._grammar_masks = GrammarMasks(overlap=device.type != "cpu")
 
     def prepare(self, chunks: Sequence[ScheduledChunk]) -> None:
         """Start computing this step's grammar masks (call before the forward, with the
@@ -238,14 +242,15 @@ class GrammarMasks:
     only the EOS ids, so the sequence ends. Rows without a grammar cost nothing.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, overlap: bool = True) -> None:
+        self.overlap = overlap
         self._pool: ThreadPoolExecutor | None = None
         self._executor = None  # llguidance.LLExecutor, created with the first grammar
         self._pending: tuple[list, Future] | None = None  # (chunks, future of the masks)
 
     def start(self, chunks: Sequence[ScheduledChunk], vocab_size: int) -> None:
         self._pending = None
-        if not any(c.params.grammar is not None for c in chunks):
+        if not self.overlap or not any(c.params.grammar is not None for c in chunks):
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
