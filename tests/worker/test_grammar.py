@@ -197,3 +197,20 @@ def test_a_sentencepiece_gguf_vocabulary_spells_like_sentencepiece(tmp_path_fact
         ids = spm.encode(text)
         assert b"".join(vocabulary.tokens[i] for i in ids).decode() == " " + text
     assert {0, 1, 2} <= set(vocabulary.special_token_ids)  # unk, bos, eos
+
+
+def test_masks_computed_during_the_forward_equal_those_computed_after(compiler):
+    """The accelerator path (masks on a helper thread while the model runs) picks the same
+    tokens as the CPU path (masks after the forward)."""
+    from worker.sampler import GrammarMasks
+
+    spec = GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {
+        "a": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a"]}))
+    runs = []
+    for overlap in (False, True):
+        sampler = Sampler(VOCAB, (EOS,), torch.device("cpu"))
+        sampler._grammar_masks = GrammarMasks(overlap=overlap)
+        params = SamplingParams(max_tokens=30, temperature=1.0, seed=1,
+                                grammar=compiler.attach(spec))
+        runs.append(generate(sampler, params, 30, seed=4))
+    assert runs[0] == runs[1] and runs[0][-1] == EOS
