@@ -233,12 +233,13 @@ def _apply_logit_bias(logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) ->
 
 
 class GrammarMasks:
-    """The allowed-token masks of a step's constrained rows, computed off the calling thread.
+    """The allowed-token masks of a step's constrained rows.
 
-    `start` syncs each constrained sequence's matcher with its output tokens and has
-    llguidance fill one bitmask row per sequence (32 tokens per int32) on a helper thread;
-    `apply` waits for it (computing it now if `start` was not called) and sets every token
-    the grammar forbids to -inf. A matcher that failed, or whose grammar is complete, allows
+    Computing them syncs each constrained sequence's matcher with its output tokens and has
+    llguidance fill one bitmask row per sequence (32 tokens per int32). With `overlap`,
+    `start` does that on a helper thread while the model runs; `apply` waits for it (or
+    computes the masks itself: without overlap, or if `start` saw other chunks) and sets
+    every token the grammar forbids to -inf. A matcher that failed, or whose grammar is complete, allows
     only the EOS ids, so the sequence ends. Rows without a grammar cost nothing.
     """
 
