@@ -308,7 +308,12 @@ class GrammarMasks:
             state.sync(chunks[i].output_token_ids)
             if not state.is_done:
                 live.append((state.matcher, j))
-        if live:
+        if live and not self.overlap:
+            # On the calling thread, one matcher after the other: on the CPU a pool of
+            # llguidance threads would still be spinning when the next forward starts.
+            for matcher, j in live:
+                matcher.unsafe_compute_mask_ptr(bitmask[j].ctypes.data, words * 4)
+        elif live:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()
             self._executor.unsafe_compute_mask_ptr(live, bitmask.ctypes.data, words * 4,
