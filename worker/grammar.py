@@ -196,7 +196,7 @@ class GGUFVocabulary:
 
     @classmethod
     def read(cls, path: Path, eos_token_ids: list[int]) -> GGUFVocabulary:
-        from gateway.gguf_metadata import read_gguf_metadata  # a pure reader, no gateway state
+        from common.gguf_metadata import read_gguf_metadata
 
         meta = read_gguf_metadata(path)
         tokens = meta.get("tokenizer.ggml.tokens")

@@ -100,7 +100,7 @@ def test_token_bytes_rebuild_text(ours):
 @pytest.mark.slow
 def test_gguf_metadata_reader_matches_the_gguf_package():
     gguf = pytest.importorskip("gguf")
-    from gateway.gguf_metadata import read_gguf_metadata
+    from common.gguf_metadata import read_gguf_metadata
 
     path = default_model_path()
     ours = read_gguf_metadata(path)
