@@ -227,10 +227,13 @@ class Engine:
     def _output(
         self, seq: Sequence, token: SampledToken | None, error: str | None = None
     ) -> RequestOutput:
-        new_token_ids = seq.output_token_ids[seq.num_emitted_tokens :]
-        seq.num_emitted_tokens = seq.num_output_tokens
+        # Once per stream per step: plain attribute reads, no properties.
+        output_token_ids = seq.output_token_ids
+        num_output_tokens = len(output_token_ids)
+        new_token_ids = output_token_ids[seq.num_emitted_tokens :]
+        seq.num_emitted_tokens = num_output_tokens
         timings = None
-        if new_token_ids and seq.first_token_time is None and seq.first_scheduled_time:
+        if seq.first_token_time is None and new_token_ids and seq.first_scheduled_time:
             seq.first_token_time = now = self.scheduler.clock()
             timings = (max(0.0, seq.first_scheduled_time - seq.arrival_time),
                        max(0.0, now - seq.first_scheduled_time))
@@ -245,8 +248,8 @@ class Engine:
             request_id=seq.request_id,
             new_token_ids=new_token_ids,
             finish_reason=seq.finish_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
+            num_prompt_tokens=len(seq.prompt_token_ids),
+            num_output_tokens=num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             logprobs=logprobs,
             error=error,
