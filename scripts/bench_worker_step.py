@@ -10,13 +10,20 @@ rows, common/protocol.py's encode; the socket send is left out). The garbage col
 tuned as the worker process tunes it. Times are CPU time of this process (time.process_time:
 steadier than wall time on a shared machine), medians over the steps of each repeat.
 
+`--pause-percent P` adds what a gateway that falls behind causes: before each step, P% of
+the streams (chosen at random, seeded) leave the batch (engine.pause(), as a stream out of
+credit does) and the previous step's paused ones come back (engine.resume()); that time is
+counted in the engine step.
+
     python scripts/bench_worker_step.py --seqs 1000 --steps 60 --repeats 5
+    python scripts/bench_worker_step.py --seqs 1000 --steps 60 --repeats 5 --pause-percent 5
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
@@ -27,7 +34,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def run_once(num_seqs: int, num_steps: int, num_prompt_tokens: int) -> tuple[float, float]:
+def run_once(num_seqs: int, num_steps: int, num_prompt_tokens: int,
+             pause_percent: float = 0.0) -> tuple[float, float]:
     """Median CPU seconds per step of (engine.step(), emit) over num_steps decode steps."""
     from common.gc_tuning import tune_for_serving
     from common.protocol import encode
@@ -51,9 +59,18 @@ def run_once(num_seqs: int, num_steps: int, num_prompt_tokens: int) -> tuple[flo
         loop.streams[request_id] = _Stream(credit_limit=num_steps + 10)
     loop._emit(engine.step())  # the prefill step
     tune_for_serving()
+    rng = random.Random(0)
+    request_ids = list(loop.streams)
+    num_paused = round(num_seqs * pause_percent / 100)
+    paused: list[str] = []
     step_s, emit_s = [], []
     for _ in range(num_steps):
         t0 = time.process_time()
+        for request_id in paused:
+            engine.resume(request_id)
+        paused = rng.sample(request_ids, num_paused)
+        for request_id in paused:
+            engine.pause(request_id)
         outputs = engine.step()
         t1 = time.process_time()
         loop._emit(outputs)
@@ -69,12 +86,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--prompt-tokens", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=1, help="fresh engines, one after another")
+    ap.add_argument("--pause-percent", type=float, default=0.0,
+                    help="streams paused and resumed around each step, in percent")
     args = ap.parse_args()
 
-    runs = [run_once(args.seqs, args.steps, args.prompt_tokens) for _ in range(args.repeats)]
+    runs = [run_once(args.seqs, args.steps, args.prompt_tokens, args.pause_percent)
+            for _ in range(args.repeats)]
     totals = sorted(step + emit for step, emit in runs)
     result = {
         "seqs": args.seqs, "steps": args.steps, "repeats": args.repeats,
+        "pause_percent": args.pause_percent,
         "engine_step_ms": [round(1000 * step, 3) for step, _ in runs],
         "emit_ms": [round(1000 * emit, 3) for _, emit in runs],
         "total_ms_median": round(1000 * statistics.median(totals), 3),

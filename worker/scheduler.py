@@ -20,14 +20,40 @@ Only `update()` changes state from what the runner returns.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from worker.block_manager import BlockManager
 from worker.config import BatchingMode, EngineConfig
 from worker.plan import SampledToken, ScheduledChunk, SchedulerOutput
 from worker.sequence import FinishReason, RequestError, Sequence, SequenceStatus
+
+
+class RunQueue:
+    """The running sequences in admission order (oldest first), with O(1) append and remove:
+    pauses, finishes and aborts of any of 1,000 streams must not scan the others."""
+
+    __slots__ = ("_seqs",)
+
+    def __init__(self) -> None:
+        self._seqs: dict[str, Sequence] = {}  # request id -> sequence; dicts keep the order
+
+    def append(self, seq: Sequence) -> None:
+        self._seqs[seq.request_id] = seq
+
+    def remove(self, seq: Sequence) -> None:
+        del self._seqs[seq.request_id]
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(self._seqs.values())
+
+    def __reversed__(self) -> Iterator[Sequence]:
+        return reversed(self._seqs.values())
 
 
 class Scheduler:
@@ -45,7 +71,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self._clock = clock
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # oldest admission first; preemption takes the last
+        self.running = RunQueue()  # oldest admission first; preemption takes the last
         self.paused: dict[str, Sequence] = {}  # insertion order: newest last
         self._requests: dict[str, Sequence] = {}  # every unfinished sequence
         # STATIC only: finished members still computing padding rows until the batch ends.
@@ -242,7 +268,7 @@ class Scheduler:
             self._end_batch()
             if self._is_batch_due(mode):
                 self._start_batch()
-        running = self.running[: self.config.max_num_seqs]
+        running = list(itertools.islice(self.running, self.config.max_num_seqs))
         decodes = [seq for seq in running if self._is_decode(seq)]
         prefills = [seq for seq in running if not self._is_decode(seq)]
         seqs: list[Sequence | None] = [*decodes, *prefills]
