@@ -368,19 +368,6 @@ class Scheduler:
             output_token_ids=seq.output_token_ids,
         )
 
-    def _decode_chunk(self, seq: Sequence) -> ScheduledChunk:
-        outputs = seq.output_token_ids
-        return ScheduledChunk(
-            request_id=seq.request_id,
-            token_ids=[outputs[-1] if outputs else seq.prompt_token_ids[-1]],
-            start_pos=seq.num_computed_tokens,
-            block_table=seq.block_table,
-            do_sample=True,
-            params=seq.params,
-            prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=outputs,
-        )
-
     def _padding_chunk(self, seq: Sequence) -> ScheduledChunk:
         last = seq.num_tokens - 1
         return ScheduledChunk(
