@@ -32,6 +32,15 @@ class Runner(Protocol):
         ...
 
 
+# Engine._output makes one RequestOutput per stream per step with positional arguments
+# (keywords cost ~0.25 us more each); the fields must stay in this order.
+_OUTPUT_FIELDS = ("request_id", "new_token_ids", "finish_reason", "num_prompt_tokens",
+                  "num_output_tokens", "num_cached_tokens", "logprobs", "prompt_logprobs",
+                  "error", "timings")
+if tuple(f.name for f in dataclasses.fields(RequestOutput)) != _OUTPUT_FIELDS:
+    raise TypeError("RequestOutput's fields changed: update Engine._output and _OUTPUT_FIELDS")
+
+
 class Engine:
     def __init__(self, config: EngineConfig, runner: Runner | None = None) -> None:
         timer = StartupTimer()
@@ -244,18 +253,9 @@ class Engine:
         if seq.prompt_logprobs is not None and not seq.is_prompt_logprobs_sent and (
                 new_token_ids or seq.finish_reason is not None):
             prompt_logprobs, seq.is_prompt_logprobs_sent = seq.prompt_logprobs, True
-        return RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=new_token_ids,
-            finish_reason=seq.finish_reason,
-            num_prompt_tokens=len(seq.prompt_token_ids),
-            num_output_tokens=num_output_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-            logprobs=logprobs,
-            error=error,
-            timings=timings,
-            prompt_logprobs=prompt_logprobs,
-        )
+        return RequestOutput(seq.request_id, new_token_ids, seq.finish_reason,
+                             len(seq.prompt_token_ids), num_output_tokens,
+                             seq.num_cached_tokens, logprobs, prompt_logprobs, error, timings)
 
     def _take_prompt_logprobs(self, computed: dict[str, tuple[int, list]]) -> None:
         """Append what the runner computed to each sequence's prompt logprobs, in order (a
