@@ -4,17 +4,26 @@ The relay benchmark's worker (`zeroserve worker --backend fake --fake-forward-ms
 20 ms of sleep plus whatever the engine loop costs around it at every step; that cost comes
 straight off the tokens/s the gateway can deliver. This measures it without sockets or
 sleeps: N requests decoding in an Engine over a FakeRunner (no plan checks, as the worker
-process runs it), and per step the engine's step() and the building + encoding of the TOKENS
-message the worker would send (worker/process.py's _to_wire, common/protocol.py's encode).
+process runs it), and per step the engine's step() and the worker loop's emit (worker/
+process.py's `WorkerLoop._emit`: per-stream credit bookkeeping, the TOKENS message's wire
+rows, common/protocol.py's encode; the socket send is left out). The garbage collector is
+tuned as the worker process tunes it. Times are CPU time of this process (time.process_time:
+steadier than wall time on a shared machine), medians over the steps of each repeat.
 
-    python scripts/bench_worker_step.py --seqs 1000 --steps 60
+`--pause-percent P` adds what a gateway that falls behind causes: before each step, P% of
+the streams (chosen at random, seeded) leave the batch (engine.pause(), as a stream out of
+credit does) and the previous step's paused ones come back (engine.resume()); that time is
+counted in the engine step.
+
+    python scripts/bench_worker_step.py --seqs 1000 --steps 60 --repeats 5
+    python scripts/bench_worker_step.py --seqs 1000 --steps 60 --repeats 5 --pause-percent 5
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
+import random
 import statistics
 import sys
 import time
@@ -25,44 +34,73 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
+def run_once(num_seqs: int, num_steps: int, num_prompt_tokens: int,
+             pause_percent: float = 0.0) -> tuple[float, float]:
+    """Median CPU seconds per step of (engine.step(), emit) over num_steps decode steps."""
+    from common.gc_tuning import tune_for_serving
+    from common.protocol import encode
+    from worker.config import EngineConfig
+    from worker.engine import Engine
+    from worker.fake_runner import FakeRunner
+    from worker.process import WorkerConfig, WorkerLoop, _Stream
+    from worker.sequence import SamplingParams
+
+    config = EngineConfig(model="fake", max_num_seqs=num_seqs,
+                          max_num_batched_tokens=max(num_seqs * num_prompt_tokens, 512),
+                          num_kv_blocks=num_seqs * ((num_prompt_tokens + num_steps) // 16 + 3))
+    engine = Engine(config, runner=FakeRunner(config, check_plans=False))
+    loop = WorkerLoop(WorkerConfig("w", "ipc:///nonexistent/r", "ipc:///nonexistent/t",
+                                   engine=config, backend="fake"), engine)
+    loop._send_tokens = encode  # everything up to the socket
+    params = SamplingParams(max_tokens=num_steps + 10, ignore_eos=True)
+    for i in range(num_seqs):
+        request_id = f"req-{i:032x}"
+        engine.add_request(request_id, [1000 + i] * num_prompt_tokens, params)
+        loop.streams[request_id] = _Stream(credit_limit=num_steps + 10)
+    loop._emit(engine.step())  # the prefill step
+    tune_for_serving()
+    rng = random.Random(0)
+    request_ids = list(loop.streams)
+    num_paused = round(num_seqs * pause_percent / 100)
+    paused: list[str] = []
+    step_s, emit_s = [], []
+    for _ in range(num_steps):
+        t0 = time.process_time()
+        for request_id in paused:
+            engine.resume(request_id)
+        paused = rng.sample(request_ids, num_paused)
+        for request_id in paused:
+            engine.pause(request_id)
+        outputs = engine.step()
+        t1 = time.process_time()
+        loop._emit(outputs)
+        t2 = time.process_time()
+        step_s.append(t1 - t0)
+        emit_s.append(t2 - t1)
+    return statistics.median(step_s), statistics.median(emit_s)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seqs", type=int, default=1000)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--prompt-tokens", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=1, help="fresh engines, one after another")
+    ap.add_argument("--pause-percent", type=float, default=0.0,
+                    help="streams paused and resumed around each step, in percent")
     args = ap.parse_args()
 
-    from common.protocol import Tokens, encode
-    from worker.config import EngineConfig
-    from worker.engine import Engine
-    from worker.fake_runner import FakeRunner
-    from worker.process import _to_wire
-    from worker.sequence import SamplingParams
-
-    config = EngineConfig(model="fake", max_num_seqs=args.seqs,
-                          max_num_batched_tokens=max(args.seqs * args.prompt_tokens, 512),
-                          num_kv_blocks=args.seqs * ((args.prompt_tokens + args.steps) // 16 + 3))
-    engine = Engine(config, runner=FakeRunner(config, check_plans=False))
-    params = SamplingParams(max_tokens=args.steps + 10, ignore_eos=True)
-    for i in range(args.seqs):
-        engine.add_request(f"req-{i:032x}", [1000 + i] * args.prompt_tokens, params)
-    engine.step()  # the prefill step
-    gc.collect()
-    step_s, emit_s = [], []
-    for step in range(args.steps):
-        t0 = time.perf_counter()
-        outputs = engine.step()
-        t1 = time.perf_counter()
-        encode(Tokens("w", step, [_to_wire(o) for o in outputs]))
-        t2 = time.perf_counter()
-        step_s.append(t1 - t0)
-        emit_s.append(t2 - t1)
+    runs = [run_once(args.seqs, args.steps, args.prompt_tokens, args.pause_percent)
+            for _ in range(args.repeats)]
+    totals = sorted(step + emit for step, emit in runs)
     result = {
-        "seqs": args.seqs, "steps": args.steps,
-        "engine_step_ms": round(1000 * statistics.median(step_s), 2),
-        "emit_ms": round(1000 * statistics.median(emit_s), 2),
-        "total_us_per_seq": round(1e6 * (statistics.median(step_s)
-                                         + statistics.median(emit_s)) / args.seqs, 2),
+        "seqs": args.seqs, "steps": args.steps, "repeats": args.repeats,
+        "pause_percent": args.pause_percent,
+        "engine_step_ms": [round(1000 * step, 3) for step, _ in runs],
+        "emit_ms": [round(1000 * emit, 3) for _, emit in runs],
+        "total_ms_median": round(1000 * statistics.median(totals), 3),
+        "total_ms_min_max": [round(1000 * totals[0], 3), round(1000 * totals[-1], 3)],
+        "total_us_per_seq": round(1e6 * statistics.median(totals) / args.seqs, 2),
     }
     print(json.dumps(result))
 

@@ -32,6 +32,15 @@ class Runner(Protocol):
         ...
 
 
+# Engine._output makes one RequestOutput per stream per step with positional arguments
+# (keywords cost ~0.25 us more each); the fields must stay in this order.
+_OUTPUT_FIELDS = ("request_id", "new_token_ids", "finish_reason", "num_prompt_tokens",
+                  "num_output_tokens", "num_cached_tokens", "logprobs", "prompt_logprobs",
+                  "error", "timings")
+if tuple(f.name for f in dataclasses.fields(RequestOutput)) != _OUTPUT_FIELDS:
+    raise TypeError("RequestOutput's fields changed: update Engine._output and _OUTPUT_FIELDS")
+
+
 class Engine:
     def __init__(self, config: EngineConfig, runner: Runner | None = None) -> None:
         timer = StartupTimer()
@@ -227,10 +236,13 @@ class Engine:
     def _output(
         self, seq: Sequence, token: SampledToken | None, error: str | None = None
     ) -> RequestOutput:
-        new_token_ids = seq.output_token_ids[seq.num_emitted_tokens :]
-        seq.num_emitted_tokens = seq.num_output_tokens
+        # Once per stream per step: plain attribute reads, no properties.
+        output_token_ids = seq.output_token_ids
+        num_output_tokens = len(output_token_ids)
+        new_token_ids = output_token_ids[seq.num_emitted_tokens :]
+        seq.num_emitted_tokens = num_output_tokens
         timings = None
-        if new_token_ids and seq.first_token_time is None and seq.first_scheduled_time:
+        if seq.first_token_time is None and new_token_ids and seq.first_scheduled_time:
             seq.first_token_time = now = self.scheduler.clock()
             timings = (max(0.0, seq.first_scheduled_time - seq.arrival_time),
                        max(0.0, now - seq.first_scheduled_time))
@@ -241,18 +253,9 @@ class Engine:
         if seq.prompt_logprobs is not None and not seq.is_prompt_logprobs_sent and (
                 new_token_ids or seq.finish_reason is not None):
             prompt_logprobs, seq.is_prompt_logprobs_sent = seq.prompt_logprobs, True
-        return RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=new_token_ids,
-            finish_reason=seq.finish_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-            logprobs=logprobs,
-            error=error,
-            timings=timings,
-            prompt_logprobs=prompt_logprobs,
-        )
+        return RequestOutput(seq.request_id, new_token_ids, seq.finish_reason,
+                             len(seq.prompt_token_ids), num_output_tokens,
+                             seq.num_cached_tokens, logprobs, prompt_logprobs, error, timings)
 
     def _take_prompt_logprobs(self, computed: dict[str, tuple[int, list]]) -> None:
         """Append what the runner computed to each sequence's prompt logprobs, in order (a

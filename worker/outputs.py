@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from worker.sequence import FinishReason
 
 
-@dataclass
+@dataclass(slots=True)  # one per stream per step
 class RequestOutput:
     """New tokens of one request from one step (possibly none, when it only finished)."""
 

@@ -7,11 +7,16 @@ The scheduler *plans*; the runner *executes* a plan and returns sampled tokens; 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from worker.sequence import SamplingParams
 
+# ScheduledChunk and SampledToken are made once per stream per step, so they are slotted
+# and not frozen (a frozen dataclass's __init__ costs ~0.8 us, a slotted one ~0.16 us).
+# Treat them as read-only all the same: a plan is a snapshot of one step.
 
-@dataclass(frozen=True)
+
+@dataclass(slots=True)
 class ScheduledChunk:
     """A contiguous run of one sequence's tokens to push through the model this step."""
 
@@ -37,16 +42,17 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk]
     preempted: list[str] = field(default_factory=list)  # request ids sent back to waiting
 
-    @property
+    @cached_property
     def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
+        # Asked for by the engine and the runner each step: one sum over the chunks.
+        return sum([len(c.token_ids) for c in self.chunks])
 
     @property
     def is_empty(self) -> bool:
         return not self.chunks
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SampledToken:
     """The runner's answer for one chunk with do_sample=True."""
 

@@ -166,7 +166,7 @@ class LinkState(enum.Enum):
     CONNECTED = "connected"
 
 
-@dataclass
+@dataclass(slots=True)
 class _Stream:
     credit_limit: int  # output tokens we may have sent in all (a high-water mark)
     num_sent: int = 0
@@ -301,21 +301,26 @@ class WorkerLoop:
                 return
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
+        # Once per stream per step: locals, and the stream's fields read once.
         wire = self._pending
         self._pending = []
+        streams = self.streams
+        stale_aborts = self._stale_aborts
         for out in outputs:
-            if out.is_finished and out.request_id in self._stale_aborts:
-                self._take_stale_abort(out.request_id)
+            rid = out.request_id
+            is_finished = out.finish_reason is not None
+            if is_finished and rid in stale_aborts:
+                self._take_stale_abort(rid)
                 continue  # a dropped incarnation's abort (it comes before a new one's)
-            stream = self.streams.get(out.request_id)
+            stream = streams.get(rid)
             if stream is None:
                 continue  # the gateway aborted it already and forgot it
             wire.append(_to_wire(out))
-            stream.num_sent += len(out.new_token_ids)
-            if out.is_finished:
-                del self.streams[out.request_id]
-            elif not stream.has_credit and not stream.is_paused:
-                stream.is_paused = self.engine.pause(out.request_id)
+            num_sent = stream.num_sent = stream.num_sent + len(out.new_token_ids)
+            if is_finished:
+                del streams[rid]
+            elif num_sent >= stream.credit_limit and not stream.is_paused:  # out of credit
+                stream.is_paused = self.engine.pause(rid)
         if wire:
             self._send_tokens(Tokens(self.config.worker_id, self.num_steps, wire))
 
@@ -596,15 +601,18 @@ def _sampling_params(params: dict[str, Any]) -> SamplingParams:
 
 def _to_wire(out: RequestOutput) -> list:
     """A TokenOutput in wire form (TokenOutput.wire_row): one per stream per step."""
-    logprobs = None
-    if out.logprobs is not None:
-        logprobs = [[lp, [[tid, tlp] for tid, tlp in top]] for lp, top in out.logprobs]
-    prompt_logprobs = None
-    if out.prompt_logprobs is not None:
-        prompt_logprobs = [[lp, [[tid, tlp] for tid, tlp in top]]
-                           for lp, top in out.prompt_logprobs]
-    return TokenOutput.wire_row(
-        out.request_id, out.new_token_ids,
-        None if out.finish_reason is None else out.finish_reason.value,
+    logprobs = out.logprobs
+    if logprobs is not None:
+        logprobs = [[lp, [[tid, tlp] for tid, tlp in top]] for lp, top in logprobs]
+    prompt_logprobs = out.prompt_logprobs
+    if prompt_logprobs is not None:
+        prompt_logprobs = [[lp, [[tid, tlp] for tid, tlp in top]] for lp, top in prompt_logprobs]
+    reason = out.finish_reason
+    timings = out.timings
+    return _wire_row(
+        out.request_id, out.new_token_ids, None if reason is None else reason.value,
         out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens, logprobs,
-        out.error, None if out.timings is None else list(out.timings), prompt_logprobs)
+        out.error, None if timings is None else list(timings), prompt_logprobs)
+
+
+_wire_row = TokenOutput.wire_row

@@ -20,14 +20,40 @@ Only `update()` changes state from what the runner returns.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from worker.block_manager import BlockManager
 from worker.config import BatchingMode, EngineConfig
 from worker.plan import SampledToken, ScheduledChunk, SchedulerOutput
 from worker.sequence import FinishReason, RequestError, Sequence, SequenceStatus
+
+
+class RunQueue:
+    """The running sequences in admission order (oldest first), with O(1) append and remove:
+    pauses, finishes and aborts of any of 1,000 streams must not scan the others."""
+
+    __slots__ = ("_seqs",)
+
+    def __init__(self) -> None:
+        self._seqs: dict[str, Sequence] = {}  # request id -> sequence; dicts keep the order
+
+    def append(self, seq: Sequence) -> None:
+        self._seqs[seq.request_id] = seq
+
+    def remove(self, seq: Sequence) -> None:
+        del self._seqs[seq.request_id]
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(self._seqs.values())
+
+    def __reversed__(self) -> Iterator[Sequence]:
+        return reversed(self._seqs.values())
 
 
 class Scheduler:
@@ -45,7 +71,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self._clock = clock
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # oldest admission first; preemption takes the last
+        self.running = RunQueue()  # oldest admission first; preemption takes the last
         self.paused: dict[str, Sequence] = {}  # insertion order: newest last
         self._requests: dict[str, Sequence] = {}  # every unfinished sequence
         # STATIC only: finished members still computing padding rows until the batch ends.
@@ -157,33 +183,45 @@ class Scheduler:
         self._last_plan_seqs = seqs
         return plan
 
-    def _schedule_continuous(self) -> tuple[SchedulerOutput, list[Sequence | None]]:
+    def _schedule_continuous(self) -> tuple[SchedulerOutput, list[Sequence]]:
         budget = self.config.max_num_batched_tokens
         max_seqs = self.config.max_num_seqs
-        decodes: list[Sequence] = []
+        chunks: list[ScheduledChunk] = []
+        scheduled: list[Sequence] = []  # behind the chunks, in order: decodes, then prefills
         prefills: list[tuple[Sequence, int]] = []
-        scheduled: set[str] = set()
         preempted: list[str] = []
 
         # 1. Running decodes, oldest first: one token each. This loop runs for every stream
-        # every step, so the common case (room left in the last block) skips the allocator.
+        # every step, so it is inlined: the common case (room left in the last block) makes
+        # the chunk and nothing else; only a sequence crossing a block boundary allocates.
         block_size = self.block_manager.block_size
+        under_way: list[Sequence] = []  # running but not decoding: step 2's candidates
         for seq in list(self.running):
             if budget == 0 or len(scheduled) == max_seqs:
                 break
-            if seq.status is not SequenceStatus.RUNNING or not self._is_decode(seq):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted above, by a decode that needed its blocks
+            start = seq.num_computed_tokens
+            prompt = seq.prompt_token_ids
+            outputs = seq.output_token_ids
+            if len(prompt) + len(outputs) - start != 1:
+                under_way.append(seq)
                 continue
-            has_room = seq.num_computed_tokens < len(seq.block_table) * block_size
-            if has_room or self._reserve(seq, 1, scheduled, preempted):
-                decodes.append(seq)
-                scheduled.add(seq.request_id)
+            if (start < len(seq.block_table) * block_size
+                    or self._reserve(seq, 1, scheduled, preempted)):
+                # The plan borrows the sequence's lists (see _chunk).
+                chunks.append(ScheduledChunk(
+                    seq.request_id, [outputs[-1] if outputs else prompt[-1]], start,
+                    seq.block_table, True, seq.params, prompt, outputs))
+                scheduled.append(seq)
                 budget -= 1
 
-        # 2. Prefills already under way (chunked prompts, recomputes), as much as fits.
-        for seq in list(self.running):
+        # 2. Prefills already under way (chunked prompts, recomputes), as much as fits. Step 1
+        # saw every running sequence unless it stopped early, and then this stops at once too.
+        for seq in under_way:
             if budget == 0 or len(scheduled) == max_seqs:
                 break
-            if seq.status is not SequenceStatus.RUNNING or seq.request_id in scheduled:
+            if seq.status is not SequenceStatus.RUNNING:
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             # Shrink the chunk to what the pool holds; with no room at all, ask for one
@@ -192,7 +230,7 @@ class Scheduler:
             num_new = min(num_new, num_fitting or self.block_manager.block_size)
             if self._reserve(seq, num_new, scheduled, preempted):
                 prefills.append((seq, num_new))
-                scheduled.add(seq.request_id)
+                scheduled.append(seq)
                 budget -= num_new
 
         # 3. New sequences from the queue (FCFS; stop at the first that does not fit). Not
@@ -200,7 +238,7 @@ class Scheduler:
         # A sequence whose prompt another one is prefilling keeps its place but waits for it,
         # then takes that prompt's blocks from the prefix cache: n choices of one prompt
         # (the gateway sends one SUBMIT each) prefill it once and share its blocks.
-        prefilling = self._prompts_in_prefill()
+        prefilling: set[int] | None = None  # found on first use: most steps admit no one
         num_held = 0
         while (len(self.waiting) > num_held and budget > 0 and len(self.running) < max_seqs
                and not preempted):
@@ -208,6 +246,8 @@ class Scheduler:
                 break
             seq = self.waiting[num_held]
             key = self._sibling_key(seq)
+            if key is not None and prefilling is None:
+                prefilling = self._prompts_in_prefill()
             if key is not None and key in prefilling:
                 num_held += 1
                 continue
@@ -217,20 +257,18 @@ class Scheduler:
             if key is not None:
                 prefilling.add(key)
             prefills.append((seq, num_new))
-            scheduled.add(seq.request_id)
+            scheduled.append(seq)
             budget -= num_new
 
-        chunks = [self._decode_chunk(seq) for seq in decodes]
         chunks += [self._chunk(seq, n) for seq, n in prefills]
-        seqs: list[Sequence | None] = [*decodes, *(seq for seq, _ in prefills)]
-        return SchedulerOutput(chunks=chunks, preempted=preempted), seqs
+        return SchedulerOutput(chunks=chunks, preempted=preempted), scheduled
 
     def _schedule_batch(self, mode: BatchingMode) -> tuple[SchedulerOutput, list[Sequence | None]]:
         if not self._is_batch_active():
             self._end_batch()
             if self._is_batch_due(mode):
                 self._start_batch()
-        running = self.running[: self.config.max_num_seqs]
+        running = list(itertools.islice(self.running, self.config.max_num_seqs))
         decodes = [seq for seq in running if self._is_decode(seq)]
         prefills = [seq for seq in running if not self._is_decode(seq)]
         seqs: list[Sequence | None] = [*decodes, *prefills]
@@ -253,26 +291,44 @@ class Scheduler:
         if plan is not self._last_plan:
             raise ValueError("update() must get the plan returned by the last schedule()")
         self._last_plan = None
-        samples = iter(sampled)
+        # Once per stream per step: locals, and _finish_reason only when a stop or a limit
+        # may have been reached.
+        num_sampled = len(sampled)
+        i = 0
         block_size = self.block_manager.block_size
+        cache_full_blocks = self.block_manager.cache_full_blocks
+        eos_token_ids = self.eos_token_ids
+        max_model_len = self.max_model_len
+        running = SequenceStatus.RUNNING
         changed: list[Sequence] = []
         for chunk, seq in zip(plan.chunks, self._last_plan_seqs, strict=True):
-            token = next(samples, None) if chunk.do_sample else None
-            if chunk.do_sample and (token is None or token.request_id != chunk.request_id):
-                raise ValueError("sampled tokens must match the plan's do_sample chunks")
-            if seq is None or seq.status is not SequenceStatus.RUNNING:
+            token = None
+            if chunk.do_sample:
+                if i < num_sampled:
+                    token = sampled[i]
+                    i += 1
+                if token is None or token.request_id != chunk.request_id:
+                    raise ValueError("sampled tokens must match the plan's do_sample chunks")
+            if seq is None or seq.status is not running:
                 continue  # a padding row: its output is discarded
             num_new = len(chunk.token_ids)
-            seq.num_computed_tokens += num_new
-            if seq.num_computed_tokens % block_size < num_new:  # a block just filled up
-                self.block_manager.cache_full_blocks(seq)
+            num_computed = seq.num_computed_tokens = seq.num_computed_tokens + num_new
+            if num_computed % block_size < num_new:  # a block just filled up
+                cache_full_blocks(seq)
             if token is None:
                 continue
-            seq.output_token_ids.append(token.token_id)
-            reason = self._finish_reason(seq, token.token_id)
-            if reason is not None:
-                self._remove_from_queues(seq)
-                self._finish(seq, reason)
+            token_id = token.token_id
+            outputs = seq.output_token_ids
+            outputs.append(token_id)
+            num_output = len(outputs)
+            params = seq.params
+            if (num_output >= params.max_tokens or token_id in eos_token_ids
+                    or token_id in params.stop_token_ids
+                    or num_output + len(seq.prompt_token_ids) >= max_model_len):
+                reason = self._finish_reason(seq, token_id)
+                if reason is not None:
+                    self._remove_from_queues(seq)
+                    self._finish(seq, reason)
             changed.append(seq)
         self._last_plan_seqs = []
         return changed
@@ -312,19 +368,6 @@ class Scheduler:
             output_token_ids=seq.output_token_ids,
         )
 
-    def _decode_chunk(self, seq: Sequence) -> ScheduledChunk:
-        outputs = seq.output_token_ids
-        return ScheduledChunk(
-            request_id=seq.request_id,
-            token_ids=[outputs[-1] if outputs else seq.prompt_token_ids[-1]],
-            start_pos=seq.num_computed_tokens,
-            block_table=seq.block_table,
-            do_sample=True,
-            params=seq.params,
-            prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=outputs,
-        )
-
     def _padding_chunk(self, seq: Sequence) -> ScheduledChunk:
         last = seq.num_tokens - 1
         return ScheduledChunk(
@@ -345,7 +388,7 @@ class Scheduler:
         return num_slots + bm.num_free_blocks * bm.block_size
 
     def _reserve(
-        self, seq: Sequence, num_new: int, scheduled: set[str], preempted: list[str]
+        self, seq: Sequence, num_new: int, scheduled: list[Sequence], preempted: list[str]
     ) -> bool:
         """Allocate blocks for num_new tokens of seq, preempting others if needed.
 
@@ -355,8 +398,11 @@ class Scheduler:
         since every sequence fits the pool alone (checked at add time): no deadlock.
         """
         bm = self.block_manager
+        scheduled_ids: set[str] | None = None  # made only when someone must be preempted
         while not bm.can_allocate(seq, num_new):
-            victim = self._pick_victim(scheduled)
+            if scheduled_ids is None:
+                scheduled_ids = {s.request_id for s in scheduled}
+            victim = self._pick_victim(scheduled_ids)
             if victim is None:
                 return False
             self._preempt(victim)
@@ -366,12 +412,12 @@ class Scheduler:
         bm.allocate(seq, num_new)
         return True
 
-    def _pick_victim(self, scheduled: set[str]) -> Sequence | None:
+    def _pick_victim(self, scheduled_ids: set[str]) -> Sequence | None:
         for seq in reversed(self.paused.values()):
             if seq.block_table:
                 return seq
         for seq in reversed(self.running):
-            if seq.request_id not in scheduled:
+            if seq.request_id not in scheduled_ids:
                 return seq
         return None
 

@@ -96,9 +96,13 @@ class SamplingParams:
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
-    """A request as the engine sees it. Token lists grow; blocks come and go."""
+    """A request as the engine sees it. Token lists grow; blocks come and go.
+
+    Compared by identity (one object per request): the scheduler's queues find and remove
+    sequences with ==, which as a field-by-field comparison cost ~0.5 us per element passed.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
