@@ -4,8 +4,10 @@ The supervisor cannot see readiness itself: a worker is ready once the gateway h
 its HELLO with READY, which happens inside the gateway. So the supervisor's readiness probe
 asks the gateway, on loopback:
 
-- the gateway child is ready once `GET /health/live` answers with the pid we started (a
-  different process on that port, the classic "port in use", does not count);
+- a gateway child is ready once `GET /health/live` answers with the pid we started (a
+  different process on that port, the classic "port in use", does not count). Several
+  gateways share the port (`serve --gateways N`, SO_REUSEPORT) and the kernel picks which
+  one answers a new connection, so the probe asks a few times per round;
 - a worker child is ready once `GET /health` lists its id as `ready` with the pid we started
   (a stale entry of an earlier incarnation does not count for a new one).
 
@@ -24,6 +26,18 @@ import urllib.request
 
 GATEWAY_CHILD = "gateway"
 _TIMEOUT_S = 1.0
+_LIVE_ASKS_PER_GATEWAY = 3  # per probe round, while some gateway has not answered yet
+
+
+def gateway_child_names(num_gateways: int) -> list[str]:
+    """"gateway" for one (as ever), "gateway-0" ... "gateway-(N-1)" for several."""
+    if num_gateways == 1:
+        return [GATEWAY_CHILD]
+    return [f"{GATEWAY_CHILD}-{i}" for i in range(num_gateways)]
+
+
+def is_gateway_child(name: str) -> bool:
+    return name == GATEWAY_CHILD or name.startswith(GATEWAY_CHILD + "-")
 
 
 def local_url(host: str, port: int) -> str:
@@ -64,11 +78,16 @@ class GatewayReadiness:
 
     def __call__(self, pids: dict[str, int]) -> set[str]:
         ready = set()
-        if GATEWAY_CHILD in pids:
+        gateways = {pid: name for name, pid in pids.items() if is_gateway_child(name)}
+        for _ in range(_LIVE_ASKS_PER_GATEWAY * len(gateways)):
             live = _get_json(self.base_url + "/health/live", self.api_key)
-            if live is not None and live.get("pid") == pids[GATEWAY_CHILD]:
-                ready.add(GATEWAY_CHILD)
-        workers = {name: pid for name, pid in pids.items() if name != GATEWAY_CHILD}
+            if live is None:
+                break
+            if live.get("pid") in gateways:
+                ready.add(gateways[live.get("pid")])
+            if len(ready) == len(gateways):
+                break
+        workers = {name: pid for name, pid in pids.items() if not is_gateway_child(name)}
         if workers:
             health = _get_json(self.base_url + "/health", self.api_key) or {}
             for entry in health.get("workers") or []:

@@ -251,6 +251,9 @@ GATEWAY_OPTIONS = [
     option("--worker-stall-timeout", type=float, default=30.0, callback=_positive,
            help="Seconds a worker's engine may make no progress (its heartbeats say) before it "
                 "is marked unhealthy and gets no new work."),
+    option("--reuse-port", is_flag=True, default=False,
+           help="Bind the HTTP port with SO_REUSEPORT so that several gateway processes "
+                "share it (`serve --gateways N` sets it)."),
     option("--routing", type=click.Choice(["cache_aware", "least_loaded"]),
            default="cache_aware",
            help="Which worker gets a request: cache_aware (the one holding the prompt's "
@@ -279,10 +282,13 @@ GATEWAY_OPTIONS = [
 ]
 
 ADDRESS_OPTIONS = [
-    option("--router-address", default=None,
-           help="Gateway ROUTER endpoint (ipc:// or tcp://). [default: ipc, from --port]"),
-    option("--tokens-address", default=None,
-           help="Gateway PULL endpoint for tokens. [default: ipc, from --port]"),
+    option("--router-address", type=ListItem(), multiple=True, callback=_list_values,
+           help="Gateway ROUTER endpoint (ipc:// or tcp://); a worker or `serve --gateways "
+                "N` takes one per gateway (repeat it, or separate with commas). "
+                "[default: ipc, from --port]"),
+    option("--tokens-address", type=ListItem(), multiple=True, callback=_list_values,
+           help="Gateway PULL endpoint for tokens, one per gateway as --router-address. "
+                "[default: ipc, from --port]"),
     option("--keys-dir", default=None,
            help="CurveZMQ key set (`zeroserve keys generate DIR`): required for tcp:// "
                 "endpoints; only workers whose key is in it can connect, each as its own id."),
@@ -373,6 +379,7 @@ def gateway_config(opts: dict[str, Any]):
         min_client_rate=opts["min_client_rate"], loop_lag_warn_s=opts["loop_lag_warn"],
         request_idle_timeout_s=opts["request_idle_timeout"],
         worker_stall_timeout_s=opts["worker_stall_timeout"], routing=opts["routing"],
+        reuse_port=opts["reuse_port"],
         keys_dir=opts["keys_dir"], insecure=opts["insecure"],
         admin_keys=(opts["admin_key"],) if opts["admin_key"] else (),
         otlp_traces_endpoint=opts["otlp_traces_endpoint"],
@@ -405,12 +412,17 @@ def _input_limits(opts: dict[str, Any]) -> dict[str, Any]:
 
 
 def worker_config(opts: dict[str, Any], engine: EngineConfig, worker_id: str,
-                  router_address: str, tokens_address: str):
+                  router_address: str | tuple[str, ...],
+                  tokens_address: str | tuple[str, ...]):
+    """One gateway's addresses as strings (as ever), several as tuples."""
     from worker.process import WorkerConfig
 
+    def one_or_many(addresses: str | tuple[str, ...]) -> str | tuple[str, ...]:
+        return addresses[0] if isinstance(addresses, tuple) and len(addresses) == 1 else addresses
+
     return _build(
-        WorkerConfig, worker_id=worker_id, router_address=router_address,
-        tokens_address=tokens_address, engine=engine, backend=opts["backend"],
+        WorkerConfig, worker_id=worker_id, router_address=one_or_many(router_address),
+        tokens_address=one_or_many(tokens_address), engine=engine, backend=opts["backend"],
         heartbeat_interval_s=opts["heartbeat_interval"],
         gateway_timeout_s=opts["gateway_timeout"], drain_timeout_s=opts["drain_timeout"],
         fake_forward_s=opts["fake_forward_ms"] / 1000, gateway_grace_s=opts["gateway_grace"],
@@ -442,9 +454,11 @@ def engine_args(config: EngineConfig) -> list[str]:
 
 def worker_args(config: Any) -> list[str]:
     """Flags for `zeroserve worker` / `python -m worker` that rebuild this WorkerConfig."""
+    addresses = []
+    for router, tokens in config.gateway_endpoints:
+        addresses += ["--router-address", router, "--tokens-address", tokens]
     return [
-        "--worker-id", config.worker_id, "--router-address", config.router_address,
-        "--tokens-address", config.tokens_address, "--backend", config.backend,
+        "--worker-id", config.worker_id, *addresses, "--backend", config.backend,
         "--heartbeat-interval", str(config.heartbeat_interval_s),
         "--gateway-timeout", str(config.gateway_timeout_s),
         "--drain-timeout", str(config.drain_timeout_s),
@@ -474,6 +488,7 @@ def gateway_args(config: Any) -> list[str]:
         "--request-idle-timeout", str(config.request_idle_timeout_s),
         "--worker-stall-timeout", str(config.worker_stall_timeout_s),
         "--routing", config.routing,
+        *(["--reuse-port"] if config.reuse_port else []),
         *_security_args(config),
         *_input_limit_args(config),
         *_http_access_args(config),
@@ -518,19 +533,22 @@ def _security_args(config: Any) -> list[str]:
     return args + (["--insecure"] if config.insecure else [])
 
 
-def serve_children(gateway: Any, workers: list[Any], log_args: list[str]) -> list[Any]:
-    """The child processes of `zeroserve serve`: the gateway, then one per worker config."""
-    from common.children import GATEWAY_CHILD
+def serve_children(gateways: list[Any], workers: list[Any], log_args: list[str]) -> list[Any]:
+    """The child processes of `zeroserve serve`: the gateways (one is named "gateway",
+    several "gateway-0", "gateway-1", ...), then one per worker config."""
+    from common.children import gateway_child_names
     from common.supervisor import ChildSpec
 
     python = sys.executable
-    # Secrets travel in the child's environment, never on its command line (ps shows that).
-    secrets = {env_name("--admin-key"): gateway.admin_keys[0]} if gateway.admin_keys else {}
-    if gateway.api_keys:
-        secrets[env_name("--api-key")] = ",".join(gateway.api_keys)
-    specs = [ChildSpec(GATEWAY_CHILD, (python, "-m", "common.cli", "gateway",
-                                       *gateway_args(gateway), *log_args),
-                       stop_timeout_s=15.0, stop_phase=1, env=secrets or None)]
+    specs = []
+    for name, gateway in zip(gateway_child_names(len(gateways)), gateways, strict=True):
+        # Secrets travel in the child's environment, never on its command line (ps shows it).
+        secrets = {env_name("--admin-key"): gateway.admin_keys[0]} if gateway.admin_keys else {}
+        if gateway.api_keys:
+            secrets[env_name("--api-key")] = ",".join(gateway.api_keys)
+        specs.append(ChildSpec(name, (python, "-m", "common.cli", "gateway",
+                                      *gateway_args(gateway), *log_args),
+                               stop_timeout_s=15.0, stop_phase=1, env=secrets or None))
     for config in workers:
         specs.append(ChildSpec(config.worker_id, (python, "-m", "worker",
                                                   *worker_args(config), *log_args),
@@ -594,6 +612,9 @@ def main() -> None:
 @_options(ENGINE_OPTIONS)
 @option("--workers", type=click.IntRange(min=1), default=None,
         help="Local worker processes. [default: one per CUDA GPU, else 1]")
+@option("--gateways", type=click.IntRange(min=1), default=1,
+        help="Gateway processes sharing the HTTP port (SO_REUSEPORT); every worker serves "
+             "them all, and one gateway's death ends only its own clients' streams.")
 @option("--drain-timeout", type=click.FloatRange(min=0), default=30.0,
         help="On SIGTERM, seconds workers get to finish in-flight requests.")
 @_options(WORKER_RESILIENCE_OPTIONS)
@@ -615,15 +636,17 @@ def serve(**opts: Any) -> None:
     worker_ids = [f"worker-{i}" for i in range(len(devices))]
     ephemeral_keys = _ephemeral_keys_if_needed(opts, worker_ids)
     try:
-        gateway = gateway_config(opts)
-        router, tokens = gateway.endpoints
+        gateways = serve_gateway_configs(opts)
+        gateway = gateways[0]
+        routers = tuple(g.endpoints[0] for g in gateways)
+        tokens = tuple(g.endpoints[1] for g in gateways)
         opts.update(heartbeat_interval=gateway.heartbeat_interval_s,
                     gateway_timeout=max(5.0, 2 * gateway.worker_timeout_s))
         workers = [
-            worker_config(opts, engine_config(opts, device=device), worker_id, router, tokens)
+            worker_config(opts, engine_config(opts, device=device), worker_id, routers, tokens)
             for worker_id, device in zip(worker_ids, devices, strict=True)
         ]
-        children = serve_children(gateway, workers, log_args=_log_args(opts))
+        children = serve_children(gateways, workers, log_args=_log_args(opts))
         readiness = GatewayReadiness(local_url(gateway.host, gateway.port),
                                      gateway.api_keys[0] if gateway.api_keys else None)
         code = Supervisor(children, RestartPolicy(), readiness=readiness).run()
@@ -635,10 +658,34 @@ def serve(**opts: Any) -> None:
     sys.exit(code)
 
 
+def serve_gateway_configs(opts: dict[str, Any]) -> list[Any]:
+    """`serve`'s gateway processes: one, or --gateways N sharing the port, each with its
+    own worker-plane endpoints (given, one per gateway, or the default ipc pair of its
+    index)."""
+    num = opts["gateways"]
+    routers, tokens = opts["router_address"], opts["tokens_address"]
+    for flag, given in (("--router-address", routers), ("--tokens-address", tokens)):
+        if given and len(given) != num:
+            raise click.UsageError(f"{flag}: give one per gateway ({num}), not {len(given)}")
+    if num == 1:
+        return [gateway_config({**opts, "router_address": routers[0] if routers else None,
+                                "tokens_address": tokens[0] if tokens else None})]
+    from gateway.config import default_endpoints
+
+    configs = []
+    for index in range(num):
+        router, token = default_endpoints(opts["port"], index)
+        configs.append(gateway_config({
+            **opts, "reuse_port": True,
+            "router_address": routers[index] if routers else router,
+            "tokens_address": tokens[index] if tokens else token}))
+    return configs
+
+
 def _ephemeral_keys_if_needed(opts: dict[str, Any], worker_ids: list[str]) -> Any:
     """`serve` on tcp:// with no key set: make one for this run's own workers (a private
     temporary directory, removed at exit), so its plane is authenticated all the same."""
-    addresses = [a for a in (opts["router_address"], opts["tokens_address"]) if a]
+    addresses = [*opts["router_address"], *opts["tokens_address"]]
     if opts["keys_dir"] or opts["insecure"] or all(a.startswith("ipc://") for a in addresses):
         return None
     from common.keys import ephemeral
@@ -662,6 +709,10 @@ def gateway(**opts: Any) -> None:
     from common.supervisor import die_with_parent
 
     _fetch_hub_model(opts)
+    for flag in ("router_address", "tokens_address"):
+        if len(opts[flag]) > 1:
+            raise click.UsageError(f"--{flag.replace('_', '-')}: a gateway binds one address")
+        opts[flag] = opts[flag][0] if opts[flag] else None
     config = gateway_config(opts)
     die_with_parent()
     from gateway.server import run_gateway
@@ -681,6 +732,9 @@ def gateway(**opts: Any) -> None:
 @_options(ADDRESS_OPTIONS)
 @option("--port", type=click.IntRange(0, 65535), default=8000,
         help="The gateway's HTTP port; picks the default ipc endpoints.")
+@option("--gateways", type=click.IntRange(min=1), default=1,
+        help="Without addresses: serve this many local gateways on --port (the default ipc "
+             "endpoints of each, as `serve --gateways N` makes them).")
 @MODEL_OPTION
 @_options(ENGINE_OPTIONS)
 @_options(WORKER_PROCESS_OPTIONS)
@@ -694,10 +748,12 @@ def worker(**opts: Any) -> None:
 
     setup_logging(opts["log_format"], opts["log_level"])
     _fetch_hub_model(opts)
-    router, tokens = _default_endpoints(opts["port"])
+    defaults = [_default_endpoints(opts["port"], i) for i in range(opts["gateways"])]
+    routers = opts["router_address"] or tuple(router for router, _ in defaults)
+    tokens = opts["tokens_address"] or tuple(token for _, token in defaults)
     config = worker_config(
         opts, engine_config(opts), opts["worker_id"] or f"{socket.gethostname()}-{os.getpid()}",
-        opts["router_address"] or router, opts["tokens_address"] or tokens,
+        routers, tokens,
     )
     die_with_parent()
     if config.keys_dir is not None:
@@ -900,10 +956,10 @@ def _get(url: str, timeout: float, api_key: str | None = None) -> tuple[int, Any
         return status, None
 
 
-def _default_endpoints(port: int) -> tuple[str, str]:
+def _default_endpoints(port: int, index: int = 0) -> tuple[str, str]:
     from gateway.config import default_endpoints
 
-    return default_endpoints(port)
+    return default_endpoints(port, index)
 
 
 def _log_args(opts: dict[str, Any]) -> list[str]:

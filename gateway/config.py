@@ -75,6 +75,9 @@ class GatewayConfig:
     rate_limits_file: str | None = None  # per-key limits, JSON or TOML (gateway/rate_limit.py)
     # Which worker gets a request (gateway/routing.py): "cache_aware" or "least_loaded".
     routing: str = "cache_aware"
+    # Bind the HTTP port with SO_REUSEPORT, so that several gateway processes share it (the
+    # kernel spreads connections over them): `zeroserve serve --gateways N`.
+    reuse_port: bool = False
 
     def __post_init__(self) -> None:
         self._check_input_limits()
@@ -155,9 +158,12 @@ def _ipc_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"zeroserve-{os.getuid()}"
 
 
-def default_endpoints(port: int) -> tuple[str, str]:
-    """ipc:// router and tokens addresses, one pair per gateway port, under the temp dir."""
-    base = _ipc_dir() / f"gw-{port}"
+def default_endpoints(port: int, index: int = 0) -> tuple[str, str]:
+    """ipc:// router and tokens addresses, one pair per gateway port, under the temp dir.
+
+    Gateway processes sharing a port (`serve --gateways N`) each have their own pair:
+    index 0 has the one-gateway names, index i > 0 adds `-i`."""
+    base = _ipc_dir() / (f"gw-{port}" if index == 0 else f"gw-{port}-{index}")
     return f"ipc://{base}-router.sock", f"ipc://{base}-tokens.sock"
 
 

@@ -39,6 +39,9 @@ class WorkerHandle:
     num_total_blocks: int = 0
     num_steps: int = 0
     progress_age_s: float = 0.0
+    # Requests the worker holds for other gateway processes (`serve --gateways N`): its
+    # reported total less the ids it listed as ours. 0 behind a single gateway.
+    num_foreign: int = 0
     is_drain_requested: bool = False  # an operator drained it (until undrained or restarted)
     # Requests routed here since its last heartbeat (not yet in the reported counts).
     num_sent_since_heartbeat: int = 0
@@ -63,7 +66,7 @@ class WorkerHandle:
     def can_accept(self) -> bool:
         # Streams paused for credit hold KV blocks, not batch slots (the worker preempts
         # them when it needs the blocks), so they do not count against capacity.
-        num_active = len(self.request_ids) - self.num_paused
+        num_active = len(self.request_ids) + self.num_foreign - self.num_paused
         return self.status is WorkerStatus.READY and num_active < self.capacity
 
     @property
@@ -131,6 +134,8 @@ class WorkerRegistry:
         worker.num_free_blocks, worker.num_total_blocks = hb.num_free_blocks, hb.num_total_blocks
         worker.num_sent_since_heartbeat = 0
         worker.num_steps, worker.progress_age_s = hb.num_steps, hb.progress_age_s
+        num_held = hb.num_running + hb.num_waiting + hb.num_paused
+        worker.num_foreign = max(0, num_held - len(hb.request_ids))
         # The worker's own word decides (it publishes "draining" before it says DRAIN, so a
         # heartbeat never contradicts a DRAIN sent before it), and an operator's drain holds
         # until undrained.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import sys
 
 import uvicorn
@@ -11,9 +12,29 @@ from common.gc_tuning import tune_for_serving
 from gateway.app import build_app
 from gateway.config import GatewayConfig
 from gateway.http_protocol import DEFAULT_MAX_HEAD_BYTES, guarded_protocol
-from gateway.logging import setup_logging
+from gateway.logging import get_logger, setup_logging
 
 STARTUP_FAILURE = 3
+log = get_logger("server")
+
+
+def bind_shared(host: str, port: int) -> socket.socket:
+    """A listening TCP socket with SO_REUSEPORT: every gateway process of one `serve` binds
+    the same port this way, and the kernel spreads new connections over the live ones (a
+    dead one's share goes to the others)."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+        sock.listen(2048)
+        sock.set_inheritable(True)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def uvicorn_config(app: Starlette, config: GatewayConfig, **overrides) -> uvicorn.Config:
@@ -32,9 +53,16 @@ def uvicorn_config(app: Starlette, config: GatewayConfig, **overrides) -> uvicor
 def run_gateway(config: GatewayConfig) -> None:
     setup_logging(config.log_format, config.log_level)
     server = uvicorn.Server(uvicorn_config(build_app(config), config))
+    sockets = None
+    if config.reuse_port:
+        try:
+            sockets = [bind_shared(config.host, config.port)]
+        except OSError as e:
+            log.error("cannot bind %s:%d: %s", config.host, config.port, e)
+            sys.exit(STARTUP_FAILURE)
     tune_for_serving()  # the app (tokenizer, template, routes) is built: freeze it
     try:
-        server.run()
+        server.run(sockets=sockets)
     except KeyboardInterrupt:
         pass
     if not server.started:  # as uvicorn.run: a failed start (port in use) is exit 3

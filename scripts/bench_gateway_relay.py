@@ -14,10 +14,15 @@ It starts `zeroserve gateway` and one worker, opens N concurrent streaming compl
 - with `--worker fake`: the real `zeroserve worker --backend fake` (FakeRunner behind the
   real engine loop); latency is then reported as the inter-chunk gap (ITL), which includes
   the fake forward time.
+- `--gateways N` (with `--worker fake`): N `zeroserve gateway --reuse-port` processes share
+  the port, as `zeroserve serve --gateways N` runs them, and the worker serves all N; the
+  gateway CPU is the sum over the N processes.
 
     python scripts/bench_gateway_relay.py --streams 1000 --tokens 100 --step-ms 50
     python scripts/bench_gateway_relay.py --worker fake --streams 1000 --tokens 100 \\
         --step-ms 50
+    python scripts/bench_gateway_relay.py --worker fake --gateways 2 --streams 1000 \\
+        --tokens 100 --step-ms 20
 """
 
 from __future__ import annotations
@@ -133,17 +138,22 @@ async def run_clients(port: int, num_streams: int, max_tokens: int):
 
 # --- orchestration ----------------------------------------------------------------------
 
-def wait_healthy(port: int, timeout_s: float = 120) -> None:
+def wait_healthy(port: int, timeout_s: float = 120, num_in_a_row: int = 1) -> None:
+    """Until /health answers 200 `num_in_a_row` times running (each on a new connection,
+    which the kernel may give any gateway sharing the port)."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
+    num_ok = 0
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return
+            is_ok = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+            is_ok = False
+        num_ok = num_ok + 1 if is_ok else 0
+        if num_ok >= num_in_a_row:
+            return
+        time.sleep(0.2 if not is_ok else 0.02)
     raise RuntimeError("gateway did not become healthy")
 
 
@@ -154,6 +164,18 @@ def cpu_seconds(pid: int) -> float | None:
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def gateways_cpu_seconds(pids: list[int]) -> float | None:
+    used = [cpu_seconds(pid) for pid in pids]
+    return None if None in used else sum(used)
+
+
+def default_endpoint_args(port: int, index: int) -> list[str]:
+    from gateway.config import default_endpoints
+
+    router, tokens = default_endpoints(port, index)
+    return ["--router-address", router, "--tokens-address", tokens]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -170,6 +192,8 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=50.0,
                     help="fake engine step time (one token per stream per step)")
     ap.add_argument("--worker", choices=["stamped", "fake"], default="stamped")
+    ap.add_argument("--gateways", type=int, default=1,
+                    help="gateway processes sharing the port (--worker fake only)")
     ap.add_argument("--port", type=int, default=18765)
     ap.add_argument("--credit-window", type=int, default=32)
     ap.add_argument("--result-json", default=None)
@@ -177,6 +201,8 @@ def main() -> None:
                     help="an extra flag for `zeroserve gateway` (repeatable), e.g. "
                          "--gateway-arg=--disable-metrics")
     args = ap.parse_args()
+    if args.gateways > 1 and args.worker != "fake":
+        ap.error("--gateways N > 1 needs --worker fake (the stamped worker has one link)")
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 4 * args.streams + 256)),
@@ -187,11 +213,16 @@ def main() -> None:
     py = sys.executable
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    gateway = subprocess.Popen(
-        [py, "-m", "common.cli", "gateway", "--port", str(args.port), "--log-level", "warning",
-         "--max-queued-requests", str(args.streams * 2),
-         "--credit-window", str(args.credit_window), *args.gateway_arg], env=env, cwd=ROOT)
-    procs = [gateway]
+    gateways = []
+    for index in range(args.gateways):
+        shared = ["--reuse-port", *default_endpoint_args(args.port, index)] \
+            if args.gateways > 1 else []
+        gateways.append(subprocess.Popen(
+            [py, "-m", "common.cli", "gateway", "--port", str(args.port), "--log-level",
+             "warning", "--max-queued-requests", str(args.streams * 2),
+             "--credit-window", str(args.credit_window), *shared, *args.gateway_arg],
+            env=env, cwd=ROOT))
+    procs = list(gateways)
     tmp = tempfile.mkdtemp(prefix="relay-bench-")
     stamps_path, stop_path = os.path.join(tmp, "stamps.json"), os.path.join(tmp, "stop")
     stamped = None
@@ -206,22 +237,24 @@ def main() -> None:
             stamped.start()
         else:
             procs.append(subprocess.Popen(
-                [py, "-m", "common.cli", "worker", "--port", str(args.port), "--backend", "fake",
+                [py, "-m", "common.cli", "worker", "--port", str(args.port),
+                 "--gateways", str(args.gateways), "--backend", "fake",
                  "--fake-forward-ms", str(args.step_ms), "--max-num-seqs",
                  str(max(args.streams, 64)), "--max-num-batched-tokens",
                  str(max(args.streams, 512)), "--num-kv-blocks",
                  str(args.streams * (args.tokens // 16 + 3)), "--log-level", "warning"],
                 env=env, cwd=ROOT))
-        wait_healthy(args.port)
-        worker_pid = stamped.pid if stamped is not None else procs[1].pid
-        cpu_before = {"gateway": cpu_seconds(gateway.pid), "worker": cpu_seconds(worker_pid),
-                      "client": time.process_time()}
+        wait_healthy(args.port, num_in_a_row=1 if args.gateways == 1 else 10 * args.gateways)
+        worker_pid = stamped.pid if stamped is not None else procs[-1].pid
+        gateway_pids = [g.pid for g in gateways]
+        cpu_before = {"gateway": gateways_cpu_seconds(gateway_pids),
+                      "worker": cpu_seconds(worker_pid), "client": time.process_time()}
         load_before = os.getloadavg()[0]
         start, end, arrivals, usage, errors = asyncio.run(
             run_clients(args.port, args.streams, args.tokens))
         load_after = os.getloadavg()[0]
-        cpu_used = {"gateway": cpu_seconds(gateway.pid), "worker": cpu_seconds(worker_pid),
-                    "client": time.process_time()}
+        cpu_used = {"gateway": gateways_cpu_seconds(gateway_pids),
+                    "worker": cpu_seconds(worker_pid), "client": time.process_time()}
         cpu_used = {k: (v - cpu_before[k]) if v is not None and cpu_before[k] is not None
                     else None for k, v in cpu_used.items()}
     finally:
@@ -240,7 +273,7 @@ def main() -> None:
     num_tokens = sum(usage)
     num_chunks = sum(len(a) for a in arrivals)
     result = {
-        "worker": args.worker, "streams": args.streams, "tokens_per_stream": args.tokens,
+        "worker": args.worker, "gateways": args.gateways, "streams": args.streams, "tokens_per_stream": args.tokens,
         "step_ms": args.step_ms, "credit_window": args.credit_window,
         "wall_s": round(wall, 3), "completed_streams": sum(1 for u in usage if u),
         "errors": len(errors), "usage_tokens": num_tokens, "chunks": num_chunks,

@@ -1,4 +1,8 @@
-"""The worker's link to its gateway: a thread that owns the DEALER socket.
+"""The worker's link to one gateway: a thread that owns that gateway's DEALER socket.
+
+A worker behind several gateway processes (`zeroserve serve --gateways N`) runs one link per
+gateway; every link puts what it hears into the engine thread's one inbox, tagged with the
+link's index, so the engine thread knows which gateway a message came from.
 
 It keeps liveness off the engine thread: heartbeats leave on their own clock even while a
 long engine step runs, HELLOs are held and retried until a connection takes them, and a
@@ -8,6 +12,7 @@ deadlock that no step of ours can free), so its supervisor starts a fresh one.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import queue
@@ -52,11 +57,13 @@ class GatewayLink(threading.Thread):
 
     _HELLO_RETRY_S = 0.1
 
-    def __init__(self, ctx: zmq.Context, config: WorkerConfig, outbox_address: str,
-                 keys: WorkerKeys | None):
-        super().__init__(name="gateway-link", daemon=True)
+    def __init__(self, ctx: zmq.Context, config: WorkerConfig, router_address: str,
+                 outbox_address: str, keys: WorkerKeys | None,
+                 inbox: queue.Queue[tuple[int, Message]], index: int = 0):
+        super().__init__(name=f"gateway-link-{index}", daemon=True)
         self.config = config
-        self.inbox: queue.Queue[Message] = queue.Queue()
+        self.index = index  # which of the worker's gateways this link talks to
+        self.inbox = inbox  # (index, message) for the engine thread; shared by all links
         self.last_heard = time.monotonic()  # monotonic time of the last gateway message
         self.hello_sent_at: float | None = None  # when the last HELLO reached a connection
         # The engine thread replaces these (never mutates them) every loop iteration: its
@@ -76,7 +83,7 @@ class GatewayLink(threading.Thread):
         self._dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MSG_BYTES)
         if keys is not None:
             curve_client(self._dealer, keys)
-        self._dealer.connect(config.router_address)
+        self._dealer.connect(router_address)
         self._outbox = ctx.socket(zmq.PULL)
         self._outbox.bind(outbox_address)
 
@@ -132,7 +139,7 @@ class GatewayLink(threading.Thread):
                 return
             self.last_heard = time.monotonic()
             try:
-                self.inbox.put(decode(frames))
+                self.inbox.put((self.index, decode(frames)))
             except ProtocolError as e:
                 log.warning("dropped a bad frame from the gateway: %s", e,
                             extra={"worker_id": self.config.worker_id})
@@ -159,3 +166,57 @@ class GatewayLink(threading.Thread):
             return True
         except zmq.Again:
             return False
+
+
+class LinkState(enum.Enum):
+    CONNECTING = "connecting"  # HELLO sent, no READY yet
+    CONNECTED = "connected"
+
+
+class GatewayPeer:
+    """The engine thread's handle on one gateway: the link thread that owns its DEALER, the
+    inproc socket that feeds that thread, the PUSH that carries TOKENS to the gateway's PULL,
+    and what the engine thread knows of that gateway process (its id, whether it answered).
+    Only the engine thread touches these sockets and fields."""
+
+    def __init__(self, ctx: zmq.Context, config: WorkerConfig, index: int, router_address: str,
+                 tokens_address: str, keys: WorkerKeys | None,
+                 inbox: queue.Queue[tuple[int, Message]]):
+        self.index = index
+        self.state = LinkState.CONNECTING
+        self.gateway_id: str | None = None  # the gateway process we serve here (from READY)
+        outbox_address = f"inproc://worker-outbox-{id(self)}"
+        self.link = GatewayLink(ctx, config, router_address, outbox_address, keys, inbox, index)
+        self._to_link = ctx.socket(zmq.PUSH)
+        self._to_link.connect(outbox_address)
+        self._tokens = ctx.socket(zmq.PUSH)
+        self._tokens.setsockopt(zmq.LINGER, LINGER_MS)
+        self._tokens.setsockopt(zmq.SNDHWM, SNDHWM)
+        if keys is not None:
+            curve_client(self._tokens, keys)
+        self._tokens.connect(tokens_address)
+
+    def start(self) -> None:
+        self.link.start()
+
+    def send_control(self, frames: list[bytes]) -> None:
+        """HELLO, DRAIN: through the link thread, which owns the DEALER."""
+        self._to_link.send_multipart(frames)
+
+    def send_tokens(self, frames: list[bytes]) -> bool:
+        """One TOKENS message; False if the queue to this gateway is full (it was dropped)."""
+        try:
+            self._tokens.send_multipart(frames, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    def request_stop(self) -> None:
+        self._to_link.send_multipart([b"stop"])
+
+    def close(self) -> None:
+        """After request_stop: wait for the link thread (it sends what it holds, within
+        LINGER_MS) and close."""
+        self.link.join(timeout=LINGER_MS / 1000 + 1)
+        self._to_link.close(linger=0)
+        self._tokens.close()

@@ -19,6 +19,13 @@ their credit, for `gateway_grace_s`; only then are they failed and their KV free
 that answers with another `gateway_id` is a new process: the old streams are dropped at
 once. The gateway reconciles the rest from the request ids each heartbeat carries.
 
+Several gateways (`zeroserve serve --gateways N`): the worker links to each (one DEALER and
+one PUSH per gateway, worker/link.py) and remembers which gateway each stream came from.
+A stream's TOKENS go only to its gateway, and only its gateway's SUBMIT, CREDIT and ABORT
+touch it; each gateway's heartbeats list only its own streams (with the worker's whole
+load). So silence, a restart or the grace period of one gateway ends only that gateway's
+streams, and the others go on.
+
 Health means progress: the link thread stamps every heartbeat with how long ago the engine
 thread last finished a loop iteration; a worker stuck for `stall_timeout_s` exits non-zero
 (its supervisor or container runtime restarts it), and so does one whose steps fail
@@ -27,7 +34,6 @@ thread last finished a loop iteration; a worker stuck for `stall_timeout_s` exit
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import queue
@@ -39,12 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from common.keys import (
-    check_plane_security,
-    curve_client,
-    is_worker_id_valid,
-    load_worker_keys,
-)
+from common.keys import check_plane_security, is_worker_id_valid, load_worker_keys
 from common.protocol import (
     PROTOCOL_VERSION,
     UNKNOWN_WORKER,
@@ -54,6 +55,7 @@ from common.protocol import (
     Error,
     Heartbeat,
     Hello,
+    Message,
     Ready,
     Shutdown,
     Submit,
@@ -65,7 +67,7 @@ from common.protocol import (
 )
 from worker.config import EngineConfig
 from worker.grammar import GrammarSpec
-from worker.link import LINGER_MS, SNDHWM, GatewayLink
+from worker.link import GatewayPeer, LinkState
 from worker.outputs import RequestOutput
 from worker.sequence import RequestError, SamplingParams
 
@@ -85,8 +87,11 @@ EXIT_REFUSED = 3  # the gateway refused our HELLO (e.g. another protocol version
 @dataclass(frozen=True)
 class WorkerConfig:
     worker_id: str
-    router_address: str  # gateway ROUTER; worker connects a DEALER with identity worker_id
-    tokens_address: str  # gateway PULL; worker connects a PUSH
+    # The gateway's ROUTER (the worker connects a DEALER) and PULL (a PUSH for TOKENS).
+    # Several gateways: one address each, in the same order (the i-th router and the i-th
+    # tokens address are one gateway's).
+    router_address: str | tuple[str, ...]
+    tokens_address: str | tuple[str, ...]
     engine: EngineConfig = field(default_factory=EngineConfig)
     backend: str = "model"  # "model" or "fake" (FakeRunner, tests/benchmarks only)
     heartbeat_interval_s: float = 0.5
@@ -122,8 +127,26 @@ class WorkerConfig:
         if not is_worker_id_valid(self.worker_id):
             raise ValueError(f"worker_id {self.worker_id!r}: use up to 128 letters, digits, "
                              "'.', '_' or '-'")
-        check_plane_security((self.router_address, self.tokens_address), self.keys_dir,
+        endpoints = self.gateway_endpoints
+        if not endpoints:
+            raise ValueError("give at least one gateway router and tokens address")
+        if len({address for pair in endpoints for address in pair}) != 2 * len(endpoints):
+            raise ValueError("every gateway address must be different")
+        check_plane_security(tuple(a for pair in endpoints for a in pair), self.keys_dir,
                              self.insecure)
+
+    @property
+    def gateway_endpoints(self) -> list[tuple[str, str]]:
+        """(router, tokens) address pairs, one per gateway."""
+        routers, tokens = _addresses(self.router_address), _addresses(self.tokens_address)
+        if len(routers) != len(tokens):
+            raise ValueError(f"{len(routers)} router addresses but {len(tokens)} tokens "
+                             "addresses: give one of each per gateway")
+        return list(zip(routers, tokens, strict=True))
+
+
+def _addresses(value: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 def run_worker(config: WorkerConfig, engine: Engine | None = None) -> int:
@@ -161,14 +184,10 @@ def build_engine(config: WorkerConfig) -> Engine:
     return engine
 
 
-class LinkState(enum.Enum):
-    CONNECTING = "connecting"  # HELLO sent, no READY yet
-    CONNECTED = "connected"
-
-
 @dataclass(slots=True)
 class _Stream:
     credit_limit: int  # output tokens we may have sent in all (a high-water mark)
+    gateway: int = 0  # the index of the gateway (GatewayPeer) whose client reads it
     num_sent: int = 0
     is_paused: bool = False  # paused in the engine by us for lack of credit
 
@@ -184,17 +203,18 @@ class WorkerLoop:
         self.config = config
         self.engine = engine
         self.state = WorkerState.STARTING
-        self.link_state = LinkState.CONNECTING
         self.streams: dict[str, _Stream] = {}
         # Request id -> ABORT outputs still to come (the next step reports them) from engine
         # requests we dropped; stale, they must not end a new SUBMIT of the same id.
         self._stale_aborts: dict[str, int] = {}
         self.num_steps = 0
-        self.gateway_id: str | None = None  # the gateway process we serve (from READY)
+        self.gateways: list[GatewayPeer] = []  # one per gateway address pair, from run()
+        self._inbox: queue.Queue[tuple[int, Message]] = queue.Queue()  # from every link
         self._num_failed_steps = 0  # in a row
         self._ids_at = time.monotonic()  # when the streams snapshot for heartbeats was valid
         self.exit_code: int | None = None  # set when the loop should end
-        self._pending: list[TokenOutput] = []  # outputs made outside a step (rejections, aborts)
+        # Outputs made outside a step (rejections, aborts), as (gateway index, output).
+        self._pending: list[tuple[int, TokenOutput]] = []
         self._drain_deadline: float | None = None
         self._exit_when_drained = False
         self._num_signals = 0
@@ -211,23 +231,17 @@ class WorkerLoop:
 
     def run(self) -> int:
         ctx = zmq.Context()
-        outbox_address = f"inproc://worker-outbox-{id(self)}"
         keys = (None if self.config.keys_dir is None
                 else load_worker_keys(self.config.keys_dir, self.config.worker_id))
-        self.link = GatewayLink(ctx, self.config, outbox_address, keys)
-        self._to_link = ctx.socket(zmq.PUSH)
-        self._to_link.connect(outbox_address)
-        self._tokens = ctx.socket(zmq.PUSH)
-        self._tokens.setsockopt(zmq.LINGER, LINGER_MS)
-        self._tokens.setsockopt(zmq.SNDHWM, SNDHWM)
-        if keys is not None:
-            curve_client(self._tokens, keys)
-        self._tokens.connect(self.config.tokens_address)
-        self.link.start()
+        self.gateways = [GatewayPeer(ctx, self.config, i, router, tokens, keys, self._inbox)
+                         for i, (router, tokens) in enumerate(self.config.gateway_endpoints)]
+        for gw in self.gateways:
+            gw.start()
         restore_signals = self._install_signal_handlers()
         try:
             self._publish_load()
-            self._say_hello()
+            for gw in self.gateways:
+                self._say_hello(gw)
             while self.exit_code is None:
                 # Every SUBMIT the link thread took before this moment is in self.streams
                 # after _receive, so the snapshot published below holds it (until it ends).
@@ -240,14 +254,16 @@ class WorkerLoop:
                 self._emit(outputs)
                 self._ids_at = ids_at
                 self._publish_load()
-                self.link.progress_at = time.monotonic()
+                progress_at = time.monotonic()
+                for gw in self.gateways:
+                    gw.link.progress_at = progress_at
             self._emit([])
         finally:
             restore_signals()
-            self._to_link.send_multipart([b"stop"])
-            self.link.join(timeout=LINGER_MS / 1000 + 1)
-            self._to_link.close(linger=0)
-            self._tokens.close()
+            for gw in self.gateways:
+                gw.request_stop()
+            for gw in self.gateways:
+                gw.close()
             ctx.term()
         log.info("worker exiting", extra={**self._log_extra, "exit_code": self.exit_code})
         return self.exit_code
@@ -285,7 +301,7 @@ class WorkerLoop:
 
     def _receive(self, timeout: float) -> None:
         try:
-            msg = self.link.inbox.get(timeout=timeout) if timeout else self.link.inbox.get_nowait()
+            index, msg = self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -294,15 +310,18 @@ class WorkerLoop:
                 log.warning("ignored a %s from the gateway", type(msg).__name__,
                             extra=self._log_extra)
             else:
-                handler(msg)
+                handler(self.gateways[index], msg)
             try:
-                msg = self.link.inbox.get_nowait()
+                index, msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
+        """One TOKENS message per gateway that has news this step: its own streams only."""
         # Once per stream per step: locals, and the stream's fields read once.
-        wire = self._pending
+        wire: list[list] = [[] for _ in self.gateways]  # rows per gateway
+        for index, row in self._pending:
+            wire[index].append(row)
         self._pending = []
         streams = self.streams
         stale_aborts = self._stale_aborts
@@ -315,39 +334,43 @@ class WorkerLoop:
             stream = streams.get(rid)
             if stream is None:
                 continue  # the gateway aborted it already and forgot it
-            wire.append(_to_wire(out))
+            wire[stream.gateway].append(_to_wire(out))
             num_sent = stream.num_sent = stream.num_sent + len(out.new_token_ids)
             if is_finished:
                 del streams[rid]
             elif num_sent >= stream.credit_limit and not stream.is_paused:  # out of credit
                 stream.is_paused = self.engine.pause(rid)
-        if wire:
-            self._send_tokens(Tokens(self.config.worker_id, self.num_steps, wire))
+        for gw, rows in zip(self.gateways, wire, strict=True):
+            if rows:
+                self._send_tokens(gw, Tokens(self.config.worker_id, self.num_steps, rows))
 
     # -- message handlers -------------------------------------------------------------------
 
-    def _on_ready(self, msg: Ready) -> None:
+    def _on_ready(self, gw: GatewayPeer, msg: Ready) -> None:
         if not msg.accepted:
             log.error("the gateway refused this worker: %s", msg.reason, extra=self._log_extra)
             self._fail_all("the gateway refused this worker")
             self.exit_code = EXIT_REFUSED
             return
-        if msg.gateway_id != self.gateway_id:
-            self._on_new_gateway(msg.gateway_id)
-        if self.link_state is not LinkState.CONNECTED:
-            log.info("connected to the gateway", extra={**self._log_extra,
+        if msg.gateway_id != gw.gateway_id:
+            self._on_new_gateway(gw, msg.gateway_id)
+        if gw.state is not LinkState.CONNECTED:
+            log.info("connected to the gateway", extra={**self._log_extra, "gateway": gw.index,
                                                         "gateway_id": msg.gateway_id})
-        self.link_state = LinkState.CONNECTED
+        gw.state = LinkState.CONNECTED
         if self.state is WorkerState.STARTING:
             self.state = WorkerState.READY
 
-    def _on_submit(self, msg: Submit) -> None:
+    def _on_submit(self, gw: GatewayPeer, msg: Submit) -> None:
         rid = msg.request_id
         stream = self.streams.get(rid)
-        if stream is not None and self._on_repeated_submit(msg, stream):
+        # (Another gateway's stream of the same id: the engine refuses the duplicate below.)
+        if (stream is not None and stream.gateway == gw.index
+                and self._on_repeated_submit(gw, msg, stream)):
             return
         if self.state is WorkerState.DRAINING:
-            self._reject(rid, "worker is draining; retry on another worker", retryable=True)
+            self._reject(gw.index, rid, "worker is draining; retry on another worker",
+                         retryable=True)
             return
         try:
             params = _sampling_params(msg.params)
@@ -355,18 +378,19 @@ class WorkerLoop:
             self.engine.add_request(rid, msg.prompt_token_ids, params, msg.output_token_ids,
                                     grammar=grammar)
         except (RequestError, TypeError, ValueError) as e:
-            self._reject(rid, str(e), num_prompt_tokens=len(msg.prompt_token_ids))
+            self._reject(gw.index, rid, str(e), num_prompt_tokens=len(msg.prompt_token_ids))
             return
         except Exception as e:  # an engine bug must not take the other streams down
             log.exception("add_request failed", extra={**self._log_extra, "request_id": rid})
-            self._reject(rid, f"internal error: {e}", num_prompt_tokens=len(msg.prompt_token_ids))
+            self._reject(gw.index, rid, f"internal error: {e}",
+                         num_prompt_tokens=len(msg.prompt_token_ids))
             return
-        self.streams[rid] = _Stream(credit_limit=msg.credit,
+        self.streams[rid] = _Stream(credit_limit=msg.credit, gateway=gw.index,
                                     num_sent=len(msg.output_token_ids))
         log.debug("request added", extra={**self._log_extra, "request_id": rid,
                                           "num_prompt_tokens": len(msg.prompt_token_ids)})
 
-    def _on_repeated_submit(self, msg: Submit, stream: _Stream) -> bool:
+    def _on_repeated_submit(self, gw: GatewayPeer, msg: Submit, stream: _Stream) -> bool:
         """A SUBMIT of a request we hold: the gateway thought it lost (its SUBMIT, or this
         worker for a while: a cut link). True if handled. Where the gateway's stream is
         where ours is, take its credit and go on; where tokens we sent never reached it,
@@ -374,7 +398,7 @@ class WorkerLoop:
         rid = msg.request_id
         if stream.num_sent == len(msg.output_token_ids):
             log.info("repeated SUBMIT: continuing", extra={**self._log_extra, "request_id": rid})
-            self._on_credit(Credit([[rid, msg.credit]]))
+            self._on_credit(gw, Credit([[rid, msg.credit]]))
             return True
         log.info("repeated SUBMIT: restarting from the gateway's %d tokens (we sent %d)",
                  len(msg.output_token_ids), stream.num_sent,
@@ -393,65 +417,75 @@ class WorkerLoop:
         if num_left:
             self._stale_aborts[rid] = num_left
 
-    def _on_abort(self, msg: Abort) -> None:
+    def _on_abort(self, gw: GatewayPeer, msg: Abort) -> None:
         for rid in msg.request_ids:
-            if rid in self.streams:
+            stream = self.streams.get(rid)
+            if stream is not None:
+                if stream.gateway != gw.index:
+                    continue  # another gateway's stream: only its own gateway ends it
                 log.debug("request aborted", extra={**self._log_extra, "request_id": rid})
             self._drop(rid)
 
-    def _on_credit(self, msg: Credit) -> None:
+    def _on_credit(self, gw: GatewayPeer, msg: Credit) -> None:
         for rid, limit in msg.grants:
             stream = self.streams.get(rid)
-            if stream is None:
-                continue  # finished while the credit was on its way
+            if stream is None or stream.gateway != gw.index:
+                continue  # finished while the credit was on its way (or not this gateway's)
             stream.credit_limit = max(stream.credit_limit, limit)  # old or repeated: no-op
             if stream.is_paused and stream.has_credit:
                 self.engine.resume(rid)
                 stream.is_paused = False
 
-    def _on_drain(self, msg: Drain) -> None:
+    def _on_drain(self, gw: GatewayPeer, msg: Drain) -> None:
         self._begin_drain(msg.deadline_s, tell_gateway=False,
                           exit_when_drained=msg.exit_when_drained)
 
-    def _on_undrain(self, msg: Undrain) -> None:
+    def _on_undrain(self, gw: GatewayPeer, msg: Undrain) -> None:
         if self.state is not WorkerState.DRAINING or self._exit_when_drained:
             return  # a drain that ends in an exit (SIGTERM, restart) is not called off
         log.info("undrained: taking new work again", extra=self._log_extra)
         self.state = WorkerState.READY
         self._drain_deadline = None
 
-    def _on_shutdown(self, msg: Shutdown) -> None:
+    def _on_shutdown(self, gw: GatewayPeer, msg: Shutdown) -> None:
         log.info("shutdown requested by the gateway: %s", msg.reason, extra=self._log_extra)
         self._fail_all(f"worker shut down ({msg.reason or 'gateway request'})")
         self.exit_code = EXIT_OK
 
-    def _on_heartbeat(self, msg: Heartbeat) -> None:
+    def _on_heartbeat(self, gw: GatewayPeer, msg: Heartbeat) -> None:
         # Liveness is tracked by the link thread for every message; here: who is speaking.
-        if msg.gateway_id and self.gateway_id is not None and msg.gateway_id != self.gateway_id:
-            self._on_new_gateway(msg.gateway_id)
-        elif msg.state == UNKNOWN_WORKER and self.link_state is LinkState.CONNECTED:
+        if msg.gateway_id and gw.gateway_id is not None and msg.gateway_id != gw.gateway_id:
+            self._on_new_gateway(gw, msg.gateway_id)
+        elif msg.state == UNKNOWN_WORKER and gw.state is LinkState.CONNECTED:
             log.warning("the gateway does not know this worker; saying HELLO again",
-                        extra=self._log_extra)
+                        extra={**self._log_extra, "gateway": gw.index})
         else:
             return
-        self.link_state = LinkState.CONNECTING
-        self._say_hello()
+        gw.state = LinkState.CONNECTING
+        self._say_hello(gw)
 
-    def _on_new_gateway(self, gateway_id: str) -> None:
+    def _on_new_gateway(self, gw: GatewayPeer, gateway_id: str) -> None:
         """Another gateway process: nobody reads the old one's streams any more."""
-        if self.gateway_id is not None and self.streams:
-            log.warning("the gateway restarted; dropping %d streams of the old one",
-                        len(self.streams), extra=self._log_extra)
-            self._fail_all("the gateway restarted")
-        self.gateway_id = gateway_id
+        if gw.gateway_id is not None:
+            num_streams = self._num_streams_of(gw)
+            if num_streams:
+                log.warning("the gateway restarted; dropping %d streams of the old one",
+                            num_streams, extra={**self._log_extra, "gateway": gw.index})
+                self._fail_all("the gateway restarted", gw)
+        gw.gateway_id = gateway_id
 
-    def _on_error(self, msg: Error) -> None:
+    def _num_streams_of(self, gw: GatewayPeer) -> int:
+        if len(self.gateways) == 1:
+            return len(self.streams)
+        return sum(1 for s in self.streams.values() if s.gateway == gw.index)
+
+    def _on_error(self, gw: GatewayPeer, msg: Error) -> None:
         log.warning("gateway error %s: %s", msg.code, msg.message,
                     extra={**self._log_extra, "request_id": msg.request_id})
 
     # -- housekeeping -----------------------------------------------------------------------
 
-    def _say_hello(self) -> None:
+    def _say_hello(self, gw: GatewayPeer) -> None:
         info = self.engine.info
         hello = Hello(
             protocol_version=PROTOCOL_VERSION, worker_id=self.config.worker_id,
@@ -463,31 +497,39 @@ class WorkerLoop:
             max_num_seqs=self.config.engine.max_num_seqs, device=info.device, pid=os.getpid(),
             startup_phases=dict(getattr(self.engine, "startup_phases", {})),
         )
-        self.link.hello_sent_at = None  # so the next check waits for this HELLO's fate
-        self._to_link.send_multipart(encode(hello))
+        gw.link.hello_sent_at = None  # so the next check waits for this HELLO's fate
+        gw.send_control(encode(hello))
 
     def _check_gateway(self) -> None:
+        for gw in self.gateways:
+            self._check_one_gateway(gw)
+
+    def _check_one_gateway(self, gw: GatewayPeer) -> None:
+        """Silence of one gateway touches only its own streams."""
         now = time.monotonic()
         timeout = self.config.gateway_timeout_s
-        silent_s = now - self.link.last_heard
-        if self.streams and silent_s > self.config.gateway_grace_s:
-            log.warning("gateway silent for %.1fs; failing %d in-flight requests",
-                        silent_s, len(self.streams), extra=self._log_extra)
-            self._fail_all("lost contact with the gateway")
-        if self.link_state is LinkState.CONNECTED and silent_s > timeout:
+        silent_s = now - gw.link.last_heard
+        extra = {**self._log_extra, "gateway": gw.index}
+        if silent_s > self.config.gateway_grace_s:
+            num_streams = self._num_streams_of(gw)
+            if num_streams:
+                log.warning("gateway silent for %.1fs; failing %d in-flight requests",
+                            silent_s, num_streams, extra=extra)
+                self._fail_all("lost contact with the gateway", gw)
+        if gw.state is LinkState.CONNECTED and silent_s > timeout:
             # Maybe only its event loop is busy; maybe it restarted. Keep the streams (they
             # stop at their credit) and say HELLO: the answer tells which.
             log.warning("gateway silent for %.1fs; keeping %d streams for up to %.0fs and "
-                        "saying HELLO again", silent_s, len(self.streams),
-                        self.config.gateway_grace_s, extra=self._log_extra)
-            self.link_state = LinkState.CONNECTING
-            self._say_hello()
-        elif self.link_state is LinkState.CONNECTING:
+                        "saying HELLO again", silent_s, self._num_streams_of(gw),
+                        self.config.gateway_grace_s, extra=extra)
+            gw.state = LinkState.CONNECTING
+            self._say_hello(gw)
+        elif gw.state is LinkState.CONNECTING:
             # A HELLO that reached a gateway and got no READY: that gateway may have died
             # with it. (One still waiting for a connection is retried by the link thread.)
-            sent_at = self.link.hello_sent_at
+            sent_at = gw.link.hello_sent_at
             if sent_at is not None and now - sent_at > timeout:
-                self._say_hello()
+                self._say_hello(gw)
 
     def _begin_drain(self, deadline_s: float, tell_gateway: bool,
                      exit_when_drained: bool = True) -> None:
@@ -505,7 +547,8 @@ class WorkerLoop:
         self._drain_deadline = deadline
         self._publish_load()  # heartbeats say "draining" from now on, before the DRAIN
         if tell_gateway:
-            self._to_link.send_multipart(encode(Drain(self.config.worker_id, deadline_s)))
+            for gw in self.gateways:
+                gw.send_control(encode(Drain(self.config.worker_id, deadline_s)))
 
     def _check_drain(self) -> None:
         if self._drain_deadline is None:
@@ -518,41 +561,51 @@ class WorkerLoop:
             log.info("drained", extra=self._log_extra)
             self.exit_code = EXIT_OK
 
-    def _fail_all(self, message: str) -> None:
-        """Abort every stream in the engine and tell the gateway each one stopped here (with
-        finish reason "abort": not the request's fault, so it may continue elsewhere)."""
-        for rid in list(self.streams):
-            self._drop(rid)
-            self._reject(rid, message, retryable=True)
+    def _fail_all(self, message: str, gw: GatewayPeer | None = None) -> None:
+        """Abort every stream (of gateway `gw`, or of all) in the engine and tell its gateway
+        each one stopped here (with finish reason "abort": not the request's fault, so it
+        may continue elsewhere)."""
+        for rid, stream in list(self.streams.items()):
+            if gw is None or stream.gateway == gw.index:
+                self._drop(rid)
+                self._reject(stream.gateway, rid, message, retryable=True)
 
-    def _reject(self, request_id: str, message: str, num_prompt_tokens: int = 0,
+    def _reject(self, gateway: int, request_id: str, message: str, num_prompt_tokens: int = 0,
                 retryable: bool = False) -> None:
-        """Tell the gateway a request ended here: "abort" if another worker may take it on
-        (draining, shutting down), "error" if the request itself failed."""
+        """Tell gateway number `gateway` a request ended here: "abort" if another worker may
+        take it on (draining, shutting down), "error" if the request itself failed."""
         reason = "abort" if retryable else "error"
-        self._pending.append(TokenOutput(request_id, [], reason, num_prompt_tokens, 0,
-                                         error=message))
+        self._pending.append((gateway, TokenOutput(request_id, [], reason, num_prompt_tokens,
+                                                   0, error=message)))
         log.info("request failed: %s", message,
                  extra={**self._log_extra, "request_id": request_id})
 
     def _publish_load(self) -> None:
+        """Each gateway's next heartbeats: the worker's whole load (every gateway routes on
+        it), but only that gateway's request ids (it reconciles those)."""
         stats = self.engine.stats()
-        self.link.load = (Heartbeat(
-            worker_id=self.config.worker_id, state=self.state.value,
-            num_running=stats.num_running, num_waiting=stats.num_waiting,
-            num_paused=stats.num_paused, num_free_blocks=stats.num_free_blocks,
-            num_total_blocks=stats.num_total_blocks, num_steps=self.num_steps,
-            request_ids=list(self.streams),
-            counters={"prefix_cache_queries": stats.num_prefix_queries,
-                      "prefix_cache_hits": stats.num_prefix_hits,
-                      "num_preemptions": stats.num_preemptions},
-        ), self._ids_at)
+        if len(self.gateways) == 1:
+            ids_by_gateway = [list(self.streams)]
+        else:
+            ids_by_gateway = [[] for _ in self.gateways]
+            for rid, stream in self.streams.items():
+                ids_by_gateway[stream.gateway].append(rid)
+        counters = {"prefix_cache_queries": stats.num_prefix_queries,
+                    "prefix_cache_hits": stats.num_prefix_hits,
+                    "num_preemptions": stats.num_preemptions}
+        for gw, request_ids in zip(self.gateways, ids_by_gateway, strict=True):
+            gw.link.load = (Heartbeat(
+                worker_id=self.config.worker_id, state=self.state.value,
+                num_running=stats.num_running, num_waiting=stats.num_waiting,
+                num_paused=stats.num_paused, num_free_blocks=stats.num_free_blocks,
+                num_total_blocks=stats.num_total_blocks, num_steps=self.num_steps,
+                request_ids=request_ids, counters=counters,
+            ), self._ids_at)
 
-    def _send_tokens(self, msg: Tokens) -> None:
-        try:
-            self._tokens.send_multipart(encode(msg), zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning("token queue full; dropped step %d", msg.step, extra=self._log_extra)
+    def _send_tokens(self, gw: GatewayPeer, msg: Tokens) -> None:
+        if not gw.send_tokens(encode(msg)):
+            log.warning("token queue full; dropped step %d", msg.step,
+                        extra={**self._log_extra, "gateway": gw.index})
 
     # -- signals ----------------------------------------------------------------------------
 

@@ -214,3 +214,27 @@ def test_a_missing_model_is_a_clean_error(tmp_path):
     assert result.exit_code == 1
     assert "cannot load the model" in result.output and missing in result.output
     assert "Traceback" not in result.output
+
+
+def test_serve_with_two_gateways_gives_each_its_endpoints_and_every_worker_both(captured):
+    result = invoke(["serve", "--gateways", "2", "--workers", "2", "--device", "cpu",
+                     "--port", "9006", "--backend", "fake"])
+    assert result.exit_code == 0, result.output
+    *gateway_specs, worker_a, worker_b = captured["children"]
+    assert [s.name for s in gateway_specs] == ["gateway-0", "gateway-1"]
+    endpoints = []
+    for spec in gateway_specs:
+        assert invoke(list(spec.argv[3:])).exit_code == 0
+        gateway = captured["gateway"]
+        assert gateway.port == 9006 and gateway.reuse_port
+        endpoints.append(gateway.endpoints)
+    assert len(set(endpoints)) == 2
+    for spec in (worker_a, worker_b):
+        assert invoke(["worker", *spec.argv[3:]]).exit_code == 0
+        assert captured["worker"].gateway_endpoints == endpoints
+
+
+def test_serve_with_two_gateways_needs_an_address_per_gateway(captured):
+    result = CliRunner().invoke(cli.main, ["serve", "--gateways", "2",
+                                           "--router-address", "tcp://127.0.0.1:5555"])
+    assert result.exit_code == 2 and "one per gateway" in result.output

@@ -48,14 +48,16 @@ class StreamResult:
 
 def stream_completion(base_url: str, body: dict, result: StreamResult | None = None,
                       stop_after: int | None = None, on_chunk=None,
-                      timeout_s: float = 60.0) -> StreamResult:
+                      timeout_s: float = 60.0, client: httpx.Client | None = None
+                      ) -> StreamResult:
     """POST a streaming completion and read it to the end (or `stop_after` chunks, then hang
-    up). `on_chunk(n)` is called after each chunk."""
+    up). `on_chunk(n)` is called after each chunk. `client`: send it on that client's
+    (kept-alive) connection."""
     result = result or StreamResult()
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     started = time.monotonic()
     try:
-        with httpx.stream("POST", base_url + path, json={"model": MODEL, "stream": True, **body},
+        with (client or httpx).stream("POST", base_url + path, json={"model": MODEL, "stream": True, **body},
                           timeout=timeout_s) as response:
             response.raise_for_status()
             for line in response.iter_lines():

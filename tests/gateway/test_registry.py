@@ -64,6 +64,18 @@ def test_draining_and_full_workers_get_nothing():
     assert reg.pick() is None and not reg.has_ready
 
 
+def test_a_worker_full_of_another_gateways_streams_takes_nothing_more_here():
+    """Behind several gateways (`serve --gateways N`) a worker's heartbeats list only this
+    gateway's requests but count all of them: the rest fill its capacity too."""
+    reg = WorkerRegistry(max_waiting_per_worker=0)
+    reg.register(hello("a", max_num_seqs=2), route("a"), 0.0)
+    reg.assign(reg.get("a"), "mine")
+    reg.on_heartbeat(Heartbeat("a", "ready", 1, 0, 0, 100, 100, 0.0, request_ids=["mine"]), 0.1)
+    assert reg.pick().worker_id == "a"  # one of two slots is free
+    reg.on_heartbeat(Heartbeat("a", "ready", 2, 0, 0, 100, 100, 0.0, request_ids=["mine"]), 0.2)
+    assert reg.get("a").num_foreign == 1 and reg.pick() is None
+
+
 def test_silent_worker_expires_and_rehello_replaces_it():
     reg = WorkerRegistry()
     reg.register(hello("a", pid=1), route("a", pid=1), 0.0)

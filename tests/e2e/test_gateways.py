@@ -1,0 +1,127 @@
+"""`zeroserve serve --gateways 2`: two gateway processes share the HTTP port and every worker
+serves both. Killing one gateway ends only its own clients' streams; the other gateway's
+streams finish intact, the workers keep running, and the supervisor brings the dead gateway
+back (fake backend, real processes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.helpers import StreamResult, stream_in_thread
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 400
+BODY = {"prompt": "Tell me everything.", "max_tokens": MAX_TOKENS,
+        "stream_options": {"include_usage": True}}
+
+
+def pinned_client(url: str) -> tuple[httpx.Client, int]:
+    """A client whose one kept-alive connection landed on some gateway process, and that
+    process's pid (the kernel picks the gateway per connection: SO_REUSEPORT)."""
+    client = httpx.Client(base_url=url, timeout=60,
+                          limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
+    return client, client.get("/health/live").json()["pid"]
+
+
+def clients_on_each_gateway(url: str, per_gateway: int, num_gateways: int = 2,
+                            max_tries: int = 200) -> dict[int, list[httpx.Client]]:
+    by_pid: dict[int, list[httpx.Client]] = {}
+    for _ in range(max_tries):
+        client, pid = pinned_client(url)
+        group = by_pid.setdefault(pid, [])
+        if len(group) < per_gateway:
+            group.append(client)
+        else:
+            client.close()
+        if len(by_pid) == num_gateways and all(len(g) == per_gateway for g in by_pid.values()):
+            return by_pid
+    raise AssertionError(f"connections did not land on {num_gateways} gateways: "
+                         f"{ {pid: len(g) for pid, g in by_pid.items()} }")
+
+
+def wait_for_workers_on_every_gateway(url: str, num_gateways: int, num_workers: int,
+                                      timeout_s: float) -> set[int]:
+    """Until every gateway process lists `num_workers` ready workers; their pids."""
+    ready: set[int] = set()
+    pids: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            client, pid = pinned_client(url)
+            try:
+                workers = client.get("/health").json().get("workers", [])
+            finally:
+                client.close()
+        except (httpx.HTTPError, ValueError):
+            time.sleep(0.2)
+            continue
+        pids.add(pid)
+        if sum(w["status"] == "ready" for w in workers) >= num_workers:
+            ready.add(pid)
+        if len(ready) >= num_gateways:
+            return ready
+        time.sleep(0.05)
+    raise AssertionError(f"gateways ready: {ready} of {pids}")
+
+
+def test_a_dead_gateway_ends_only_its_own_streams_and_comes_back(zeroserve):
+    server = zeroserve(args=("--gateways", "2", "--workers", "2", "--backend", "fake",
+                             "--device", "cpu", "--fake-forward-ms", "10",
+                             "--num-kv-blocks", "1024"), num_workers=2, timeout_s=180)
+    gateway_pids = wait_for_workers_on_every_gateway(server.url, 2, 2, timeout_s=120)
+    worker_pids = {w["worker_id"]: w["pid"] for w in server.workers()}
+
+    by_pid = clients_on_each_gateway(server.url, per_gateway=3)
+    assert set(by_pid) == gateway_pids
+    victim, survivor = sorted(by_pid)
+    streams: dict[int, list[StreamResult]] = {}
+    threads = []
+    for pid, clients in by_pid.items():
+        for client in clients:
+            thread, result = stream_in_thread(server.url, BODY, client=client)
+            threads.append(thread)
+            streams.setdefault(pid, []).append(result)
+    everything = [r for results in streams.values() for r in results]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all(len(r.chunks) >= 5 for r in everything):
+        time.sleep(0.05)
+    assert all(len(r.chunks) >= 5 for r in everything), "streams did not start"
+    assert not any(r.is_done for r in everything), "streams ended before the kill"
+
+    os.kill(victim, signal.SIGKILL)
+    for thread in threads:
+        thread.join(timeout=120)
+
+    # The dead gateway's clients lost their connections, mid-stream.
+    for result in streams[victim]:
+        assert not result.is_done and result.exception is not None
+        assert len(result.chunks) < MAX_TOKENS
+    # The other gateway's streams finished intact: every token, no error.
+    for result in streams[survivor]:
+        assert result.exception is None and result.error is None, result.error
+        assert result.is_done and result.finish_reason == "length"
+        assert result.usage["completion_tokens"] == MAX_TOKENS
+    texts = {r.text for r in streams[survivor]}
+    assert len(texts) == 1  # the same prompt gives the same tokens (fake backend)
+
+    # The supervisor restarts the dead gateway; the workers never restarted.
+    new_pids = wait_for_workers_on_every_gateway(server.url, 2, 2, timeout_s=120)
+    assert survivor in new_pids and victim not in new_pids
+    assert {w["worker_id"]: w["pid"] for w in server.workers()} == worker_pids
+    # New requests succeed on the new gateway process, with the undisturbed run's text.
+    (new_gateway,) = new_pids - {survivor}
+    client = clients_on_each_gateway(server.url, per_gateway=1)[new_gateway][0]
+    thread, result = stream_in_thread(server.url, BODY, client=client)
+    thread.join(timeout=120)
+    client.close()
+    assert result.exception is None and result.error is None and result.is_done
+    assert result.usage["completion_tokens"] == MAX_TOKENS and result.text in texts
+    for clients in by_pid.values():
+        for c in clients:
+            c.close()
