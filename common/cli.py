@@ -24,7 +24,7 @@ from typing import Any
 
 import click
 
-from worker.config import ATTENTION_BACKENDS, BatchingMode, EngineConfig
+from zeroserve.worker.config import ATTENTION_BACKENDS, BatchingMode, EngineConfig
 
 ENV_PREFIX = "ZEROSERVE_"
 LOG_FORMATS = ("text", "json")
@@ -133,7 +133,7 @@ MODEL_OPTION = _options([
 def _fetch_hub_model(opts: dict[str, Any]) -> None:
     """A Hub model is fetched here, before anything starts; what follows (and every child of
     `serve`) gets its local path in the Hugging Face cache."""
-    from common.model_files import ModelNotFoundError, fetch_model
+    from zeroserve.common.model_files import ModelNotFoundError, fetch_model
 
     try:
         opts["model"] = fetch_model(opts["model"], opts.pop("revision", None))
@@ -351,7 +351,7 @@ def _chat_template(opts: dict[str, Any]) -> str | None:
     path = opts.get("chat_template")
     if path is None:
         return None
-    from gateway.chat_template import ChatTemplateError, read_template_file
+    from zeroserve.gateway.chat_template import ChatTemplateError, read_template_file
 
     try:
         read_template_file(path)
@@ -361,7 +361,7 @@ def _chat_template(opts: dict[str, Any]) -> str | None:
 
 
 def gateway_config(opts: dict[str, Any]):
-    from gateway.config import GatewayConfig
+    from zeroserve.gateway.config import GatewayConfig
 
     if opts["otlp_traces_endpoint"] and importlib.util.find_spec("opentelemetry.sdk") is None:
         raise click.UsageError("--otlp-traces-endpoint needs the OpenTelemetry SDK: "
@@ -415,7 +415,7 @@ def worker_config(opts: dict[str, Any], engine: EngineConfig, worker_id: str,
                   router_address: str | tuple[str, ...],
                   tokens_address: str | tuple[str, ...]):
     """One gateway's addresses as strings (as ever), several as tuples."""
-    from worker.process import WorkerConfig
+    from zeroserve.worker.process import WorkerConfig
 
     def one_or_many(addresses: str | tuple[str, ...]) -> str | tuple[str, ...]:
         return addresses[0] if isinstance(addresses, tuple) and len(addresses) == 1 else addresses
@@ -453,7 +453,7 @@ def engine_args(config: EngineConfig) -> list[str]:
 
 
 def worker_args(config: Any) -> list[str]:
-    """Flags for `zeroserve worker` / `python -m worker` that rebuild this WorkerConfig."""
+    """Flags for `zeroserve worker` / `python -m zeroserve.worker` that rebuild this WorkerConfig."""
     addresses = []
     for router, tokens in config.gateway_endpoints:
         addresses += ["--router-address", router, "--tokens-address", tokens]
@@ -536,8 +536,8 @@ def _security_args(config: Any) -> list[str]:
 def serve_children(gateways: list[Any], workers: list[Any], log_args: list[str]) -> list[Any]:
     """The child processes of `zeroserve serve`: the gateways (one is named "gateway",
     several "gateway-0", "gateway-1", ...), then one per worker config."""
-    from common.children import gateway_child_names
-    from common.supervisor import ChildSpec
+    from zeroserve.common.children import gateway_child_names
+    from zeroserve.common.supervisor import ChildSpec
 
     python = sys.executable
     specs = []
@@ -546,11 +546,11 @@ def serve_children(gateways: list[Any], workers: list[Any], log_args: list[str])
         secrets = {env_name("--admin-key"): gateway.admin_keys[0]} if gateway.admin_keys else {}
         if gateway.api_keys:
             secrets[env_name("--api-key")] = ",".join(gateway.api_keys)
-        specs.append(ChildSpec(name, (python, "-m", "common.cli", "gateway",
+        specs.append(ChildSpec(name, (python, "-m", "zeroserve.common.cli", "gateway",
                                       *gateway_args(gateway), *log_args),
                                stop_timeout_s=15.0, stop_phase=1, env=secrets or None))
     for config in workers:
-        specs.append(ChildSpec(config.worker_id, (python, "-m", "worker",
+        specs.append(ChildSpec(config.worker_id, (python, "-m", "zeroserve.worker",
                                                   *worker_args(config), *log_args),
                                stop_timeout_s=config.drain_timeout_s + 10.0, stop_phase=0))
     return specs
@@ -625,9 +625,9 @@ def serve(**opts: Any) -> None:
     SIGTERM or Ctrl-C: workers drain (finish in-flight requests, up to --drain-timeout),
     then the gateway stops. Killing one worker's pid restarts just that worker.
     """
-    from common.children import GatewayReadiness, local_url
-    from common.logging_setup import setup_logging
-    from common.supervisor import RestartPolicy, Supervisor
+    from zeroserve.common.children import GatewayReadiness, local_url
+    from zeroserve.common.logging_setup import setup_logging
+    from zeroserve.common.supervisor import RestartPolicy, Supervisor
 
     setup_logging(opts["log_format"], opts["log_level"])
     _fetch_hub_model(opts)
@@ -652,7 +652,7 @@ def serve(**opts: Any) -> None:
         code = Supervisor(children, RestartPolicy(), readiness=readiness).run()
     finally:
         if ephemeral_keys is not None:
-            from common.keys import remove
+            from zeroserve.common.keys import remove
 
             remove(ephemeral_keys)
     sys.exit(code)
@@ -670,7 +670,7 @@ def serve_gateway_configs(opts: dict[str, Any]) -> list[Any]:
     if num == 1:
         return [gateway_config({**opts, "router_address": routers[0] if routers else None,
                                 "tokens_address": tokens[0] if tokens else None})]
-    from gateway.config import default_endpoints
+    from zeroserve.gateway.config import default_endpoints
 
     configs = []
     for index in range(num):
@@ -688,7 +688,7 @@ def _ephemeral_keys_if_needed(opts: dict[str, Any], worker_ids: list[str]) -> An
     addresses = [*opts["router_address"], *opts["tokens_address"]]
     if opts["keys_dir"] or opts["insecure"] or all(a.startswith("ipc://") for a in addresses):
         return None
-    from common.keys import ephemeral
+    from zeroserve.common.keys import ephemeral
 
     key_dir = ephemeral(worker_ids)
     opts["keys_dir"] = str(key_dir)
@@ -704,9 +704,9 @@ def _ephemeral_keys_if_needed(opts: dict[str, Any], worker_ids: list[str]) -> An
 @_options(LOG_OPTIONS)
 def gateway(**opts: Any) -> None:
     """Run only the HTTP gateway; workers connect to its --router-address/--tokens-address."""
-    from common.keys import KeySetError
-    from common.model_files import ModelNotFoundError
-    from common.supervisor import die_with_parent
+    from zeroserve.common.keys import KeySetError
+    from zeroserve.common.model_files import ModelNotFoundError
+    from zeroserve.common.supervisor import die_with_parent
 
     _fetch_hub_model(opts)
     for flag in ("router_address", "tokens_address"):
@@ -715,7 +715,7 @@ def gateway(**opts: Any) -> None:
         opts[flag] = opts[flag][0] if opts[flag] else None
     config = gateway_config(opts)
     die_with_parent()
-    from gateway.server import run_gateway
+    from zeroserve.gateway.server import run_gateway
 
     try:
         run_gateway(config)
@@ -742,9 +742,9 @@ def gateway(**opts: Any) -> None:
 @_options(LOG_OPTIONS)
 def worker(**opts: Any) -> None:
     """Run one worker: load the model once, connect to the gateway, serve until SIGTERM."""
-    from common.logging_setup import setup_logging
-    from common.supervisor import die_with_parent
-    from worker.process import build_engine, run_worker
+    from zeroserve.common.logging_setup import setup_logging
+    from zeroserve.common.supervisor import die_with_parent
+    from zeroserve.worker.process import build_engine, run_worker
 
     setup_logging(opts["log_format"], opts["log_level"])
     _fetch_hub_model(opts)
@@ -757,7 +757,7 @@ def worker(**opts: Any) -> None:
     )
     die_with_parent()
     if config.keys_dir is not None:
-        from common.keys import KeySetError, load_worker_keys
+        from zeroserve.common.keys import KeySetError, load_worker_keys
 
         try:
             load_worker_keys(config.keys_dir, config.worker_id)
@@ -782,13 +782,13 @@ def workers() -> None:
 
 
 def _admin(opts: dict[str, Any]):
-    from common.admin_client import AdminClient
+    from zeroserve.common.admin_client import AdminClient
 
     return AdminClient(opts["url"], opts["admin_key"])
 
 
 def _admin_call(call: Callable[[], Any]) -> Any:
-    from common.admin_client import AdminError
+    from zeroserve.common.admin_client import AdminError
 
     try:
         return call()
@@ -847,7 +847,7 @@ def workers_restart(worker_id: str | None, restart_all: bool, **opts: Any) -> No
 
     Exits 0 only when every restarted worker is ready again as a new process.
     """
-    from common.admin_client import restart, rolling_restart
+    from zeroserve.common.admin_client import restart, rolling_restart
 
     if restart_all == (worker_id is not None):
         raise click.UsageError("give one WORKER_ID or --all")
@@ -880,7 +880,7 @@ def keys_generate(key_dir: str, worker_ids: tuple[str, ...], num_workers: int) -
     KEY_DIR/gateway.key and its own KEY_DIR/workers/ID.key_secret. Pass --keys-dir KEY_DIR
     to both.
     """
-    from common.keys import KeySetError, generate
+    from zeroserve.common.keys import KeySetError, generate
 
     ids = list(worker_ids) or [f"worker-{i}" for i in range(num_workers)]
     try:
@@ -957,7 +957,7 @@ def _get(url: str, timeout: float, api_key: str | None = None) -> tuple[int, Any
 
 
 def _default_endpoints(port: int, index: int = 0) -> tuple[str, str]:
-    from gateway.config import default_endpoints
+    from zeroserve.gateway.config import default_endpoints
 
     return default_endpoints(port, index)
 
@@ -967,8 +967,8 @@ def _log_args(opts: dict[str, Any]) -> list[str]:
 
 
 def worker_main() -> None:
-    """`python -m worker ARGS` is `zeroserve worker ARGS`."""
-    worker.main(prog_name="python -m worker")
+    """`python -m zeroserve.worker ARGS` is `zeroserve worker ARGS`."""
+    worker.main(prog_name="python -m zeroserve.worker")
 
 
 if __name__ == "__main__":

@@ -22,11 +22,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.auth import ApiKeys, is_loopback_host
-from gateway.config import GatewayConfig
-from gateway.core import Gateway
-from gateway.errors import APIError, invalid_request
-from gateway.logging import get_logger
+from zeroserve.gateway.auth import ApiKeys, is_loopback_host
+from zeroserve.gateway.config import GatewayConfig
+from zeroserve.gateway.core import Gateway
+from zeroserve.gateway.errors import APIError, invalid_request
+from zeroserve.gateway.logging import get_logger
 
 log = get_logger("admin")
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from gateway.errors import no_worker, queue_full
-from gateway.registry import WorkerHandle, WorkerRegistry
-from gateway.routing import Prefix
+from zeroserve.gateway.errors import no_worker, queue_full
+from zeroserve.gateway.registry import WorkerHandle, WorkerRegistry
+from zeroserve.gateway.routing import Prefix
 
 
 class Admission:

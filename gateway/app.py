@@ -15,21 +15,26 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from common.model_files import model_display_name
-from gateway.admin import AdminApi
-from gateway.auth import ApiKeyMiddleware, ApiKeys, warn_if_exposed
-from gateway.chat_template import ChatTemplate
-from gateway.config import GatewayConfig
-from gateway.core import Gateway
-from gateway.errors import APIError, invalid_api_key, server_error
-from gateway.health import HealthEndpoints
-from gateway.logging import get_logger
-from gateway.loop_monitor import LoopLagMonitor
-from gateway.metrics import DEFAULT_MAX_MODEL_LEN, Metrics, NoRequestMetrics
-from gateway.rate_limit import RateLimiter, RateLimitMiddleware, default_limits, load_key_limits
-from gateway.routes import Api
-from gateway.tokenizer import TextTokenizer, load_tokenizer
-from gateway.tracing import RequestTracer
+from zeroserve.common.model_files import model_display_name
+from zeroserve.gateway.admin import AdminApi
+from zeroserve.gateway.auth import ApiKeyMiddleware, ApiKeys, warn_if_exposed
+from zeroserve.gateway.chat_template import ChatTemplate
+from zeroserve.gateway.config import GatewayConfig
+from zeroserve.gateway.core import Gateway
+from zeroserve.gateway.errors import APIError, invalid_api_key, server_error
+from zeroserve.gateway.health import HealthEndpoints
+from zeroserve.gateway.logging import get_logger
+from zeroserve.gateway.loop_monitor import LoopLagMonitor
+from zeroserve.gateway.metrics import DEFAULT_MAX_MODEL_LEN, Metrics, NoRequestMetrics
+from zeroserve.gateway.rate_limit import (
+    RateLimiter,
+    RateLimitMiddleware,
+    default_limits,
+    load_key_limits,
+)
+from zeroserve.gateway.routes import Api
+from zeroserve.gateway.tokenizer import TextTokenizer, load_tokenizer
+from zeroserve.gateway.tracing import RequestTracer
 
 log = get_logger("app")
 

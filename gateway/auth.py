@@ -25,9 +25,9 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from common.logging_setup import RateLimited, printable
-from gateway.errors import invalid_api_key
-from gateway.logging import get_logger
+from zeroserve.common.logging_setup import RateLimited, printable
+from zeroserve.gateway.errors import invalid_api_key
+from zeroserve.gateway.logging import get_logger
 
 log = get_logger("auth")
 

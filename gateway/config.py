@@ -8,9 +8,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.keys import InsecurePlaneError, check_plane_security
-from gateway.rate_limit import default_limits, load_key_limits
-from gateway.routing import ROUTING_POLICIES
+from zeroserve.common.keys import InsecurePlaneError, check_plane_security
+from zeroserve.gateway.rate_limit import default_limits, load_key_limits
+from zeroserve.gateway.routing import ROUTING_POLICIES
 
 LOG_FORMATS = ("text", "json")
 

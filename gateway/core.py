@@ -19,9 +19,9 @@ import time
 import uuid
 from typing import Any
 
-from common.keys import is_worker_id_valid, load_gateway_keys
-from common.logging_setup import RateLimited, printable
-from common.protocol import (
+from zeroserve.common.keys import is_worker_id_valid, load_gateway_keys
+from zeroserve.common.logging_setup import RateLimited, printable
+from zeroserve.common.protocol import (
     PROTOCOL_VERSION,
     UNKNOWN_WORKER,
     Abort,
@@ -37,16 +37,16 @@ from common.protocol import (
     Tokens,
     Undrain,
 )
-from gateway.admission import Admission
-from gateway.config import GatewayConfig
-from gateway.errors import APIError, request_timeout, server_error, worker_failed
-from gateway.logging import get_logger
-from gateway.metrics import Metrics, RequestMetrics
-from gateway.reconcile import Reconciler, TokenCheck, check_token_counts
-from gateway.registry import WorkerRegistry, WorkerStatus
-from gateway.streams import RequestPhase, RequestState, StreamTable, WorkerOutbox
-from gateway.tracing import RequestTracer
-from gateway.zmq_io import Peer, ZmqEdge
+from zeroserve.gateway.admission import Admission
+from zeroserve.gateway.config import GatewayConfig
+from zeroserve.gateway.errors import APIError, request_timeout, server_error, worker_failed
+from zeroserve.gateway.logging import get_logger
+from zeroserve.gateway.metrics import Metrics, RequestMetrics
+from zeroserve.gateway.reconcile import Reconciler, TokenCheck, check_token_counts
+from zeroserve.gateway.registry import WorkerRegistry, WorkerStatus
+from zeroserve.gateway.streams import RequestPhase, RequestState, StreamTable, WorkerOutbox
+from zeroserve.gateway.tracing import RequestTracer
+from zeroserve.gateway.zmq_io import Peer, ZmqEdge
 
 log = get_logger("core")
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import codecs
 
-from gateway.tokenizer import TextTokenizer
+from zeroserve.gateway.tokenizer import TextTokenizer
 
 _REPLACEMENT = "\ufffd"
 # Prompt tokens kept as context, so a sentencepiece tokenizer puts the right leading space

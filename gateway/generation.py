@@ -13,14 +13,14 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from common.protocol import TokenOutput
-from gateway.core import Gateway
-from gateway.detokenizer import IncrementalDetokenizer
-from gateway.errors import APIError, server_error, worker_failed
-from gateway.metrics import RequestMetrics
-from gateway.stop_strings import StopStringMatcher
-from gateway.streams import RequestState, Sink
-from gateway.tokenizer import TextTokenizer
+from zeroserve.common.protocol import TokenOutput
+from zeroserve.gateway.core import Gateway
+from zeroserve.gateway.detokenizer import IncrementalDetokenizer
+from zeroserve.gateway.errors import APIError, server_error, worker_failed
+from zeroserve.gateway.metrics import RequestMetrics
+from zeroserve.gateway.stop_strings import StopStringMatcher
+from zeroserve.gateway.streams import RequestState, Sink
+from zeroserve.gateway.tokenizer import TextTokenizer
 
 
 @dataclass

@@ -28,10 +28,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.auth import ApiKeys
-from gateway.core import Gateway
-from gateway.loop_monitor import LoopLagMonitor
-from gateway.registry import WorkerStatus
+from zeroserve.gateway.auth import ApiKeys
+from zeroserve.gateway.core import Gateway
+from zeroserve.gateway.loop_monitor import LoopLagMonitor
+from zeroserve.gateway.registry import WorkerStatus
 
 
 class HealthEndpoints:

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from common.protocol import MAX_FRAME_BYTES, Submit, encode
-from gateway.config import GatewayConfig
-from gateway.errors import invalid_request
+from zeroserve.common.protocol import MAX_FRAME_BYTES, Submit, encode
+from zeroserve.gateway.config import GatewayConfig
+from zeroserve.gateway.errors import invalid_request
 
 MAX_ENGINE_REQUESTS = 256  # prompts x n in one HTTP request
 MAX_MESSAGES = 2048

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from common.logging_setup import JsonFormatter, TextFormatter, setup_logging
+from zeroserve.common.logging_setup import JsonFormatter, TextFormatter, setup_logging
 
 __all__ = ["JsonFormatter", "TextFormatter", "get_logger", "setup_logging"]
 

@@ -19,7 +19,7 @@ import contextlib
 from collections import deque
 from collections.abc import Callable
 
-from gateway.logging import get_logger
+from zeroserve.gateway.logging import get_logger
 
 log = get_logger("loop_monitor")
 

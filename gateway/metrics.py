@@ -36,12 +36,12 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from gateway.errors import APIError
-from gateway.registry import WorkerStatus
+from zeroserve.gateway.errors import APIError
+from zeroserve.gateway.registry import WorkerStatus
 
 if TYPE_CHECKING:
-    from gateway.core import Gateway
-    from gateway.loop_monitor import LoopLagMonitor
+    from zeroserve.gateway.core import Gateway
+    from zeroserve.gateway.loop_monitor import LoopLagMonitor
 
 PREFIX = "zeroserve:"
 ITL_BATCH = 4096  # inter-chunk gaps kept before they are bucketed (at the latest: a scrape)

@@ -8,9 +8,9 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gateway.errors import invalid_request, model_not_found
-from gateway.limits import RequestLimits
-from gateway.structured_output import (
+from zeroserve.gateway.errors import invalid_request, model_not_found
+from zeroserve.gateway.limits import RequestLimits
+from zeroserve.gateway.structured_output import (
     ANY_OBJECT,
     Grammar,
     json_schema_grammar,

@@ -35,8 +35,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.auth import is_protected, key_index
-from gateway.errors import APIError, rate_limited
+from zeroserve.gateway.auth import is_protected, key_index
+from zeroserve.gateway.errors import APIError, rate_limited
 
 MAX_IP_BUCKETS = 4096
 USAGE_STATE = "usage_meter"  # request.state attribute: the UsageMeter of this request

@@ -14,8 +14,8 @@ import enum
 import hashlib
 from dataclasses import dataclass, field
 
-from common.protocol import Heartbeat, Hello, WorkerState
-from gateway.routing import Prefix, PrefixIndex, Router, RoutingPolicy
+from zeroserve.common.protocol import Heartbeat, Hello, WorkerState
+from zeroserve.gateway.routing import Prefix, PrefixIndex, Router, RoutingPolicy
 
 
 class WorkerStatus(enum.Enum):

@@ -26,14 +26,14 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
-from gateway.errors import (
+from zeroserve.gateway.errors import (
     APIError,
     body_timeout,
     body_too_large,
     invalid_request,
     unsupported_media_type,
 )
-from gateway.offload import CpuPool
+from zeroserve.gateway.offload import CpuPool
 
 MAX_DEPTH = 64
 MAX_INT_DIGITS = 20  # 2**64 has 20 digits

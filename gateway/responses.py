@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from json.encoder import encode_basestring as _json_string
 from typing import Any
 
-from gateway.generation import ChoiceUpdate
-from gateway.openai_schema import ToolChoice
-from gateway.tokenizer import TextTokenizer
+from zeroserve.gateway.generation import ChoiceUpdate
+from zeroserve.gateway.openai_schema import ToolChoice
+from zeroserve.gateway.tokenizer import TextTokenizer
 
 
 def sse(obj: Any) -> bytes:

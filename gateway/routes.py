@@ -9,15 +9,15 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.chat_template import ChatTemplate, ChatTemplateError
-from gateway.config import GatewayConfig
-from gateway.core import Gateway
-from gateway.errors import APIError, client_too_slow, invalid_request
-from gateway.generation import ChoiceUpdate, RequestGroup
-from gateway.limits import RequestLimits, check_submit_fits
-from gateway.logging import get_logger
-from gateway.offload import CpuPool
-from gateway.openai_schema import (
+from zeroserve.gateway.chat_template import ChatTemplate, ChatTemplateError
+from zeroserve.gateway.config import GatewayConfig
+from zeroserve.gateway.core import Gateway
+from zeroserve.gateway.errors import APIError, client_too_slow, invalid_request
+from zeroserve.gateway.generation import ChoiceUpdate, RequestGroup
+from zeroserve.gateway.limits import RequestLimits, check_submit_fits
+from zeroserve.gateway.logging import get_logger
+from zeroserve.gateway.offload import CpuPool
+from zeroserve.gateway.openai_schema import (
     SamplingOptions,
     check_context,
     check_token_ids,
@@ -25,9 +25,9 @@ from gateway.openai_schema import (
     parse_completion,
     parse_tokenize,
 )
-from gateway.rate_limit import track_usage
-from gateway.request_body import parse_json_object, read_body
-from gateway.responses import (
+from zeroserve.gateway.rate_limit import track_usage
+from zeroserve.gateway.request_body import parse_json_object, read_body
+from zeroserve.gateway.responses import (
     SSE_DONE,
     LogprobsFormatter,
     ResponseContext,
@@ -40,11 +40,11 @@ from gateway.responses import (
     sse,
     usage_chunk,
 )
-from gateway.sse import SSEResponse, race_disconnect
-from gateway.streams import RequestState
-from gateway.tokenizer import TextTokenizer
-from gateway.tool_calls import ToolCallStream, parse_calls, prepare_messages
-from gateway.tracing import trace_headers
+from zeroserve.gateway.sse import SSEResponse, race_disconnect
+from zeroserve.gateway.streams import RequestState
+from zeroserve.gateway.tokenizer import TextTokenizer
+from zeroserve.gateway.tool_calls import ToolCallStream, parse_calls, prepare_messages
+from zeroserve.gateway.tracing import trace_headers
 
 log = get_logger("api")
 

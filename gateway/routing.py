@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gateway.registry import WorkerHandle
+    from zeroserve.gateway.registry import WorkerHandle
 
 
 class RoutingPolicy(enum.Enum):

@@ -8,11 +8,11 @@ import sys
 import uvicorn
 from starlette.applications import Starlette
 
-from common.gc_tuning import tune_for_serving
-from gateway.app import build_app
-from gateway.config import GatewayConfig
-from gateway.http_protocol import DEFAULT_MAX_HEAD_BYTES, guarded_protocol
-from gateway.logging import get_logger, setup_logging
+from zeroserve.common.gc_tuning import tune_for_serving
+from zeroserve.gateway.app import build_app
+from zeroserve.gateway.config import GatewayConfig
+from zeroserve.gateway.http_protocol import DEFAULT_MAX_HEAD_BYTES, guarded_protocol
+from zeroserve.gateway.logging import get_logger, setup_logging
 
 STARTUP_FAILURE = 3
 log = get_logger("server")

@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from gateway.logging import get_logger
+from zeroserve.gateway.logging import get_logger
 
 log = get_logger("sse")
 

@@ -20,8 +20,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from common.protocol import TokenOutput
-from gateway.errors import APIError
+from zeroserve.common.protocol import TokenOutput
+from zeroserve.gateway.errors import APIError
 
 
 class Sink:

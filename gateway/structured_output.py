@@ -19,8 +19,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from common.protocol import MAX_GRAMMAR_CHARS
-from gateway.errors import invalid_request
+from zeroserve.common.protocol import MAX_GRAMMAR_CHARS
+from zeroserve.gateway.errors import invalid_request
 
 # Any JSON object (json_object mode and functions without `parameters`).
 ANY_OBJECT: dict[str, Any] = {"type": "object"}

@@ -31,8 +31,8 @@ from tokenizers import (
     processors,
 )
 
-from common.gguf_metadata import read_gguf_metadata
-from common.model_files import resolve_model
+from zeroserve.common.gguf_metadata import read_gguf_metadata
+from zeroserve.common.model_files import resolve_model
 
 # llama.cpp token types (tokenizer.ggml.token_type)
 _TOKEN_CONTROL = 3

@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.openai_schema import ToolChoice
+from zeroserve.gateway.openai_schema import ToolChoice
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"

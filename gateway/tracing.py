@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gateway.generation import Choice
+    from zeroserve.gateway.generation import Choice
 
 TRACE_HEADERS = ("traceparent", "tracestate")
 

@@ -17,8 +17,8 @@ import threading
 import zmq
 from zmq.utils import z85
 
-from common.logging_setup import RateLimited, printable
-from gateway.logging import get_logger
+from zeroserve.common.logging_setup import RateLimited, printable
+from zeroserve.gateway.logging import get_logger
 
 log = get_logger("zap")
 

@@ -28,12 +28,19 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from common.keys import GatewayKeys, curve_server
-from common.logging_setup import RateLimited, printable
-from common.protocol import MAX_FRAME_BYTES, Message, ProtocolError, Tokens, decode, encode
-from gateway.config import prepare_ipc_endpoint
-from gateway.logging import get_logger
-from gateway.zap import ZAP_DOMAIN, ZapHandler
+from zeroserve.common.keys import GatewayKeys, curve_server
+from zeroserve.common.logging_setup import RateLimited, printable
+from zeroserve.common.protocol import (
+    MAX_FRAME_BYTES,
+    Message,
+    ProtocolError,
+    Tokens,
+    decode,
+    encode,
+)
+from zeroserve.gateway.config import prepare_ipc_endpoint
+from zeroserve.gateway.logging import get_logger
+from zeroserve.gateway.zap import ZAP_DOMAIN, ZapHandler
 
 log = get_logger("zmq")
 

@@ -116,7 +116,7 @@ def load_tokenizer():
     if (TOKENIZER_DIR / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
     sys.path.insert(0, str(REPO_ROOT))
-    from common.model_files import default_model_path
+    from zeroserve.common.model_files import default_model_path
 
     gguf = default_model_path()
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

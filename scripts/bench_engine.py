@@ -43,10 +43,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from scripts.bench_data import load_chat_samples, load_tokenizer  # noqa: E402
-from worker.config import BatchingMode, EngineConfig  # noqa: E402
-from worker.engine import Engine  # noqa: E402
-from worker.outputs import StepTiming  # noqa: E402
-from worker.sequence import SamplingParams  # noqa: E402
+from zeroserve.worker.config import BatchingMode, EngineConfig  # noqa: E402
+from zeroserve.worker.engine import Engine  # noqa: E402
+from zeroserve.worker.outputs import StepTiming  # noqa: E402
+from zeroserve.worker.sequence import SamplingParams  # noqa: E402
 
 ENGINE_MODES = {mode.value: mode for mode in BatchingMode}
 
@@ -141,7 +141,7 @@ def load_hf_model(args: argparse.Namespace, dtype_name: str = "float32"):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from common.model_files import default_model_path
+    from zeroserve.common.model_files import default_model_path
 
     if args.model == "default":
         path = default_model_path()
@@ -333,13 +333,13 @@ def main(argv: list[str] | None = None) -> int:
                 mode = ENGINE_MODES[system]
                 config = engine_config(args, mode)
                 if runner is None and args.fake_forward_ms is not None:
-                    from worker.fake_runner import FakeRunner
+                    from zeroserve.worker.fake_runner import FakeRunner
 
                     runner = FakeRunner(
                         config, forward_time_s=args.fake_forward_ms / 1e3, check_plans=False
                     )
                 elif runner is None:
-                    from worker.model_runner import ModelRunner
+                    from zeroserve.worker.model_runner import ModelRunner
 
                     runner = ModelRunner(config)
                 if not warmed_up:

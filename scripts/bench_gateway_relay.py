@@ -67,7 +67,7 @@ def run_stamped_worker(router: str, tokens: str, step_s: float, word_id: int, ou
             return outputs
 
         def _handle(self, msg):
-            from common.protocol import Submit
+            from zeroserve.common.protocol import Submit
 
             if isinstance(msg, Submit):
                 self._stream_of[msg.request_id] = msg.prompt_token_ids[0] - PROMPT_BASE_ID
@@ -172,7 +172,7 @@ def gateways_cpu_seconds(pids: list[int]) -> float | None:
 
 
 def default_endpoint_args(port: int, index: int) -> list[str]:
-    from gateway.config import default_endpoints
+    from zeroserve.gateway.config import default_endpoints
 
     router, tokens = default_endpoints(port, index)
     return ["--router-address", router, "--tokens-address", tokens]
@@ -207,7 +207,7 @@ def main() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 4 * args.streams + 256)),
                                                 hard))
-    from gateway.config import default_endpoints
+    from zeroserve.gateway.config import default_endpoints
 
     router, tokens = default_endpoints(args.port)
     py = sys.executable
@@ -218,7 +218,7 @@ def main() -> None:
         shared = ["--reuse-port", *default_endpoint_args(args.port, index)] \
             if args.gateways > 1 else []
         gateways.append(subprocess.Popen(
-            [py, "-m", "common.cli", "gateway", "--port", str(args.port), "--log-level",
+            [py, "-m", "zeroserve.common.cli", "gateway", "--port", str(args.port), "--log-level",
              "warning", "--max-queued-requests", str(args.streams * 2),
              "--credit-window", str(args.credit_window), *shared, *args.gateway_arg],
             env=env, cwd=ROOT))
@@ -228,7 +228,7 @@ def main() -> None:
     stamped = None
     try:
         if args.worker == "stamped":
-            from gateway.tokenizer import load_tokenizer
+            from zeroserve.gateway.tokenizer import load_tokenizer
 
             (word_id,) = load_tokenizer("default").encode(" hello", add_special_tokens=False)
             ctx = multiprocessing.get_context("spawn")
@@ -237,7 +237,7 @@ def main() -> None:
             stamped.start()
         else:
             procs.append(subprocess.Popen(
-                [py, "-m", "common.cli", "worker", "--port", str(args.port),
+                [py, "-m", "zeroserve.common.cli", "worker", "--port", str(args.port),
                  "--gateways", str(args.gateways), "--backend", "fake",
                  "--fake-forward-ms", str(args.step_ms), "--max-num-seqs",
                  str(max(args.streams, 64)), "--max-num-batched-tokens",

@@ -30,9 +30,9 @@ from compare import Server, free_port  # noqa: E402
 def in_process(prompts: list[list[int]], args: argparse.Namespace) -> float:
     import torch
 
-    from worker.config import EngineConfig
-    from worker.engine import Engine
-    from worker.sequence import SamplingParams
+    from zeroserve.worker.config import EngineConfig
+    from zeroserve.worker.engine import Engine
+    from zeroserve.worker.sequence import SamplingParams
 
     torch.set_num_threads(args.threads)
     config = EngineConfig(max_num_seqs=args.concurrency, num_threads=args.threads)
@@ -48,7 +48,7 @@ def in_process(prompts: list[list[int]], args: argparse.Namespace) -> float:
 
 def over_http(samples, args: argparse.Namespace) -> float:
     port = free_port()
-    cmd = [sys.executable, "-m", "common.cli", "serve", "--port", str(port),
+    cmd = [sys.executable, "-m", "zeroserve.common.cli", "serve", "--port", str(port),
            "--max-num-seqs", str(args.concurrency), "--num-threads", str(args.threads)]
     server = Server("zeroserve", cmd, port, args.concurrency,
                     REPO_ROOT / ".bench" / "logs" / "http_vs_engine.log")
@@ -77,8 +77,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
-    from gateway.chat_template import ChatTemplate
-    from gateway.tokenizer import load_tokenizer
+    from zeroserve.gateway.chat_template import ChatTemplate
+    from zeroserve.gateway.tokenizer import load_tokenizer
 
     samples = load_chat_samples(args.num_prompts, max_prompt_tokens=args.max_prompt_tokens)
     tokenizer = load_tokenizer("default")

@@ -22,11 +22,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from worker.config import EngineConfig  # noqa: E402
-from worker.engine import Engine  # noqa: E402
-from worker.model.linear import Linear  # noqa: E402
-from worker.model.quant import PackedInt4  # noqa: E402
-from worker.sequence import SamplingParams  # noqa: E402
+from zeroserve.worker.config import EngineConfig  # noqa: E402
+from zeroserve.worker.engine import Engine  # noqa: E402
+from zeroserve.worker.model.linear import Linear  # noqa: E402
+from zeroserve.worker.model.quant import PackedInt4  # noqa: E402
+from zeroserve.worker.sequence import SamplingParams  # noqa: E402
 
 PER_ROW = Linear.__call__
 

@@ -95,12 +95,12 @@ def run_variant(cfg: bench_serving.BenchConfig, samples, with_schema: bool) -> d
 def in_process(args: argparse.Namespace) -> dict:
     import torch
 
-    from gateway.chat_template import ChatTemplate
-    from gateway.tokenizer import load_tokenizer
-    from worker.config import EngineConfig
-    from worker.engine import Engine
-    from worker.grammar import GrammarSpec
-    from worker.sequence import SamplingParams
+    from zeroserve.gateway.chat_template import ChatTemplate
+    from zeroserve.gateway.tokenizer import load_tokenizer
+    from zeroserve.worker.config import EngineConfig
+    from zeroserve.worker.engine import Engine
+    from zeroserve.worker.grammar import GrammarSpec
+    from zeroserve.worker.sequence import SamplingParams
 
     torch.set_num_threads(2)
     tokenizer = load_tokenizer("default")
@@ -141,7 +141,7 @@ def in_process(args: argparse.Namespace) -> dict:
 
     # The grammar's own work, timed where it happens: the masks (on the helper thread,
     # overlapping the forward) and their application (after it, on the engine thread).
-    from worker.sampler import GrammarMasks
+    from zeroserve.worker.sampler import GrammarMasks
 
     grammar_ms = {"masks": 0.0, "apply": 0.0}
 

@@ -37,13 +37,13 @@ if str(ROOT) not in sys.path:
 def run_once(num_seqs: int, num_steps: int, num_prompt_tokens: int,
              pause_percent: float = 0.0) -> tuple[float, float]:
     """Median CPU seconds per step of (engine.step(), emit) over num_steps decode steps."""
-    from common.gc_tuning import tune_for_serving
-    from common.protocol import encode
-    from worker.config import EngineConfig
-    from worker.engine import Engine
-    from worker.fake_runner import FakeRunner
-    from worker.process import WorkerConfig, WorkerLoop, _Stream
-    from worker.sequence import SamplingParams
+    from zeroserve.common.gc_tuning import tune_for_serving
+    from zeroserve.common.protocol import encode
+    from zeroserve.worker.config import EngineConfig
+    from zeroserve.worker.engine import Engine
+    from zeroserve.worker.fake_runner import FakeRunner
+    from zeroserve.worker.process import WorkerConfig, WorkerLoop, _Stream
+    from zeroserve.worker.sequence import SamplingParams
 
     config = EngineConfig(model="fake", max_num_seqs=num_seqs,
                           max_num_batched_tokens=max(num_seqs * num_prompt_tokens, 512),

@@ -109,14 +109,14 @@ def server_command(system: str, plan: Plan, port: int, slots: int) -> list[str] 
     if system.startswith("zeroserve"):
         mode = {"zeroserve": "continuous", "zeroserve-static": "static",
                 "zeroserve-dynamic": "dynamic"}[system]
-        return [py, "-c", "from common.cli import main; main()", "serve", "--port", str(port),
+        return [py, "-c", "from zeroserve.common.cli import main; main()", "serve", "--port", str(port),
                 "--max-num-seqs", str(slots), "--batching-mode", mode,
                 "--num-threads", str(plan.threads), "--drain-timeout", "1",
                 "--log-level", "warning", *plan.zeroserve_args]
     if system == "llama-server":
         if not LLAMA_SERVER.is_file():
             return None
-        from common.model_files import default_model_path
+        from zeroserve.common.model_files import default_model_path
 
         # -c is shared by all slots: give each one room for the longest prompt, the chat
         # template and the output.

@@ -39,7 +39,7 @@ from transformers.generation.streamers import BaseStreamer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
-from common.model_files import model_display_name, resolve_model  # noqa: E402
+from zeroserve.common.model_files import model_display_name, resolve_model  # noqa: E402
 
 _DONE = object()
 

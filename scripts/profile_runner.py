@@ -20,10 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from worker.config import ATTENTION_BACKENDS, EngineConfig  # noqa: E402
-from worker.model_runner import ModelRunner  # noqa: E402
-from worker.plan import ScheduledChunk, SchedulerOutput  # noqa: E402
-from worker.sequence import SamplingParams  # noqa: E402
+from zeroserve.worker.config import ATTENTION_BACKENDS, EngineConfig  # noqa: E402
+from zeroserve.worker.model_runner import ModelRunner  # noqa: E402
+from zeroserve.worker.plan import ScheduledChunk, SchedulerOutput  # noqa: E402
+from zeroserve.worker.sequence import SamplingParams  # noqa: E402
 
 
 def decode_plan(batch: int, context: int, block_size: int, params: SamplingParams,

@@ -1,6 +1,6 @@
-"""`python -m worker ...`: the same as `zeroserve worker ...`."""
+"""`python -m zeroserve.worker ...`: the same as `zeroserve worker ...`."""
 
-from common.cli import worker_main
+from zeroserve.common.cli import worker_main
 
 if __name__ == "__main__":
     worker_main()

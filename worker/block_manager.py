@@ -25,7 +25,7 @@ import secrets
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
-from worker.sequence import Sequence
+from zeroserve.worker.sequence import Sequence
 
 HashFn = Callable[[int | None, tuple[int, ...]], int]
 

@@ -8,15 +8,15 @@ import logging
 import time
 from typing import Protocol
 
-from worker.block_manager import BlockManager
-from worker.config import EngineConfig
-from worker.grammar import GrammarCompiler, GrammarError, GrammarSpec, GrammarState
-from worker.model.info import ModelInfo
-from worker.outputs import EngineStats, RequestOutput, StepTiming
-from worker.plan import SampledToken, SchedulerOutput
-from worker.scheduler import Scheduler
-from worker.sequence import RequestError, SamplingParams, Sequence
-from worker.startup import StartupTimer, seconds_since_process_start
+from zeroserve.worker.block_manager import BlockManager
+from zeroserve.worker.config import EngineConfig
+from zeroserve.worker.grammar import GrammarCompiler, GrammarError, GrammarSpec, GrammarState
+from zeroserve.worker.model.info import ModelInfo
+from zeroserve.worker.outputs import EngineStats, RequestOutput, StepTiming
+from zeroserve.worker.plan import SampledToken, SchedulerOutput
+from zeroserve.worker.scheduler import Scheduler
+from zeroserve.worker.sequence import RequestError, SamplingParams, Sequence
+from zeroserve.worker.startup import StartupTimer, seconds_since_process_start
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,9 @@ class Engine:
             timer.add("boot", boot_s)
         if runner is None:
             with timer.phase("import"):
-                from worker.model_runner import ModelRunner  # torch stays out of engine imports
+                from zeroserve.worker.model_runner import (
+                    ModelRunner,  # torch stays out of engine imports
+                )
 
             runner = ModelRunner(config, timer)
         self.config = config

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import time
 
-from worker.config import BatchingMode, EngineConfig
-from worker.model.info import ModelInfo
-from worker.outputs import StepTiming
-from worker.plan import SampledToken, ScheduledChunk, SchedulerOutput
+from zeroserve.worker.config import BatchingMode, EngineConfig
+from zeroserve.worker.model.info import ModelInfo
+from zeroserve.worker.outputs import StepTiming
+from zeroserve.worker.plan import SampledToken, ScheduledChunk, SchedulerOutput
 
 DEFAULT_NUM_KV_BLOCKS = 2048
 DEFAULT_MAX_MODEL_LEN = 8192

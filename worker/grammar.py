@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.protocol import GRAMMAR_KINDS, MAX_GRAMMAR_CHARS
+from zeroserve.common.protocol import GRAMMAR_KINDS, MAX_GRAMMAR_CHARS
 
 MAX_CACHED_GRAMMARS = 64  # compiled matchers kept (each may hold a large lexer)
 # Compact JSON: a small model offered free whitespace may emit newlines until max_tokens.
@@ -196,7 +196,7 @@ class GGUFVocabulary:
 
     @classmethod
     def read(cls, path: Path, eos_token_ids: list[int]) -> GGUFVocabulary:
-        from common.gguf_metadata import read_gguf_metadata
+        from zeroserve.common.gguf_metadata import read_gguf_metadata
 
         meta = read_gguf_metadata(path)
         tokens = meta.get("tokenizer.ggml.tokens")

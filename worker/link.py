@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from common.keys import WorkerKeys, curve_client
-from common.protocol import (
+from zeroserve.common.keys import WorkerKeys, curve_client
+from zeroserve.common.protocol import (
     MAX_FRAME_BYTES,
     Heartbeat,
     Message,
@@ -36,7 +36,7 @@ from common.protocol import (
 )
 
 if TYPE_CHECKING:
-    from worker.process import WorkerConfig
+    from zeroserve.worker.process import WorkerConfig
 
 log = logging.getLogger("zeroserve.worker")
 

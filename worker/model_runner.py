@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker import cpu_kernels, weight_cache
-from worker.attention import (
+from zeroserve.worker import cpu_kernels, weight_cache
+from zeroserve.worker.attention import (
     AttentionMetadata,
     DecodeGroup,
     DecodeKernel,
@@ -19,16 +19,16 @@ from worker.attention import (
     PrefillSpan,
     causal_mask,
 )
-from worker.config import EngineConfig
-from worker.device import default_kv_cache_bytes, resolve_device, resolve_dtype
-from worker.model.info import ModelInfo
-from worker.model.llama import KVCache
-from worker.model.loader import load_model
-from worker.outputs import StepTiming
-from worker.plan import SampledToken, ScheduledChunk, SchedulerOutput
-from worker.sampler import Sampler
-from worker.startup import StartupTimer
-from worker.weight_cache import WeightCache
+from zeroserve.worker.config import EngineConfig
+from zeroserve.worker.device import default_kv_cache_bytes, resolve_device, resolve_dtype
+from zeroserve.worker.model.info import ModelInfo
+from zeroserve.worker.model.llama import KVCache
+from zeroserve.worker.model.loader import load_model
+from zeroserve.worker.outputs import StepTiming
+from zeroserve.worker.plan import SampledToken, ScheduledChunk, SchedulerOutput
+from zeroserve.worker.sampler import Sampler
+from zeroserve.worker.startup import StartupTimer
+from zeroserve.worker.weight_cache import WeightCache
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from worker.sequence import FinishReason
+from zeroserve.worker.sequence import FinishReason
 
 
 @dataclass(slots=True)  # one per stream per step

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from worker.sequence import SamplingParams
+from zeroserve.worker.sequence import SamplingParams
 
 # ScheduledChunk and SampledToken are made once per stream per step, so they are slotted
 # and not frozen (a frozen dataclass's __init__ costs ~0.8 us, a slotted one ~0.16 us).

@@ -45,8 +45,8 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from common.keys import check_plane_security, is_worker_id_valid, load_worker_keys
-from common.protocol import (
+from zeroserve.common.keys import check_plane_security, is_worker_id_valid, load_worker_keys
+from zeroserve.common.protocol import (
     PROTOCOL_VERSION,
     UNKNOWN_WORKER,
     Abort,
@@ -65,14 +65,14 @@ from common.protocol import (
     WorkerState,
     encode,
 )
-from worker.config import EngineConfig
-from worker.grammar import GrammarSpec
-from worker.link import GatewayPeer, LinkState
-from worker.outputs import RequestOutput
-from worker.sequence import RequestError, SamplingParams
+from zeroserve.worker.config import EngineConfig
+from zeroserve.worker.grammar import GrammarSpec
+from zeroserve.worker.link import GatewayPeer, LinkState
+from zeroserve.worker.outputs import RequestOutput
+from zeroserve.worker.sequence import RequestError, SamplingParams
 
 if TYPE_CHECKING:
-    from worker.engine import Engine
+    from zeroserve.worker.engine import Engine
 
 log = logging.getLogger("zeroserve.worker")
 
@@ -164,11 +164,11 @@ def build_engine(config: WorkerConfig) -> Engine:
         import torch
 
         torch.set_num_threads(config.engine.num_threads)
-    from worker.engine import Engine
+    from zeroserve.worker.engine import Engine
 
     runner = None
     if config.backend == "fake":
-        from worker.fake_runner import FakeRunner
+        from zeroserve.worker.fake_runner import FakeRunner
 
         # Plan checks simulate the KV cache at O(context) per step: right for engine tests,
         # too slow for a server that streams long outputs.
@@ -178,7 +178,7 @@ def build_engine(config: WorkerConfig) -> Engine:
     engine = Engine(config.engine, runner=runner)
     log.info("engine ready", extra={"worker_id": config.worker_id, "backend": config.backend,
                                     "load_s": round(time.monotonic() - started, 2)})
-    from common.gc_tuning import tune_for_serving
+    from zeroserve.common.gc_tuning import tune_for_serving
 
     tune_for_serving()  # this process is a worker from now on (its start-up heap is done)
     return engine

@@ -32,9 +32,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from worker.grammar import GrammarState
-from worker.plan import SampledToken, ScheduledChunk
-from worker.sequence import SamplingParams
+from zeroserve.worker.grammar import GrammarState
+from zeroserve.worker.plan import SampledToken, ScheduledChunk
+from zeroserve.worker.sequence import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

@@ -25,10 +25,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from worker.block_manager import BlockManager
-from worker.config import BatchingMode, EngineConfig
-from worker.plan import SampledToken, ScheduledChunk, SchedulerOutput
-from worker.sequence import FinishReason, RequestError, Sequence, SequenceStatus
+from zeroserve.worker.block_manager import BlockManager
+from zeroserve.worker.config import BatchingMode, EngineConfig
+from zeroserve.worker.plan import SampledToken, ScheduledChunk, SchedulerOutput
+from zeroserve.worker.sequence import FinishReason, RequestError, Sequence, SequenceStatus
 
 
 class RunQueue:

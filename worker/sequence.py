@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from worker.grammar import GrammarState
+from zeroserve.worker.grammar import GrammarState
 
 
 class SequenceStatus(enum.Enum):

@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-from worker.model.llama_config import LlamaConfig
-from worker.model.weights import PreparedWeights
+from zeroserve.worker.model.llama_config import LlamaConfig
+from zeroserve.worker.model.weights import PreparedWeights
 
 logger = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from common import cli
 from tests.common.stub_gateway import StubGateway
+from zeroserve.common import cli
 
 
 @pytest.fixture

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.children import GatewayReadiness, local_url
 from tests.common.stub_gateway import StubGateway
+from zeroserve.common.children import GatewayReadiness, local_url
 
 
 @pytest.fixture

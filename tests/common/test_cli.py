@@ -10,26 +10,26 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from common import cli
-from common.supervisor import Supervisor
-from worker.config import BatchingMode, EngineConfig
+from zeroserve.common import cli
+from zeroserve.common.supervisor import Supervisor
+from zeroserve.worker.config import BatchingMode, EngineConfig
 
 
 @pytest.fixture
 def captured(monkeypatch):
     """Replace the blocking entry points; record the configs they were given."""
     seen: dict[str, object] = {}
-    import worker.process
+    from zeroserve.worker import process as worker_process
 
     def fake_run_worker(config, engine=None):
         seen["worker"] = config
         return 0
 
-    monkeypatch.setattr(worker.process, "run_worker", fake_run_worker)
-    monkeypatch.setattr(worker.process, "build_engine", lambda config: None)
-    server = types.ModuleType("gateway.server")
+    monkeypatch.setattr(worker_process, "run_worker", fake_run_worker)
+    monkeypatch.setattr(worker_process, "build_engine", lambda config: None)
+    server = types.ModuleType("zeroserve.gateway.server")
     server.run_gateway = lambda config: seen.__setitem__("gateway", config)
-    monkeypatch.setitem(sys.modules, "gateway.server", server)
+    monkeypatch.setitem(sys.modules, "zeroserve.gateway.server", server)
 
     def fake_supervise(self):
         seen["children"] = [c.spec for c in self.children]
@@ -86,7 +86,7 @@ def test_environment_variables_fill_in_flags(captured):
     assert config.engine.max_num_seqs == 3 and config.engine.num_kv_blocks == 99
     assert config.engine.kv_cache_memory == 10**9
     assert not config.engine.enable_prefix_caching and config.worker_id == "from-env"
-    from gateway.config import default_endpoints
+    from zeroserve.gateway.config import default_endpoints
 
     assert (config.router_address, config.tokens_address) == default_endpoints(9123)
 
@@ -143,12 +143,12 @@ def test_serve_children_rebuild_the_same_configs(captured, monkeypatch):
     assert all(s.stop_phase < gateway_spec.stop_phase for s in worker_specs)
 
     # Feed each child's argv back through the CLI: the configs must come out as serve meant.
-    assert gateway_spec.argv[1:4] == ("-m", "common.cli", "gateway")
+    assert gateway_spec.argv[1:4] == ("-m", "zeroserve.common.cli", "gateway")
     assert invoke(list(gateway_spec.argv[3:])).exit_code == 0
     gateway = captured["gateway"]
     assert gateway.port == 9005 and gateway.credit_window == 16
     for spec in worker_specs:
-        assert spec.argv[1:3] == ("-m", "worker")
+        assert spec.argv[1:3] == ("-m", "zeroserve.worker")
         assert invoke(["worker", *spec.argv[3:]]).exit_code == 0
         config = captured["worker"]
         assert config.worker_id == spec.name and config.backend == "fake"

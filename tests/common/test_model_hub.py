@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from common.model_files import hub_repo, model_display_name
 from tests.common.hub_stand_in import COMMIT, HubStandIn
 from tests.conftest import REPO_ROOT, child_env
+from zeroserve.common.model_files import hub_repo, model_display_name
 
 REPO = "tiny-org/tiny-qwen2"
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -28,8 +28,8 @@ def write_tiny_repo(directory: Path) -> Path:
     serving never needs."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from gateway.tokenizer import byte_to_unicode
     from tests.worker.arch_models import make_model
+    from zeroserve.gateway.tokenizer import byte_to_unicode
 
     model = make_model("qwen2", vocab_size=259, bos_token_id=None, eos_token_id=258)
     model.save_pretrained(directory, safe_serialization=True)
@@ -65,7 +65,7 @@ def hub_env(hub: HubStandIn, home: Path, **extra: str) -> dict[str, str]:
 def fetch(env: dict[str, str], model: str = REPO, revision: str | None = None):
     """common.model_files.fetch_model in a fresh process (huggingface_hub reads HF_ENDPOINT
     and HF_HUB_OFFLINE once, at import)."""
-    code = ("import sys; from common.model_files import fetch_model; "
+    code = ("import sys; from zeroserve.common.model_files import fetch_model; "
             "print(fetch_model(sys.argv[1], sys.argv[2] or None))")
     return subprocess.run([sys.executable, "-c", code, model, revision or ""], cwd=REPO_ROOT,
                           env=env, capture_output=True, text=True, timeout=120)

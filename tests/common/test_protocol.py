@@ -8,7 +8,7 @@ from dataclasses import astuple, fields
 import msgpack
 import pytest
 
-from common.protocol import (
+from zeroserve.common.protocol import (
     MAX_FRAME_BYTES,
     MESSAGE_CLASSES,
     PROTOCOL_VERSION,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from common.protocol import (
+from zeroserve.common.protocol import (
     MAX_GRAMMAR_CHARS,
     ProtocolError,
     Submit,

@@ -3,7 +3,7 @@ exactly as TokenOutput objects do and decode to the same outputs."""
 
 from __future__ import annotations
 
-from common.protocol import TokenOutput, Tokens, decode, encode
+from zeroserve.common.protocol import TokenOutput, Tokens, decode, encode
 
 
 def test_wire_rows_encode_like_token_outputs():

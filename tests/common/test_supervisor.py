@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 CHILD = r"""
 import os, signal, sys, time
 sys.path.insert(0, {repo!r})
-from common.supervisor import die_with_parent
+from zeroserve.common.supervisor import die_with_parent
 name, log, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 def note(what):
     with open(log, "a") as f:
@@ -51,7 +51,7 @@ while True:
 DRIVER = r"""
 import json, logging, sys
 sys.path.insert(0, {repo!r})
-from common.supervisor import ChildSpec, RestartPolicy, Supervisor
+from zeroserve.common.supervisor import ChildSpec, RestartPolicy, Supervisor
 logging.basicConfig(level=logging.INFO)
 specs, policy, events = json.loads(sys.argv[1])
 children = [ChildSpec(s["name"], tuple(s["argv"]), s["stop_timeout_s"], s["stop_phase"])

@@ -128,7 +128,7 @@ def hosts():
 
 
 def zeroserve(*args: str) -> list[str]:
-    return [sys.executable, "-m", "common.cli", *args]
+    return [sys.executable, "-m", "zeroserve.common.cli", *args]
 
 
 def health(url: str) -> dict:
@@ -152,7 +152,7 @@ def ready_ids(url: str) -> set[str]:
 
 
 def test_streams_survive_a_dead_worker_host_and_a_cut_link(hosts: Hosts, tmp_path: Path):
-    from common.keys import generate
+    from zeroserve.common.keys import generate
 
     key_dir = generate(tmp_path / "keys", ["host-a", "host-b"])
     procs: dict[str, subprocess.Popen] = {}

@@ -40,8 +40,8 @@ def engine(server):
     server is up, so the two loads do not fight over the CPU)."""
     import torch
 
-    from worker.config import EngineConfig
-    from worker.engine import Engine
+    from zeroserve.worker.config import EngineConfig
+    from zeroserve.worker.engine import Engine
 
     torch.set_num_threads(NUM_THREADS)
     return Engine(EngineConfig(device="cpu", dtype="float32", num_kv_blocks=256, max_num_seqs=4))
@@ -49,7 +49,7 @@ def engine(server):
 
 def engine_text(server, engine, prompt_ids: list[int], max_tokens: int) -> tuple[str, list[int]]:
     """Greedy tokens from the in-process engine, as text (the server's own detokenizer)."""
-    from worker.sequence import SamplingParams
+    from zeroserve.worker.sequence import SamplingParams
 
     [ids] = engine.generate([prompt_ids], SamplingParams(temperature=0.0, max_tokens=max_tokens))
     content = [t for t in ids if t not in engine.info.eos_token_ids]

@@ -46,7 +46,7 @@ def _rss_mb(pid: int) -> float:
 def test_hostile_peers_leave_the_gateways_memory_flat(zeroserve, tmp_path):
     import zmq
 
-    from common.keys import curve_client, generate, load_worker_keys
+    from zeroserve.common.keys import curve_client, generate, load_worker_keys
 
     key_dir = generate(tmp_path / "keys", ["worker-0", "worker-1"])
     router, tokens = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"

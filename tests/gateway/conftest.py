@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.model_files import default_model_path
+from zeroserve.common.model_files import default_model_path
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import uvicorn
 import zmq
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from common.protocol import (
+from zeroserve.common.protocol import (
     PROTOCOL_VERSION,
     Abort,
     Credit,
@@ -30,9 +30,9 @@ from common.protocol import (
     decode,
     encode,
 )
-from gateway.app import build_app
-from gateway.config import GatewayConfig
-from gateway.tokenizer import TextTokenizer, byte_to_unicode
+from zeroserve.gateway.app import build_app
+from zeroserve.gateway.config import GatewayConfig
+from zeroserve.gateway.tokenizer import TextTokenizer, byte_to_unicode
 
 IM_START, IM_END = 256, 257  # the byte tokenizer's special tokens
 _PIDS = itertools.count(10_000)
@@ -178,7 +178,7 @@ class FakeWorker:
         push = ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 0)
         if self.keys is not None:
-            from common.keys import curve_client
+            from zeroserve.common.keys import curve_client
 
             curve_client(dealer, self.keys)
             curve_client(push, self.keys)

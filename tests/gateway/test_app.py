@@ -10,12 +10,12 @@ import httpx
 import pytest
 import zmq
 
-from common.protocol import Drain
 from tests.gateway.helpers import (
     GatewayServer,
     cyclic_reply,
     wait_until,
 )
+from zeroserve.common.protocol import Drain
 
 REPLY = "Hello, world! 😀 日本語 done."
 MODEL = "SmolLM2-135M-Instruct"

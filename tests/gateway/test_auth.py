@@ -10,9 +10,9 @@ import httpx
 import openai
 import pytest
 
-from gateway.auth import ApiKeys, warn_if_exposed
-from gateway.config import GatewayConfig
 from tests.gateway.helpers import GatewayServer
+from zeroserve.gateway.auth import ApiKeys, warn_if_exposed
+from zeroserve.gateway.config import GatewayConfig
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY, OTHER_KEY = "sk-test-one", "sk-test-two"
@@ -86,8 +86,8 @@ def test_health_says_only_the_status_without_a_key(keyed):
 def test_supervisor_probe_and_check_send_the_key(keyed):
     from click.testing import CliRunner
 
-    from common import cli
-    from common.children import GatewayReadiness
+    from zeroserve.common import cli
+    from zeroserve.common.children import GatewayReadiness
 
     worker = keyed.gateway.registry.workers["fake-0"]
     pids = {"gateway": os.getpid(), "fake-0": worker.hello.pid}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.chat_template import ChatTemplate, ChatTemplateError
-from gateway.tokenizer import load_tokenizer
+from zeroserve.gateway.chat_template import ChatTemplate, ChatTemplateError
+from zeroserve.gateway.tokenizer import load_tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi!"}],

@@ -10,9 +10,9 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from common import cli
-from gateway.chat_template import ChatTemplateError, read_template_file
 from tests.gateway.helpers import GatewayServer
+from zeroserve.common import cli
+from zeroserve.gateway.chat_template import ChatTemplateError, read_template_file
 
 TEMPLATE = ("{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}{% endfor %}"
             "{% if add_generation_prompt %}<<assistant>>{% endif %}")
@@ -48,7 +48,7 @@ def test_bad_files_are_clear_errors(tmp_path, name, content, message):
 
 
 def test_serve_hands_the_file_to_its_gateway(template_file, monkeypatch):
-    from common.supervisor import Supervisor
+    from zeroserve.common.supervisor import Supervisor
 
     seen = {}
     monkeypatch.setattr(Supervisor, "run", lambda self: seen.setdefault(

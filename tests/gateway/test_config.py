@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from gateway.config import (
+from zeroserve.gateway.config import (
     EndpointInUseError,
     GatewayConfig,
     default_endpoints,
@@ -47,7 +47,7 @@ def test_stale_socket_file_is_removed_but_a_live_one_is_not(tmp_path):
 
 
 def test_tcp_without_keys_is_refused_unless_insecure():
-    from common.keys import InsecurePlaneError
+    from zeroserve.common.keys import InsecurePlaneError
 
     with pytest.raises(InsecurePlaneError, match="--keys-dir"):
         GatewayConfig(router_address="tcp://0.0.0.0:5555")
@@ -56,7 +56,7 @@ def test_tcp_without_keys_is_refused_unless_insecure():
 
 
 def test_an_ipc_folder_open_to_others_is_refused(tmp_path):
-    from common.keys import InsecurePlaneError
+    from zeroserve.common.keys import InsecurePlaneError
 
     folder = tmp_path / "shared"
     folder.mkdir(mode=0o777)

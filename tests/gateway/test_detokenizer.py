@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from gateway.detokenizer import IncrementalDetokenizer
-from gateway.tokenizer import load_tokenizer
 from tests.gateway.helpers import byte_tokenizer
+from zeroserve.gateway.detokenizer import IncrementalDetokenizer
+from zeroserve.gateway.tokenizer import load_tokenizer
 
 TEXTS = [
     "Plain English, nothing special.",
@@ -127,7 +127,7 @@ def test_sentencepiece_byte_fallback_cut():
     the model chose stays."""
     from tokenizers import Tokenizer, decoders, models
 
-    from gateway.tokenizer import TextTokenizer
+    from zeroserve.gateway.tokenizer import TextTokenizer
 
     pieces = ["<unk>", "▁ok"] + [f"<0x{b:02X}>" for b in range(256)] + ["\ufffd"]
     tk = Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, [], unk_token="<unk>",

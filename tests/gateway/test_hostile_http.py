@@ -14,8 +14,8 @@ import httpx
 import pytest
 import uvicorn
 
-from gateway.server import uvicorn_config
 from tests.gateway.helpers import GatewayServer, cyclic_reply
+from zeroserve.gateway.server import uvicorn_config
 
 POST_PATHS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
 
@@ -225,7 +225,7 @@ def test_too_many_engine_requests_is_400(served):
 def test_a_million_character_prompt_does_not_hold_the_loop():
     """With the real tokenizer (1.2 s to encode 1M characters here), /tokenize of a 1M-
     character prompt runs while a ticker on the server's own loop keeps its pace."""
-    from gateway.tokenizer import load_tokenizer
+    from zeroserve.gateway.tokenizer import load_tokenizer
 
     with GuardedServer(tokenizer=load_tokenizer("default"), max_tokens_limit=50) as gw:
         lags: list[float] = []

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from gateway.loop_monitor import LoopLagMonitor
+from zeroserve.gateway.loop_monitor import LoopLagMonitor
 
 
 class Clock:

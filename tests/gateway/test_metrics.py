@@ -12,10 +12,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.metrics import token_buckets
-from gateway.tokenizer import load_tokenizer
 from tests.gateway.helpers import GatewayServer, cyclic_reply, wait_until
 from tests.gateway.test_real_worker import start_worker
+from zeroserve.gateway.metrics import token_buckets
+from zeroserve.gateway.tokenizer import load_tokenizer
 
 MODEL = "SmolLM2-135M-Instruct"
 

@@ -11,9 +11,16 @@ import httpx
 import pytest
 import zmq
 
-from common.keys import WorkerKeys, generate, load_worker_keys
-from common.protocol import PROTOCOL_VERSION, Heartbeat, Hello, TokenOutput, Tokens, encode
 from tests.gateway.helpers import GatewayServer, cyclic_reply, free_port, wait_until
+from zeroserve.common.keys import WorkerKeys, generate, load_worker_keys
+from zeroserve.common.protocol import (
+    PROTOCOL_VERSION,
+    Heartbeat,
+    Hello,
+    TokenOutput,
+    Tokens,
+    encode,
+)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +76,7 @@ def dealer(ctx, address: str, route: bytes, keys=None) -> zmq.Socket:
     sock.setsockopt(zmq.IDENTITY, route)
     sock.setsockopt(zmq.LINGER, 0)
     if keys is not None:
-        from common.keys import curve_client
+        from zeroserve.common.keys import curve_client
 
         curve_client(sock, keys)
     sock.connect(address)
@@ -118,7 +125,7 @@ def test_a_keyed_worker_cannot_speak_as_another(plane):
         # Its PUSH writes tokens into worker-0's stream: dropped (its key is not worker-0's).
         push = ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 0)
-        from common.keys import curve_client
+        from zeroserve.common.keys import curve_client
 
         curve_client(push, keys_1)
         push.connect(gw.config.tokens_address)

@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
-from gateway.rate_limit import Limits, RateLimitConfigError, RateLimiter, load_key_limits
 from tests.gateway.helpers import GatewayServer
+from zeroserve.gateway.rate_limit import Limits, RateLimitConfigError, RateLimiter, load_key_limits
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY, OTHER_KEY = "sk-rate-one", "sk-rate-two"

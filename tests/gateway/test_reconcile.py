@@ -11,10 +11,10 @@ import time
 import httpx
 import pytest
 
-from common.protocol import Abort, Credit, Submit, TokenOutput
-from gateway.reconcile import TokenCheck, check_token_counts
-from gateway.streams import RequestPhase, RequestState
 from tests.gateway.helpers import GatewayServer, cyclic_reply, wait_until
+from zeroserve.common.protocol import Abort, Credit, Submit, TokenOutput
+from zeroserve.gateway.reconcile import TokenCheck, check_token_counts
+from zeroserve.gateway.streams import RequestPhase, RequestState
 
 
 def drop_first(kind, count: int = 1):

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from common.protocol import PROTOCOL_VERSION, Heartbeat, Hello
-from gateway.admission import Admission
-from gateway.errors import APIError
-from gateway.registry import WorkerRegistry, WorkerStatus
+from zeroserve.common.protocol import PROTOCOL_VERSION, Heartbeat, Hello
+from zeroserve.gateway.admission import Admission
+from zeroserve.gateway.errors import APIError
+from zeroserve.gateway.registry import WorkerRegistry, WorkerStatus
 
 
 def hello(worker_id: str, max_num_seqs: int = 4, pid: int = 1) -> Hello:
@@ -203,7 +203,7 @@ def test_cancelled_waiter_leaves_the_queue():
 
 def make_outbox(worker_ids: list[str]):
     """An outbox that logs what it sends, and one running request per worker id given."""
-    from gateway.streams import RequestPhase, RequestState, WorkerOutbox
+    from zeroserve.gateway.streams import RequestPhase, RequestState, WorkerOutbox
 
     sent = []
     outbox = WorkerOutbox(lambda w, g: sent.append(("credit", w, g)),
@@ -215,7 +215,7 @@ def make_outbox(worker_ids: list[str]):
 
 
 def test_outbox_batches_per_worker_and_drops_credit_for_aborted():
-    from gateway.streams import RequestState
+    from zeroserve.gateway.streams import RequestState
 
     async def main():
         outbox, sent, states = make_outbox(["a", "a", "b"])
@@ -238,7 +238,7 @@ def test_outbox_batches_per_worker_and_drops_credit_for_aborted():
 
 
 def test_outbox_gathers_grants_over_a_short_window_into_one_credit():
-    from gateway.streams import CREDIT_DELAY_S
+    from zeroserve.gateway.streams import CREDIT_DELAY_S
 
     async def main():
         outbox, sent, states = make_outbox(["a", "a", "a"])

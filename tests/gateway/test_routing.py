@@ -9,10 +9,10 @@ import random
 
 import httpx
 
-from common.protocol import PROTOCOL_VERSION, Hello
-from gateway.registry import WorkerRegistry
-from gateway.routing import LOAD_BOUND, LOAD_SLACK, Prefix, block_hashes, load_of
 from tests.gateway.helpers import GatewayServer, cyclic_reply
+from zeroserve.common.protocol import PROTOCOL_VERSION, Hello
+from zeroserve.gateway.registry import WorkerRegistry
+from zeroserve.gateway.routing import LOAD_BOUND, LOAD_SLACK, Prefix, block_hashes, load_of
 
 BLOCK = 16
 

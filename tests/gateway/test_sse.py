@@ -7,7 +7,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from gateway.sse import SSEResponse
+from zeroserve.gateway.sse import SSEResponse
 
 TIMEOUT_S = 0.4  # the window; checks every 0.1 s
 ERROR_EVENT = b"data: {\"error\": \"too slow\"}\n\n"

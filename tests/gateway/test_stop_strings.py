@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.stop_strings import StopStringMatcher
+from zeroserve.gateway.stop_strings import StopStringMatcher
 
 
 def run(stops, pieces):

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from gateway.streams import Sink
+from zeroserve.gateway.streams import Sink
 
 
 def test_items_come_out_in_order_and_get_waits_for_a_put():

@@ -10,16 +10,16 @@ import json
 import httpx
 import pytest
 
-from gateway.chat_template import ChatTemplate
-from gateway.errors import APIError
-from gateway.openai_schema import parse_chat, parse_completion
-from gateway.tool_calls import (
+from tests.gateway.helpers import GatewayServer, fixed_reply
+from tests.gateway.test_app import post_stream
+from zeroserve.gateway.chat_template import ChatTemplate
+from zeroserve.gateway.errors import APIError
+from zeroserve.gateway.openai_schema import parse_chat, parse_completion
+from zeroserve.gateway.tool_calls import (
     ToolCallStream,
     parse_calls,
     prepare_messages,
 )
-from tests.gateway.helpers import GatewayServer, fixed_reply
-from tests.gateway.test_app import post_stream
 
 NAMES = ("served",)
 MSGS = [{"role": "user", "content": "Weather in Paris?"}]
@@ -84,7 +84,7 @@ def test_response_format_becomes_a_json_schema_grammar():
     ({"logit_bias": {"99999999": 1}}, "logit_bias"),
 ])
 def test_mistakes_are_400_naming_the_parameter(body, param):
-    from gateway.limits import RequestLimits
+    from zeroserve.gateway.limits import RequestLimits
 
     e = error_of(parse_chat, {"messages": MSGS, **body}, NAMES, RequestLimits(vocab_size=1000))
     assert e.status == 400 and e.param == param, e.message

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.model_files import default_model_path
-from gateway.tokenizer import load_tokenizer
+from zeroserve.common.model_files import default_model_path
+from zeroserve.gateway.tokenizer import load_tokenizer
 
 TEXTS = [
     "Hello, world!",
@@ -100,7 +100,7 @@ def test_token_bytes_rebuild_text(ours):
 @pytest.mark.slow
 def test_gguf_metadata_reader_matches_the_gguf_package():
     gguf = pytest.importorskip("gguf")
-    from common.gguf_metadata import read_gguf_metadata
+    from zeroserve.common.gguf_metadata import read_gguf_metadata
 
     path = default_model_path()
     ours = read_gguf_metadata(path)
@@ -124,7 +124,7 @@ def test_hugging_face_directory(tmp_path, ours):
         "chat_template": ours.chat_template, "model_max_length": 8192}))
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "llama", "max_position_embeddings": 4096, "eos_token_id": 2}))
-    from gateway.chat_template import ChatTemplate
+    from zeroserve.gateway.chat_template import ChatTemplate
 
     hf = load_tokenizer(str(tmp_path))
     assert hf.eos_token_ids == (2,) and hf.max_model_len == 4096 and hf.is_byte_level

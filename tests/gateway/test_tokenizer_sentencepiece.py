@@ -10,8 +10,8 @@ import io
 import gguf
 import pytest
 
-from gateway.detokenizer import IncrementalDetokenizer
-from gateway.tokenizer import load_tokenizer
+from zeroserve.gateway.detokenizer import IncrementalDetokenizer
+from zeroserve.gateway.tokenizer import load_tokenizer
 
 CORPUS = """The quick brown fox jumps over the lazy dog. Hello, world! Hello there.
 Once upon a time, in a small village by the sea, there lived an old fisherman.

@@ -13,8 +13,8 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from gateway.tracing import RequestTracer
 from tests.gateway.helpers import GatewayServer, cyclic_reply, free_port, wait_until
+from zeroserve.gateway.tracing import RequestTracer
 
 MODEL = "SmolLM2-135M-Instruct"
 

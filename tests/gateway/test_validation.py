@@ -7,17 +7,17 @@ import logging
 
 import pytest
 
-from gateway.errors import APIError
-from gateway.limits import RequestLimits
-from gateway.logging import JsonFormatter
-from gateway.openai_schema import (
+from zeroserve.gateway.errors import APIError
+from zeroserve.gateway.limits import RequestLimits
+from zeroserve.gateway.logging import JsonFormatter
+from zeroserve.gateway.openai_schema import (
     check_context,
     parse_chat,
     parse_completion,
     parse_tokenize,
 )
-from gateway.request_body import is_json_content_type
-from gateway.request_body import parse_json_bytes as parse_json_body
+from zeroserve.gateway.request_body import is_json_content_type
+from zeroserve.gateway.request_body import parse_json_bytes as parse_json_body
 
 NAMES = ("served", "SmolLM2-135M-Instruct")
 
@@ -140,8 +140,8 @@ def test_json_log_lines_carry_request_ids():
 @pytest.mark.parametrize("kind", ["completion", "chat"])
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_fast_chunk_rendering_matches_the_plain_shape(kind, include_usage):
-    from gateway.generation import ChoiceUpdate
-    from gateway.responses import ResponseContext, chat_chunk, completion_chunk
+    from zeroserve.gateway.generation import ChoiceUpdate
+    from zeroserve.gateway.responses import ResponseContext, chat_chunk, completion_chunk
 
     ctx = ResponseContext(kind, 'model "quoted" ü', include_usage)
     build = chat_chunk if kind == "chat" else completion_chunk
@@ -279,8 +279,8 @@ def test_large_body_deep_or_huge_is_still_400():
 
 
 def test_submit_must_fit_a_frame():
-    from common.protocol import MAX_FRAME_BYTES
-    from gateway.limits import check_submit_fits
+    from zeroserve.common.protocol import MAX_FRAME_BYTES
+    from zeroserve.gateway.limits import check_submit_fits
 
     check_submit_fits([1] * 1000, {"max_tokens": 5}, 32)
     e = error_of(check_submit_fits, [2 ** 31] * (MAX_FRAME_BYTES // 5 + 1), {}, 32)

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from worker.plan import ScheduledChunk, SchedulerOutput
-from worker.sequence import SamplingParams
+from zeroserve.worker.plan import ScheduledChunk, SchedulerOutput
+from zeroserve.worker.sequence import SamplingParams
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

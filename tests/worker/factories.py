@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import itertools
 
-from worker.block_manager import BlockManager
-from worker.config import EngineConfig
-from worker.engine import Engine
-from worker.fake_runner import FakeRunner
-from worker.plan import SchedulerOutput
-from worker.scheduler import Scheduler
-from worker.sequence import SamplingParams, Sequence
+from zeroserve.worker.block_manager import BlockManager
+from zeroserve.worker.config import EngineConfig
+from zeroserve.worker.engine import Engine
+from zeroserve.worker.fake_runner import FakeRunner
+from zeroserve.worker.plan import SchedulerOutput
+from zeroserve.worker.scheduler import Scheduler
+from zeroserve.worker.sequence import SamplingParams, Sequence
 
 _request_ids = itertools.count()
 

@@ -17,12 +17,12 @@ from tests.worker.arch_models import (
     one_thread,  # noqa: F401 - autouse
     write_gguf,
 )
-from worker.config import EngineConfig
-from worker.engine import Engine
-from worker.model.hf_weights import read_config
-from worker.model.llama_config import UnsupportedModelError
-from worker.model.loader import load_model
-from worker.sequence import SamplingParams
+from zeroserve.worker.config import EngineConfig
+from zeroserve.worker.engine import Engine
+from zeroserve.worker.model.hf_weights import read_config
+from zeroserve.worker.model.llama_config import UnsupportedModelError
+from zeroserve.worker.model.loader import load_model
+from zeroserve.worker.sequence import SamplingParams
 
 NUM_TOKENS = 24
 # Lengths around the block size (4) and prefill chunk (8); 17 + 24 tokens run far past the

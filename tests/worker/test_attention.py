@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker import cpu_kernels
-from worker.attention import (
+from zeroserve.worker import cpu_kernels
+from zeroserve.worker.attention import (
     AttentionMetadata,
     PagedDecode,
     PrefillSpan,

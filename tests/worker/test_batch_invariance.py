@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.model.linear import Linear
-from worker.model.quant import PackedInt8, int4_kernels_available
-from worker.plan import ScheduledChunk
-from worker.sampler import Sampler
-from worker.sequence import SamplingParams
+from zeroserve.worker.model.linear import Linear
+from zeroserve.worker.model.quant import PackedInt8, int4_kernels_available
+from zeroserve.worker.plan import ScheduledChunk
+from zeroserve.worker.sampler import Sampler
+from zeroserve.worker.sequence import SamplingParams
 
 VOCAB = 4096
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 
 from tests.worker.factories import make_block_manager, make_seq, prompt
-from worker.block_manager import BlockManager
-from worker.sequence import Sequence
+from zeroserve.worker.block_manager import BlockManager
+from zeroserve.worker.sequence import Sequence
 
 
 def compute(bm: BlockManager, seq: Sequence, num_tokens: int) -> None:

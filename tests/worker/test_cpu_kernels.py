@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker.cpu_kernels import cpu_tag
+from zeroserve.worker.cpu_kernels import cpu_tag
 
 EPYC = """processor\t: 0
 vendor_id\t: AuthenticAMD

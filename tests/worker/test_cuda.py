@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from tests.worker.test_model import PROMPTS
-from worker.config import EngineConfig
-from worker.device import dtype_name, resolve_device, resolve_dtype
-from worker.engine import Engine
-from worker.model_runner import ModelRunner
-from worker.plan import ScheduledChunk
-from worker.sampler import Sampler
-from worker.sequence import SamplingParams
+from zeroserve.worker.config import EngineConfig
+from zeroserve.worker.device import dtype_name, resolve_device, resolve_dtype
+from zeroserve.worker.engine import Engine
+from zeroserve.worker.model_runner import ModelRunner
+from zeroserve.worker.plan import ScheduledChunk
+from zeroserve.worker.sampler import Sampler
+from zeroserve.worker.sequence import SamplingParams
 
 pytestmark = pytest.mark.cuda
 
@@ -143,7 +143,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def default_prompts() -> list[list[int]]:
-    from gateway.tokenizer import load_tokenizer
+    from zeroserve.gateway.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer("default")
     return [tokenizer.encode(t) for t in TEXTS]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker import device as device_mod
-from worker.device import resolve_device, resolve_dtype
+from zeroserve.worker import device as device_mod
+from zeroserve.worker.device import resolve_device, resolve_dtype
 
 CPU = torch.device("cpu")
 GPU = torch.device("cuda:0")

@@ -5,8 +5,8 @@ import random
 import pytest
 
 from tests.worker.factories import make_engine, make_params, prompt, run_to_completion
-from worker.config import BatchingMode
-from worker.sequence import FinishReason, RequestError
+from zeroserve.worker.config import BatchingMode
+from zeroserve.worker.sequence import FinishReason, RequestError
 
 pytestmark = pytest.mark.timeout(60)
 

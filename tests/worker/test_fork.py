@@ -6,9 +6,9 @@ every plan's KV contents, so a wrongly shared block fails these tests."""
 from __future__ import annotations
 
 from tests.worker.factories import make_config
-from worker.engine import Engine
-from worker.fake_runner import FakeRunner
-from worker.sequence import SamplingParams
+from zeroserve.worker.engine import Engine
+from zeroserve.worker.fake_runner import FakeRunner
+from zeroserve.worker.sequence import SamplingParams
 
 PROMPT = list(range(100, 150))  # 50 tokens: 12 full blocks of 4 and a partial one
 

@@ -10,13 +10,13 @@ import re
 import pytest
 import torch
 
-from common.model_files import default_model_path
-from worker.engine import Engine
-from worker.fake_runner import FakeRunner
-from worker.grammar import GGUFVocabulary, GrammarCompiler, GrammarError, GrammarSpec
-from worker.plan import ScheduledChunk
-from worker.sampler import Sampler
-from worker.sequence import RequestError, SamplingParams
+from zeroserve.common.model_files import default_model_path
+from zeroserve.worker.engine import Engine
+from zeroserve.worker.fake_runner import FakeRunner
+from zeroserve.worker.grammar import GGUFVocabulary, GrammarCompiler, GrammarError, GrammarSpec
+from zeroserve.worker.plan import ScheduledChunk
+from zeroserve.worker.sampler import Sampler
+from zeroserve.worker.sequence import RequestError, SamplingParams
 
 VOCAB = 49152
 EOS = 2  # SmolLM2's <|im_end|>
@@ -33,7 +33,7 @@ def compiler() -> GrammarCompiler:
 
 
 def test_gguf_vocabulary_spells_tokens_as_bytes(vocabulary):
-    from gateway.tokenizer import load_tokenizer
+    from zeroserve.gateway.tokenizer import load_tokenizer
 
     reference = load_tokenizer("default")  # the gateway's tokenizer, built independently
     for text in ["Hello world", ' {"a": 1}\n', "naïve 日本"]:
@@ -161,7 +161,7 @@ def test_a_hugging_face_tokenizer_json_works_too(tmp_path):
     vocabulary, with logits wider than the tokenizer (padded embeddings)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    from gateway.tokenizer import byte_to_unicode
+    from zeroserve.gateway.tokenizer import byte_to_unicode
 
     spell = byte_to_unicode()
     tk = Tokenizer(models.BPE({spell[b]: b for b in range(256)}, [], fuse_unk=False))
@@ -202,7 +202,7 @@ def test_a_sentencepiece_gguf_vocabulary_spells_like_sentencepiece(tmp_path_fact
 def test_masks_computed_during_the_forward_equal_those_computed_after(compiler):
     """The accelerator path (masks on a helper thread while the model runs) picks the same
     tokens as the CPU path (masks after the forward)."""
-    from worker.sampler import GrammarMasks
+    from zeroserve.worker.sampler import GrammarMasks
 
     spec = GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {
         "a": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a"]}))

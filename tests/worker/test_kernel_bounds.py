@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.worker.test_attention import make_problem, reference
-from worker import cpu_kernels
+from zeroserve.worker import cpu_kernels
 
 
 @pytest.fixture(scope="module")

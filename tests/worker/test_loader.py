@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from tests.worker.conftest import make_tiny_hf_model, save_hf_dir, write_gguf
-from worker.model.gguf_weights import unpermute_qk
-from worker.model.llama_config import UnsupportedModelError
-from worker.model.loader import load_model
+from zeroserve.worker.model.gguf_weights import unpermute_qk
+from zeroserve.worker.model.llama_config import UnsupportedModelError
+from zeroserve.worker.model.loader import load_model
 
 Q = gguf.GGMLQuantizationType
 CPU = torch.device("cpu")
@@ -104,8 +104,8 @@ def test_hf_model_info_merges_generation_config(tiny_hf_dir):
 
 @pytest.mark.slow  # parsing the real file's 49k-token vocabulary takes seconds
 def test_real_default_model_info():
-    from common.model_files import default_model_path
-    from worker.model.gguf_weights import read_config
+    from zeroserve.common.model_files import default_model_path
+    from zeroserve.worker.model.gguf_weights import read_config
 
     config = read_config(gguf.GGUFReader(str(default_model_path())))
     assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (
@@ -126,7 +126,7 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path, tiny_hf_dir):
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
 def test_int4_blocks_reproduce_gguf_dequantization(qtype):
-    from worker.model.quant import int4_blocks_from_gguf
+    from zeroserve.worker.model.quant import int4_blocks_from_gguf
 
     array = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32)
     raw = gguf.quants.quantize(array, qtype)
@@ -137,7 +137,7 @@ def test_int4_blocks_reproduce_gguf_dequantization(qtype):
 
 
 def test_bf16_cpu_uses_int4_kernels_for_small_batches_consistently(tiny_hf_model, tmp_path):
-    from worker.model.quant import PackedInt4, PackedInt8, int4_kernels_available
+    from zeroserve.worker.model.quant import PackedInt4, PackedInt8, int4_kernels_available
 
     if not int4_kernels_available():
         pytest.skip("this torch has no CPU int4 kernels")

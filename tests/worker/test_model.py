@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.config import EngineConfig
-from worker.model_runner import ModelRunner
-from worker.plan import ScheduledChunk, SchedulerOutput
-from worker.sequence import SamplingParams
+from zeroserve.worker.config import EngineConfig
+from zeroserve.worker.model_runner import ModelRunner
+from zeroserve.worker.plan import ScheduledChunk, SchedulerOutput
+from zeroserve.worker.sequence import SamplingParams
 
 PROMPTS = [
     [1, 5, 9, 200, 17],
@@ -151,7 +151,7 @@ def test_native_backend_is_refused_where_it_cannot_run(tiny_hf_dir):
 
 
 def test_decode_rows_group_by_context_length_only_when_it_pays():
-    from worker.model_runner import group_by_length
+    from zeroserve.worker.model_runner import group_by_length
 
     assert group_by_length([], 16) == []
     assert group_by_length([100] * 8, 16) == [(0, 8)]
@@ -164,7 +164,7 @@ def test_decode_rows_group_by_context_length_only_when_it_pays():
 
 
 def test_grouped_decode_matches_unpaged_reference(runner, hand_loop, monkeypatch):
-    import worker.model_runner as model_runner
+    import zeroserve.worker.model_runner as model_runner
 
     monkeypatch.setattr(model_runner, "MIN_GROUP_SAVED_SLOTS", 0)
     monkeypatch.setattr(model_runner, "MIN_GROUP_SAVING", 0.0)
@@ -176,8 +176,8 @@ def test_grouped_decode_matches_unpaged_reference(runner, hand_loop, monkeypatch
 def test_a_resumed_stream_continues_exactly_on_the_real_model(tiny_hf_dir):
     """Failover on fp32 numerics: prompt + the tokens so far, prefilled on a fresh engine,
     give the same tokens an undisturbed run gives (seeded sampling is stateless by (seed, n))."""
-    from worker.engine import Engine
-    from worker.sequence import SamplingParams
+    from zeroserve.worker.engine import Engine
+    from zeroserve.worker.sequence import SamplingParams
 
     def engine() -> Engine:
         return Engine(EngineConfig(model=str(tiny_hf_dir), device="cpu", dtype="float32",

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import zmq
 
-from common.protocol import (
+from zeroserve.common.protocol import (
     Abort,
     Credit,
     Drain,
@@ -29,10 +29,10 @@ from common.protocol import (
     decode,
     encode,
 )
-from worker.model.info import ModelInfo
-from worker.outputs import EngineStats, RequestOutput
-from worker.process import WorkerConfig, run_worker
-from worker.sequence import FinishReason, RequestError, SamplingParams
+from zeroserve.worker.model.info import ModelInfo
+from zeroserve.worker.outputs import EngineStats, RequestOutput
+from zeroserve.worker.process import WorkerConfig, run_worker
+from zeroserve.worker.sequence import FinishReason, RequestError, SamplingParams
 
 NUM_BLOCKS = 64
 BLOCKS_PER_REQUEST = 2
@@ -409,7 +409,7 @@ def test_a_drain_without_exit_keeps_the_worker_until_undrained(gateway):
 
 
 def test_request_drain_tells_the_gateway(gateway, tmp_path):
-    from worker.process import WorkerLoop
+    from zeroserve.worker.process import WorkerLoop
 
     config = WorkerConfig(WORKER_ID, gateway.router_address, gateway.tokens_address,
                           heartbeat_interval_s=0.05, drain_timeout_s=5.0)

@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-from common.protocol import Credit, Heartbeat, Hello, Ready, Submit
 from tests.worker.test_process import (
     WORKER_ID,
     FakeGateway,
@@ -17,7 +16,8 @@ from tests.worker.test_process import (
     ScriptedEngine,
     stop,
 )
-from worker.process import WorkerConfig
+from zeroserve.common.protocol import Credit, Heartbeat, Hello, Ready, Submit
+from zeroserve.worker.process import WorkerConfig
 
 
 @pytest.fixture

@@ -4,9 +4,9 @@ gateway's copy is, never stay paused or be ignored (issue 13: workers across hos
 
 from __future__ import annotations
 
-from common.protocol import Abort, Submit
 from tests.worker.test_process import ScriptedEngine, start, stop
 from tests.worker.test_process import gateway as gateway  # noqa: F401 (fixture)
+from zeroserve.common.protocol import Abort, Submit
 
 
 class Engine(ScriptedEngine):

@@ -18,11 +18,11 @@ import random
 import pytest
 import torch
 
-from common.model_files import default_model_path
-from worker.config import EngineConfig
-from worker.engine import Engine
-from worker.model.quant import PackedInt4, PackedInt8, int4_kernels_available
-from worker.sequence import SamplingParams
+from zeroserve.common.model_files import default_model_path
+from zeroserve.worker.config import EngineConfig
+from zeroserve.worker.engine import Engine
+from zeroserve.worker.model.quant import PackedInt4, PackedInt8, int4_kernels_available
+from zeroserve.worker.sequence import SamplingParams
 
 pytestmark = pytest.mark.slow
 

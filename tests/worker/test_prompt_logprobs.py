@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.config import EngineConfig
-from worker.engine import Engine
-from worker.sequence import SamplingParams
+from zeroserve.worker.config import EngineConfig
+from zeroserve.worker.engine import Engine
+from zeroserve.worker.sequence import SamplingParams
 
 PROMPT = [1, 17, 200, 45, 45, 9, 120, 33, 250, 7, 77, 3, 5, 180, 64, 99, 12, 140, 8, 31, 2]
 

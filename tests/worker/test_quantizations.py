@@ -17,12 +17,12 @@ from tests.worker.arch_models import (
     quantize_like_file,
     write_gguf,
 )
-from worker.config import EngineConfig
-from worker.engine import Engine
-from worker.model.loader import load_model
-from worker.model.quant import PackedInt4, int4_kernels_available
-from worker.sequence import SamplingParams
-from worker.startup import StartupTimer
+from zeroserve.worker.config import EngineConfig
+from zeroserve.worker.engine import Engine
+from zeroserve.worker.model.loader import load_model
+from zeroserve.worker.model.quant import PackedInt4, int4_kernels_available
+from zeroserve.worker.sequence import SamplingParams
+from zeroserve.worker.startup import StartupTimer
 
 Q = gguf.GGMLQuantizationType
 CPU = torch.device("cpu")
@@ -109,7 +109,7 @@ def test_q4_k_stays_4_bit_in_bfloat16(mix, tmp_path):
 
 
 def test_unsupported_tensor_type_is_refused(tmp_path):
-    from worker.model.llama_config import UnsupportedModelError
+    from zeroserve.worker.model.llama_config import UnsupportedModelError
 
     model = make_model("llama")
     # Q8_1 (an intermediate type of llama.cpp's, never in released files): 64 inputs a row
@@ -122,7 +122,7 @@ def test_unsupported_tensor_type_is_refused(tmp_path):
 
 def test_q4_k_blocks_reproduce_gguf_dequantization():
     from tests.worker.arch_models import random_quantized
-    from worker.model.kquant import int4_blocks
+    from zeroserve.worker.model.kquant import int4_blocks
 
     raw = random_quantized(6, 512, Q.Q4_K, np.random.default_rng(0))
     blocks = int4_blocks(raw, Q.Q4_K)

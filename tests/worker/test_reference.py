@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.model_files import default_model_path
-from worker.config import EngineConfig
-from worker.engine import Engine
-from worker.sequence import SamplingParams
+from zeroserve.common.model_files import default_model_path
+from zeroserve.worker.config import EngineConfig
+from zeroserve.worker.engine import Engine
+from zeroserve.worker.sequence import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from worker.plan import ScheduledChunk
-from worker.sampler import Sampler
-from worker.sequence import SamplingParams
+from zeroserve.worker.plan import ScheduledChunk
+from zeroserve.worker.sampler import Sampler
+from zeroserve.worker.sequence import SamplingParams
 
 VOCAB = 8
 EOS = 2
@@ -155,7 +155,7 @@ def test_logprobs_come_from_the_raw_distribution():
 
 
 def test_top_p_nucleus_larger_than_the_candidate_set_is_exact():
-    from worker.sampler import CANDIDATES
+    from zeroserve.worker.sampler import CANDIDATES
 
     vocab = CANDIDATES * 3
     flat = torch.zeros(1, vocab)  # uniform: top_p 0.5 keeps half the vocabulary
@@ -182,7 +182,7 @@ def test_seeded_top_k_and_top_p_rows_repeat_whatever_shares_the_batch():
 
 
 def test_top_k_at_or_above_the_vocabulary_keeps_every_token():
-    from worker.sampler import CANDIDATES
+    from zeroserve.worker.sampler import CANDIDATES
 
     vocab = CANDIDATES * 3
     flat = torch.zeros(1, vocab)  # uniform over the whole vocabulary

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 
 from tests.worker.factories import FakeClock, make_scheduler, make_seq, prompt, run_step
-from worker.config import BatchingMode
-from worker.sequence import FinishReason, RequestError, SequenceStatus
+from zeroserve.worker.config import BatchingMode
+from zeroserve.worker.sequence import FinishReason, RequestError, SequenceStatus
 
 pytestmark = pytest.mark.timeout(60)
 

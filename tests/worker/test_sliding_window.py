@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from worker.attention import (
+from zeroserve.worker.attention import (
     AttentionMetadata,
     DecodeGroup,
     PagedDecode,
@@ -16,7 +16,7 @@ from worker.attention import (
     causal_mask,
     paged_attention,
 )
-from worker.model.sliding_window import windowed
+from zeroserve.worker.model.sliding_window import windowed
 
 BLOCK, KV_HEADS, HEADS, DIM, WINDOW = 4, 2, 4, 8, 5
 

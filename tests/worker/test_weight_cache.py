@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from tests.worker.conftest import make_tiny_hf_model, write_gguf
-from worker.config import EngineConfig
-from worker.engine import Engine
-from worker.model.loader import prepared_weights
-from worker.model.prepare import should_pack
-from worker.sequence import SamplingParams
-from worker.startup import StartupTimer
-from worker.weight_cache import WeightCache
+from zeroserve.worker.config import EngineConfig
+from zeroserve.worker.engine import Engine
+from zeroserve.worker.model.loader import prepared_weights
+from zeroserve.worker.model.prepare import should_pack
+from zeroserve.worker.sequence import SamplingParams
+from zeroserve.worker.startup import StartupTimer
+from zeroserve.worker.weight_cache import WeightCache
 
 Q = gguf.GGMLQuantizationType
 CPU = torch.device("cpu")

@@ -15,11 +15,11 @@ import gguf
 import numpy as np
 import torch
 
-from worker.model.arch import Architecture, for_gguf_arch
-from worker.model.kquant import int4_blocks
-from worker.model.llama_config import LlamaConfig, UnsupportedModelError
-from worker.model.quant import Int4Blocks
-from worker.model.weights import ROPE_FREQS, ModelWeights
+from zeroserve.worker.model.arch import Architecture, for_gguf_arch
+from zeroserve.worker.model.kquant import int4_blocks
+from zeroserve.worker.model.llama_config import LlamaConfig, UnsupportedModelError
+from zeroserve.worker.model.quant import Int4Blocks
+from zeroserve.worker.model.weights import ROPE_FREQS, ModelWeights
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",

@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from worker.model.arch import for_hf_model_type
-from worker.model.llama_config import ROPE_TYPES, LlamaConfig, UnsupportedModelError
-from worker.model.weights import ModelWeights
+from zeroserve.worker.model.arch import for_hf_model_type
+from zeroserve.worker.model.llama_config import ROPE_TYPES, LlamaConfig, UnsupportedModelError
+from zeroserve.worker.model.weights import ModelWeights
 
 
 def _read_json(path: Path) -> dict:

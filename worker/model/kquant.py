@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from worker.model.quant import Int4Blocks, int4_blocks_from_gguf
+from zeroserve.worker.model.quant import Int4Blocks, int4_blocks_from_gguf
 
 QK_K = 256
 _Q4_K_BLOCK_BYTES = 144  # d, dmin (fp16 each), 12 bytes of scales/mins, 128 bytes of nibbles

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from worker.model.quant import PackedInt4, PackedInt8
+from zeroserve.worker.model.quant import PackedInt4, PackedInt8
 
 
 class Linear:

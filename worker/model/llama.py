@@ -15,13 +15,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from worker.attention import AttentionMetadata, PrefillSpan, causal_mask, paged_attention
-from worker.model.linear import Linear
-from worker.model.llama_config import LlamaConfig
-from worker.model.quant import PackedInt4, PackedInt8
-from worker.model.rope import inv_freq
-from worker.model.sliding_window import windowed
-from worker.model.weights import ROPE_FREQS, PreparedWeights
+from zeroserve.worker.attention import AttentionMetadata, PrefillSpan, causal_mask, paged_attention
+from zeroserve.worker.model.linear import Linear
+from zeroserve.worker.model.llama_config import LlamaConfig
+from zeroserve.worker.model.quant import PackedInt4, PackedInt8
+from zeroserve.worker.model.rope import inv_freq
+from zeroserve.worker.model.sliding_window import windowed
+from zeroserve.worker.model.weights import ROPE_FREQS, PreparedWeights
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each [num_blocks, block_size, kv_heads, head_dim]
 

@@ -12,15 +12,15 @@ from pathlib import Path
 
 import torch
 
-from common.model_files import model_display_name, resolve_model
-from worker.device import dtype_name
-from worker.model.info import ModelInfo
-from worker.model.llama import LlamaModel
-from worker.model.llama_config import UnsupportedModelError
-from worker.model.prepare import prepare_weights, should_pack
-from worker.model.weights import ModelWeights, PreparedWeights
-from worker.startup import StartupTimer
-from worker.weight_cache import WeightCache
+from zeroserve.common.model_files import model_display_name, resolve_model
+from zeroserve.worker.device import dtype_name
+from zeroserve.worker.model.info import ModelInfo
+from zeroserve.worker.model.llama import LlamaModel
+from zeroserve.worker.model.llama_config import UnsupportedModelError
+from zeroserve.worker.model.prepare import prepare_weights, should_pack
+from zeroserve.worker.model.weights import ModelWeights, PreparedWeights
+from zeroserve.worker.startup import StartupTimer
+from zeroserve.worker.weight_cache import WeightCache
 
 logger = logging.getLogger(__name__)
 
@@ -29,11 +29,11 @@ def load_weights(path: Path) -> ModelWeights:
     """Read a .gguf file or a HF directory (config.json + *.safetensors) into HF-named weights."""
     # Imported here: a start that maps the weight cache never needs gguf or safetensors.
     if path.is_dir():
-        from worker.model.hf_weights import load_hf_directory
+        from zeroserve.worker.model.hf_weights import load_hf_directory
 
         return load_hf_directory(path)
     if path.suffix == ".gguf":
-        from worker.model.gguf_weights import load_gguf
+        from zeroserve.worker.model.gguf_weights import load_gguf
 
         return load_gguf(path)
     raise UnsupportedModelError(f"{path} is neither a .gguf file nor a Hugging Face directory")

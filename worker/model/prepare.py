@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from worker.model.llama_config import UnsupportedModelError
-from worker.model.quant import Int4Blocks, PackedInt4, PackedInt8, int4_kernels_available
-from worker.model.weights import ROPE_FREQS, ModelWeights, PreparedWeights
+from zeroserve.worker.model.llama_config import UnsupportedModelError
+from zeroserve.worker.model.quant import Int4Blocks, PackedInt4, PackedInt8, int4_kernels_available
+from zeroserve.worker.model.weights import ROPE_FREQS, ModelWeights, PreparedWeights
 
 # Fused projection -> the Hugging Face projections it concatenates, row-wise in this order.
 LAYER_LINEARS = {

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from worker.model.llama_config import LlamaConfig, UnsupportedModelError
+from zeroserve.worker.model.llama_config import LlamaConfig, UnsupportedModelError
 
 
 def default_inv_freq(config: LlamaConfig) -> torch.Tensor:

@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from worker.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from zeroserve.worker.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 
 
 def _prefill(span: PrefillSpan, window: int) -> PrefillSpan:

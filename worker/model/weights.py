@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.model.llama_config import LlamaConfig, UnsupportedModelError
-from worker.model.quant import Int4Blocks
+from zeroserve.worker.model.llama_config import LlamaConfig, UnsupportedModelError
+from zeroserve.worker.model.quant import Int4Blocks
 
 # A GGUF file's Llama 3 rope factors (llama.cpp's rope_freqs tensor) under this name.
 ROPE_FREQS = "rope_freqs"

@@ -4,8 +4,8 @@ To add one, write `worker/model/arch/NAME.py` registering an `Architecture` (its
 fields and GGUF naming) and import it below.
 """
 
-from worker.model.arch import llama, mistral, qwen2, qwen3  # noqa: F401 - registration
-from worker.model.arch.registry import (
+from zeroserve.worker.model.arch import llama, mistral, qwen2, qwen3  # noqa: F401 - registration
+from zeroserve.worker.model.arch.registry import (
     Architecture,
     for_gguf_arch,
     for_hf_model_type,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.model.arch.registry import Architecture, gguf_sliding_window, register
-from worker.model.llama_config import UnsupportedModelError
+from zeroserve.worker.model.arch.registry import Architecture, gguf_sliding_window, register
+from zeroserve.worker.model.llama_config import UnsupportedModelError
 
 
 def _hf_fields(hf: dict) -> dict[str, Any]:

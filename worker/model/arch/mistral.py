@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.model.arch.registry import Architecture, register
+from zeroserve.worker.model.arch.registry import Architecture, register
 
 
 def _hf_fields(hf: dict) -> dict[str, Any]:

@@ -3,7 +3,7 @@ weights) and an optional per-layer sliding window."""
 
 from __future__ import annotations
 
-from worker.model.arch.registry import (
+from zeroserve.worker.model.arch.registry import (
     Architecture,
     gguf_sliding_window,
     hf_sliding_window,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.model.arch.registry import (
+from zeroserve.worker.model.arch.registry import (
     Architecture,
     GGUFGetter,
     gguf_sliding_window,

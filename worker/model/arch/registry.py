@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from worker.model.llama_config import UnsupportedModelError
+from zeroserve.worker.model.llama_config import UnsupportedModelError
 
 # get(key, default) reads "{arch}.key" from a GGUF file's metadata.
 GGUFGetter = Callable[[str, Any], Any]
