@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.worker.conftest import permute_qk_like_llama_cpp
+from tests.worker.conftest import add_gguf_hparams, gguf_name, permute_qk_like_llama_cpp
 
 Q = gguf.GGMLQuantizationType
 
@@ -61,23 +61,6 @@ def make_model(variant: str, seed: int = 0, **overrides):
             elif name.endswith(".bias"):
                 param.copy_(torch.randn_like(param) * 0.2)
     return model
-
-
-def _gguf_tensor_name(hf_name: str) -> str:
-    names = {"model.embed_tokens.weight": "token_embd.weight",
-             "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
-    if hf_name in names:
-        return names[hf_name]
-    _, _, index, rest = hf_name.split(".", 3)
-    module, kind = rest.rsplit(".", 1)
-    layer_names = {
-        "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-        "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm",
-        "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-    }
-    return f"blk.{index}.{layer_names[module]}.{kind}"
 
 
 def llama3_rope_factors(config) -> np.ndarray:
@@ -145,19 +128,7 @@ def write_gguf(model, path: Path, raws: dict | None = None, *, rope_freqs: bool 
     arch = GGUF_ARCH[type(cfg).__name__]
     raws = raws or {}
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
+    add_gguf_hparams(writer, cfg)
     if sliding_window and getattr(cfg, "sliding_window", None) and arch == "llama":
         writer.add_sliding_window(cfg.sliding_window)
     writer.add_bos_token_id(1)
@@ -172,9 +143,9 @@ def write_gguf(model, path: Path, raws: dict | None = None, *, rope_freqs: bool 
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             array = permute_qk_like_llama_cpp(array, heads)  # raw rows are whole blocks too
         if qtype is None:
-            writer.add_tensor(_gguf_tensor_name(name), array)
+            writer.add_tensor(gguf_name(name), array)
         else:
-            writer.add_tensor(_gguf_tensor_name(name), array, raw_dtype=qtype)
+            writer.add_tensor(gguf_name(name), array, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -64,6 +64,7 @@ _GGUF_NAMES = {
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
     "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }
 
 
@@ -75,25 +76,54 @@ def gguf_name(hf_name: str) -> str:
     if hf_name == "lm_head.weight":
         return "output.weight"
     _, _, index, rest = hf_name.split(".", 3)
-    return f"blk.{index}.{_GGUF_NAMES[rest.removesuffix('.weight')]}.weight"
+    module, kind = rest.rsplit(".", 1)  # kind: weight or bias
+    return f"blk.{index}.{_GGUF_NAMES[module]}.{kind}"
 
 
-def write_gguf(model, path: Path, qtype=gguf.GGMLQuantizationType.F32) -> Path:
-    """The HF model's weights as llama.cpp's converter would write them; 2-D tensors in qtype."""
-    cfg = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
+def add_gguf_hparams(writer: gguf.GGUFWriter, cfg) -> None:
+    """The shape and rope keys llama.cpp's converter writes for a transformers config."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
+
+
+def default_reference_tokenizer():
+    """transformers' tokenizer for the default model (read from its GGUF), for the tests that
+    hold the engine to transformers."""
+    from transformers import AutoTokenizer
+
+    from zeroserve.common.model_files import default_model_path
+
+    path = default_model_path()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def encode_prompts(tokenizer, texts: list[str], chats: list[str]) -> list[list[int]]:
+    """Plain texts as they are, then each chat question through the chat template."""
+    ids = [tokenizer(t)["input_ids"] for t in texts]
+    for question in chats:
+        ids.append(tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True,
+            return_dict=False,
+        ))
+    return ids
+
+
+def write_gguf(model, path: Path, qtype=gguf.GGMLQuantizationType.F32) -> Path:
+    """The HF model's weights as llama.cpp's converter would write them; 2-D tensors in qtype."""
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    add_gguf_hparams(writer, cfg)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_eot_token_id(3)

@@ -18,6 +18,7 @@ import random
 import pytest
 import torch
 
+from tests.worker.conftest import default_reference_tokenizer, encode_prompts
 from zeroserve.common.model_files import default_model_path
 from zeroserve.worker.config import EngineConfig
 from zeroserve.worker.engine import Engine
@@ -49,20 +50,12 @@ CHATS = ["What is 12 times 7?", "Write a haiku about autumn leaves.",
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from transformers import AutoTokenizer
-
-    path = default_model_path()
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return default_reference_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer) -> list[list[int]]:
-    ids = [tokenizer(t)["input_ids"] for t in TEXTS]
-    for question in CHATS:
-        ids.append(tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True,
-            return_dict=False,
-        ))
+    ids = encode_prompts(tokenizer, TEXTS, CHATS)
     return ids
 
 
