@@ -78,14 +78,17 @@ class Choice:
         elif out.finish_reason is not None:
             self.finish_reason = out.finish_reason
         if self.finish_reason is not None:
-            self.last_output_at = now
-            has_output = self.first_output_at > 0
+            has_output = self.has_output
             metrics.on_finished(self.finish_reason, self.num_output_tokens,
                                 now - self.created_at,
                                 self.prefill_s if has_output else None,
                                 now - self.first_output_at if has_output else None)
         return ChoiceUpdate(self.index, text, out.new_token_ids, out.logprobs,
                             self.finish_reason, out.prompt_logprobs)
+
+    @property
+    def has_output(self) -> bool:
+        return self.first_output_at > 0
 
     def _on_first_output(self, timings: list | None, metrics: RequestMetrics,
                          now: float) -> None:

@@ -4,14 +4,16 @@ Two kinds, so that counters never go backwards:
 
 - **Request figures** are counted here, in the gateway, from the streams it serves
   (`RequestMetrics`): token counters, finishes by reason, failovers, 429s and client-side
-  aborts by reason, worker restarts and losses, and the latency and size histograms. A worker that restarts or a stream that moves to another worker changes
-  nothing in them; after N requests of M tokens `generation_tokens` has grown by N x M.
-  The generation group calls `on_*` at the points a request is admitted, gets output and
-  finishes: one `observe()` per chunk of output, no per-token objects.
-- **Worker figures** (running, waiting, paused, KV use; workers by status) and gateway
-  internals (event-loop lag, messages dropped) are read when scraped (`GatewayCollector`)
-  from the state the gateway already keeps (heartbeats in the registry): nothing per
-  heartbeat.
+  aborts by reason, worker restarts and losses, and the latency and size histograms. A
+  worker that restarts or a stream that moves to another worker changes nothing in them;
+  after N requests of M tokens `generation_tokens` has grown by N x M. The generation group
+  calls `on_*` at the points a request is admitted, gets its first output and finishes; per
+  chunk of output it costs one list append (`record_gap`), per batch of updates one count.
+- **Worker figures**: gauges (running, waiting, paused, KV use; workers by status) and
+  gateway internals (event-loop lag, messages dropped) are read when scraped
+  (`GatewayCollector`) from the state the gateway already keeps; the workers' cumulative
+  counters (prefix cache, preemptions) come in heartbeats and are added up per worker with
+  a new baseline for each new process (`on_worker_counters`).
 
 `inter_token_latency_seconds` is the gap between two chunks of one stream as the gateway
 receives them (one worker step's tokens come together), not per token as vLLM's.
@@ -36,6 +38,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from zeroserve.common.protocol import COUNTER_NAMES
 from zeroserve.gateway.errors import APIError
 from zeroserve.gateway.registry import WorkerStatus
 
@@ -44,6 +47,13 @@ if TYPE_CHECKING:
     from zeroserve.gateway.loop_monitor import LoopLagMonitor
 
 PREFIX = "zeroserve:"
+# The HELP text of each Heartbeat.counters name (common/protocol.py's COUNTER_NAMES).
+_WORKER_COUNTER_DOCS = {
+    "prefix_cache_queries": "Prompt tokens looked up in a worker's prefix cache (at each "
+                            "request's first admission).",
+    "prefix_cache_hits": "Prompt tokens found in a worker's prefix cache.",
+    "num_preemptions": "Sequences a worker preempted for want of KV blocks.",
+}
 ITL_BATCH = 4096  # inter-chunk gaps kept before they are bucketed (at the latest: a scrape)
 # The size histograms' top bucket when the model files do not say the context length.
 DEFAULT_MAX_MODEL_LEN = 131072
@@ -123,7 +133,7 @@ class RequestMetrics:
 
         m = model_name
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.").labels(m)
-        # Per chunk of output, so plain numbers (exposed by collect_hot_path).
+        # Counted per batch of updates, so a plain number (exposed by collect_loop_owned).
         self.num_generation_tokens = 0
         self.ttft = histogram("time_to_first_token_seconds",
                               "From arrival to the first output token.", TTFT_BUCKETS)
@@ -166,12 +176,8 @@ class RequestMetrics:
             REQUEST_LATENCY_BUCKETS)
         # Worker counters (from heartbeats), kept monotonic here across worker restarts.
         self._worker_counters = {
-            name: counter(name, doc, ["model_name", "worker_id"]) for name, doc in (
-                ("prefix_cache_queries", "Prompt tokens looked up in a worker's prefix cache "
-                 "(at each request's first admission)."),
-                ("prefix_cache_hits", "Prompt tokens found in a worker's prefix cache."),
-                ("num_preemptions", "Sequences a worker preempted for want of KV blocks."),
-            )}
+            name: counter(name, _WORKER_COUNTER_DOCS[name], ["model_name", "worker_id"])
+            for name in COUNTER_NAMES}
         self._last_counters: dict[str, tuple[bytes, dict[str, int]]] = {}
         sizes = token_buckets(max_model_len)
         self.prompt_size = histogram("request_prompt_tokens", "Prompt tokens per request.",
@@ -179,7 +185,7 @@ class RequestMetrics:
         self.generation_size = histogram("request_generation_tokens",
                                          "Output tokens per finished request.", sizes)
         self.model_name = m
-        registry.register(_HotPathCollector(self))
+        registry.register(_LoopCollector(self))
 
     # --- the request path's calls ------------------------------------------------------
 
@@ -198,12 +204,15 @@ class RequestMetrics:
         """Output tokens of one batch of updates (many streams' chunks): counted once."""
         self.num_generation_tokens += num_tokens
         if len(self._itl_pending) >= ITL_BATCH:
-            self.itl.observe_many(self._itl_pending)
-            self._itl_pending.clear()
+            self._flush_gaps()
 
-    def collect_hot_path(self) -> Iterator[Metric]:
+    def _flush_gaps(self) -> None:
         self.itl.observe_many(self._itl_pending)
         self._itl_pending.clear()
+
+    def collect_loop_owned(self) -> Iterator[Metric]:
+        """The figures kept as plain numbers on the event loop (the scrape runs there too)."""
+        self._flush_gaps()
         tokens = CounterMetricFamily(PREFIX + "generation_tokens",
                                      "Output tokens received from workers.",
                                      labels=["model_name"])
@@ -304,12 +313,12 @@ class NoRequestMetrics(RequestMetrics):
         pass
 
 
-class _HotPathCollector(Collector):
+class _LoopCollector(Collector):
     def __init__(self, requests: RequestMetrics):
         self.requests = requests
 
     def collect(self) -> Iterator[Metric]:
-        return self.requests.collect_hot_path()
+        return self.requests.collect_loop_owned()
 
 
 class GatewayCollector(Collector):

@@ -115,7 +115,7 @@ class RequestTracer:
             attributes["zeroserve.worker_id"] = worker_id
         if choice.finish_reason is not None:
             attributes["gen_ai.response.finish_reasons"] = (choice.finish_reason,)
-        has_output = choice.first_output_at > 0
+        has_output = choice.has_output
         if has_output:
             attributes.update({
                 "gen_ai.latency.time_in_queue": choice.queue_s,

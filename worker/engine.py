@@ -244,7 +244,8 @@ class Engine:
         new_token_ids = output_token_ids[seq.num_emitted_tokens :]
         seq.num_emitted_tokens = num_output_tokens
         timings = None
-        if seq.first_token_time is None and new_token_ids and seq.first_scheduled_time:
+        if (seq.first_token_time is None and new_token_ids
+                and seq.first_scheduled_time is not None):
             seq.first_token_time = now = self.scheduler.clock()
             timings = (max(0.0, seq.first_scheduled_time - seq.arrival_time),
                        max(0.0, now - seq.first_scheduled_time))
