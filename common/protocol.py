@@ -85,9 +85,10 @@ _MAX_U32 = 2**32
 MAX_COUNTERS = 32  # named counters one HEARTBEAT may carry
 
 
-def _is_duration(value: Any) -> bool:
+def _is_duration(value: Any, max_s: float = 1e9) -> bool:
+    """A number of seconds: an int or float (not a bool), finite, in [0, max_s]."""
     return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value) and 0 <= value <= 1e9)
+            and math.isfinite(value) and 0 <= value <= max_s)
 
 
 @dataclass
@@ -124,8 +125,7 @@ class Hello(Message):
                 raise ProtocolError(f"Hello.{name} must have 1 to {MAX_NAME_CHARS} characters")
         phases = self.startup_phases
         if len(phases) > 32 or not all(
-                isinstance(k, str) and len(k) <= 64 and isinstance(v, (int, float))
-                and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+                isinstance(k, str) and len(k) <= 64 and _is_duration(v, math.inf)
                 for k, v in phases.items()):
             raise ProtocolError("Hello.startup_phases must map up to 32 names to seconds")
 
