@@ -105,7 +105,11 @@ class ToolChoice:
     tools: list[dict[str, Any]]  # as the client sent them ({"type": "function", ...})
     mode: str = "auto"  # "none", "auto", "required" or "named"
     name: str | None = None  # the function, when mode is "named"
-    parallel: bool = True  # parallel_tool_calls
+    # parallel_tool_calls as the client sent it (None: not sent). A forced call ("required")
+    # is one call unless the client asked for parallel calls in so many words: a small model
+    # let free to add calls keeps adding them until max_tokens cuts the array, and then no
+    # call is complete. One call is always an answer that parallel calls allow.
+    parallel: bool | None = None
 
     @property
     def functions(self) -> list[dict[str, Any]]:
@@ -388,7 +392,7 @@ def _parse_tools(body: dict) -> ToolChoice | None:
         if description is not None and not isinstance(description, str):
             raise invalid_request(f"'{param}.function.description' must be a string.",
                                   param=f"{param}.function.description")
-    parallel = _get(body, "parallel_tool_calls", bool, True)
+    parallel = _get(body, "parallel_tool_calls", bool, None)
     if choice is None or choice == "auto":
         return ToolChoice(tools, "auto", parallel=parallel)
     if choice == "none":
@@ -411,7 +415,7 @@ def _forced_tool_grammar(tools: ToolChoice) -> Grammar:
     if tools.mode == "named":
         function = next(f for f in tools.functions if f["name"] == tools.name)
         return named_tool_grammar(function)
-    return required_tool_grammar(tools.functions, tools.parallel)
+    return required_tool_grammar(tools.functions, tools.parallel is True)
 
 
 def _parse_stream(body: dict) -> tuple[bool, bool]:

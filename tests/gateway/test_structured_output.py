@@ -105,6 +105,13 @@ def test_tool_choice_modes_and_their_grammars():
     assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
     assert [c["properties"]["name"]["const"] for c in schema["items"]["anyOf"]] == [
         "get_weather", "get_time"]
+    # Without parallel_tool_calls a forced call is one call; asked for, several may come.
+    default = parse_chat({"messages": MSGS, "tools": [WEATHER], "tool_choice": "required"},
+                         NAMES)
+    assert json.loads(default.sampling.grammar.source)["maxItems"] == 1
+    parallel = parse_chat({"messages": MSGS, "tools": [WEATHER], "tool_choice": "required",
+                           "parallel_tool_calls": True}, NAMES)
+    assert "maxItems" not in json.loads(parallel.sampling.grammar.source)
 
 
 def test_logit_bias_travels_as_pairs():
