@@ -50,7 +50,7 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None) -> 
     """Load the tokenizer now (once); bind the sockets when the server starts."""
     tokenizer = tokenizer or load_tokenizer(config.model)
     if tokenizer.is_byte_level:
-        tokenizer.bytes_table()  # built now, not on the first request
+        tokenizer.shown_bytes_table()  # built now (with bytes_table), not on a request
     template = ChatTemplate.from_tokenizer(tokenizer, config.chat_template)
     names = served_model_names(config)
     metrics = None if config.disable_metrics else Metrics(

@@ -141,6 +141,7 @@ class Gateway:
         # params holds the sampling fields and, for constrained decoding, "grammar"
         # ([kind, source]), which travels in SUBMIT's own field.
         sampling = {k: v for k, v in params.items() if k != "grammar"}
+        state.num_credited = state.num_delivered  # a new worker gets the whole window
         sent = self.edge.send(worker.worker_id, Submit(
             state.request_id, state.prompt_token_ids, sampling, state.credit_limit,
             state.output_token_ids, params.get("grammar")))

@@ -40,8 +40,10 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self._utf8 = None
         if tokenizer.is_byte_level:
-            self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-            self._bytes = tokenizer.bytes_table()
+            self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            self._utf8 = self._decoder.decode
+            self._bytes = tokenizer.shown_bytes_table() if skip_special_tokens \
+                else tokenizer.bytes_table()
             return
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:]) if prompt_token_ids else []
         self.ids: list[int] = context
@@ -53,7 +55,11 @@ class IncrementalDetokenizer:
         if not token_ids:
             return ""
         if self._utf8 is not None:
-            return self._utf8.decode(b"".join(self._token_bytes(t) for t in token_ids))
+            table = self._bytes
+            if len(token_ids) == 1:  # the usual case: one token per stream per step
+                token_id = token_ids[0]
+                return self._utf8(table[token_id] if 0 <= token_id < len(table) else b"")
+            return self._utf8(b"".join(self._token_bytes(t) for t in token_ids))
         self.ids.extend(token_ids)
         prefix_text = self._decode(self.prefix_offset, self.read_offset)
         full_text = self._decode(self.prefix_offset, len(self.ids))
@@ -67,7 +73,7 @@ class IncrementalDetokenizer:
         """At the end: release whatever is held, except the bytes of an incomplete last
         character."""
         if self._utf8 is not None:
-            self._utf8.reset()  # what it still holds is an incomplete character's bytes
+            self._decoder.reset()  # what it still holds is an incomplete character's bytes
             return ""
         prefix_text = self._decode(self.prefix_offset, self.read_offset)
         full_text = self._decode(self.prefix_offset, len(self.ids))

@@ -142,7 +142,10 @@ class RequestGroup:
 
     @property
     def is_finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.choices)
+        for choice in self.choices:  # (a loop: all() with a generator costs 3x, per output)
+            if choice.finish_reason is None:
+                return False
+        return True
 
     async def update_batches(self) -> AsyncIterator[list[tuple[ChoiceUpdate, RequestState]]]:
         """Updates in arrival order, batched: everything already queued comes together, so a
@@ -151,36 +154,41 @@ class RequestGroup:
         after yielding what came before the failure. The caller grants credit for the
         tokens of each update once it has delivered them."""
         while not self.is_finished:
-            items = [await self.sink.get()]
-            while not self.sink.empty():
-                items.append(self.sink.get_nowait())
-            batch, error = [], None
-            now = self.gateway.clock()
-            for state, item in items:
-                choice = self.choices[state.index]
-                if choice.finish_reason is not None:
-                    continue  # stale: arrived after the choice ended
-                if isinstance(item, APIError):
-                    error = item
-                    self._trace(choice, state, now, error)
-                    break
-                try:
-                    update = choice.consume(item, self.gateway.metrics, now)
-                except APIError as e:
-                    error = e
-                    self._trace(choice, state, now, error)
-                    break
-                if update.finish_reason is not None:
-                    self._trace(choice, state, now)
-                    # A worker finish means the worker already forgot it; a stop string
-                    # means it is still generating.
-                    self.gateway.finish(state, abort=item.finish_reason is None)
-                batch.append((update, state))
+            batch, error = self.take(await self.sink.get_batch())
             if batch:
-                self.gateway.metrics.on_tokens(sum(len(u.token_ids) for u, _ in batch))
                 yield batch
             if error is not None:
                 raise error
+
+    def take(self, items: list[tuple[RequestState, TokenOutput | APIError]]
+             ) -> tuple[list[tuple[ChoiceUpdate, RequestState]], APIError | None]:
+        """Sink items -> the updates they make, in order, and the failure that stopped them
+        (what follows a failure is dropped: the group ends with it)."""
+        batch: list[tuple[ChoiceUpdate, RequestState]] = []
+        now = self.gateway.clock()
+        num_tokens = 0
+        for state, item in items:
+            choice = self.choices[state.index]
+            if choice.finish_reason is not None:
+                continue  # stale: arrived after the choice ended
+            if isinstance(item, APIError):
+                self._trace(choice, state, now, item)
+                return batch, item
+            try:
+                update = choice.consume(item, self.gateway.metrics, now)
+            except APIError as e:
+                self._trace(choice, state, now, e)
+                return batch, e
+            if update.finish_reason is not None:
+                self._trace(choice, state, now)
+                # A worker finish means the worker already forgot it; a stop string means
+                # it is still generating.
+                self.gateway.finish(state, abort=item.finish_reason is None)
+            batch.append((update, state))
+            num_tokens += len(update.token_ids)
+        if batch:
+            self.gateway.metrics.on_tokens(num_tokens)
+        return batch, None
 
     def _trace(self, choice: Choice, state: RequestState, now: float,
                error: APIError | None = None) -> None:

@@ -6,6 +6,10 @@ puts no bound on the head's size. Here a timer starts when the connection opens 
 when a new request begins, and stops when its head is complete; if it fires, the connection
 is closed. A head larger than `max_head_bytes` gets 431 and the connection is closed.
 Bodies have their own timeout in gateway/request_body.py.
+
+It also puts each request's uvicorn cycle in the ASGI scope (`CYCLE_SCOPE_KEY`): a streamed
+response writes its chunks straight to the cycle's transport when that cannot block
+(gateway/sse.py), which skips a coroutine and every middleware layer per chunk.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import asyncio
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 DEFAULT_MAX_HEAD_BYTES = 64 * 1024  # request line and headers; h11's default is 16 KiB
+CYCLE_SCOPE_KEY = "zeroserve.cycle"
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -45,6 +50,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._is_reading_head = False
         self._cancel_head_timer()
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope:  # not an upgrade
+            self.scope[CYCLE_SCOPE_KEY] = cycle
 
     def on_message_complete(self) -> None:
         super().on_message_complete()

@@ -99,7 +99,7 @@ class Reconciler:
     def check_idle(self, now: float) -> None:
         """Streams with credit and no news: re-send their credit; past the deadline, fail."""
         for state in list(self.streams.states.values()):
-            if state.phase is not RequestPhase.RUNNING or state.num_uncredited > 0:
+            if state.phase is not RequestPhase.RUNNING or state.num_undelivered > 0:
                 continue  # not on a worker, or the client holds tokens (the SSE watchdog's)
             idle_s = now - state.last_activity
             if idle_s > self.idle_timeout_s:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -13,7 +11,7 @@ from zeroserve.gateway.chat_template import ChatTemplate, ChatTemplateError
 from zeroserve.gateway.config import GatewayConfig
 from zeroserve.gateway.core import Gateway
 from zeroserve.gateway.errors import APIError, client_too_slow, invalid_request
-from zeroserve.gateway.generation import ChoiceUpdate, RequestGroup
+from zeroserve.gateway.generation import RequestGroup
 from zeroserve.gateway.limits import RequestLimits, check_submit_fits
 from zeroserve.gateway.logging import get_logger
 from zeroserve.gateway.offload import CpuPool
@@ -31,19 +29,19 @@ from zeroserve.gateway.responses import (
     SSE_DONE,
     LogprobsFormatter,
     ResponseContext,
-    chat_chunk,
-    chat_delta_chunk,
     chat_response,
-    chat_role_chunk,
-    completion_chunk,
     completion_response,
     sse,
-    usage_chunk,
 )
-from zeroserve.gateway.sse import SSEResponse, race_disconnect
-from zeroserve.gateway.streams import RequestState
+from zeroserve.gateway.sse import race_disconnect
+from zeroserve.gateway.streaming import (
+    StreamedResponse,
+    log_done,
+    update_logprobs,
+    with_prompt_logprobs,
+)
 from zeroserve.gateway.tokenizer import TextTokenizer
-from zeroserve.gateway.tool_calls import ToolCallStream, parse_calls, prepare_messages
+from zeroserve.gateway.tool_calls import parse_calls, prepare_messages
 from zeroserve.gateway.tracing import trace_headers
 
 log = get_logger("api")
@@ -230,95 +228,22 @@ class Api:
                 metrics.on_aborted("slow_client")
                 return sse(client_too_slow(self.config.slow_client_timeout_s).body()) + SSE_DONE
 
-            return SSEResponse(self._events(group, ctx, sampling, echoes),
-                               self.config.slow_client_timeout_s,
-                               on_slow_client=on_slow_client, request_id=ctx.id,
-                               min_client_rate=self.config.min_client_rate,
-                               on_disconnect=lambda: metrics.on_aborted("disconnect"))
+            streamed = StreamedResponse(self.gateway, self.tokenizer, group, ctx, sampling,
+                                        echoes)
+            return streamed.response(self.config.slow_client_timeout_s, on_slow_client,
+                                     self.config.min_client_rate,
+                                     on_disconnect=lambda: metrics.on_aborted("disconnect"))
         try:
             is_gone, result = await race_disconnect(
                 self._collect(group, ctx, sampling, echoes), request.receive)
         finally:
             group.close()
-            self._log_done(ctx, group)
+            log_done(ctx, group)
         if is_gone:
             log.info("client disconnected", extra={"request_id": ctx.id})
             metrics.on_aborted("disconnect")
             return Response(status_code=499)
         return JSONResponse(result)
-
-    def _logprobs(self, ctx: ResponseContext, update: ChoiceUpdate, offset: int
-                  ) -> dict | None:
-        if update.logprobs is None or not update.token_ids:
-            return None
-        fmt = LogprobsFormatter(self.tokenizer, ctx.kind)
-        if ctx.kind == "chat":
-            return fmt.chat(update.token_ids, update.logprobs)
-        return fmt.completion(update.token_ids, update.logprobs, offset)
-
-    def _with_prompt_logprobs(self, lp: dict | None, update: ChoiceUpdate,
-                              state: RequestState) -> dict:
-        """echo + logprobs: the prompt's tokens and logprobs before the completion's."""
-        prompt = LogprobsFormatter(self.tokenizer, "completion").prompt(
-            state.prompt_token_ids, update.prompt_logprobs or [])
-        return prompt if lp is None else LogprobsFormatter.merge(prompt, lp)
-
-    async def _events(self, group: RequestGroup, ctx: ResponseContext,
-                      sampling: SamplingOptions, echoes: list[str] | None = None
-                      ) -> AsyncIterator[bytes]:
-        offsets = [0] * len(group.choices)
-        # Like vLLM and llama-server, the role chunk goes out with a choice's first output,
-        # not before prefill, so clients that stop a TTFT clock at the first chunk measure
-        # the time to the first token.
-        needs_role = {c.index for c in group.choices} if ctx.kind == "chat" else set()
-        needs_echo = {c.index for c in group.choices} if echoes is not None else set()
-        tool_streams = ({c.index: ToolCallStream(ctx.tools) for c in group.choices}
-                        if ctx.kind == "chat" and ctx.tools is not None else None)
-        try:
-            build = chat_chunk if ctx.kind == "chat" else completion_chunk
-            async for batch in group.update_batches():
-                out = []
-                for update, state in batch:
-                    if update.index in needs_role:
-                        needs_role.discard(update.index)
-                        out.append(sse(chat_role_chunk(ctx, update.index)))
-                    if update.index in needs_echo:
-                        needs_echo.discard(update.index)
-                        echo = echoes[update.index // sampling.n]
-                        offsets[update.index] += len(echo)
-                        update = dataclasses.replace(update, text=echo + update.text)
-                        lp = self._logprobs(ctx, update, offsets[update.index])
-                        offsets[update.index] += len(update.text) - len(echo)
-                        if sampling.prompt_logprobs is not None:
-                            lp = self._with_prompt_logprobs(lp, update, state)
-                    else:
-                        lp = self._logprobs(ctx, update, offsets[update.index])
-                        offsets[update.index] += len(update.text)
-                    if tool_streams is not None:
-                        out += _tool_chunks(ctx, tool_streams[update.index], update, lp)
-                    elif update.text or update.finish_reason is not None or lp is not None:
-                        out.append(build(ctx, update, lp))
-                if out:
-                    yield b"".join(out)
-                # Those chunks are on the client's socket (or there was nothing to send).
-                for update, state in batch:
-                    self.gateway.grant(state, len(update.token_ids))
-            if ctx.include_usage:
-                yield sse(usage_chunk(ctx, group.usage()))
-            yield SSE_DONE
-        except APIError as e:
-            log.warning("stream failed", extra={"request_id": ctx.id, "error": e.message})
-            yield sse(e.body()) + SSE_DONE
-        finally:
-            group.close()
-            self._log_done(ctx, group)
-
-    @staticmethod
-    def _log_done(ctx: ResponseContext, group: RequestGroup) -> None:
-        log.info("request done", extra={
-            "request_id": ctx.id, "elapsed_s": round(time.time() - ctx.created_at, 3),
-            "finish_reasons": [c.finish_reason for c in group.choices],
-            "num_output_tokens": sum(c.num_output_tokens for c in group.choices)})
 
     async def _collect(self, group: RequestGroup, ctx: ResponseContext,
                        sampling: SamplingOptions, echoes: list[str] | None = None) -> dict:
@@ -331,8 +256,8 @@ class Api:
             for update, state in batch:
                 if sampling.prompt_logprobs is not None and update.index not in echoed:
                     echoed.add(update.index)
-                    logprobs[update.index] = self._with_prompt_logprobs(None, update, state)
-                lp = self._logprobs(ctx, update, len(texts[update.index]))
+                    logprobs[update.index] = with_prompt_logprobs(self.tokenizer, None, update, state)
+                lp = update_logprobs(self.tokenizer, ctx, update, len(texts[update.index]))
                 if lp is not None:
                     logprobs[update.index] = LogprobsFormatter.merge(logprobs[update.index], lp)
                 texts[update.index] += update.text
@@ -358,23 +283,6 @@ class Api:
                                 "logprobs": logprobs[c.index], "finish_reason": c.finish_reason})
         build = chat_response if ctx.kind == "chat" else completion_response
         return build(ctx, choices, group.usage())
-
-
-def _tool_chunks(ctx: ResponseContext, stream: ToolCallStream, update: ChoiceUpdate,
-                 logprobs: dict | None) -> list[bytes]:
-    """A chat update of a request with tools -> its chunks: content or tool-call deltas; the
-    last carries the logprobs and the finish ("tool_calls" when calls were made)."""
-    deltas = stream.push(update.text)
-    finish_reason = update.finish_reason
-    if finish_reason is not None:
-        deltas += stream.finish()
-        if finish_reason == "stop" and stream.has_calls:
-            finish_reason = "tool_calls"
-    chunks = [chat_delta_chunk(ctx, update.index, d, None, None) for d in deltas[:-1]]
-    if deltas or finish_reason is not None or logprobs is not None:
-        last = deltas[-1] if deltas else {}
-        chunks.append(chat_delta_chunk(ctx, update.index, last, logprobs, finish_reason))
-    return chunks
 
 
 def _tokenize_body(ids: list[int], max_model_len: int) -> bytes:

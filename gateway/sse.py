@@ -24,6 +24,14 @@ tokens a second: any real network, far above a trickle.
 
 Cost: per chunk (one per engine step per stream, not per token), two clock reads and two
 additions; per stream, one timer that fires `_CHECKS_PER_WINDOW` times a window.
+
+Direct writes: behind the gateway's own uvicorn protocol (gateway/http_protocol.py) the
+response knows its request's uvicorn cycle, and `write_now` puts a chunk on the socket the
+way uvicorn's `send` would (chunked framing), without the coroutine, the middleware layers
+and the pump task's wake-up. It is only allowed when `send` would not have waited: the
+response has started, nothing is being sent, the transport is not paused for flow control
+and the client is still there. Otherwise (and under any other server) chunks go through the
+pump and `send` as always; gateway/streaming.py decides which path each chunk takes.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from zeroserve.gateway.http_protocol import CYCLE_SCOPE_KEY
 from zeroserve.gateway.logging import get_logger
 
 log = get_logger("sse")
@@ -100,9 +109,13 @@ class SSEResponse:
         self.is_disconnected = False
         self._is_closed = False
         self._timer: asyncio.TimerHandle | None = None
+        self._cycle = None  # uvicorn's RequestResponseCycle, for direct writes
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": _HEADERS})
+        cycle = scope.get(CYCLE_SCOPE_KEY)
+        if cycle is not None and cycle.response_started and cycle.chunked_encoding:
+            self._cycle = cycle
         loop = asyncio.get_running_loop()
         pump = asyncio.ensure_future(self._pump(send))
         watch = asyncio.ensure_future(wait_for_disconnect(receive))
@@ -112,6 +125,7 @@ class SSEResponse:
             await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             self._is_closed = True
+            self._cycle = None
             self._timer.cancel()
             for task in (pump, watch):
                 if not task.done():
@@ -135,6 +149,18 @@ class SSEResponse:
             await self._final_write(send, self.on_slow_client())
         else:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def can_write_now(self) -> bool:
+        """Would a chunk go straight to the socket now, as `send` would put it, unblocked?"""
+        cycle = self._cycle
+        return (cycle is not None and not self._is_closed and self._send_started is None
+                and not cycle.flow.write_paused and not cycle.disconnected
+                and not cycle.transport.is_closing())
+
+    def write_now(self, chunk: bytes) -> None:
+        """Write one body chunk directly; only right after `can_write_now()` said True."""
+        self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        self._num_bytes_sent += len(chunk)
 
     @property
     def _check_period_s(self) -> float:

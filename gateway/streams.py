@@ -32,27 +32,55 @@ class Sink:
     the receive loop puts one item per stream per engine step, and the queue was ~14% of the
     gateway's CPU. Unbounded, as the queue was: what a stream may have in flight is bounded
     by its credit window. One consumer at a time.
+
+    `direct`, when set, is offered each item that arrives while the consumer is parked with
+    nothing queued; it returns True when it handled the item then and there (a streamed
+    response writing it to its client from the receive loop: gateway/streaming.py), False to
+    leave it to the consumer. Items stay in order: once one is queued, the rest queue behind
+    it until the consumer has taken them.
     """
 
-    __slots__ = ("_items", "_waiter")
+    __slots__ = ("_items", "_waiter", "direct")
 
     def __init__(self) -> None:
         self._items: deque = deque()
         self._waiter: asyncio.Future | None = None
+        self.direct: Callable[[tuple], bool] | None = None
 
     def put_nowait(self, item) -> None:
-        self._items.append(item)
         waiter = self._waiter
+        if self.direct is not None and waiter is not None and not self._items \
+                and not waiter.done() and self.direct(item):
+            return
+        self._items.append(item)
         if waiter is not None:
             self._waiter = None
             if not waiter.done():
                 waiter.set_result(None)
+
+    def wake(self) -> None:
+        """Let a parked consumer run with nothing new (something it checks has changed)."""
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def get(self):
         while not self._items:
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
         return self._items.popleft()
+
+    async def get_batch(self) -> list:
+        """Everything queued, waiting for at least one item or a `wake` (then maybe [])."""
+        if not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items = list(self._items)
+        self._items.clear()
+        return items
 
     def get_nowait(self):
         if not self._items:
@@ -83,7 +111,10 @@ class RequestState:
     num_received: int = 0  # tokens the worker sent us
     # Every output token received, so the stream can continue on another worker.
     output_token_ids: list[int] = field(default_factory=list)
-    num_credited: int = 0  # tokens we gave back as credit
+    # Tokens that reached the client (or were consumed), and the part of those given back
+    # to the worker as credit: it lags by less than `credit_step` (see WorkerOutbox.grant).
+    num_delivered: int = 0
+    num_credited: int = 0
     params: dict | None = None  # as sent in SUBMIT (kept to resubmit elsewhere)
     num_submits: int = 0
     resubmit_task: asyncio.Task | None = None
@@ -100,8 +131,13 @@ class RequestState:
         self.sink.put_nowait((self, item))
 
     @property
-    def num_uncredited(self) -> int:
-        return self.num_received - self.num_credited
+    def num_undelivered(self) -> int:
+        """Tokens received and not yet on the client's socket."""
+        return self.num_received - self.num_delivered
+
+    @property
+    def credit_step(self) -> int:
+        return max(1, self.credit_window // 2)
 
     @property
     def credit_limit(self) -> int:
@@ -161,15 +197,23 @@ class WorkerOutbox:
         self._flush_later: asyncio.TimerHandle | None = None
 
     def grant(self, state: RequestState, n: int) -> None:
-        if n <= 0 or state.worker_id is None or state.phase is not RequestPhase.RUNNING:
+        """`n` more of the stream's tokens reached its client. Credit goes back in steps of
+        half the window (as TCP acknowledges): the worker, allowed a whole window ahead,
+        never waits for a step that is on its way, and a stream costs a CREDIT entry every
+        `credit_step` tokens instead of every token (with 1,000 streams, 1,000 entries per
+        engine step for the gateway to queue and the worker to apply)."""
+        if n <= 0:
             return
-        state.num_credited += n
-        self.resend(state)
+        state.num_delivered += n
+        if state.num_delivered - state.num_credited >= state.credit_step:
+            self.resend(state)
 
     def resend(self, state: RequestState) -> None:
-        """Queue the stream's current credit limit (again: limits are idempotent)."""
+        """Give back everything delivered and queue the stream's credit limit (again:
+        limits are idempotent)."""
         if state.worker_id is None or state.phase is not RequestPhase.RUNNING:
             return
+        state.num_credited = state.num_delivered
         self._grants.setdefault(state.worker_id, {})[state.request_id] = state.credit_limit
         if self._flush_later is None and self._flush_soon is None:
             self._flush_later = asyncio.get_running_loop().call_later(CREDIT_DELAY_S, self.flush)

@@ -101,6 +101,7 @@ class TextTokenizer:
         self._special_ids = frozenset(i for i, tok in added.items() if tok.special)
         self._added_ids = frozenset(added)
         self._bytes_table: list[bytes] | None = None
+        self._shown_bytes_table: list[bytes] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -141,6 +142,17 @@ class TextTokenizer:
         if self._bytes_table is None:
             self._bytes_table = [self._piece_bytes(i) for i in range(self.vocab_size)]
         return self._bytes_table
+
+    def shown_bytes_table(self) -> list[bytes]:
+        """As bytes_table, with the special tokens' bytes empty (they are not shown when
+        special tokens are skipped): one list lookup per token for the detokenizer."""
+        if self._shown_bytes_table is None:
+            table = list(self.bytes_table())
+            for i in self._special_ids:
+                if 0 <= i < len(table):
+                    table[i] = b""
+            self._shown_bytes_table = table
+        return self._shown_bytes_table
 
     def _piece_bytes(self, token_id: int) -> bytes:
         piece = self.tokenizer.id_to_token(token_id)

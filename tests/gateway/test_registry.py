@@ -237,22 +237,40 @@ def test_outbox_batches_per_worker_and_drops_credit_for_aborted():
     run(main())
 
 
+def test_credit_goes_back_in_half_window_steps_and_a_resend_gives_back_all():
+    async def main():
+        outbox, sent, (state,) = make_outbox(["a"])  # window 8: steps of 4
+        for _ in range(3):
+            outbox.grant(state, 1)
+        outbox.flush()
+        assert sent == [] and state.num_delivered == 3 and state.credit_limit == 8
+        outbox.grant(state, 1)
+        outbox.flush()
+        assert sent == [("credit", "a", [["r0", 12]])]
+        outbox.grant(state, 2)  # below a step: held back
+        outbox.resend(state)  # an idle stream's credit, re-sent: everything delivered
+        outbox.flush()
+        assert sent[1:] == [("credit", "a", [["r0", 14]])]
+        assert state.num_undelivered == state.num_received - 6
+    run(main())
+
+
 def test_outbox_gathers_grants_over_a_short_window_into_one_credit():
     from zeroserve.gateway.streams import CREDIT_DELAY_S
 
     async def main():
         outbox, sent, states = make_outbox(["a", "a", "a"])
         for state in states:  # handlers granting over several loop iterations
-            outbox.grant(state, 1)
+            outbox.grant(state, 4)  # a credit step: half the window of 8
             await asyncio.sleep(0)
         assert sent == []
         await asyncio.sleep(CREDIT_DELAY_S * 5)
-        assert sent == [("credit", "a", [["r0", 9], ["r1", 9], ["r2", 9]])]
+        assert sent == [("credit", "a", [["r0", 12], ["r1", 12], ["r2", 12]])]
         # An abort does not wait: it leaves on the next iteration with the pending grants.
-        outbox.grant(states[0], 2)
+        outbox.grant(states[0], 5)
         outbox.abort("a", "r2")
         await asyncio.sleep(0)
-        assert sent[1:] == [("credit", "a", [["r0", 11]]), ("abort", "a", ["r2"])]
+        assert sent[1:] == [("credit", "a", [["r0", 17]]), ("abort", "a", ["r2"])]
         await asyncio.sleep(CREDIT_DELAY_S * 5)
         assert len(sent) == 3  # nothing left behind to send twice
     run(main())
