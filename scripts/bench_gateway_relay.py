@@ -87,43 +87,92 @@ def run_stamped_worker(router: str, tokens: str, step_s: float, word_id: int, ou
 
 # --- the client ----------------------------------------------------------------------------
 
+class _StreamClient(asyncio.Protocol):
+    """One streamed completion over a raw socket, parsed as bytes arrive: a load generator
+    that spends little CPU per chunk (it shares this machine's cores with the gateway and
+    the worker under test). Each chunk's events are checked: a token event ('data: {"id"'
+    with a non-empty choices list) is timed, the usage event read, an error event kept."""
+
+    def __init__(self, k: int, times: list[float], usage: list[int], errors: list[str],
+                 done: asyncio.Future):
+        self.k, self.times, self.usage, self.errors, self.done = k, times, usage, errors, done
+        self.buffer = b""
+        self.is_head_read = False
+
+    def data_received(self, data: bytes) -> None:
+        now = time.monotonic()
+        buffer = self.buffer + data
+        if not self.is_head_read:
+            end = buffer.find(b"\r\n\r\n")
+            if end < 0:
+                self.buffer = buffer
+                return
+            status = buffer.split(b"\r\n", 1)[0]
+            if b" 200 " not in status:
+                self._fail(status.decode(errors="replace"))
+                return
+            self.is_head_read = True
+            buffer = buffer[end + 4:]
+        # Chunked transfer encoding; one chunk per gateway write, holding whole events.
+        while True:
+            line_end = buffer.find(b"\r\n")
+            if line_end < 0:
+                break
+            size = int(buffer[:line_end], 16)
+            if size == 0:
+                self._finish()
+                return
+            chunk_end = line_end + 2 + size
+            if len(buffer) < chunk_end + 2:
+                break
+            self._on_chunk(buffer[line_end + 2:chunk_end], now)
+            buffer = buffer[chunk_end + 2:]
+        self.buffer = buffer
+
+    def _on_chunk(self, data: bytes, now: float) -> None:
+        for event in data.split(b"\n\n"):
+            if event.startswith(b'data: {"id"'):
+                if b'"choices":[]' in event:
+                    self.usage[self.k] = json.loads(event[6:])["usage"]["completion_tokens"]
+                else:
+                    self.times.append(now)
+            elif event.startswith(b'data: {"error"'):
+                self.errors.append(event.decode()[:200])
+
+    def _fail(self, why: str) -> None:
+        self.errors.append(why)
+        self._finish()
+
+    def _finish(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.errors.append(f"read: connection lost before the end ({exc!r})")
+            self.done.set_result(None)
+
+
 async def one_stream(port: int, k: int, max_tokens: int, arrivals: list[list[float]],
                      usage: list[int], errors: list[str]) -> None:
     body = json.dumps({"prompt": [PROMPT_BASE_ID + k], "max_tokens": max_tokens,
                        "stream": True, "ignore_eos": True, "temperature": 0,
                        "stream_options": {"include_usage": True}}).encode()
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
     try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        transport, _ = await loop.create_connection(
+            lambda: _StreamClient(k, arrivals[k], usage, errors, done), "127.0.0.1", port)
     except OSError as e:
         errors.append(f"connect: {e}")
         return
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n"
-                 b"Content-Type: application/json\r\nContent-Length: "
-                 + str(len(body)).encode() + b"\r\n\r\n" + body)
-    times = arrivals[k]
+    transport.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: "
+                    + str(len(body)).encode() + b"\r\n\r\n" + body)
     try:
-        head = await reader.readuntil(b"\r\n\r\n")
-        if b" 200 " not in head.split(b"\r\n", 1)[0]:
-            errors.append(head.split(b"\r\n", 1)[0].decode())
-            return
-        while True:  # chunked transfer encoding; one chunk per SSE send
-            size = int((await reader.readline()).strip(), 16)
-            if size == 0:
-                break
-            data = await reader.readexactly(size + 2)
-            now = time.monotonic()
-            for event in data.split(b"\n\n"):
-                if event.startswith(b'data: {"id"'):
-                    if b'"choices":[]' in event:
-                        usage[k] = json.loads(event[6:])["usage"]["completion_tokens"]
-                    else:
-                        times.append(now)
-                elif event.startswith(b'data: {"error"'):
-                    errors.append(event.decode()[:200])
-    except (OSError, asyncio.IncompleteReadError, ValueError) as e:
-        errors.append(f"read: {e!r}")
+        await done
     finally:
-        writer.close()
+        transport.close()
 
 
 async def run_clients(port: int, num_streams: int, max_tokens: int):
@@ -134,6 +183,16 @@ async def run_clients(port: int, num_streams: int, max_tokens: int):
     await asyncio.gather(*(one_stream(port, k, max_tokens, arrivals, usage, errors)
                            for k in range(num_streams)))
     return start, time.monotonic(), arrivals, usage, errors
+
+
+def run_loop(coro):
+    """uvloop where it is installed (it comes with uvicorn[standard]): the client's CPU per
+    chunk is lower, so it takes less of the cores the gateway and the worker need."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 # --- orchestration ----------------------------------------------------------------------
@@ -250,7 +309,7 @@ def main() -> None:
         cpu_before = {"gateway": gateways_cpu_seconds(gateway_pids),
                       "worker": cpu_seconds(worker_pid), "client": time.process_time()}
         load_before = os.getloadavg()[0]
-        start, end, arrivals, usage, errors = asyncio.run(
+        start, end, arrivals, usage, errors = run_loop(
             run_clients(args.port, args.streams, args.tokens))
         load_after = os.getloadavg()[0]
         cpu_used = {"gateway": gateways_cpu_seconds(gateway_pids),

@@ -6,7 +6,8 @@ straight off the tokens/s the gateway can deliver. This measures it without sock
 sleeps: N requests decoding in an Engine over a FakeRunner (no plan checks, as the worker
 process runs it), and per step the engine's step() and the worker loop's emit (worker/
 process.py's `WorkerLoop._emit`: per-stream credit bookkeeping, the TOKENS message's wire
-rows, common/protocol.py's encode; the socket send is left out). The garbage collector is
+rows, common/protocol.py's encode; the socket send is left out; in the worker process the
+encode runs on the gateway's sender thread, beside the next step's forward). The garbage collector is
 tuned as the worker process tunes it. Times are CPU time of this process (time.process_time:
 steadier than wall time on a shared machine), medians over the steps of each repeat.
 
@@ -27,6 +28,7 @@ import random
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,7 +53,9 @@ def run_once(num_seqs: int, num_steps: int, num_prompt_tokens: int,
     engine = Engine(config, runner=FakeRunner(config, check_plans=False))
     loop = WorkerLoop(WorkerConfig("w", "ipc:///nonexistent/r", "ipc:///nonexistent/t",
                                    engine=config, backend="fake"), engine)
-    loop._send_tokens = encode  # everything up to the socket
+    # One stand-in gateway: everything up to the socket (the process's sender thread encodes
+    # off the engine thread; counted here all the same).
+    loop.gateways = [types.SimpleNamespace(send_tokens=encode)]
     params = SamplingParams(max_tokens=num_steps + 10, ignore_eos=True)
     for i in range(num_seqs):
         request_id = f"req-{i:032x}"

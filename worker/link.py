@@ -168,6 +168,45 @@ class GatewayLink(threading.Thread):
             return False
 
 
+class TokenSender(threading.Thread):
+    """Encodes and sends one gateway's TOKENS messages off the engine thread.
+
+    The engine thread builds a step's rows and hands them over (`put`); msgpack and the
+    socket send run here, while the engine thread goes on to the next step (its forward
+    releases the GIL: a GPU's, or the fake backend's sleep). At 1,000 streams that took
+    0.6 ms of CPU a step, and more of wall time, out of the step's critical path. Order is
+    kept (one thread, one queue per gateway), and this thread alone uses the PUSH socket
+    once it has started.
+    """
+
+    _STOP = object()
+
+    def __init__(self, sock: zmq.Socket, worker_id: str, index: int):
+        super().__init__(name=f"token-sender-{index}", daemon=True)
+        self._sock = sock
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker_id = worker_id
+        self._index = index
+
+    def put(self, msg: Message) -> None:
+        self._queue.put(msg)
+
+    def stop(self) -> None:
+        """Send what is queued, then close the socket (within LINGER_MS)."""
+        self._queue.put(self._STOP)
+
+    def run(self) -> None:
+        try:
+            while (msg := self._queue.get()) is not self._STOP:
+                try:
+                    self._sock.send_multipart(encode(msg), zmq.NOBLOCK)
+                except zmq.Again:
+                    log.warning("token queue full; dropped step %d", msg.step,
+                                extra={"worker_id": self._worker_id, "gateway": self._index})
+        finally:
+            self._sock.close()
+
+
 class LinkState(enum.Enum):
     CONNECTING = "connecting"  # HELLO sent, no READY yet
     CONNECTED = "connected"
@@ -189,34 +228,35 @@ class GatewayPeer:
         self.link = GatewayLink(ctx, config, router_address, outbox_address, keys, inbox, index)
         self._to_link = ctx.socket(zmq.PUSH)
         self._to_link.connect(outbox_address)
-        self._tokens = ctx.socket(zmq.PUSH)
-        self._tokens.setsockopt(zmq.LINGER, LINGER_MS)
-        self._tokens.setsockopt(zmq.SNDHWM, SNDHWM)
+        tokens = ctx.socket(zmq.PUSH)
+        tokens.setsockopt(zmq.LINGER, LINGER_MS)
+        tokens.setsockopt(zmq.SNDHWM, SNDHWM)
         if keys is not None:
-            curve_client(self._tokens, keys)
-        self._tokens.connect(tokens_address)
+            curve_client(tokens, keys)
+        tokens.connect(tokens_address)
+        self._sender = TokenSender(tokens, config.worker_id, index)
 
     def start(self) -> None:
         self.link.start()
+        self._sender.start()
 
     def send_control(self, frames: list[bytes]) -> None:
         """HELLO, DRAIN: through the link thread, which owns the DEALER."""
         self._to_link.send_multipart(frames)
 
-    def send_tokens(self, frames: list[bytes]) -> bool:
-        """One TOKENS message; False if the queue to this gateway is full (it was dropped)."""
-        try:
-            self._tokens.send_multipart(frames, zmq.NOBLOCK)
-            return True
-        except zmq.Again:
-            return False
+    def send_tokens(self, msg: Message) -> None:
+        """One TOKENS message, encoded and sent by this gateway's sender thread (dropped,
+        with a warning, if the queue to the gateway is full)."""
+        self._sender.put(msg)
 
     def request_stop(self) -> None:
         self._to_link.send_multipart([b"stop"])
+        self._sender.stop()
 
     def close(self) -> None:
-        """After request_stop: wait for the link thread (it sends what it holds, within
-        LINGER_MS) and close."""
+        """After request_stop: wait for the link and sender threads (they send what they
+        hold, within LINGER_MS) and close."""
         self.link.join(timeout=LINGER_MS / 1000 + 1)
+        if self._sender.is_alive():
+            self._sender.join(timeout=LINGER_MS / 1000 + 1)
         self._to_link.close(linger=0)
-        self._tokens.close()

@@ -342,7 +342,7 @@ class WorkerLoop:
                 stream.is_paused = self.engine.pause(rid)
         for gw, rows in zip(self.gateways, wire, strict=True):
             if rows:
-                self._send_tokens(gw, Tokens(self.config.worker_id, self.num_steps, rows))
+                gw.send_tokens(Tokens(self.config.worker_id, self.num_steps, rows))
 
     # -- message handlers -------------------------------------------------------------------
 
@@ -601,11 +601,6 @@ class WorkerLoop:
                 num_total_blocks=stats.num_total_blocks, num_steps=self.num_steps,
                 request_ids=request_ids, counters=counters,
             ), self._ids_at)
-
-    def _send_tokens(self, gw: GatewayPeer, msg: Tokens) -> None:
-        if not gw.send_tokens(encode(msg)):
-            log.warning("token queue full; dropped step %d", msg.step,
-                        extra={**self._log_extra, "gateway": gw.index})
 
     # -- signals ----------------------------------------------------------------------------
 
