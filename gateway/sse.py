@@ -84,6 +84,29 @@ async def race_disconnect(work: Awaitable[Any], receive: Receive) -> tuple[bool,
     return True, None
 
 
+class DeferredWrites:
+    """Chunks for many streams held over one pass of the receive loop and written once per
+    stream at its end (gateway/zmq_io.py turns this on when several TOKENS messages were
+    waiting). The pass runs without yielding to the event loop, so nothing else writes to
+    those sockets, or sees them change, in between."""
+
+    def __init__(self) -> None:
+        self.is_deferring = False
+        self._pending: dict[SSEResponse, list[bytes]] = {}
+
+    def add(self, response: SSEResponse, chunk: bytes) -> None:
+        chunks = self._pending.get(response)
+        if chunks is None:
+            self._pending[response] = [chunk]
+        else:
+            chunks.append(chunk)
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, {}
+        for response, chunks in pending.items():
+            response.write_now(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+
+
 class SSEResponse:
     """An ASGI response streaming `events` (already-encoded SSE bytes)."""
 
@@ -158,7 +181,10 @@ class SSEResponse:
                 and not cycle.transport.is_closing())
 
     def write_now(self, chunk: bytes) -> None:
-        """Write one body chunk directly; only right after `can_write_now()` said True."""
+        """Write one body chunk directly; only after `can_write_now()` said True in the same
+        pass of the event loop."""
+        if self._cycle is None:
+            return
         self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
         self._num_bytes_sent += len(chunk)
 

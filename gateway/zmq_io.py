@@ -40,6 +40,7 @@ from zeroserve.common.protocol import (
 )
 from zeroserve.gateway.config import prepare_ipc_endpoint
 from zeroserve.gateway.logging import get_logger
+from zeroserve.gateway.sse import DeferredWrites
 from zeroserve.gateway.zap import ZAP_DOMAIN, ZapHandler
 
 log = get_logger("zmq")
@@ -65,8 +66,11 @@ Handler = Callable[[Peer, Message], None]
 
 class ZmqEdge:
     def __init__(self, router_address: str, tokens_address: str, on_message: Handler,
-                 keys: GatewayKeys | None = None):
+                 keys: GatewayKeys | None = None, writes: DeferredWrites | None = None):
         self.router_address = router_address
+        # Client writes made while TOKENS are dispatched: held and merged per stream when
+        # the gateway is behind (more than one TOKENS message waiting).
+        self.writes = writes or DeferredWrites()
         self.tokens_address = tokens_address
         self._on_message = on_message
         self.keys = keys
@@ -162,7 +166,7 @@ class ZmqEdge:
         while True:
             ready = dict(await poller.poll())
             if self._pull in ready:
-                await self._drain(self._pull, self._dispatch_tokens)
+                await self._drain_tokens()
             if self._router in ready:
                 await self._drain(self._router, self._dispatch_router)
 
@@ -173,6 +177,30 @@ class ZmqEdge:
             except zmq.Again:
                 return
             dispatch(frames)
+
+    async def _drain_tokens(self) -> None:
+        """Read every TOKENS message waiting (up to _MAX_BATCH), then dispatch them. One
+        waiting: its outputs go to their clients as they are dispatched. Several (the
+        gateway fell behind the workers' steps): the writes are held until all are
+        dispatched and each stream's socket gets one write with all its new events, so a
+        gateway under more load spends less per token, not more."""
+        assert self._pull is not None
+        batch = []
+        for _ in range(_MAX_BATCH):
+            try:
+                batch.append(await self._pull.recv_multipart(flags=zmq.NOBLOCK, copy=False))
+            except zmq.Again:
+                break
+        if len(batch) == 1:
+            self._dispatch_tokens(batch[0])
+            return
+        self.writes.is_deferring = True
+        try:
+            for frames in batch:
+                self._dispatch_tokens(frames)
+        finally:
+            self.writes.is_deferring = False
+            self.writes.flush()
 
     def _user_id(self, frame: zmq.Frame) -> str | None:
         return frame.get("User-Id") if self.keys is not None else None

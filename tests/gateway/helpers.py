@@ -32,6 +32,7 @@ from zeroserve.common.protocol import (
 )
 from zeroserve.gateway.app import build_app
 from zeroserve.gateway.config import GatewayConfig
+from zeroserve.gateway.server import uvicorn_config
 from zeroserve.gateway.tokenizer import TextTokenizer, byte_to_unicode
 
 IM_START, IM_END = 256, 257  # the byte tokenizer's special tokens
@@ -295,8 +296,10 @@ class GatewayServer:
         defaults.update(overrides)
         self.config = GatewayConfig(**defaults)
         self.app = build_app(self.config, tokenizer or byte_tokenizer())
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", lifespan="on"))
+        # The product's uvicorn settings (its HTTP protocol class, so streamed chunks take
+        # the direct write path as they do in `zeroserve gateway`).
+        self.server = uvicorn.Server(uvicorn_config(self.app, self.config, host="127.0.0.1",
+                                                    port=self.port, log_level="warning"))
         self._thread = threading.Thread(target=lambda: asyncio.run(self._serve()),
                                         daemon=True)
         self.loop: asyncio.AbstractEventLoop | None = None
