@@ -23,7 +23,7 @@ from zeroserve.gateway.streams import RequestState, Sink
 from zeroserve.gateway.tokenizer import TextTokenizer
 
 
-@dataclass
+@dataclass(slots=True)
 class ChoiceUpdate:
     index: int
     text: str

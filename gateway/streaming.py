@@ -101,6 +101,7 @@ class StreamedResponse:
         self._build = chat_chunk if ctx.kind == "chat" else completion_chunk
         self._sse: SSEResponse | None = None
         self._writes = gateway.edge.writes
+        self._grant_tokens = gateway.grant
         self._failure: BaseException | None = None  # raised in the direct path
 
     def response(self, slow_client_timeout_s: float, on_slow_client: Callable[[], bytes],
@@ -166,8 +167,9 @@ class StreamedResponse:
         return True
 
     def _grant(self, batch: list[tuple[ChoiceUpdate, RequestState]]) -> None:
+        grant = self._grant_tokens
         for update, state in batch:
-            self.gateway.grant(state, len(update.token_ids))
+            grant(state, len(update.token_ids))
 
     def render(self, batch: list[tuple[ChoiceUpdate, RequestState]]) -> bytes:
         """A batch of updates -> the SSE events for it, as one chunk (maybe empty)."""
@@ -188,7 +190,8 @@ class StreamedResponse:
                 if self.sampling.prompt_logprobs is not None:
                     lp = with_prompt_logprobs(tokenizer, lp, update, state)
             else:
-                lp = update_logprobs(tokenizer, ctx, update, offsets[index])
+                lp = None if update.logprobs is None else update_logprobs(
+                    tokenizer, ctx, update, offsets[index])
                 offsets[index] += len(update.text)
             if self._tool_streams is not None:
                 out += _tool_chunks(ctx, self._tool_streams[index], update, lp)
