@@ -153,9 +153,10 @@ ENGINE_OPTIONS = [
     option("--max-num-seqs", type=click.IntRange(min=1),
            default=_default(EngineConfig, "max_num_seqs"),
            help="Most sequences in one batch."),
-    option("--max-num-batched-tokens", type=click.IntRange(min=1),
-           default=_default(EngineConfig, "max_num_batched_tokens"),
-           help="Token budget of one step (prefill chunks + decodes)."),
+    option("--max-num-batched-tokens", type=click.IntRange(min=1), default=None,
+           help="Token budget of one step (prefill chunks + decodes). [default: "
+                f"{EngineConfig.max_num_batched_tokens}, or --max-num-seqs if larger, so that "
+                "every running sequence decodes at each step]"),
     option("--max-model-len", type=click.IntRange(min=1), default=None,
            help="Context length cap. [default: the model's own]"),
     option("--block-size", type=click.IntRange(min=1), default=_default(EngineConfig, "block_size"),
@@ -335,7 +336,8 @@ def engine_config(opts: dict[str, Any], device: str | None = None) -> EngineConf
     return _build(
         EngineConfig, model=opts["model"], device=device or opts["device"],
         dtype=opts["dtype"], max_num_seqs=opts["max_num_seqs"],
-        max_num_batched_tokens=opts["max_num_batched_tokens"],
+        max_num_batched_tokens=opts["max_num_batched_tokens"] or max(
+            EngineConfig.max_num_batched_tokens, opts["max_num_seqs"]),
         max_model_len=opts["max_model_len"], block_size=opts["block_size"],
         num_kv_blocks=opts["num_kv_blocks"], kv_cache_memory=opts["kv_cache_memory"],
         enable_prefix_caching=opts["enable_prefix_caching"],

@@ -14,7 +14,10 @@ It starts `zeroserve gateway` and one worker, opens N concurrent streaming compl
 - with `--worker fake`: the real `zeroserve worker --backend fake` (FakeRunner behind the
   real engine loop); latency is then reported as the inter-chunk gap (ITL), which includes
   the fake forward time.
-- `--gateways N` (with `--worker fake`): N `zeroserve gateway --reuse-port` processes share
+- with `--worker serve`: `zeroserve serve --backend fake --max-num-seqs STREAMS` exactly as a
+  user starts it (every other flag at its default but --credit-window), its gateway(s) and
+  worker found among its children; latency as with `--worker fake`.
+- `--gateways N` (with `--worker fake` or `serve`): N gateway processes share
   the port, as `zeroserve serve --gateways N` runs them, and the worker serves all N; the
   gateway CPU is the sum over the N processes.
 
@@ -23,6 +26,8 @@ It starts `zeroserve gateway` and one worker, opens N concurrent streaming compl
         --step-ms 50
     python scripts/bench_gateway_relay.py --worker fake --gateways 2 --streams 1000 \\
         --tokens 100 --step-ms 20
+    python scripts/bench_gateway_relay.py --worker serve --gateways 2 --streams 1000 \\
+        --tokens 300 --step-ms 20
 """
 
 from __future__ import annotations
@@ -225,6 +230,22 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def child_processes(pid: int) -> dict[int, str]:
+    """pid -> command line of each process whose parent is `pid` (Linux /proc)."""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == pid:
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                children[int(entry.name)] = cmd
+        except (OSError, ValueError, IndexError):
+            continue
+    return children
+
+
 def gateways_cpu_seconds(pids: list[int]) -> float | None:
     used = [cpu_seconds(pid) for pid in pids]
     return None if None in used else sum(used)
@@ -250,7 +271,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=100, help="output tokens per stream")
     ap.add_argument("--step-ms", type=float, default=50.0,
                     help="fake engine step time (one token per stream per step)")
-    ap.add_argument("--worker", choices=["stamped", "fake"], default="stamped")
+    ap.add_argument("--worker", choices=["stamped", "fake", "serve"], default="stamped",
+                    help="serve: `zeroserve serve --backend fake` as a user runs it (its "
+                         "gateways and worker as its children, default flags but for "
+                         "--max-num-seqs)")
     ap.add_argument("--gateways", type=int, default=1,
                     help="gateway processes sharing the port (--worker fake only)")
     ap.add_argument("--port", type=int, default=18765)
@@ -260,8 +284,9 @@ def main() -> None:
                     help="an extra flag for `zeroserve gateway` (repeatable), e.g. "
                          "--gateway-arg=--disable-metrics")
     args = ap.parse_args()
-    if args.gateways > 1 and args.worker != "fake":
-        ap.error("--gateways N > 1 needs --worker fake (the stamped worker has one link)")
+    if args.gateways > 1 and args.worker == "stamped":
+        ap.error("--gateways N > 1 needs --worker fake or serve (the stamped worker has one "
+                 "link)")
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 4 * args.streams + 256)),
@@ -273,7 +298,7 @@ def main() -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     gateways = []
-    for index in range(args.gateways):
+    for index in range(args.gateways if args.worker != "serve" else 0):
         shared = ["--reuse-port", *default_endpoint_args(args.port, index)] \
             if args.gateways > 1 else []
         gateways.append(subprocess.Popen(
@@ -294,6 +319,13 @@ def main() -> None:
             stamped = ctx.Process(target=run_stamped_worker, args=(
                 router, tokens, args.step_ms / 1000, word_id, stamps_path, stop_path))
             stamped.start()
+        elif args.worker == "serve":
+            procs.append(subprocess.Popen(
+                [py, "-m", "zeroserve.common.cli", "serve", "--port", str(args.port),
+                 "--gateways", str(args.gateways), "--backend", "fake", "--fake-forward-ms",
+                 str(args.step_ms), "--max-num-seqs", str(args.streams), "--credit-window",
+                 str(args.credit_window), "--log-level", "warning", *args.gateway_arg],
+                env=env, cwd=ROOT))
         else:
             procs.append(subprocess.Popen(
                 [py, "-m", "zeroserve.common.cli", "worker", "--port", str(args.port),
@@ -306,6 +338,10 @@ def main() -> None:
         wait_healthy(args.port, num_in_a_row=1 if args.gateways == 1 else 10 * args.gateways)
         worker_pid = stamped.pid if stamped is not None else procs[-1].pid
         gateway_pids = [g.pid for g in gateways]
+        if args.worker == "serve":
+            children = child_processes(procs[-1].pid)
+            gateway_pids = [pid for pid, cmd in children.items() if " gateway " in cmd]
+            (worker_pid,) = [pid for pid, cmd in children.items() if "zeroserve.worker" in cmd]
         cpu_before = {"gateway": gateways_cpu_seconds(gateway_pids),
                       "worker": cpu_seconds(worker_pid), "client": time.process_time()}
         load_before = os.getloadavg()[0]

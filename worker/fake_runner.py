@@ -19,6 +19,10 @@ from zeroserve.worker.outputs import StepTiming
 from zeroserve.worker.plan import SampledToken, ScheduledChunk, SchedulerOutput
 
 DEFAULT_NUM_KV_BLOCKS = 2048
+# Without --num-kv-blocks the simulated pool also gives each of max_num_seqs sequences this
+# many blocks (1,024 tokens at the default block size): the fake has no memory to run out
+# of, and `serve --backend fake --max-num-seqs 1000` should not preempt at a fixed 2,048.
+BLOCKS_PER_SEQ = 64
 DEFAULT_MAX_MODEL_LEN = 8192
 VOCAB_SIZE = 49152
 EOS_TOKEN_ID = 2
@@ -40,7 +44,8 @@ class FakeRunner:
     ) -> None:
         self.config = config
         self.block_size = config.block_size
-        self.num_kv_blocks = config.num_kv_blocks or DEFAULT_NUM_KV_BLOCKS
+        self.num_kv_blocks = config.num_kv_blocks or max(
+            DEFAULT_NUM_KV_BLOCKS, config.max_num_seqs * BLOCKS_PER_SEQ)
         self.info = ModelInfo(
             name="fake",
             path="fake",
@@ -62,7 +67,8 @@ class FakeRunner:
         self.num_steps = 0
         self.num_computed_tokens = 0
         # The token whose K/V each slot of the pool holds; None if never written.
-        self._slots: list[int | None] = [None] * (self.num_kv_blocks * self.block_size)
+        self._slots: list[int | None] = (
+            [None] * (self.num_kv_blocks * self.block_size) if check_plans else [])
 
     def execute(self, plan: SchedulerOutput) -> list[SampledToken]:
         t0 = time.perf_counter()

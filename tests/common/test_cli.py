@@ -91,6 +91,18 @@ def test_environment_variables_fill_in_flags(captured):
     assert (config.router_address, config.tokens_address) == default_endpoints(9123)
 
 
+def test_the_step_budget_follows_max_num_seqs_unless_given(captured):
+    """1,000 sequences under the old fixed budget of 512 tokens decoded 512 a step: half
+    the throughput asked for, silently."""
+    assert invoke(["worker", "--max-num-seqs", "1000"]).exit_code == 0
+    assert captured["worker"].engine.max_num_batched_tokens == 1000
+    assert invoke(["worker", "--max-num-seqs", "8"]).exit_code == 0
+    assert captured["worker"].engine.max_num_batched_tokens == 512
+    assert invoke(["worker", "--max-num-seqs", "1000", "--max-num-batched-tokens", "300"]
+                  ).exit_code == 0
+    assert captured["worker"].engine.max_num_batched_tokens == 300
+
+
 def test_a_flag_wins_over_its_variable(captured):
     assert invoke(["worker", "--max-num-seqs", "5"], {"ZEROSERVE_MAX_NUM_SEQS": "3"}).exit_code == 0
     assert captured["worker"].engine.max_num_seqs == 5
