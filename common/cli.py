@@ -430,6 +430,7 @@ def worker_config(opts: dict[str, Any], engine: EngineConfig, worker_id: str,
         fake_forward_s=opts["fake_forward_ms"] / 1000, gateway_grace_s=opts["gateway_grace"],
         stall_timeout_s=opts["stall_timeout"], max_step_failures=opts["max_step_failures"],
         keys_dir=opts["keys_dir"], insecure=opts["insecure"],
+        fake_stamps_path=opts.get("fake_stamps"),
     )
 
 
@@ -737,6 +738,9 @@ def gateway(**opts: Any) -> None:
 @option("--gateways", type=click.IntRange(min=1), default=1,
         help="Without addresses: serve this many local gateways on --port (the default ipc "
              "endpoints of each, as `serve --gateways N` makes them).")
+@option("--fake-stamps", type=click.Path(dir_okay=False), default=None,
+        help="--backend fake only, for benchmarks: at exit, write a JSON list of [first "
+             "prompt token, output index, monotonic time] for every token the fake made.")
 @MODEL_OPTION
 @_options(ENGINE_OPTIONS)
 @_options(WORKER_PROCESS_OPTIONS)

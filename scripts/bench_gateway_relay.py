@@ -12,8 +12,10 @@ It starts `zeroserve gateway` and one worker, opens N concurrent streaming compl
   emits one whole-word token per step per stream, so the i-th SSE chunk of a stream is its
   i-th token.
 - with `--worker fake`: the real `zeroserve worker --backend fake` (FakeRunner behind the
-  real engine loop); latency is then reported as the inter-chunk gap (ITL), which includes
-  the fake forward time.
+  real engine loop); latency is reported as the inter-chunk gap (ITL), which includes the
+  fake forward time, and as the added latency from the moment the fake made each token
+  (its `--fake-stamps` record) to the client's receipt: the worker's emit, ZeroMQ, the
+  gateway and the client's socket.
 - with `--worker serve`: `zeroserve serve --backend fake --max-num-seqs STREAMS` exactly as a
   user starts it (every other flag at its default but --credit-window), its gateway(s) and
   worker found among its children; latency as with `--worker fake`.
@@ -333,7 +335,8 @@ def main() -> None:
                  "--fake-forward-ms", str(args.step_ms), "--max-num-seqs",
                  str(max(args.streams, 64)), "--max-num-batched-tokens",
                  str(max(args.streams, 512)), "--num-kv-blocks",
-                 str(args.streams * (args.tokens // 16 + 3)), "--log-level", "warning"],
+                 str(args.streams * (args.tokens // 16 + 3)), "--log-level", "warning",
+                 "--fake-stamps", stamps_path],
                 env=env, cwd=ROOT))
         wait_healthy(args.port, num_in_a_row=1 if args.gateways == 1 else 10 * args.gateways)
         worker_pid = stamped.pid if stamped is not None else procs[-1].pid
@@ -386,9 +389,12 @@ def main() -> None:
         result["gateway_tokens_per_cpu_s"] = round(num_tokens / cpu_used["gateway"], 1)
     gaps = [b - a for times in arrivals for a, b in zip(times, times[1:], strict=False)]
     result["itl_ms"] = {q: round(pct(gaps, q) * 1000, 2) for q in (50, 90, 99)}
-    if args.worker == "stamped" and os.path.exists(stamps_path):
+    if args.worker in ("stamped", "fake") and os.path.exists(stamps_path):
         with open(stamps_path) as f:
-            sent = {(k, i): t for k, i, t in json.load(f)}
+            stamps = json.load(f)
+        if args.worker == "fake":  # [first prompt token, output index, time made]
+            stamps = [(first - PROMPT_BASE_ID, i, t) for first, i, t in stamps]
+        sent = {(k, i): t for k, i, t in stamps}
         added = [t - sent[(k, i)] for k, times in enumerate(arrivals)
                  for i, t in enumerate(times) if (k, i) in sent]
         result["added_latency_ms"] = {q: round(pct(added, q) * 1000, 2) for q in (50, 90, 99)}

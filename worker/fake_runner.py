@@ -11,6 +11,8 @@ and the batch must respect the token budget and the sequence cap.
 
 from __future__ import annotations
 
+import atexit
+import json
 import time
 
 from zeroserve.worker.config import BatchingMode, EngineConfig
@@ -41,6 +43,10 @@ class FakeRunner:
         per_token_time_s: float = 0.0,  # extra device time per scheduled token
         eos_after: int | None = None,  # emit EOS as output token number eos_after + 1
         check_plans: bool = True,  # validate plans and simulate the KV cache (O(context))
+        # Benchmarks: record [first prompt token, output index, monotonic time] for every
+        # token made, written as JSON to this path at exit (the relay benchmark's added
+        # latency is a client's receive time minus this).
+        stamps_path: str | None = None,
     ) -> None:
         self.config = config
         self.block_size = config.block_size
@@ -67,6 +73,10 @@ class FakeRunner:
         self.num_steps = 0
         self.num_computed_tokens = 0
         # The token whose K/V each slot of the pool holds; None if never written.
+        self._stamps: list[tuple[int, int, float]] | None = None
+        if stamps_path is not None:
+            self._stamps = []
+            atexit.register(self._write_stamps, stamps_path)
         self._slots: list[int | None] = (
             [None] * (self.num_kv_blocks * self.block_size) if check_plans else [])
 
@@ -88,6 +98,11 @@ class FakeRunner:
         if device_s > t2 - t1:
             time.sleep(device_s - (t2 - t1))
         t3 = time.perf_counter()
+        if self._stamps is not None:
+            made_at = time.monotonic()
+            self._stamps.extend(
+                (chunk.prompt_token_ids[0], len(chunk.output_token_ids), made_at)
+                for chunk in plan.chunks if chunk.do_sample and chunk.prompt_token_ids)
         self.num_steps += 1
         self.num_computed_tokens += num_tokens
         self.last_timing = StepTiming(
@@ -98,6 +113,10 @@ class FakeRunner:
             num_seqs=len(plan.chunks),
         )
         return sampled
+
+    def _write_stamps(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self._stamps, f)
 
     def next_token(self, chunk: ScheduledChunk) -> int:
         """The token sampled after chunk: a function of its last token, position and seed."""

@@ -98,6 +98,7 @@ class WorkerConfig:
     gateway_timeout_s: float = 5.0  # no gateway heartbeat for this long -> say HELLO again
     drain_timeout_s: float = 30.0
     fake_forward_s: float = 0.0  # backend "fake" only: simulated time of one forward
+    fake_stamps_path: str | None = None  # backend "fake" only: when each token was made
     # A silent gateway: keep its streams (paused at their credit) this long, then fail them.
     gateway_grace_s: float = 120.0
     # No engine progress for this long: exit EXIT_STALLED (None: never; tests in-process).
@@ -173,6 +174,7 @@ def build_engine(config: WorkerConfig) -> Engine:
         # Plan checks simulate the KV cache at O(context) per step: right for engine tests,
         # too slow for a server that streams long outputs.
         runner = FakeRunner(config.engine, forward_time_s=config.fake_forward_s,
+                            stamps_path=config.fake_stamps_path,
                             check_plans=False)
     started = time.monotonic()
     engine = Engine(config.engine, runner=runner)
