@@ -42,7 +42,8 @@ class WorkerHandle:
     # Requests the worker holds for other gateway processes (`serve --gateways N`): its
     # reported total less the ids it listed as ours. 0 behind a single gateway.
     num_foreign: int = 0
-    is_drain_requested: bool = False  # an operator drained it (until undrained or restarted)
+    # An operator drained it through this gateway and its heartbeats do not say so yet.
+    is_drain_requested: bool = False
     # Requests routed here since its last heartbeat (not yet in the reported counts).
     num_sent_since_heartbeat: int = 0
     request_ids: set[str] = field(default_factory=set)  # in flight here, as we see it
@@ -137,9 +138,15 @@ class WorkerRegistry:
         num_held = hb.num_running + hb.num_waiting + hb.num_paused
         worker.num_foreign = max(0, num_held - len(hb.request_ids))
         # The worker's own word decides (it publishes "draining" before it says DRAIN, so a
-        # heartbeat never contradicts a DRAIN sent before it), and an operator's drain holds
-        # until undrained.
-        if hb.state == WorkerState.DRAINING.value or worker.is_drain_requested:
+        # heartbeat never contradicts a DRAIN sent before it). An operator's drain sent from
+        # here holds until the worker's heartbeats say "draining": a heartbeat it sent before
+        # the DRAIN reached it must not undo the drain. From then on the worker's state is
+        # the truth, so an undrain through any gateway of `serve --gateways N` (each sees
+        # the worker's heartbeats) ends the drain in all of them.
+        if hb.state == WorkerState.DRAINING.value:
+            worker.is_drain_requested = False  # acknowledged
+            worker.status = WorkerStatus.DRAINING
+        elif worker.is_drain_requested:
             worker.status = WorkerStatus.DRAINING
         else:
             is_stalled = hb.progress_age_s > self.stall_timeout_s

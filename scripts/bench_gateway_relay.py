@@ -282,6 +282,8 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=18765)
     ap.add_argument("--credit-window", type=int, default=32)
     ap.add_argument("--result-json", default=None)
+    ap.add_argument("--no-stamps", action="store_true",
+                    help="--worker fake: no --fake-stamps (a worker from before that flag)")
     ap.add_argument("--gateway-arg", action="append", default=[],
                     help="an extra flag for `zeroserve gateway` (repeatable), e.g. "
                          "--gateway-arg=--disable-metrics")
@@ -336,7 +338,7 @@ def main() -> None:
                  str(max(args.streams, 64)), "--max-num-batched-tokens",
                  str(max(args.streams, 512)), "--num-kv-blocks",
                  str(args.streams * (args.tokens // 16 + 3)), "--log-level", "warning",
-                 "--fake-stamps", stamps_path],
+                 *([] if args.no_stamps else ["--fake-stamps", stamps_path])],
                 env=env, cwd=ROOT))
         wait_healthy(args.port, num_in_a_row=1 if args.gateways == 1 else 10 * args.gateways)
         worker_pid = stamped.pid if stamped is not None else procs[-1].pid

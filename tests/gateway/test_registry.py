@@ -64,6 +64,22 @@ def test_draining_and_full_workers_get_nothing():
     assert reg.pick() is None and not reg.has_ready
 
 
+def test_an_operators_drain_holds_until_the_worker_says_so_then_the_worker_decides():
+    """Two gateways (`serve --gateways 2`) see one worker. Drained through gateway A, it
+    stays drained there though a heartbeat sent before the DRAIN says "ready"; undrained
+    through gateway B, the worker's "ready" heartbeats end the drain in A as well."""
+    reg_a = WorkerRegistry()
+    reg_a.register(hello("w"), route("w"), 0.0)
+    worker = reg_a.get("w")
+    worker.is_drain_requested, worker.status = True, WorkerStatus.DRAINING  # drain_worker
+    reg_a.on_heartbeat(beat("w"), 0.1)  # sent before the worker read the DRAIN
+    assert worker.status is WorkerStatus.DRAINING and reg_a.pick() is None
+    reg_a.on_heartbeat(beat("w", state="draining"), 0.6)
+    assert worker.status is WorkerStatus.DRAINING and not worker.is_drain_requested
+    reg_a.on_heartbeat(beat("w"), 1.1)  # undrained (through gateway B): it says "ready"
+    assert worker.status is WorkerStatus.READY and reg_a.pick() is worker
+
+
 def test_a_worker_full_of_another_gateways_streams_takes_nothing_more_here():
     """Behind several gateways (`serve --gateways N`) a worker's heartbeats list only this
     gateway's requests but count all of them: the rest fill its capacity too."""
