@@ -352,6 +352,23 @@ class GatewayServer:
         self._thread.join(10)
 
 
+def raw_completion(port: int, body: dict, rcvbuf: int | None = None):
+    """POST /v1/completions on a plain socket (optionally with a tiny receive buffer) and
+    return the socket, unread: for clients that stop reading."""
+    import json
+    import socket
+
+    sock = socket.socket()
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect(("127.0.0.1", port))
+    data = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: "
+                 + str(len(data)).encode() + b"\r\n\r\n" + data)
+    return sock
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -13,6 +13,7 @@ import zmq
 from tests.gateway.helpers import (
     GatewayServer,
     cyclic_reply,
+    raw_completion,
     wait_until,
 )
 from zeroserve.common.protocol import Drain
@@ -525,20 +526,13 @@ def test_client_disconnect_while_non_stream_aborts(served):
 
 @pytest.mark.slow
 def test_slow_reader_stops_credit_then_is_aborted():
-    import socket
-
     with GatewayServer(credit_window=16, slow_client_timeout_s=1.5,
                        max_tokens_limit=1_000_000) as gw:
         worker = gw.worker(reply=cyclic_reply("x" * 50), tokens_per_step=16,
                            step_s=0.001, max_model_len=10_000_000).start()
         assert worker.ready.wait(5)
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.connect(("127.0.0.1", gw.port))
-        body = json.dumps({"prompt": "x", "max_tokens": 1_000_000, "stream": True}).encode()
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-                     b"Content-Type: application/json\r\nContent-Length: "
-                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+        sock = raw_completion(gw.port, {"prompt": "x", "max_tokens": 1_000_000, "stream": True},
+                              rcvbuf=4096)
         assert wait_until(lambda: worker.submits, 5)
         assert gw.shrink_send_buffers() == 1
         rid = worker.submits[0].request_id

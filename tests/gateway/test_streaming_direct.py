@@ -13,7 +13,13 @@ import time
 import httpx
 import pytest
 
-from tests.gateway.helpers import GatewayServer, cyclic_reply, text_tokens, wait_until
+from tests.gateway.helpers import (
+    GatewayServer,
+    cyclic_reply,
+    raw_completion,
+    text_tokens,
+    wait_until,
+)
 from zeroserve.gateway import sse as sse_module
 from zeroserve.gateway import streaming
 
@@ -39,6 +45,20 @@ def stream_text(url: str, body: dict) -> tuple[str, list[dict]]:
     return text, events
 
 
+def start_streams(url: str, bodies: list[dict]) -> tuple[list, list[threading.Thread]]:
+    """Each body as a streamed completion on its own thread: (results, threads), a result
+    being stream_text's (text, events) once its thread is done."""
+    results: list[tuple[str, list[dict]]] = [("", [])] * len(bodies)
+
+    def one(k: int) -> None:
+        results[k] = stream_text(url, bodies[k])
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(len(bodies))]
+    for t in threads:
+        t.start()
+    return results, threads
+
+
 @pytest.fixture
 def write_log(monkeypatch):
     """Every chunk SSEResponse.write_now put on a socket (the direct path's writes)."""
@@ -60,14 +80,8 @@ def test_concurrent_streams_are_written_directly_and_read_whole(write_log):
         worker = gw.worker(reply=cyclic_reply(DIGITS), step_s=0.002).start()
         try:
             assert worker.ready.wait(5)
-            results: list[tuple[str, list[dict]]] = [("", [])] * 8
-
-            def one(k: int) -> None:
-                results[k] = stream_text(gw.url, {"prompt": f"p{k}", "max_tokens": 60})
-
-            threads = [threading.Thread(target=one, args=(k,)) for k in range(8)]
-            for t in threads:
-                t.start()
+            results, threads = start_streams(
+                gw.url, [{"prompt": f"p{k}", "max_tokens": 60} for k in range(8)])
             for t in threads:
                 t.join(30)
             expected = (DIGITS * 6)[:60]
@@ -85,18 +99,12 @@ def test_concurrent_streams_are_written_directly_and_read_whole(write_log):
 def test_a_backed_up_stream_falls_back_to_its_task_and_loses_nothing(write_log):
     """The client stops reading until the server's socket is full (writes would block, so
     the direct path must leave the chunks to the task), then reads everything."""
-    import socket
-
     with GatewayServer(credit_window=64) as gw:
         worker = gw.worker(reply=cyclic_reply(DIGITS * 20), step_s=0.001).start()
         try:
             assert worker.ready.wait(5)
-            body = json.dumps({"prompt": "x", "max_tokens": 3000, "stream": True}).encode()
-            sock = socket.create_connection(("127.0.0.1", gw.port))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nConnection: close\r\n"
-                         b"Content-Type: application/json\r\nContent-Length: "
-                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+            sock = raw_completion(gw.port, {"prompt": "x", "max_tokens": 3000, "stream": True},
+                                  rcvbuf=4096)
             assert wait_until(lambda: worker.submits, 5)
             assert gw.shrink_send_buffers() == 1
             rid = worker.submits[0].request_id
@@ -192,14 +200,8 @@ def test_steps_waiting_behind_a_stalled_loop_go_out_merged_and_in_order(write_lo
         worker = gw.worker(reply=cyclic_reply(DIGITS), step_s=0.002).start()
         try:
             assert worker.ready.wait(5)
-            results: list[tuple[str, list[dict]]] = [("", [])] * 4
-
-            def one(k: int) -> None:
-                results[k] = stream_text(gw.url, {"prompt": f"p{k}", "max_tokens": 400})
-
-            threads = [threading.Thread(target=one, args=(k,)) for k in range(4)]
-            for t in threads:
-                t.start()
+            results, threads = start_streams(
+                gw.url, [{"prompt": f"p{k}", "max_tokens": 400} for k in range(4)])
             assert wait_until(lambda: len(worker.submits) == 4, 5)
             time.sleep(0.1)
             for _ in range(3):  # stall the loop (as a long GC pause would), three times
