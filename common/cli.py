@@ -263,6 +263,12 @@ GATEWAY_OPTIONS = [
            help="Send a trace per request (queue, prefill and decode spans) to this OTLP "
                 "collector: http://host:4318 (OTLP/HTTP) or grpc://host:4317. Needs "
                 "`pip install 'zeroserve[tracing]'`. [default: no tracing]"),
+    option("--metrics-dir", default=None,
+           help="Gateways of one tier share this folder: each writes its metrics there and "
+                "GET /metrics on any of them answers for all, each gateway's own series "
+                "labelled gateway=\"INDEX\" (`serve --gateways N` sets it). [default: none]"),
+    option("--gateway-index", type=click.IntRange(min=0), default=0,
+           help="This gateway's index in its tier (`serve --gateways N` sets it)."),
     option("--disable-metrics", is_flag=True, default=False,
            help="No Prometheus metrics: GET /metrics answers 404 and requests record "
                 "nothing."),
@@ -386,6 +392,7 @@ def gateway_config(opts: dict[str, Any]):
         admin_keys=(opts["admin_key"],) if opts["admin_key"] else (),
         otlp_traces_endpoint=opts["otlp_traces_endpoint"],
         disable_metrics=opts["disable_metrics"],
+        metrics_dir=opts.get("metrics_dir"), gateway_index=opts.get("gateway_index", 0),
         **_input_limits(opts),
         **_http_access(opts),
     )
@@ -504,6 +511,9 @@ def gateway_args(config: Any) -> list[str]:
         args += ["--otlp-traces-endpoint", config.otlp_traces_endpoint]
     if config.disable_metrics:
         args.append("--disable-metrics")
+    if config.metrics_dir is not None:
+        args += ["--metrics-dir", config.metrics_dir,
+                 "--gateway-index", str(config.gateway_index)]
     return args
 
 
@@ -673,13 +683,14 @@ def serve_gateway_configs(opts: dict[str, Any]) -> list[Any]:
     if num == 1:
         return [gateway_config({**opts, "router_address": routers[0] if routers else None,
                                 "tokens_address": tokens[0] if tokens else None})]
-    from zeroserve.gateway.config import default_endpoints
+    from zeroserve.gateway.config import default_endpoints, tier_metrics_dir
 
     configs = []
     for index in range(num):
         router, token = default_endpoints(opts["port"], index)
         configs.append(gateway_config({
-            **opts, "reuse_port": True,
+            **opts, "reuse_port": True, "gateway_index": index,
+            "metrics_dir": opts.get("metrics_dir") or tier_metrics_dir(opts["port"]),
             "router_address": routers[index] if routers else router,
             "tokens_address": tokens[index] if tokens else token}))
     return configs

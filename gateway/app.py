@@ -33,6 +33,7 @@ from zeroserve.gateway.rate_limit import (
     load_key_limits,
 )
 from zeroserve.gateway.routes import Api
+from zeroserve.gateway.tier_metrics import TierMetrics
 from zeroserve.gateway.tokenizer import TextTokenizer, load_tokenizer
 from zeroserve.gateway.tracing import RequestTracer
 
@@ -53,8 +54,10 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None) -> 
         tokenizer.shown_bytes_table()  # built now (with bytes_table), not on a request
     template = ChatTemplate.from_tokenizer(tokenizer, config.chat_template)
     names = served_model_names(config)
+    tier = None if config.metrics_dir is None or config.disable_metrics else TierMetrics(
+        config.metrics_dir, config.gateway_index)
     metrics = None if config.disable_metrics else Metrics(
-        names[0], tokenizer.max_model_len or DEFAULT_MAX_MODEL_LEN)
+        names[0], tokenizer.max_model_len or DEFAULT_MAX_MODEL_LEN, tier)
     tracer = None if config.otlp_traces_endpoint is None else RequestTracer.for_endpoint(
         config.otlp_traces_endpoint, names[0])
     gateway = Gateway(config, metrics=NoRequestMetrics() if metrics is None else metrics.requests,
@@ -70,6 +73,8 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None) -> 
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         loop_monitor.start()
         await gateway.start()
+        snapshots = None if tier is None else asyncio.create_task(
+            metrics.write_tier_snapshots(), name="tier-metrics")
         warn_if_exposed(config.host, keys)
         log.info("gateway started", extra={"model": api.served_names[0],
                                            "router": gateway.edge.router_address,
@@ -77,6 +82,8 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None) -> 
         try:
             yield
         finally:
+            if snapshots is not None:
+                snapshots.cancel()
             await gateway.stop()
             await loop_monitor.stop()
             if tracer is not None:  # flushes queued spans (bounded by the export timeout)

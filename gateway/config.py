@@ -78,6 +78,10 @@ class GatewayConfig:
     # Bind the HTTP port with SO_REUSEPORT, so that several gateway processes share it (the
     # kernel spreads connections over them): `zeroserve serve --gateways N`.
     reuse_port: bool = False
+    # The gateways of one tier (`serve --gateways N`) share this folder and each answers
+    # /metrics for all of them (gateway/tier_metrics.py); `gateway_index` names this one.
+    metrics_dir: str | None = None
+    gateway_index: int = 0
 
     def __post_init__(self) -> None:
         self._check_input_limits()
@@ -156,6 +160,11 @@ class GatewayConfig:
 
 def _ipc_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"zeroserve-{os.getuid()}"
+
+
+def tier_metrics_dir(port: int) -> str:
+    """Where `serve --gateways N` on `port` keeps its gateways' metrics snapshots."""
+    return str(_ipc_dir() / f"gw-{port}-metrics")
 
 
 def default_endpoints(port: int, index: int = 0) -> tuple[str, str]:

@@ -22,6 +22,7 @@ Each app has its own `CollectorRegistry`, so several apps in one process do not 
 
 from __future__ import annotations
 
+import asyncio
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -41,6 +42,7 @@ from prometheus_client.utils import floatToGoString
 from zeroserve.common.protocol import COUNTER_NAMES
 from zeroserve.gateway.errors import APIError
 from zeroserve.gateway.registry import WorkerStatus
+from zeroserve.gateway.tier_metrics import WRITE_INTERVAL_S, TierMetrics
 
 if TYPE_CHECKING:
     from zeroserve.gateway.core import Gateway
@@ -392,11 +394,14 @@ def _loop_lag(monitor: LoopLagMonitor, model_name: str) -> Iterator[Metric]:
 class Metrics:
     """One app's metrics: its registry, the request-path recorder, the scrape body."""
 
-    def __init__(self, model_name: str, max_model_len: int = DEFAULT_MAX_MODEL_LEN):
+    def __init__(self, model_name: str, max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+                 tier: TierMetrics | None = None):
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = RequestMetrics(self.registry, model_name, max_model_len)
         self._collector: GatewayCollector | None = None
+        # One of N gateways sharing a port: a scrape answers for all (gateway/tier_metrics.py).
+        self.tier = tier
 
     def watch(self, gateway: Gateway, loop_monitor: LoopLagMonitor | None = None) -> None:
         """Expose the gateway's worker and loop state (once)."""
@@ -405,4 +410,14 @@ class Metrics:
             self.registry.register(self._collector)
 
     def exposition(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        own = generate_latest(self.registry)
+        if self.tier is not None:
+            return self.tier.exposition(own), CONTENT_TYPE_LATEST
+        return own, CONTENT_TYPE_LATEST
+
+    async def write_tier_snapshots(self) -> None:
+        """For a tier's other gateways: this one's figures, every WRITE_INTERVAL_S."""
+        assert self.tier is not None
+        while True:
+            self.tier.write(generate_latest(self.registry))
+            await asyncio.sleep(WRITE_INTERVAL_S)

@@ -125,3 +125,42 @@ def test_a_dead_gateway_ends_only_its_own_streams_and_comes_back(zeroserve):
     for clients in by_pid.values():
         for c in clients:
             c.close()
+
+
+def tier_totals(client: httpx.Client) -> tuple[float, float]:
+    """From one gateway's /metrics: finished requests summed over every gateway's series,
+    and the ready workers (a worker figure: once for the tier, not once per gateway)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    finished = ready = 0.0
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == "zeroserve:request_success_total":
+                finished += sample.value
+            elif sample.name == "zeroserve:workers" and sample.labels["status"] == "ready":
+                ready += sample.value
+    return finished, ready
+
+
+def test_every_gateway_answers_metrics_for_the_whole_tier(zeroserve):
+    """A scrape of the shared port reaches either gateway; both count all the requests."""
+    server = zeroserve(args=("--gateways", "2", "--workers", "1", "--backend", "fake",
+                             "--device", "cpu", "--num-kv-blocks", "256"),
+                       num_workers=1, timeout_s=180)
+    wait_for_workers_on_every_gateway(server.url, 2, 1, timeout_s=120)
+    by_pid = clients_on_each_gateway(server.url, per_gateway=1)
+    body = {"prompt": "count me", "max_tokens": 4}
+    for clients in by_pid.values():
+        for _ in range(3):
+            assert clients[0].post("/v1/completions", json=body).status_code == 200
+    try:
+        deadline = time.monotonic() + 10
+        while True:  # each gateway writes its figures for the other every second
+            totals = {pid: tier_totals(clients[0]) for pid, clients in by_pid.items()}
+            if all(t == (6.0, 1.0) for t in totals.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert all(t == (6.0, 1.0) for t in totals.values()), totals
+    finally:
+        for clients in by_pid.values():
+            clients[0].close()
