@@ -139,6 +139,7 @@ class SSEResponse:
         cycle = scope.get(CYCLE_SCOPE_KEY)
         if cycle is not None and cycle.response_started and cycle.chunked_encoding:
             self._cycle = cycle
+            self._flow, self._transport = cycle.flow, cycle.transport
         loop = asyncio.get_running_loop()
         pump = asyncio.ensure_future(self._pump(send))
         watch = asyncio.ensure_future(wait_for_disconnect(receive))
@@ -174,18 +175,19 @@ class SSEResponse:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def can_write_now(self) -> bool:
-        """Would a chunk go straight to the socket now, as `send` would put it, unblocked?"""
+        """Would a chunk go straight to the socket now, as `send` would put it, unblocked?
+        (No cycle: not started, closed, or not our protocol.)"""
         cycle = self._cycle
-        return (cycle is not None and not self._is_closed and self._send_started is None
-                and not cycle.flow.write_paused and not cycle.disconnected
-                and not cycle.transport.is_closing())
+        return (cycle is not None and self._send_started is None
+                and not self._flow.write_paused and not cycle.disconnected
+                and not self._transport.is_closing())
 
     def write_now(self, chunk: bytes) -> None:
         """Write one body chunk directly; only after `can_write_now()` said True in the same
         pass of the event loop."""
         if self._cycle is None:
             return
-        self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        self._transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
         self._num_bytes_sent += len(chunk)
 
     @property
