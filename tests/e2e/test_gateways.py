@@ -142,8 +142,24 @@ def tier_totals(client: httpx.Client) -> tuple[float, float]:
     return finished, ready
 
 
-def test_every_gateway_answers_metrics_for_the_whole_tier(zeroserve):
-    """A scrape of the shared port reaches either gateway; both count all the requests."""
+def statuses(by_pid: dict[int, list[httpx.Client]]) -> dict[int, str]:
+    """worker-0's status as each gateway sees it."""
+    return {pid: clients[0].get("/admin/workers").json()["workers"][0]["status"]
+            for pid, clients in by_pid.items()}
+
+
+def wait_for_status(by_pid: dict[int, list[httpx.Client]], status: str) -> dict[int, str]:
+    deadline = time.monotonic() + 10
+    seen = statuses(by_pid)
+    while any(s != status for s in seen.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        seen = statuses(by_pid)
+    return seen
+
+
+def test_the_tier_answers_as_one_for_metrics_and_admin(zeroserve):
+    """A scrape of the shared port reaches either gateway; both count all the requests.
+    A drain through one gateway and the undrain through the other reach every gateway."""
     server = zeroserve(args=("--gateways", "2", "--workers", "1", "--backend", "fake",
                              "--device", "cpu", "--num-kv-blocks", "256"),
                        num_workers=1, timeout_s=180)
@@ -161,6 +177,14 @@ def test_every_gateway_answers_metrics_for_the_whole_tier(zeroserve):
                 break
             time.sleep(0.2)
         assert all(t == (6.0, 1.0) for t in totals.values()), totals
+
+        first, second = sorted(by_pid)
+        drain = by_pid[first][0].post("/admin/workers/worker-0/drain", json={"deadline_s": 30})
+        assert drain.status_code == 200, drain.text
+        assert set(wait_for_status(by_pid, "draining").values()) == {"draining"}
+        undrain = by_pid[second][0].post("/admin/workers/worker-0/undrain")
+        assert undrain.status_code == 200, undrain.text
+        assert set(wait_for_status(by_pid, "ready").values()) == {"ready"}
     finally:
         for clients in by_pid.values():
             clients[0].close()
