@@ -44,7 +44,13 @@ from zeroserve.gateway.logging import get_logger
 from zeroserve.gateway.metrics import Metrics, RequestMetrics
 from zeroserve.gateway.reconcile import Reconciler, TokenCheck, check_token_counts
 from zeroserve.gateway.registry import WorkerRegistry, WorkerStatus
-from zeroserve.gateway.streams import RequestPhase, RequestState, StreamTable, WorkerOutbox
+from zeroserve.gateway.streams import (
+    RequestPhase,
+    RequestState,
+    Sink,
+    StreamTable,
+    WorkerOutbox,
+)
 from zeroserve.gateway.tracing import RequestTracer
 from zeroserve.gateway.zmq_io import Peer, ZmqEdge
 
@@ -119,7 +125,7 @@ class Gateway:
     # --- requests (called by HTTP handlers) -------------------------------------------
 
     def new_request(self, index: int, prompt_token_ids: list[int],
-                    sink: asyncio.Queue) -> RequestState:
+                    sink: Sink) -> RequestState:
         state = RequestState(f"req-{uuid.uuid4().hex}", index, prompt_token_ids, sink,
                              credit_window=self.config.credit_window)
         self.streams.add(state)
@@ -357,7 +363,7 @@ class Gateway:
                     continue
             state.num_received += len(out.new_token_ids)
             state.output_token_ids.extend(out.new_token_ids)
-            state.sink.put_nowait((state, out))  # state.deliver(out), one call fewer
+            state.deliver(out)
         if is_capacity_freed:
             self.admission.wake()
 

@@ -52,11 +52,8 @@ def check_token_counts(state: RequestState, out: TokenOutput) -> TokenCheck:
         if seen >= len(out.new_token_ids) and out.finish_reason is None:
             return TokenCheck.DUPLICATE
         _keep(out, seen, len(out.new_token_ids))
-    limit = state.num_credited + state.credit_window  # state.credit_limit
-    params = state.params
-    if params is not None:
-        limit = min(limit, params.get("max_tokens", limit))
-    room = limit - state.num_received
+    max_tokens = (state.params or {}).get("max_tokens", state.credit_limit)
+    room = min(state.credit_limit, max_tokens) - state.num_received
     if len(out.new_token_ids) > room:
         _keep(out, 0, max(room, 0))
         return TokenCheck.OVER_LIMIT

@@ -147,12 +147,9 @@ def _finish_json(reason: str | None) -> str:
 
 def completion_chunk(ctx: ResponseContext, update: ChoiceUpdate, logprobs: dict | None
                      ) -> bytes:
-    # One per stream per step: the common values (no logprobs, no finish) without calls.
-    reason = update.finish_reason
     return ctx.render_choice(
-        f'{{"index":{update.index},"text":{_json_string(update.text)},'
-        f'"logprobs":{"null" if logprobs is None else _json(logprobs)},'
-        f'"finish_reason":{"null" if reason is None else _json_string(reason)}}}')
+        f'{{"index":{update.index},"text":{_json(update.text)},'
+        f'"logprobs":{_json(logprobs)},"finish_reason":{_finish_json(update.finish_reason)}}}')
 
 
 def chat_role_chunk(ctx: ResponseContext, index: int) -> dict:
@@ -161,12 +158,10 @@ def chat_role_chunk(ctx: ResponseContext, index: int) -> dict:
 
 
 def chat_chunk(ctx: ResponseContext, update: ChoiceUpdate, logprobs: dict | None) -> bytes:
-    delta = f'{{"content":{_json_string(update.text)}}}' if update.text else "{}"
-    reason = update.finish_reason
+    delta = f'{{"content":{_json(update.text)}}}' if update.text else "{}"
     return ctx.render_choice(
-        f'{{"index":{update.index},"delta":{delta},'
-        f'"logprobs":{"null" if logprobs is None else _json(logprobs)},'
-        f'"finish_reason":{"null" if reason is None else _json_string(reason)}}}')
+        f'{{"index":{update.index},"delta":{delta},"logprobs":{_json(logprobs)},'
+        f'"finish_reason":{_finish_json(update.finish_reason)}}}')
 
 
 def chat_delta_chunk(ctx: ResponseContext, index: int, delta: dict, logprobs: dict | None,

@@ -101,7 +101,6 @@ class StreamedResponse:
         self._build = chat_chunk if ctx.kind == "chat" else completion_chunk
         self._sse: SSEResponse | None = None
         self._writes = gateway.edge.writes
-        self._grant_tokens = gateway.outbox.grant
         self._failure: BaseException | None = None  # raised in the direct path
 
     def response(self, slow_client_timeout_s: float, on_slow_client: Callable[[], bytes],
@@ -149,7 +148,6 @@ class StreamedResponse:
         try:
             batch, error = group.take((item,))
             if batch:
-                update, state = batch[0]
                 chunk = self.render(batch)
                 if chunk:
                     writes = self._writes
@@ -157,8 +155,8 @@ class StreamedResponse:
                         writes.add(self._sse, chunk)
                     else:
                         self._sse.write_now(chunk)
-                self._grant_tokens(state, len(update.token_ids))
-                if update.finish_reason is not None and group.is_finished:
+                self._grant(batch)
+                if group.is_finished:
                     group.sink.wake()  # a stop string ended it: the task sends the end
         except Exception as e:  # this stream's bug: its task ends it (and logs it)
             error = e
@@ -168,9 +166,8 @@ class StreamedResponse:
         return True
 
     def _grant(self, batch: list[tuple[ChoiceUpdate, RequestState]]) -> None:
-        grant = self._grant_tokens
         for update, state in batch:
-            grant(state, len(update.token_ids))
+            self.gateway.grant(state, len(update.token_ids))
 
     def render(self, batch: list[tuple[ChoiceUpdate, RequestState]]) -> bytes:
         """A batch of updates -> the SSE events for it, as one chunk (maybe empty)."""
@@ -178,10 +175,10 @@ class StreamedResponse:
         out = []
         for update, state in batch:
             index = update.index
-            if self._needs_role and index in self._needs_role:
+            if index in self._needs_role:
                 self._needs_role.discard(index)
                 out.append(sse(chat_role_chunk(ctx, index)))
-            if self._needs_echo and index in self._needs_echo:
+            if index in self._needs_echo:
                 self._needs_echo.discard(index)
                 echo = self.echoes[index // self.sampling.n]
                 offsets[index] += len(echo)
@@ -198,7 +195,7 @@ class StreamedResponse:
                 out += _tool_chunks(ctx, self._tool_streams[index], update, lp)
             elif update.text or update.finish_reason is not None or lp is not None:
                 out.append(self._build(ctx, update, lp))
-        return out[0] if len(out) == 1 else b"".join(out)
+        return b"".join(out)
 
 
 def _tool_chunks(ctx: ResponseContext, stream: ToolCallStream, update: ChoiceUpdate,

@@ -27,11 +27,11 @@ from zeroserve.gateway.errors import APIError
 class Sink:
     """A request group's inbox: the receive loop puts, the group's one handler task takes.
 
-    asyncio.Queue's interface (put_nowait, get, get_nowait, empty) without its bookkeeping
-    (size limit, task counting, a waiter deque, a loop check per call): with 1,000 streams
-    the receive loop puts one item per stream per engine step, and the queue was ~14% of the
-    gateway's CPU. Unbounded, as the queue was: what a stream may have in flight is bounded
-    by its credit window. One consumer at a time.
+    A deque and one waiter future instead of an asyncio.Queue (its size limit, task
+    counting, waiter deque and loop checks): with 1,000 streams the receive loop puts one
+    item per stream per engine step, and the queue was ~14% of the gateway's CPU. Unbounded,
+    as the queue was: what a stream may have in flight is bounded by its credit window. One
+    consumer at a time, taking everything queued at once (`get_batch`).
 
     `direct`, when set, is offered each item that arrives while the consumer is parked with
     nothing queued; it returns True when it handled the item then and there (a streamed
@@ -64,12 +64,6 @@ class Sink:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def get(self):
-        while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-        return self._items.popleft()
-
     async def get_batch(self) -> list:
         """Everything queued, waiting for at least one item or a `wake` (then maybe [])."""
         if not self._items:
@@ -81,17 +75,6 @@ class Sink:
         items = list(self._items)
         self._items.clear()
         return items
-
-    def get_nowait(self):
-        if not self._items:
-            raise asyncio.QueueEmpty
-        return self._items.popleft()
-
-    def empty(self) -> bool:
-        return not self._items
-
-    def qsize(self) -> int:
-        return len(self._items)
 
 
 class RequestPhase(enum.Enum):
@@ -105,7 +88,7 @@ class RequestState:
     request_id: str
     index: int  # choice index within its HTTP request
     prompt_token_ids: list[int]
-    sink: Sink | asyncio.Queue  # items: (RequestState, TokenOutput | APIError)
+    sink: Sink  # items: (RequestState, TokenOutput | APIError)
     phase: RequestPhase = RequestPhase.QUEUED
     worker_id: str | None = None
     num_received: int = 0  # tokens the worker sent us

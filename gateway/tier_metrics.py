@@ -3,8 +3,8 @@
 A scrape of the shared port reaches whichever gateway the kernel picks, and each process
 counts only its own clients' requests: scraped as they are, counters would jump between
 processes' values and dashboards would show nonsense. So the gateways of a tier share a
-folder (`--metrics-dir`), each writes its exposition there every `WRITE_INTERVAL_S` (and at
-each of its own scrapes), and `/metrics` on any of them answers for the whole tier:
+folder (`--metrics-dir`), each writes its exposition there every `WRITE_INTERVAL_S`, and
+`/metrics` on any of them answers for the whole tier (its own figures fresh):
 
 - the gateways' own figures (requests, tokens, latencies, queue, event loop) once per
   gateway, each series labelled `gateway="<index>"`: `sum without (gateway)` (or the
@@ -64,7 +64,6 @@ class TierMetrics:
 
     def exposition(self, own: bytes) -> bytes:
         """The whole tier's figures, answering a scrape of this gateway."""
-        self.write(own)
         snapshots = {self.index: own}
         now = time.time()
         for path in self.folder.glob("gateway-*.prom"):
