@@ -10,7 +10,7 @@ updates in arrival order, and on close ends whatever is still running.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from zeroserve.common.protocol import TokenOutput
@@ -147,13 +147,15 @@ class RequestGroup:
                 return False
         return True
 
-    async def update_batches(self) -> AsyncIterator[list[tuple[ChoiceUpdate, RequestState]]]:
+    async def update_batches(self, is_stopped: Callable[[], bool] = lambda: False
+                             ) -> AsyncIterator[list[tuple[ChoiceUpdate, RequestState]]]:
         """Updates in arrival order, batched: everything already queued comes together, so a
         backlogged stream costs one client write per batch, not per token. Ends when every
-        choice finished; raises APIError when a choice fails (worker lost, worker error),
-        after yielding what came before the failure. The caller grants credit for the
-        tokens of each update once it has delivered them."""
-        while not self.is_finished:
+        choice finished, or when `is_stopped()` says so after a wake-up; raises APIError
+        when a choice fails (worker lost, worker error), after yielding what came before the
+        failure. The caller grants credit for the tokens of each update once it has
+        delivered them."""
+        while not self.is_finished and not is_stopped():
             batch, error = self.take(await self.sink.get_batch())
             if batch:
                 yield batch

@@ -114,16 +114,12 @@ class StreamedResponse:
     async def events(self) -> AsyncIterator[bytes]:
         group, ctx = self.group, self.ctx
         try:
-            while not group.is_finished and self._failure is None:
-                batch, error = group.take(await group.sink.get_batch())
-                if batch:
-                    chunk = self.render(batch)
-                    if chunk:
-                        yield chunk
-                    # Those chunks are on the client's socket (or there was nothing to send).
-                    self._grant(batch)
-                if error is not None:
-                    raise error
+            async for batch in group.update_batches(lambda: self._failure is not None):
+                chunk = self.render(batch)
+                if chunk:
+                    yield chunk
+                # Those chunks are on the client's socket (or there was nothing to send).
+                self._grant(batch)
             if self._failure is not None:
                 raise self._failure
             if ctx.include_usage:
