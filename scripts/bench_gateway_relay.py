@@ -5,7 +5,11 @@ It starts `zeroserve gateway` and one worker, opens N concurrent streaming compl
 (default 1,000) with a lean raw-socket HTTP/1.1 client, and reports:
 
 - delivered tokens/s (server-reported usage.completion_tokens over the wall time, and
-  chunks/s seen by the clients);
+  chunks/s seen by the clients), and `steady_tokens_per_s`: the token arrivals per second
+  while all N streams are open (from the last stream's first token to the first stream's
+  last one), the ramp up and the tail left out;
+- the CPU the gateway(s), the worker and the client used (`cpu_s`), per token for the
+  gateway and per chunk for the client (`client_cpu_us_per_chunk`);
 - with `--worker stamped` (default): the added latency per token = client receive time -
   the time the worker put that token on the wire (both CLOCK_MONOTONIC, same machine), as
   p50/p90/p99. The stamped worker is the gateway tests' fake worker in its own process; it
@@ -23,6 +27,19 @@ It starts `zeroserve gateway` and one worker, opens N concurrent streaming compl
   the port, as `zeroserve serve --gateways N` runs them, and the worker serves all N; the
   gateway CPU is the sum over the N processes.
 
+The client (`--client`, in the result as "client") shares this machine's cores with the
+gateway and the worker under test, so it should take as little of them as it can:
+
+- `c` (default): scripts/relay_client.c, compiled with gcc into the run's temp dir: one
+  epoll loop over the N sockets that sends the same requests and parses the responses
+  as the Python client does. Its own work is about 1 us a chunk (the kernel's per read,
+  TCP receive and ACK, is most of any client's CPU here), its loop is paced to wake at
+  most once per ms, and it times a chunk within about 1 ms of its arrival where the
+  Python client, working through 1,000 sockets, can be tens of ms late. Its CPU is its
+  rusage (user + system). Without gcc the script says so and uses `python`.
+- `python`: the asyncio client below (`_StreamClient`, uvloop where installed); its CPU
+  is this process's CPU time over the run.
+
     python scripts/bench_gateway_relay.py --streams 1000 --tokens 100 --step-ms 50
     python scripts/bench_gateway_relay.py --worker fake --streams 1000 --tokens 100 \\
         --step-ms 50
@@ -30,16 +47,20 @@ It starts `zeroserve gateway` and one worker, opens N concurrent streaming compl
         --tokens 100 --step-ms 20
     python scripts/bench_gateway_relay.py --worker serve --gateways 2 --streams 1000 \\
         --tokens 300 --step-ms 20
+    python scripts/bench_gateway_relay.py --worker fake --streams 1000 --tokens 300 \\
+        --step-ms 20 --client python
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
 import multiprocessing
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -202,6 +223,29 @@ def run_loop(coro):
     return uvloop.run(coro)
 
 
+def build_c_client(tmp: str) -> str:
+    """Compile scripts/relay_client.c into the run's temp dir; the binary's path."""
+    exe = os.path.join(tmp, "relay_client")
+    subprocess.run(["gcc", "-O2", "-o", exe, str(Path(__file__).with_name("relay_client.c"))],
+                   check=True)
+    return exe
+
+
+def run_c_client(exe: str, port: int, num_streams: int, max_tokens: int, out_path: str):
+    """Run the C client to its end: ((start, end, arrivals, usage, errors) as run_clients
+    returns them, the client's CPU seconds: user + system from its rusage)."""
+    proc = subprocess.Popen([exe, str(port), str(num_streams), str(max_tokens),
+                             str(PROMPT_BASE_ID), out_path])
+    _, status, rusage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise RuntimeError(f"relay_client exited with status {proc.returncode}")
+    with open(out_path, encoding="utf-8", errors="replace") as f:
+        out = json.load(f)
+    return ((out["start"], out["end"], out["arrivals"], out["usage"], out["errors"]),
+            rusage.ru_utime + rusage.ru_stime)
+
+
 # --- orchestration ----------------------------------------------------------------------
 
 def wait_healthy(port: int, timeout_s: float = 120, num_in_a_row: int = 1) -> None:
@@ -267,6 +311,21 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q / 100 * len(values)))]
 
 
+def steady_tokens_per_s(arrivals: list[list[float]]) -> float | None:
+    """Token arrivals per second while every stream is open: in [t0, t1], t0 the latest
+    first arrival (all streams have started), t1 the earliest last one (none has ended);
+    None with fewer than 2 streams or no such window."""
+    started = [times for times in arrivals if times]
+    if len(started) < 2:
+        return None
+    t0, t1 = max(times[0] for times in started), min(times[-1] for times in started)
+    if t1 <= t0:
+        return None
+    num = sum(bisect.bisect_right(times, t1) - bisect.bisect_left(times, t0)
+              for times in started)
+    return num / (t1 - t0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--streams", type=int, default=1000)
@@ -279,6 +338,9 @@ def main() -> None:
                          "--max-num-seqs)")
     ap.add_argument("--gateways", type=int, default=1,
                     help="gateway processes sharing the port (--worker fake only)")
+    ap.add_argument("--client", choices=["c", "python"], default="c",
+                    help="the load generator: c (scripts/relay_client.c, built with gcc; "
+                         "python where gcc is not found) or python (the asyncio client)")
     ap.add_argument("--port", type=int, default=18765)
     ap.add_argument("--credit-window", type=int, default=32)
     ap.add_argument("--result-json", default=None)
@@ -291,6 +353,10 @@ def main() -> None:
     if args.gateways > 1 and args.worker == "stamped":
         ap.error("--gateways N > 1 needs --worker fake or serve (the stamped worker has one "
                  "link)")
+    if args.client == "c" and shutil.which("gcc") is None:
+        print("note: gcc not found, so the client is the Python one (--client python)",
+              file=sys.stderr)
+        args.client = "python"
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 4 * args.streams + 256)),
@@ -298,6 +364,8 @@ def main() -> None:
     from zeroserve.gateway.config import default_endpoints
 
     router, tokens = default_endpoints(args.port)
+    tmp = tempfile.mkdtemp(prefix="relay-bench-")
+    client_exe = build_c_client(tmp) if args.client == "c" else None
     py = sys.executable
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
@@ -311,7 +379,6 @@ def main() -> None:
              "--credit-window", str(args.credit_window), *shared, *args.gateway_arg],
             env=env, cwd=ROOT))
     procs = list(gateways)
-    tmp = tempfile.mkdtemp(prefix="relay-bench-")
     stamps_path, stop_path = os.path.join(tmp, "stamps.json"), os.path.join(tmp, "stop")
     stamped = None
     try:
@@ -348,15 +415,23 @@ def main() -> None:
             gateway_pids = [pid for pid, cmd in children.items() if " gateway " in cmd]
             (worker_pid,) = [pid for pid, cmd in children.items() if "zeroserve.worker" in cmd]
         cpu_before = {"gateway": gateways_cpu_seconds(gateway_pids),
-                      "worker": cpu_seconds(worker_pid), "client": time.process_time()}
+                      "worker": cpu_seconds(worker_pid)}
         load_before = os.getloadavg()[0]
-        start, end, arrivals, usage, errors = run_loop(
-            run_clients(args.port, args.streams, args.tokens))
+        if client_exe is not None:
+            (start, end, arrivals, usage, errors), client_cpu = run_c_client(
+                client_exe, args.port, args.streams, args.tokens,
+                os.path.join(tmp, "client.json"))
+        else:
+            client_before = time.process_time()
+            start, end, arrivals, usage, errors = run_loop(
+                run_clients(args.port, args.streams, args.tokens))
+            client_cpu = time.process_time() - client_before
         load_after = os.getloadavg()[0]
         cpu_used = {"gateway": gateways_cpu_seconds(gateway_pids),
-                    "worker": cpu_seconds(worker_pid), "client": time.process_time()}
+                    "worker": cpu_seconds(worker_pid)}
         cpu_used = {k: (v - cpu_before[k]) if v is not None and cpu_before[k] is not None
                     else None for k, v in cpu_used.items()}
+        cpu_used["client"] = client_cpu
     finally:
         if stamped is not None:
             Path(stop_path).touch()
@@ -373,11 +448,26 @@ def main() -> None:
     num_tokens = sum(usage)
     num_chunks = sum(len(a) for a in arrivals)
     result = {
-        "worker": args.worker, "gateways": args.gateways, "streams": args.streams, "tokens_per_stream": args.tokens,
+        "worker": args.worker, "client": args.client, "gateways": args.gateways,
+        "streams": args.streams, "tokens_per_stream": args.tokens,
         "step_ms": args.step_ms, "credit_window": args.credit_window,
         "wall_s": round(wall, 3), "completed_streams": sum(1 for u in usage if u),
         "errors": len(errors), "usage_tokens": num_tokens, "chunks": num_chunks,
         "tokens_per_s": round(num_tokens / wall, 1),
+    }
+    # The delivery rate while all N streams are open (ramp up and tail excluded).
+    steady = steady_tokens_per_s(arrivals)
+    if steady is not None:
+        result["steady_tokens_per_s"] = round(steady, 1)
+    # When the streams' first tokens arrived, from the start (the ramp up), and their
+    # last ones (the tail).
+    firsts = [times[0] - start for times in arrivals if times]
+    lasts = [times[-1] - start for times in arrivals if times]
+    if firsts:
+        result["first_token_s"] = {"p50": round(pct(firsts, 50), 3),
+                                   "max": round(max(firsts), 3)}
+        result["last_token_s"] = {"min": round(min(lasts), 3), "max": round(max(lasts), 3)}
+    result |= {
         "chunks_per_s": round(num_chunks / wall, 1),
         "offered_tokens_per_s": round(args.streams * 1000 / args.step_ms, 1),
         # The machine's 1-minute load average around the run: on a shared machine tokens/s
@@ -389,6 +479,8 @@ def main() -> None:
     if cpu_used.get("gateway") and num_tokens:
         result["gateway_cpu_us_per_token"] = round(cpu_used["gateway"] / num_tokens * 1e6, 1)
         result["gateway_tokens_per_cpu_s"] = round(num_tokens / cpu_used["gateway"], 1)
+    if num_chunks:
+        result["client_cpu_us_per_chunk"] = round(cpu_used["client"] / num_chunks * 1e6, 2)
     gaps = [b - a for times in arrivals for a, b in zip(times, times[1:], strict=False)]
     result["itl_ms"] = {q: round(pct(gaps, q) * 1000, 2) for q in (50, 90, 99)}
     if args.worker in ("stamped", "fake") and os.path.exists(stamps_path):
@@ -402,6 +494,12 @@ def main() -> None:
         result["added_latency_ms"] = {q: round(pct(added, q) * 1000, 2) for q in (50, 90, 99)}
         result["added_latency_ms"]["mean"] = round(statistics.fmean(added) * 1000, 2) \
             if added else None
+        if args.worker == "fake":
+            # The worker's step period: the gaps between the times its steps made tokens
+            # (the forward's time plus the serial work around it, and any wait for a core).
+            made = sorted({t for _, _, t in stamps})
+            periods = [b - a for a, b in zip(made, made[1:], strict=False)]
+            result["worker_step_ms"] = {q: round(pct(periods, q) * 1000, 2) for q in (50, 90)}
     if errors:
         result["first_errors"] = errors[:3]
     print(json.dumps(result, indent=2))

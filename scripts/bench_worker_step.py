@@ -1,20 +1,26 @@
 """The worker's per-step cost at N decoding sequences, in-process and with no forward.
 
 The relay benchmark's worker (`zeroserve worker --backend fake --fake-forward-ms 20`) takes
-20 ms of sleep plus whatever the engine loop costs around it at every step; that cost comes
-straight off the tokens/s the gateway can deliver. This measures it without sockets or
-sleeps: N requests decoding in an Engine over a FakeRunner (no plan checks, as the worker
-process runs it), and per step the engine's step() and the worker loop's emit (worker/
-process.py's `WorkerLoop._emit`: per-stream credit bookkeeping, the TOKENS message's wire
-rows, common/protocol.py's encode; the socket send is left out; in the worker process the
-encode runs on the gateway's sender thread, beside the next step's forward). The garbage collector is
-tuned as the worker process tunes it. Times are CPU time of this process (time.process_time:
-steadier than wall time on a shared machine), medians over the steps of each repeat.
+20 ms of device time plus whatever serial work the engine loop adds to it at every step;
+that cost comes straight off the tokens/s the gateway can deliver. This measures it without
+sockets or sleeps: N requests decoding in an Engine over a FakeRunner (no plan checks, as
+the worker process runs it), stepped by `Engine.step_overlapped` with the worker loop's emit
+(worker/process.py's `WorkerLoop._emit`: per-stream credit bookkeeping, the TOKENS message's
+wire rows, common/protocol.py's encode; the socket send is left out; in the worker process
+the encode runs on the gateway's sender thread). Two figures per step:
+
+- serial: the engine thread's work outside the device time (scheduling, the state update,
+  pauses and resumes): each step takes the forward's time plus this;
+- emit: the outputs and the emit, which run during the next step's device time.
+
+The garbage collector is tuned as the worker process tunes it. Times are CPU time of this
+process (time.process_time: steadier than wall time on a shared machine), medians over the
+steps of each repeat.
 
 `--pause-percent P` adds what a gateway that falls behind causes: before each step, P% of
 the streams (chosen at random, seeded) leave the batch (engine.pause(), as a stream out of
 credit does) and the previous step's paused ones come back (engine.resume()); that time is
-counted in the engine step.
+counted as serial.
 
     python scripts/bench_worker_step.py --seqs 1000 --steps 60 --repeats 5
     python scripts/bench_worker_step.py --seqs 1000 --steps 60 --repeats 5 --pause-percent 5
@@ -38,7 +44,8 @@ if str(ROOT) not in sys.path:
 
 def run_once(num_seqs: int, num_steps: int, num_prompt_tokens: int,
              pause_percent: float = 0.0) -> tuple[float, float]:
-    """Median CPU seconds per step of (engine.step(), emit) over num_steps decode steps."""
+    """Median CPU seconds per step of (the engine's serial work, the emit during the device
+    time) over num_steps decode steps of engine.step_overlapped, as the worker loop runs it."""
     from zeroserve.common.gc_tuning import tune_for_serving
     from zeroserve.common.protocol import encode
     from zeroserve.worker.config import EngineConfig
@@ -61,27 +68,44 @@ def run_once(num_seqs: int, num_steps: int, num_prompt_tokens: int,
         request_id = f"req-{i:032x}"
         engine.add_request(request_id, [1000 + i] * num_prompt_tokens, params)
         loop.streams[request_id] = _Stream(credit_limit=num_steps + 10)
-    loop._emit(engine.step())  # the prefill step
+    engine.step_overlapped(loop._emit)  # the prefill step
     tune_for_serving()
     rng = random.Random(0)
     request_ids = list(loop.streams)
     num_paused = round(num_seqs * pause_percent / 100)
     paused: list[str] = []
-    step_s, emit_s = [], []
+    runner = engine.runner
+    # CPU seconds of this step: the fake's launch (its sampling is device time), and the
+    # work between launch and collect (the last step's outputs and their emit).
+    inside = [0.0, 0.0]
+    launched_at = [0.0]
+
+    def timed_launch(plan, launch=runner.launch):
+        t = time.process_time()
+        launch(plan)
+        launched_at[0] = time.process_time()
+        inside[0] += launched_at[0] - t
+
+    def timed_collect(collect=runner.collect):
+        inside[1] += time.process_time() - launched_at[0]
+        return collect()
+
+    runner.launch, runner.collect = timed_launch, timed_collect
+    serial_s, emit_s = [], []
     for _ in range(num_steps):
+        inside[:] = [0.0, 0.0]
         t0 = time.process_time()
         for request_id in paused:
             engine.resume(request_id)
         paused = rng.sample(request_ids, num_paused)
         for request_id in paused:
             engine.pause(request_id)
-        outputs = engine.step()
+        engine.step_overlapped(loop._emit)
         t1 = time.process_time()
-        loop._emit(outputs)
-        t2 = time.process_time()
-        step_s.append(t1 - t0)
-        emit_s.append(t2 - t1)
-    return statistics.median(step_s), statistics.median(emit_s)
+        # The engine thread's work outside the device time.
+        serial_s.append(t1 - t0 - inside[0] - inside[1])
+        emit_s.append(inside[1])
+    return statistics.median(serial_s), statistics.median(emit_s)
 
 
 def main() -> None:
@@ -100,11 +124,13 @@ def main() -> None:
     result = {
         "seqs": args.seqs, "steps": args.steps, "repeats": args.repeats,
         "pause_percent": args.pause_percent,
-        "engine_step_ms": [round(1000 * step, 3) for step, _ in runs],
+        # Serial: schedule + update (+ pauses): what a step adds to the device time.
+        "serial_ms": [round(1000 * step, 3) for step, _ in runs],
+        # During the next step's device time: the outputs, the emit and its encode.
         "emit_ms": [round(1000 * emit, 3) for _, emit in runs],
         "total_ms_median": round(1000 * statistics.median(totals), 3),
         "total_ms_min_max": [round(1000 * totals[0], 3), round(1000 * totals[-1], 3)],
-        "total_us_per_seq": round(1e6 * statistics.median(totals) / args.seqs, 2),
+        "serial_us_per_seq": round(1e6 * statistics.median(s for s, _ in runs) / args.seqs, 2),
     }
     print(json.dumps(result))
 

@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from zeroserve.worker.block_manager import BlockManager
@@ -15,10 +16,14 @@ from zeroserve.worker.model.info import ModelInfo
 from zeroserve.worker.outputs import EngineStats, RequestOutput, StepTiming
 from zeroserve.worker.plan import SampledToken, SchedulerOutput
 from zeroserve.worker.scheduler import Scheduler
-from zeroserve.worker.sequence import RequestError, SamplingParams, Sequence
+from zeroserve.worker.sequence import FinishReason, RequestError, SamplingParams, Sequence
 from zeroserve.worker.startup import StartupTimer, seconds_since_process_start
 
 logger = logging.getLogger(__name__)
+
+
+# Finishes whose output is made when they happen (abort(), a failed batch), not by the step.
+_REPORTED_AT_ONCE = (FinishReason.ABORT, FinishReason.ERROR)
 
 
 class Runner(Protocol):
@@ -30,6 +35,10 @@ class Runner(Protocol):
     def execute(self, plan: SchedulerOutput) -> list[SampledToken]:
         """One SampledToken per chunk with do_sample=True, in chunk order."""
         ...
+
+    # Optional, for runners whose device computes while the CPU goes on: launch(plan)
+    # starts the step and returns at once, collect() waits for it and returns what
+    # execute(plan) would. The engine does the last step's output work in between.
 
 
 # Engine._output makes one RequestOutput per stream per step with positional arguments
@@ -70,6 +79,10 @@ class Engine:
             config, self.block_manager, self.max_model_len, self.info.eos_token_ids
         )
         self._pending: list[RequestOutput] = []  # finished between steps (aborts)
+        # The last step's sequences with news, and its sampled tokens: their outputs are
+        # built by take_outputs() (at once by step(), a step later by step_overlapped()).
+        self._changed: list[Sequence] = []
+        self._sampled: list[SampledToken] = []
         self._num_steps = 0
         self._last_step = StepTiming()
         self._generate_ids = itertools.count()
@@ -133,35 +146,72 @@ class Engine:
         return self.scheduler.resume(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or bool(self._changed)
 
     # ---- the loop ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step; its outputs (and those of aborts since the last step) are returned."""
+        self._run_step(None)
+        return self.take_outputs()
+
+    def step_overlapped(self, emit: Callable[[list[RequestOutput]], None]) -> None:
+        """One step whose outputs are handed to `emit` during the next step's device time.
+
+        The worker's loop runs this (async output processing): after the next plan is
+        launched, the previous step's outputs are built and emitted while the device computes,
+        so a step's serial CPU work is only scheduling and the state update. If the next plan
+        is empty (nothing to overlap with), they are emitted at once; when the caller stops
+        stepping, take_outputs() hands out what is left. A stream paused from `emit` (out of
+        credit) while it is in the launched plan loses that step's token, which it computes
+        again when resumed, so it never gets ahead of its credit.
+        """
+        self._run_step(emit)
+
+    def take_outputs(self) -> list[RequestOutput]:
+        """The last step's outputs not handed out yet, and those of aborts since (an aborted
+        request's news come once, with its abort)."""
+        outputs = self._pending
+        self._pending = []
+        changed, sampled = self._changed, self._sampled
+        if changed:
+            self._changed, self._sampled = [], []
+            outputs += self._outputs(changed, sampled)
+        return outputs
+
+    def _run_step(self, emit: Callable[[list[RequestOutput]], None] | None) -> None:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         t1 = time.perf_counter()
         if plan.is_empty:
-            sampled: list[SampledToken] = []
-            runner_timing = StepTiming()
-        else:
-            try:
-                sampled = self.runner.execute(plan)
-            except RuntimeError as exc:  # device OOM and the like: fail the batch, keep serving
-                logger.exception("runner failed on a batch of %d sequences", len(plan.chunks))
-                return self._fail(plan, exc)
-            runner_timing = self.runner.last_timing
+            if emit is not None:
+                emit(self.take_outputs())
+            self._last_step = StepTiming()
+            return
+        runner = self.runner
+        launch = getattr(runner, "launch", None)
+        try:
+            if launch is not None:
+                launch(plan)  # the device computes from here until collect() returns
+        except RuntimeError as exc:
+            self._fail(plan, exc)
+            return
+        if emit is not None:
+            emit(self.take_outputs())
+        try:
+            sampled = runner.collect() if launch is not None else runner.execute(plan)
+        except RuntimeError as exc:
+            self._fail(plan, exc)
+            return
+        runner_timing = runner.last_timing
         t2 = time.perf_counter()
-        prompt_logprobs = None if plan.is_empty else getattr(self.runner,
-                                                              "last_prompt_logprobs", None)
+        prompt_logprobs = getattr(runner, "last_prompt_logprobs", None)
         if prompt_logprobs:  # before update(): a request may finish in this step
             self._take_prompt_logprobs(prompt_logprobs)
-        changed = self.scheduler.update(plan, sampled)
-        outputs = self._pending
-        self._pending = []
-        outputs += self._outputs(changed, sampled)
+        self._changed = self.scheduler.update(plan, sampled)
+        self._sampled = sampled
         t3 = time.perf_counter()
-        self._num_steps += not plan.is_empty
+        self._num_steps += 1
         self._last_step = StepTiming(
             schedule_s=t1 - t0,
             prepare_s=runner_timing.prepare_s,
@@ -171,7 +221,10 @@ class Engine:
             num_tokens=plan.num_tokens,
             num_seqs=len(plan.chunks),
         )
-        return outputs
+
+    @property
+    def last_step(self) -> StepTiming:
+        return self._last_step
 
     def stats(self) -> EngineStats:
         scheduler = self.scheduler
@@ -227,6 +280,8 @@ class Engine:
         by_id: dict[str, SampledToken] | None = None
         outputs = []
         for seq in changed:
+            if seq.finish_reason in _REPORTED_AT_ONCE:
+                continue  # aborted or failed since the step: reported then, with its tokens
             token = None
             if seq.params.logprobs is not None:
                 if by_id is None:
@@ -272,14 +327,13 @@ class Engine:
                 have += entries[len(have) + 1 - first:]
             seq.prompt_logprobs = have
 
-    def _fail(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
-        """Finish every sequence of a batch the runner could not compute, with ERROR."""
+    def _fail(self, plan: SchedulerOutput, exc: Exception) -> None:
+        """Finish every sequence of a batch the runner could not compute, with ERROR (device
+        OOM and the like: the batch fails, the worker keeps serving)."""
+        logger.exception("runner failed on a batch of %d sequences", len(plan.chunks))
         message = f"The worker failed to run this request: {type(exc).__name__}"
-        outputs = self._pending
-        self._pending = []
         for chunk in plan.chunks:
             seq = self.scheduler.finish_with_error(chunk.request_id)
             if seq is not None:
-                outputs.append(self._output(seq, None, message))
+                self._pending.append(self._output(seq, None, message))
         self._num_steps += 1
-        return outputs

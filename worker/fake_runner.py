@@ -72,15 +72,24 @@ class FakeRunner:
         self.check_plans = check_plans
         self.num_steps = 0
         self.num_computed_tokens = 0
-        # The token whose K/V each slot of the pool holds; None if never written.
+        self._sampled: list[SampledToken] = []  # launched, not collected yet
+        self._done_at = 0.0  # perf_counter time the launched plan's device time ends
         self._stamps: list[tuple[int, int, float]] | None = None
         if stamps_path is not None:
             self._stamps = []
             atexit.register(self._write_stamps, stamps_path)
+        # The token whose K/V each slot of the pool holds; None if never written.
         self._slots: list[int | None] = (
             [None] * (self.num_kv_blocks * self.block_size) if check_plans else [])
 
     def execute(self, plan: SchedulerOutput) -> list[SampledToken]:
+        self.launch(plan)
+        return self.collect()
+
+    def launch(self, plan: SchedulerOutput) -> None:
+        """Start the simulated device on plan: the tokens are made now, and collect() hands
+        them out once the device time has passed (the engine works in between, as it does
+        beside a GPU's forward)."""
         t0 = time.perf_counter()
         if self.check_plans:
             self._check_plan(plan)
@@ -93,25 +102,32 @@ class FakeRunner:
         # made within it, so a step takes forward_time_s, not forward_time_s plus the
         # fake's own bookkeeping (at 1,000 streams, 0.3 ms a step).
         device_s = self.forward_time_s + self.per_token_time_s * num_tokens
-        sampled = self._sample_all(plan.chunks)
-        t2 = time.perf_counter()
-        if device_s > t2 - t1:
-            time.sleep(device_s - (t2 - t1))
-        t3 = time.perf_counter()
+        self._sampled = self._sample_all(plan.chunks)
         if self._stamps is not None:
-            made_at = time.monotonic()
+            # The tokens count as made when the device time ends (a late wake-up from the
+            # wait counts as added latency, not as the fake's).
+            made_at = time.monotonic() + max(0.0, device_s - (time.perf_counter() - t1))
             self._stamps.extend(
                 (chunk.prompt_token_ids[0], len(chunk.output_token_ids), made_at)
                 for chunk in plan.chunks if chunk.do_sample and chunk.prompt_token_ids)
+        t2 = time.perf_counter()
+        self._done_at = t1 + device_s
         self.num_steps += 1
         self.num_computed_tokens += num_tokens
         self.last_timing = StepTiming(
             prepare_s=t1 - t0,
-            forward_s=t3 - t2,  # the rest of the device time, slept
             sample_s=t2 - t1,
             num_tokens=num_tokens,
             num_seqs=len(plan.chunks),
         )
+
+    def collect(self) -> list[SampledToken]:
+        """The launched plan's tokens, once its device time is over."""
+        t0 = time.perf_counter()
+        if self._done_at > t0:
+            time.sleep(self._done_at - t0)
+        self.last_timing.forward_s = time.perf_counter() - t0  # the rest of the device time
+        sampled, self._sampled = self._sampled, []
         return sampled
 
     def _write_stamps(self, path: str) -> None:

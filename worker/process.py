@@ -1,9 +1,10 @@
 """The worker process: one Engine behind two ZeroMQ sockets.
 
-The engine thread runs the loop: receive, schedule + execute + update (`engine.step()`),
-emit. Socket I/O stays at the edges: a link thread owns the DEALER (gateway commands in,
-HELLO/DRAIN/heartbeats out) so heartbeats keep their pace while a long step runs, and the
-engine thread owns only the PUSH socket that carries one TOKENS message per step.
+The engine thread runs the loop: receive, then schedule + execute + update
+(`engine.step_overlapped()`), which emits the previous step's outputs while the device
+computes. Socket I/O stays at the edges: a link thread owns the DEALER (gateway commands in,
+HELLO/DRAIN/heartbeats out) so heartbeats keep their pace while a long step runs, and a
+sender thread per gateway puts the TOKENS messages (one per step) on its PUSH socket.
 
 Flow control: each stream has a credit (the window the gateway granted, plus later grants,
 minus tokens sent). At 0 the stream is paused in the engine (it keeps its KV blocks and
@@ -252,14 +253,12 @@ class WorkerLoop:
                 self._check_signals()
                 self._check_gateway()
                 self._check_drain()
-                outputs = self._step()
-                self._emit(outputs)
                 self._ids_at = ids_at
-                self._publish_load()
+                self._step()  # publishes the load once its emit is done
                 progress_at = time.monotonic()
                 for gw in self.gateways:
                     gw.link.progress_at = progress_at
-            self._emit([])
+            self._emit(self.engine.take_outputs())
         finally:
             restore_signals()
             for gw in self.gateways:
@@ -273,25 +272,35 @@ class WorkerLoop:
     def _has_work(self) -> bool:
         return any(not s.is_paused for s in self.streams.values()) and self.engine.has_unfinished()
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> None:
+        """One engine step. Its outputs go out during the next step's device time (or at once
+        when no step follows): `_emit` runs inside the engine's step."""
         if not self._has_work():
-            return []
+            # The last step's outputs (no step to wait for) and what was rejected here.
+            self._emit_and_publish(self.engine.take_outputs())
+            return
         self.num_steps += 1
         try:
-            outputs = self.engine.step()
+            self.engine.step_overlapped(self._emit_and_publish)
         except Exception as e:  # the batch's state is suspect: fail what it holds
             self._num_failed_steps += 1
             log.exception("engine step failed (%d in a row)", self._num_failed_steps,
                           extra=self._log_extra)
             self._fail_all(f"internal error in the worker: {e}")
+            self._emit_and_publish([])
             if self._num_failed_steps >= self.config.max_step_failures:
                 log.error("engine failed %d steps in a row; exiting", self._num_failed_steps,
                           extra=self._log_extra)
                 self.exit_code = EXIT_ENGINE_FAILED
-            return []
+            return
         self._num_failed_steps = 0
-        self._is_last_step_empty = not outputs
-        return outputs
+        self._is_last_step_empty = self.engine.last_step.num_seqs == 0
+
+    def _emit_and_publish(self, outputs: list[RequestOutput]) -> None:
+        """The emit, then the heartbeats' load (the streams just ended are out of it). In a
+        step this runs during the device time."""
+        self._emit(outputs)
+        self._publish_load()
 
     def _receive_timeout(self) -> float:
         """How long to wait for messages: not at all while there is work; a moment when the

@@ -96,12 +96,14 @@ class SamplingParams:
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
     """A request as the engine sees it. Token lists grow; blocks come and go.
 
     Compared by identity (one object per request): the scheduler's queues find and remove
     sequences with ==, which as a field-by-field comparison cost ~0.5 us per element passed.
+    Slotted: the scheduler reads a handful of its fields per stream per step, and after a
+    20 ms forward those reads miss the CPU caches; slots keep them in the object itself.
     """
 
     request_id: str

@@ -134,20 +134,21 @@ def test_a_shared_prefix_is_not_computed_again():
     assert result["finished"]["second"][0].num_cached_tokens == 32
 
 
-def test_runner_failure_fails_the_batch_and_the_engine_keeps_serving():
+@pytest.mark.parametrize("failing", ["launch", "collect"])
+def test_runner_failure_fails_the_batch_and_the_engine_keeps_serving(failing):
     engine = make_engine()
     engine.add_request("a", prompt(4), make_params(max_tokens=5))
     engine.step()
-    real_execute = engine.runner.execute
+    real = getattr(engine.runner, failing)
 
-    def broken(plan):
+    def broken(*args):
         raise RuntimeError("device lost")
 
-    engine.runner.execute = broken
+    setattr(engine.runner, failing, broken)
     outputs = engine.step()
     assert [(o.request_id, o.finish_reason) for o in outputs] == [("a", FinishReason.ERROR)]
     assert outputs[0].error
-    engine.runner.execute = real_execute
+    setattr(engine.runner, failing, real)
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
     assert engine.generate([prompt(4)], make_params(max_tokens=3))[0]
 

@@ -31,6 +31,7 @@ from zeroserve.common.protocol import (
 )
 from zeroserve.worker.model.info import ModelInfo
 from zeroserve.worker.outputs import EngineStats, RequestOutput
+from zeroserve.worker.outputs import StepTiming as EngineStepTiming
 from zeroserve.worker.process import WorkerConfig, run_worker
 from zeroserve.worker.sequence import FinishReason, RequestError, SamplingParams
 
@@ -58,6 +59,8 @@ class ScriptedEngine:
         self.num_paused_calls = 0
         self.step_hook = None  # called once inside the next step (e.g. to hang it)
         self.failures = 0  # the next these many steps raise
+        self.held: list[RequestOutput] = []  # the last step's outputs, emitted by the next
+        self.last_step = EngineStepTiming()
 
     def add_request(self, request_id, prompt_token_ids, params, output_token_ids=(),
                     grammar=None):
@@ -74,6 +77,7 @@ class ScriptedEngine:
             return False
         self.aborted.append(RequestOutput(request_id, [], FinishReason.ABORT,
                                           len(req.prompt), req.num_out))
+        self.held = [out for out in self.held if out.request_id != request_id]
         return True
 
     def pause(self, request_id):
@@ -86,10 +90,15 @@ class ScriptedEngine:
         return True
 
     def has_unfinished(self):
-        return bool(self.reqs or self.aborted)
+        return bool(self.reqs or self.aborted or self.held)
 
-    def step(self):
+    def step_overlapped(self, emit):
+        """As Engine.step_overlapped: the last step's outputs are emitted after this step's
+        batch is chosen, and a request paused by emit loses this step's token."""
         self.num_steps += 1
+        batch = [rid for rid, req in self.reqs.items() if not req.is_paused]
+        self.last_step = EngineStepTiming(num_seqs=len(batch))
+        emit(self.take_outputs())
         time.sleep(self.step_s)
         if self.step_hook is not None:
             hook, self.step_hook = self.step_hook, None
@@ -97,9 +106,10 @@ class ScriptedEngine:
         if self.failures > 0:
             self.failures -= 1
             raise RuntimeError("injected step failure")
-        outputs, self.aborted = self.aborted, []
-        for rid, req in list(self.reqs.items()):
-            if req.is_paused:
+        outputs = self.held = []
+        for rid in batch:
+            req = self.reqs.get(rid)
+            if req is None or req.is_paused:
                 continue
             req.num_out += 1
             done = req.num_out >= req.params.max_tokens
@@ -108,6 +118,10 @@ class ScriptedEngine:
                                          len(req.prompt), req.num_out))
             if done:
                 del self.reqs[rid]
+
+    def take_outputs(self):
+        outputs = self.aborted + self.held
+        self.aborted, self.held = [], []
         return outputs
 
     def stats(self):
