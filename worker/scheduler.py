@@ -35,16 +35,19 @@ class RunQueue:
     """The running sequences in admission order (oldest first), with O(1) append and remove:
     pauses, finishes and aborts of any of 1,000 streams must not scan the others."""
 
-    __slots__ = ("_seqs",)
+    __slots__ = ("_seqs", "version")
 
     def __init__(self) -> None:
         self._seqs: dict[str, Sequence] = {}  # request id -> sequence; dicts keep the order
+        self.version = 0  # changes whenever a sequence joins or leaves
 
     def append(self, seq: Sequence) -> None:
         self._seqs[seq.request_id] = seq
+        self.version += 1
 
     def remove(self, seq: Sequence) -> None:
         del self._seqs[seq.request_id]
+        self.version += 1
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -81,6 +84,15 @@ class Scheduler:
         self._last_plan_seqs: list[Sequence | None] = []
         self.num_preemptions = 0
         self._prompt_keys: dict[str, int] = {}  # request id -> hash of its prompt
+        # The next step's decodes, made by update() while it holds each sequence (see
+        # _next_decodes): their chunks, the sequences behind them, those among them that
+        # need a new block first, the running sequences still prefilling, and the run
+        # queue's version they are valid for (None: schedule from scratch).
+        self._next_chunks: list[ScheduledChunk] = []
+        self._next_seqs: list[Sequence] = []
+        self._next_needing_block: list[Sequence] = []
+        self._next_under_way: list[Sequence] = []
+        self._next_version: int | None = None
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -191,12 +203,18 @@ class Scheduler:
         prefills: list[tuple[Sequence, int]] = []
         preempted: list[str] = []
 
-        # 1. Running decodes, oldest first: one token each. This loop runs for every stream
-        # every step, so it is inlined: the common case (room left in the last block) makes
-        # the chunk and nothing else; only a sequence crossing a block boundary allocates.
+        # 1. Running decodes, oldest first: one token each. update() made them already
+        # unless the running set changed since (or they may not all fit); otherwise this
+        # loop runs for every stream, so it is inlined: the common case (room left in the
+        # last block) makes the chunk and nothing else; only a sequence crossing a block
+        # boundary allocates.
         block_size = self.block_manager.block_size
         under_way: list[Sequence] = []  # running but not decoding: step 2's candidates
-        for seq in list(self.running):
+        made = self._next_decodes(budget, max_seqs)
+        if made is not None:
+            chunks, scheduled, under_way = made
+            budget -= len(chunks)
+        for seq in list(self.running) if made is None else ():
             if budget == 0 or len(scheduled) == max_seqs:
                 break
             if seq.status is not SequenceStatus.RUNNING:
@@ -263,6 +281,28 @@ class Scheduler:
         chunks += [self._chunk(seq, n) for seq, n in prefills]
         return SchedulerOutput(chunks=chunks, preempted=preempted), scheduled
 
+    def _next_decodes(
+        self, budget: int, max_seqs: int
+    ) -> tuple[list[ScheduledChunk], list[Sequence], list[Sequence]] | None:
+        """The decode chunks, their sequences and the prefills under way that update() made
+        for this step, if still exactly what step 1 would make: the run queue unchanged
+        since (no pause, resume, abort or preemption), every running sequence among them,
+        and all of them fitting the budget and the pool as they are. None otherwise."""
+        version, self._next_version = self._next_version, None
+        chunks, seqs = self._next_chunks, self._next_seqs
+        needing_block, under_way = self._next_needing_block, self._next_under_way
+        self._next_chunks, self._next_seqs = [], []
+        self._next_needing_block, self._next_under_way = [], []
+        bm = self.block_manager
+        if (version != self.running.version
+                or len(seqs) + len(under_way) != len(self.running)
+                or len(seqs) > min(budget, max_seqs)
+                or len(needing_block) > bm.num_free_blocks):
+            return None
+        for seq in needing_block:
+            bm.allocate(seq, 1)  # one block each, and the pool has them: no preemption
+        return chunks, seqs, under_way
+
     def _schedule_batch(self, mode: BatchingMode) -> tuple[SchedulerOutput, list[Sequence | None]]:
         if not self._is_batch_active():
             self._end_batch()
@@ -301,6 +341,12 @@ class Scheduler:
         max_model_len = self.max_model_len
         running = SequenceStatus.RUNNING
         changed: list[Sequence] = []
+        # The next step's decodes, made here while each sequence is at hand (_next_decodes).
+        is_continuous = self.config.batching_mode is BatchingMode.CONTINUOUS
+        next_chunks: list[ScheduledChunk] = []
+        next_seqs: list[Sequence] = []
+        needing_block: list[Sequence] = []
+        under_way: list[Sequence] = []
         for chunk, seq in zip(plan.chunks, self._last_plan_seqs, strict=True):
             token = None
             if chunk.do_sample:
@@ -316,21 +362,38 @@ class Scheduler:
             if num_computed % block_size < num_new:  # a block just filled up
                 cache_full_blocks(seq)
             if token is None:
+                under_way.append(seq)  # a prompt still being prefilled
                 continue
             token_id = token.token_id
             outputs = seq.output_token_ids
             outputs.append(token_id)
             num_output = len(outputs)
             params = seq.params
+            prompt = seq.prompt_token_ids
+            changed.append(seq)
             if (num_output >= params.max_tokens or token_id in eos_token_ids
                     or token_id in params.stop_token_ids
-                    or num_output + len(seq.prompt_token_ids) >= max_model_len):
+                    or num_output + len(prompt) >= max_model_len):
                 reason = self._finish_reason(seq, token_id)
                 if reason is not None:
                     self._remove_from_queues(seq)
                     self._finish(seq, reason)
-            changed.append(seq)
+                    continue
+            if num_output + len(prompt) - num_computed != 1:
+                under_way.append(seq)  # cannot happen after a sampled chunk; kept exact
+                continue
+            if num_computed >= len(seq.block_table) * block_size:
+                needing_block.append(seq)
+            # As step 1 of _schedule_continuous makes it (the plan borrows the lists).
+            next_chunks.append(ScheduledChunk(
+                seq.request_id, [token_id], num_computed, seq.block_table, True, params,
+                prompt, outputs))
+            next_seqs.append(seq)
         self._last_plan_seqs = []
+        if is_continuous:
+            self._next_chunks, self._next_seqs = next_chunks, next_seqs
+            self._next_needing_block, self._next_under_way = needing_block, under_way
+            self._next_version = self.running.version
         return changed
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:

@@ -1,8 +1,18 @@
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from tests.worker.factories import FakeClock, make_scheduler, make_seq, prompt, run_step
+from tests.worker.factories import (
+    FakeClock,
+    make_engine,
+    make_params,
+    make_scheduler,
+    make_seq,
+    prompt,
+    run_step,
+)
 from zeroserve.worker.config import BatchingMode
 from zeroserve.worker.sequence import FinishReason, RequestError, SequenceStatus
 
@@ -306,3 +316,66 @@ def test_dynamic_starts_at_once_when_max_num_seqs_are_waiting():
     add(scheduler, 4)
     plan, _ = run_step(scheduler, runner)
     assert len(plan.chunks) == 2
+
+
+def _plan_summary(plan):
+    """A plan as a runner sees it, up to which free block each sequence was given."""
+    return sorted((c.request_id, tuple(c.token_ids), c.start_pos, c.do_sample,
+                   len(c.block_table)) for c in plan.chunks)
+
+
+def test_decodes_made_by_update_are_the_plan_made_from_scratch():
+    """update() makes the next step's decode chunks while it holds each sequence; the next
+    schedule() takes them only if nothing changed since. Under random arrivals, pauses,
+    resumes, aborts and preemptions (a tight pool), every plan must equal that of a
+    scheduler that always plans from scratch, and the shortcut must be taken often."""
+    config = dict(num_kv_blocks=40, block_size=4, max_num_seqs=8, max_num_batched_tokens=24,
+                  max_model_len=96)
+    fast, scratch = make_engine(**config), make_engine(**config)
+    scratch.scheduler._next_decodes = lambda budget, max_seqs: None
+    num_taken = 0
+    real_next_decodes = fast.scheduler._next_decodes
+
+    def counting(budget, max_seqs):
+        nonlocal num_taken
+        made = real_next_decodes(budget, max_seqs)
+        num_taken += made is not None
+        return made
+
+    fast.scheduler._next_decodes = counting
+    rng = random.Random(7)
+    next_id = 0
+    live: list[str] = []
+    for step in range(1500):
+        ops = []
+        if step < 300 and rng.random() < 0.3:
+            tokens = [rng.randrange(3, 49152) for _ in range(rng.randrange(1, 30))]
+            ops.append(("add", f"s{next_id}", tokens, rng.randrange(1, 96 - len(tokens))))
+            next_id += 1
+        if live and rng.random() < 0.03:
+            ops.append(("abort", rng.choice(live)))
+        if live and rng.random() < 0.05:
+            ops.append(("pause", rng.choice(live)))
+        if rng.random() < 0.2:
+            ops.append(("resume_all",))
+        plans = []
+        for engine in (fast, scratch):
+            for op in ops:
+                if op[0] == "add":
+                    engine.add_request(op[1], op[2], make_params(max_tokens=op[3]))
+                elif op[0] == "abort":
+                    engine.abort(op[1])
+                elif op[0] == "pause":
+                    engine.pause(op[1])
+                else:
+                    for rid in list(engine.scheduler.paused):
+                        engine.resume(rid)
+            plans.append(engine.scheduler.schedule())
+            sampled = engine.runner.execute(plans[-1])
+            engine.scheduler.update(plans[-1], sampled)
+        assert _plan_summary(plans[0]) == _plan_summary(plans[1]), f"step {step}"
+        live = list(fast.scheduler._requests)
+        if step >= 300 and not live:
+            break
+    assert fast.scheduler.num_preemptions > 0
+    assert num_taken > 300
