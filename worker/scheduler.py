@@ -93,6 +93,7 @@ class Scheduler:
         self._next_needing_block: list[Sequence] = []
         self._next_under_way: list[Sequence] = []
         self._next_version: int | None = None
+        self._num_decodes = 0  # how many of the last plan's first chunks are decodes
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -278,6 +279,7 @@ class Scheduler:
             scheduled.append(seq)
             budget -= num_new
 
+        self._num_decodes = len(chunks)  # the plan's first chunks: one token, sampled
         chunks += [self._chunk(seq, n) for seq, n in prefills]
         return SchedulerOutput(chunks=chunks, preempted=preempted), scheduled
 
@@ -304,6 +306,7 @@ class Scheduler:
         return chunks, seqs, under_way
 
     def _schedule_batch(self, mode: BatchingMode) -> tuple[SchedulerOutput, list[Sequence | None]]:
+        self._num_decodes = 0  # update() takes every chunk the general way
         if not self._is_batch_active():
             self._end_batch()
             if self._is_batch_due(mode):
@@ -334,7 +337,6 @@ class Scheduler:
         # Once per stream per step: locals, and _finish_reason only when a stop or a limit
         # may have been reached.
         num_sampled = len(sampled)
-        i = 0
         block_size = self.block_manager.block_size
         cache_full_blocks = self.block_manager.cache_full_blocks
         eos_token_ids = self.eos_token_ids
@@ -347,7 +349,50 @@ class Scheduler:
         next_seqs: list[Sequence] = []
         needing_block: list[Sequence] = []
         under_way: list[Sequence] = []
-        for chunk, seq in zip(plan.chunks, self._last_plan_seqs, strict=True):
+        plan_seqs = self._last_plan_seqs
+        if len(plan_seqs) != len(plan.chunks):
+            raise ValueError("the plan and its sequences differ")
+        # 1. The decodes (the plan's first chunks: one token each, sampled): every stream
+        # every step, read after a forward that left the CPU caches cold, so this loop
+        # reads only the sequence, its sampled token, its output list and its params (no
+        # chunk, no prompt list; the block table only at a block boundary).
+        num_decodes = self._num_decodes
+        if num_sampled < num_decodes:
+            raise ValueError("sampled tokens must match the plan's do_sample chunks")
+        for seq, token in zip(plan_seqs[:num_decodes], sampled[:num_decodes], strict=True):
+            if token.request_id != seq.request_id:
+                raise ValueError("sampled tokens must match the plan's do_sample chunks")
+            if seq.status is not running:
+                continue  # paused while its token was being computed: it computes it again
+            num_computed = seq.num_computed_tokens = seq.num_computed_tokens + 1
+            at_boundary = num_computed % block_size == 0
+            if at_boundary:  # a block just filled up
+                cache_full_blocks(seq)
+            token_id = token.token_id
+            outputs = seq.output_token_ids
+            outputs.append(token_id)
+            num_output = len(outputs)
+            params = seq.params
+            changed.append(seq)
+            # A decode's tokens are the computed ones plus the new one.
+            if (num_output >= params.max_tokens or token_id in eos_token_ids
+                    or token_id in params.stop_token_ids
+                    or num_computed + 1 >= max_model_len):
+                reason = self._finish_reason(seq, token_id)
+                if reason is not None:
+                    self._remove_from_queues(seq)
+                    self._finish(seq, reason)
+                    continue
+            if at_boundary and num_computed >= len(seq.block_table) * block_size:
+                needing_block.append(seq)
+            next_chunks.append(ScheduledChunk(
+                seq.request_id, [token_id], num_computed, seq.block_table, True, params,
+                seq.prompt_token_ids, outputs))
+            next_seqs.append(seq)
+        # 2. The rest (prefill chunks, and every chunk of the batch modes).
+        i = num_decodes
+        for chunk, seq in zip(plan.chunks[num_decodes:], plan_seqs[num_decodes:],
+                              strict=True):
             token = None
             if chunk.do_sample:
                 if i < num_sampled:
