@@ -35,15 +35,17 @@ class RunQueue:
     """The running sequences in admission order (oldest first), with O(1) append and remove:
     pauses, finishes and aborts of any of 1,000 streams must not scan the others."""
 
-    __slots__ = ("_seqs", "version")
+    __slots__ = ("_seqs", "version", "joined")
 
     def __init__(self) -> None:
         self._seqs: dict[str, Sequence] = {}  # request id -> sequence; dicts keep the order
         self.version = 0  # changes whenever a sequence joins or leaves
+        self.joined: list[Sequence] = []  # appended since the scheduler last cleared it
 
     def append(self, seq: Sequence) -> None:
         self._seqs[seq.request_id] = seq
         self.version += 1
+        self.joined.append(seq)
 
     def remove(self, seq: Sequence) -> None:
         del self._seqs[seq.request_id]
@@ -286,24 +288,66 @@ class Scheduler:
     def _next_decodes(
         self, budget: int, max_seqs: int
     ) -> tuple[list[ScheduledChunk], list[Sequence], list[Sequence]] | None:
-        """The decode chunks, their sequences and the prefills under way that update() made
-        for this step, if still exactly what step 1 would make: the run queue unchanged
-        since (no pause, resume, abort or preemption), every running sequence among them,
-        and all of them fitting the budget and the pool as they are. None otherwise."""
+        """Step 1's decode chunks, their sequences and the prefills under way, from what
+        update() made for this step. Streams that left the run queue since (paused,
+        aborted, preempted) are dropped from them, and those that joined it (resumed, at
+        its end) are planned as step 1 plans them. None (plan from scratch) when that
+        cannot give exactly step 1's plan: nothing was made, a stream left and came back
+        (its place in the order moved), a running sequence is missing, or they do not all
+        fit the budget and the pool as they are."""
         version, self._next_version = self._next_version, None
         chunks, seqs = self._next_chunks, self._next_seqs
         needing_block, under_way = self._next_needing_block, self._next_under_way
         self._next_chunks, self._next_seqs = [], []
         self._next_needing_block, self._next_under_way = [], []
+        running = self.running
+        if version is None:
+            return None
+        if version != running.version and not self._follow_changes(
+                chunks, seqs, needing_block, under_way):
+            return None
         bm = self.block_manager
-        if (version != self.running.version
-                or len(seqs) + len(under_way) != len(self.running)
+        if (len(seqs) + len(under_way) != len(running)
                 or len(seqs) > min(budget, max_seqs)
                 or len(needing_block) > bm.num_free_blocks):
             return None
         for seq in needing_block:
             bm.allocate(seq, 1)  # one block each, and the pool has them: no preemption
         return chunks, seqs, under_way
+
+    def _follow_changes(self, chunks: list[ScheduledChunk], seqs: list[Sequence],
+                        needing_block: list[Sequence], under_way: list[Sequence]) -> bool:
+        """Bring update()'s lists (changed in place) up to the run queue's changes since;
+        False if a stream that left came back."""
+        is_running = SequenceStatus.RUNNING
+        joined = [seq for seq in dict.fromkeys(self.running.joined)
+                  if seq.status is is_running]
+        if joined:
+            made = {seq.request_id for seq in seqs}
+            made.update(seq.request_id for seq in under_way)
+            if any(seq.request_id in made for seq in joined):
+                return False
+        if any(seq.status is not is_running for seq in seqs):
+            kept = [k for k, seq in enumerate(seqs) if seq.status is is_running]
+            chunks[:] = [chunks[k] for k in kept]
+            seqs[:] = [seqs[k] for k in kept]
+        needing_block[:] = [seq for seq in needing_block if seq.status is is_running]
+        under_way[:] = [seq for seq in under_way if seq.status is is_running]
+        block_size = self.block_manager.block_size
+        for seq in joined:  # as step 1 of _schedule_continuous plans each
+            start = seq.num_computed_tokens
+            prompt = seq.prompt_token_ids
+            outputs = seq.output_token_ids
+            if len(prompt) + len(outputs) - start != 1:
+                under_way.append(seq)
+                continue
+            if start >= len(seq.block_table) * block_size:
+                needing_block.append(seq)
+            chunks.append(ScheduledChunk(
+                seq.request_id, [outputs[-1] if outputs else prompt[-1]], start,
+                seq.block_table, True, seq.params, prompt, outputs))
+            seqs.append(seq)
+        return True
 
     def _schedule_batch(self, mode: BatchingMode) -> tuple[SchedulerOutput, list[Sequence | None]]:
         self._num_decodes = 0  # update() takes every chunk the general way
@@ -439,6 +483,7 @@ class Scheduler:
             self._next_chunks, self._next_seqs = next_chunks, next_seqs
             self._next_needing_block, self._next_under_way = needing_block, under_way
             self._next_version = self.running.version
+        self.running.joined = []
         return changed
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
