@@ -207,10 +207,8 @@ class Scheduler:
         preempted: list[str] = []
 
         # 1. Running decodes, oldest first: one token each. update() made them already
-        # unless the running set changed since (or they may not all fit); otherwise this
-        # loop runs for every stream, so it is inlined: the common case (room left in the
-        # last block) makes the chunk and nothing else; only a sequence crossing a block
-        # boundary allocates.
+        # (_next_decodes) unless that cannot give this loop's plan. Here only a sequence
+        # crossing a block boundary allocates.
         block_size = self.block_manager.block_size
         under_way: list[Sequence] = []  # running but not decoding: step 2's candidates
         made = self._next_decodes(budget, max_seqs)
@@ -222,18 +220,13 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted above, by a decode that needed its blocks
-            start = seq.num_computed_tokens
-            prompt = seq.prompt_token_ids
-            outputs = seq.output_token_ids
-            if len(prompt) + len(outputs) - start != 1:
+            chunk = _decode_chunk(seq)
+            if chunk is None:
                 under_way.append(seq)
                 continue
-            if (start < len(seq.block_table) * block_size
+            if (chunk.start_pos < len(seq.block_table) * block_size
                     or self._reserve(seq, 1, scheduled, preempted)):
-                # The plan borrows the sequence's lists (see _chunk).
-                chunks.append(ScheduledChunk(
-                    seq.request_id, [outputs[-1] if outputs else prompt[-1]], start,
-                    seq.block_table, True, seq.params, prompt, outputs))
+                chunks.append(chunk)
                 scheduled.append(seq)
                 budget -= 1
 
@@ -333,21 +326,22 @@ class Scheduler:
             seqs[:] = [seqs[k] for k in kept]
         needing_block[:] = [seq for seq in needing_block if seq.status is is_running]
         under_way[:] = [seq for seq in under_way if seq.status is is_running]
-        block_size = self.block_manager.block_size
-        for seq in joined:  # as step 1 of _schedule_continuous plans each
-            start = seq.num_computed_tokens
-            prompt = seq.prompt_token_ids
-            outputs = seq.output_token_ids
-            if len(prompt) + len(outputs) - start != 1:
-                under_way.append(seq)
-                continue
-            if start >= len(seq.block_table) * block_size:
-                needing_block.append(seq)
-            chunks.append(ScheduledChunk(
-                seq.request_id, [outputs[-1] if outputs else prompt[-1]], start,
-                seq.block_table, True, seq.params, prompt, outputs))
-            seqs.append(seq)
+        for seq in joined:
+            self._plan_next(seq, chunks, seqs, needing_block, under_way)
         return True
+
+    def _plan_next(self, seq: Sequence, chunks: list[ScheduledChunk], seqs: list[Sequence],
+                   needing_block: list[Sequence], under_way: list[Sequence]) -> None:
+        """Add seq to the next step's decodes as step 1 plans it (noting whether its token
+        needs a new block), or to the prefills under way."""
+        chunk = _decode_chunk(seq)
+        if chunk is None:
+            under_way.append(seq)
+            return
+        if chunk.start_pos >= len(seq.block_table) * self.block_manager.block_size:
+            needing_block.append(seq)
+        chunks.append(chunk)
+        seqs.append(seq)
 
     def _schedule_batch(self, mode: BatchingMode) -> tuple[SchedulerOutput, list[Sequence | None]]:
         self._num_decodes = 0  # update() takes every chunk the general way
@@ -458,26 +452,16 @@ class Scheduler:
             outputs.append(token_id)
             num_output = len(outputs)
             params = seq.params
-            prompt = seq.prompt_token_ids
             changed.append(seq)
             if (num_output >= params.max_tokens or token_id in eos_token_ids
                     or token_id in params.stop_token_ids
-                    or num_output + len(prompt) >= max_model_len):
+                    or num_output + len(seq.prompt_token_ids) >= max_model_len):
                 reason = self._finish_reason(seq, token_id)
                 if reason is not None:
                     self._remove_from_queues(seq)
                     self._finish(seq, reason)
                     continue
-            if num_output + len(prompt) - num_computed != 1:
-                under_way.append(seq)  # cannot happen after a sampled chunk; kept exact
-                continue
-            if num_computed >= len(seq.block_table) * block_size:
-                needing_block.append(seq)
-            # As step 1 of _schedule_continuous makes it (the plan borrows the lists).
-            next_chunks.append(ScheduledChunk(
-                seq.request_id, [token_id], num_computed, seq.block_table, True, params,
-                prompt, outputs))
-            next_seqs.append(seq)
+            self._plan_next(seq, next_chunks, next_seqs, needing_block, under_way)
         self._last_plan_seqs = []
         if is_continuous:
             self._next_chunks, self._next_seqs = next_chunks, next_seqs
@@ -686,6 +670,19 @@ class Scheduler:
             self.block_manager.forget(seq)
         if self._padding and not self._is_batch_active():
             self._end_batch()  # the slowest member is done: release the padded ones now
+
+
+def _decode_chunk(seq: Sequence) -> ScheduledChunk | None:
+    """seq's next decode chunk (its one token not yet computed), or None when it has more
+    than one to compute (a prefill under way). The plan borrows the sequence's lists (see
+    Scheduler._chunk). update()'s decode loop makes the same chunk inline."""
+    start = seq.num_computed_tokens
+    prompt = seq.prompt_token_ids
+    outputs = seq.output_token_ids
+    if len(prompt) + len(outputs) - start != 1:
+        return None
+    return ScheduledChunk(seq.request_id, [outputs[-1] if outputs else prompt[-1]], start,
+                          seq.block_table, True, seq.params, prompt, outputs)
 
 
 def _token_slice(seq: Sequence, start: int, end: int) -> list[int]:

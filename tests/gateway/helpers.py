@@ -326,6 +326,14 @@ class GatewayServer:
         self.loop.call_soon_threadsafe(shrink)
         return len(connections)
 
+    def shrink_the_stream(self, worker) -> str:
+        """For a test with one client connection: once `worker` has its stream's SUBMIT,
+        shrink that connection's server-side buffers (shrink_send_buffers). Returns the
+        stream's request id."""
+        assert wait_until(lambda: worker.submits, 5)
+        assert self.shrink_send_buffers() == 1
+        return worker.submits[0].request_id
+
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
