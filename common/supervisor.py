@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import select
 import signal
 import subprocess
 import threading
@@ -91,7 +92,13 @@ class Supervisor:
         self.exit_code = 0
         self._num_signals = 0
         self._first_signal_at = 0.0
-        self._wake = threading.Event()
+        # Signal handlers wake the main loop through a pipe, never a lock: a handler runs in
+        # the main thread between two bytecodes, so one that took threading.Event's lock
+        # while the main loop held it (inside Event.wait or clear) would wait on itself
+        # forever (seen as a `serve` that ignored SIGTERM).
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._stopping = threading.Event()
 
     def run(self) -> int:
@@ -105,15 +112,31 @@ class Supervisor:
             if self.readiness is not None:
                 threading.Thread(target=self._probe_loop, daemon=True, name="readiness").start()
             while not self._num_signals and not self._is_fatal():
-                self._wake.wait(self._seconds_to_next_restart())
-                self._wake.clear()
+                self._wait_for_wake(self._seconds_to_next_restart())
                 self._reap_and_restart()
             self.stop()
         finally:
             self._stopping.set()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
         return self.exit_code
+
+    def _wake(self) -> None:
+        """From a signal handler: end the main loop's wait (no lock taken)."""
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):  # full: a wake is pending anyway; closed: done
+            pass
+
+    def _wait_for_wake(self, timeout_s: float) -> None:
+        select.select([self._wake_r], [], [], timeout_s)  # a handler's byte ends it early
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         # A repeat within a second is one event delivered twice (a process group, a wrapper
@@ -123,13 +146,13 @@ class Supervisor:
             self._num_signals += 1
         if self._num_signals == 1:
             self._first_signal_at = now
-        self._wake.set()
+        self._wake()
         if self._num_signals > 1:  # impatient operator: no more waiting
             for child in self.children:
                 _send(child, signal.SIGKILL)
 
     def _on_child_exit(self, signum: int, frame: Any) -> None:
-        self._wake.set()  # reap at once instead of at the next tick
+        self._wake()  # reap at once instead of at the next tick
 
     def _seconds_to_next_restart(self) -> float:
         due = [c.restart_at for c in self.children if c.restart_at is not None]

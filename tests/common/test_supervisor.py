@@ -207,6 +207,23 @@ def test_sigterm_drains_workers_before_the_gateway(harness):
 
 
 @pytest.mark.slow
+def test_sigterm_is_obeyed_after_a_storm_of_child_signals(harness):
+    # Its signal handlers once took threading.Event's lock; a signal that landed while the
+    # main loop held that lock (inside Event.wait or clear) deadlocked the supervisor, and
+    # `serve` ignored SIGTERM from then on (a CI run, and about 1 in 15 runs of this storm).
+    harness.start([("gateway", "serve", 1), ("worker-0", "quick", 0)],
+                  initial_backoff_s=0.001, max_backoff_s=0.002)
+    harness.wait_for(lambda: harness.pids("gateway") and len(harness.pids("worker-0")) >= 3)
+    end = time.monotonic() + 1.5
+    while time.monotonic() < end:
+        os.kill(harness.process.pid, signal.SIGCHLD)
+        time.sleep(0.0002)
+    harness.process.send_signal(signal.SIGTERM)
+    assert harness.process.wait(timeout=15) == 0
+    assert harness.pids("gateway", "exit")  # stopped in order, not killed
+
+
+@pytest.mark.slow
 def test_children_die_with_a_killed_supervisor(harness):
     harness.start([("gateway", "serve", 1), ("worker-0", "serve", 0)])
     harness.wait_for(lambda: harness.pids("gateway") and harness.pids("worker-0"))
