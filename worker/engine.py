@@ -131,12 +131,27 @@ class Engine:
             raise RequestError(str(e)) from None
 
     def abort(self, request_id: str) -> bool:
-        """Finish a request now, freeing its KV blocks; it is reported once by the next step."""
+        """Finish a request now, freeing its KV blocks; it is reported once by the next step.
+
+        One that finished in the last step, its finish not handed out yet, counts as aborted
+        too: that finish is its one report (False only when nothing of it is still to come),
+        so a new request of the same id never takes it for its own."""
         seq = self.scheduler.abort(request_id)
         if seq is None:
-            return False
+            return self._take_held_finish(request_id)
         self._pending.append(self._output(seq, None))
         return True
+
+    def _take_held_finish(self, request_id: str) -> bool:
+        """Move the held output of a request that finished in the last step to the aborts'."""
+        for k, seq in enumerate(self._changed):
+            if seq.request_id == request_id and seq.is_finished:
+                if seq.finish_reason in _REPORTED_AT_ONCE:
+                    return False  # reported already, with its abort or failure
+                del self._changed[k]
+                self._pending += self._outputs([seq], self._sampled)
+                return True
+        return False
 
     def pause(self, request_id: str) -> bool:
         """Leave the batch but keep the KV blocks (a stream out of credit)."""

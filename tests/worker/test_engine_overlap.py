@@ -124,3 +124,29 @@ def test_an_abort_after_a_step_reports_its_tokens_once_with_the_abort():
     emit(engine.take_outputs())
     assert [rid for rid, _, reason in seen if reason is not None] == ["a", "b"]
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+
+
+def test_an_abort_of_a_request_finished_in_the_last_step_takes_its_held_finish():
+    """A request that finished in the last step (its finish held back) and is aborted: the
+    worker counts on one report for that abort, so the held finish is it, and a new request
+    of the same id added then gets only its own outputs."""
+    engine = make_engine()
+    engine.add_request("a", prompt(4), make_params(max_tokens=2))
+    seen: list[tuple[str, list[int], FinishReason | None]] = []
+
+    def emit(outputs):
+        seen.extend((o.request_id, o.new_token_ids, o.finish_reason) for o in outputs)
+
+    engine.step_overlapped(emit)
+    engine.step_overlapped(emit)  # "a" finishes here; its last token is held back
+    assert engine.abort("a")
+    assert not engine.abort("a")  # one report only
+    num_seen = len(seen)
+    engine.add_request("a", prompt(4), make_params(max_tokens=5))
+    while engine.has_unfinished():
+        engine.step_overlapped(emit)
+    emit(engine.take_outputs())
+    # The old one's finish with its last token, then the new one's five tokens and finish.
+    assert [(len(t), reason) for _, t, reason in seen[num_seen:] if t or reason] == [
+        (1, FinishReason.LENGTH), *[(1, None)] * 4, (1, FinishReason.LENGTH)]
+    assert engine.stats().num_free_blocks == engine.stats().num_total_blocks

@@ -4,9 +4,14 @@ gateway's copy is, never stay paused or be ignored (issue 13: workers across hos
 
 from __future__ import annotations
 
+import threading
+import time
+
+from tests.worker.factories import make_engine
 from tests.worker.test_process import ScriptedEngine, start, stop
 from tests.worker.test_process import gateway as gateway  # noqa: F401 (fixture)
 from zeroserve.common.protocol import Abort, Submit
+from zeroserve.worker.sequence import SamplingParams
 
 
 class Engine(ScriptedEngine):
@@ -55,4 +60,37 @@ def test_abort_then_submit_of_the_same_id_runs_the_new_one(gateway):  # noqa: F8
     outs = gateway.collect({"s"})["s"]
     assert tokens_of(outs) == [102, 103, 104, 105, 106]
     assert outs[-1].finish_reason == "length"
+    stop(gateway, worker)
+
+
+def test_abort_then_submit_of_a_request_that_just_finished_runs_the_new_one(gateway):  # noqa: F811
+    """The real engine holds a step's outputs until the next step's device time. A request
+    that finished in the last step and is aborted and submitted again before its finish went
+    out (the gateway found a gap): that held finish belongs to the old one; it must not end
+    the new one, whose own tokens must come."""
+    engine = make_engine()
+    params = {"max_tokens": 3, "temperature": 0.0}
+    reference = make_engine().generate([[5, 6, 7, 8]], SamplingParams(**params))[0]
+    entered, release = threading.Event(), threading.Event()
+    real_step = engine.step_overlapped
+
+    def step_overlapped(emit):
+        real_step(emit)
+        if engine.scheduler.get("s") is None and not entered.is_set():
+            entered.set()  # "s" finished in this step; its finish is held
+            release.wait(5)
+
+    engine.step_overlapped = step_overlapped
+    worker, _, _ = start(gateway, engine)
+    gateway.send(Submit("s", [5, 6, 7, 8], params, 10))
+    assert entered.wait(5)
+    assert tokens_of(gateway.collect_n("s", 2)) == reference[:2]
+    # The gateway lost the second token: it aborts "s" and submits it again from the first.
+    gateway.send(Abort(["s"]))
+    gateway.send(Submit("s", [5, 6, 7, 8], params, 10, reference[:1]))
+    time.sleep(0.3)  # both reach the worker before its next step
+    release.set()
+    outs = gateway.collect({"s"})["s"]
+    assert tokens_of(outs) == reference[1:]
+    assert outs[0].num_output_tokens == 2 and outs[-1].finish_reason == "length"
     stop(gateway, worker)
