@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import sys
+import threading
 import time
 
 LOG_FORMATS = ("text", "json")
@@ -91,14 +93,74 @@ class TextFormatter(logging.Formatter):
         return line
 
 
+class BackgroundHandler(logging.Handler):
+    """Hands records to a thread that formats and writes them, and never blocks the caller.
+
+    A log's reader may stall: a pipe nobody drains (`serve | less`), a paused terminal, a
+    log collector applying backpressure. A plain StreamHandler then blocks in write() on the
+    thread that logged, which in the gateway is the event loop: every stream on it stopped
+    once 64 KiB of request lines filled a stderr pipe. Here the caller only queues the
+    record; while more than `max_records` wait, records are dropped and counted, and the
+    writer says how many once its reader takes lines again.
+
+    The queue is a SimpleQueue, whose put is safe even from a signal handler or a
+    finalizer (no lock that the interrupted code could be holding).
+    """
+
+    def __init__(self, target: logging.Handler, max_records: int = 10_000):
+        super().__init__()
+        self.target = target
+        self.max_records = max_records
+        self.num_dropped = 0  # written by emit() only (under the handler's lock)
+        self._num_reported = 0  # written by the writer thread only
+        self._queue: queue.SimpleQueue[logging.LogRecord | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._write_loop, daemon=True, name="log-writer")
+        self._thread.start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._queue.qsize() >= self.max_records:
+            self.num_dropped += 1
+            return
+        try:
+            # Merge the arguments now: they may change once the caller goes on.
+            record.msg = record.getMessage()
+            record.args = None
+        except Exception:
+            self.handleError(record)
+            return
+        self._queue.put(record)
+
+    def _write_loop(self) -> None:
+        while (record := self._queue.get()) is not None:
+            num_dropped = self.num_dropped - self._num_reported
+            if num_dropped:
+                self._num_reported += num_dropped
+                self.target.handle(logging.makeLogRecord({
+                    "name": "zeroserve.logging", "levelno": logging.WARNING,
+                    "levelname": "WARNING", "num_dropped": num_dropped,
+                    "msg": f"{num_dropped} log records dropped: the log's reader was not "
+                           "keeping up"}))
+            self.target.handle(record)
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Write what is queued, waiting at most `timeout_s` for a stalled reader."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+        self.target.close()
+        super().close()
+
+
 def setup_logging(log_format: str = "text", level: str | int = "INFO") -> None:
-    """Replace the root handlers with one stderr handler in the given format."""
+    """Replace the root handlers with one stderr handler in the given format, written from
+    a thread of its own (BackgroundHandler): a stalled reader never blocks a caller."""
     if log_format not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {LOG_FORMATS}, not {log_format!r}")
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
+    stream = logging.StreamHandler(sys.stderr)
+    stream.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
-    root.addHandler(handler)
+        if isinstance(old, BackgroundHandler):  # ours, from an earlier call: end its thread
+            old.close()
+    root.addHandler(BackgroundHandler(stream))
     root.setLevel(level.upper() if isinstance(level, str) else level)
