@@ -240,6 +240,10 @@ GATEWAY_OPTIONS = [
            help="Bytes/s a stream must reach over each --slow-client-timeout window while "
                 "the client holds it up (its writes blocked most of the window); slower "
                 "streams are aborted. 0: off."),
+    option("--client-send-buffer", type=ByteSize(), default=64 * 1024,
+           help="Kernel send buffer per client connection (e.g. 64KiB; 0: the kernel's "
+                "autotuning, up to megabytes). It bounds what a client that stops reading "
+                "is sent before its stream pauses and --slow-client-timeout runs."),
     option("--loop-lag-warn", type=float, default=0.25, callback=_positive,
            help="Seconds of event-loop lag that count as a stall: logged (rate-limited) and "
                 "counted in /health."),
@@ -385,6 +389,7 @@ def gateway_config(opts: dict[str, Any]):
         worker_timeout_s=opts["worker_timeout"], log_format=opts["log_format"],
         log_level=opts["log_level"].lower(),
         min_client_rate=opts["min_client_rate"], loop_lag_warn_s=opts["loop_lag_warn"],
+        client_send_buffer_bytes=opts["client_send_buffer"],
         request_idle_timeout_s=opts["request_idle_timeout"],
         worker_stall_timeout_s=opts["worker_stall_timeout"], routing=opts["routing"],
         reuse_port=opts["reuse_port"],
@@ -494,6 +499,7 @@ def gateway_args(config: Any) -> list[str]:
         "--worker-timeout", str(config.worker_timeout_s),
         "--log-format", config.log_format, "--log-level", config.log_level,
         "--min-client-rate", str(config.min_client_rate),
+        "--client-send-buffer", str(config.client_send_buffer_bytes),
         "--loop-lag-warn", str(config.loop_lag_warn_s),
         "--request-idle-timeout", str(config.request_idle_timeout_s),
         "--worker-stall-timeout", str(config.worker_stall_timeout_s),

@@ -48,6 +48,12 @@ class GatewayConfig:
     # a stream whose sends were blocked for most of the last slow_client_timeout_s and that
     # delivered fewer bytes/s than this over it is aborted (0 turns the rate rule off).
     min_client_rate: float = 1024.0
+    # The kernel's send buffer for each client connection (SO_SNDBUF; 0: the kernel's
+    # autotuning). Credit goes back when a chunk is handed to the socket, so this bounds
+    # what a client that stops reading takes before its stream pauses: autotuned, a
+    # loopback or LAN socket grows to 4 MiB (tcp_wmem), some 16,000 tokens, and such a
+    # client was never paused nor aborted. Linux doubles the value given.
+    client_send_buffer_bytes: int = 64 * 1024
     loop_lag_warn_s: float = 0.25  # event-loop lag at or above this is a stall: logged, counted
     # Bearer keys for the admin API (gateway/admin.py); never logged or shown in repr.
     admin_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -111,6 +117,8 @@ class GatewayConfig:
             raise ValueError(f"log_format must be one of {LOG_FORMATS}")
         if self.min_client_rate < 0:
             raise ValueError("min_client_rate must be >= 0")
+        if self.client_send_buffer_bytes < 0:
+            raise ValueError("client_send_buffer_bytes must be >= 0")
         if self.loop_lag_warn_s <= 0:
             raise ValueError("loop_lag_warn_s must be > 0")
         if self.routing not in ROUTING_POLICIES:

@@ -7,6 +7,11 @@ when a new request begins, and stops when its head is complete; if it fires, the
 is closed. A head larger than `max_head_bytes` gets 431 and the connection is closed.
 Bodies have their own timeout in gateway/request_body.py.
 
+Each connection's kernel send buffer is capped (`send_buffer_bytes`, SO_SNDBUF): a stream's
+credit goes back when its chunk is handed to the socket, so an autotuned buffer (up to
+tcp_wmem's 4 MiB) let a client that stopped reading take thousands of tokens without ever
+being paused or reaching the slow-client timeout.
+
 It also puts each request's uvicorn cycle in the ASGI scope (`CYCLE_SCOPE_KEY`): a streamed
 response writes its chunks straight to the cycle's transport when that cannot block
 (gateway/sse.py), which skips a coroutine and every middleware layer per chunk.
@@ -15,6 +20,7 @@ response writes its chunks straight to the cycle's transport when that cannot bl
 from __future__ import annotations
 
 import asyncio
+import socket
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -25,8 +31,11 @@ CYCLE_SCOPE_KEY = "zeroserve.cycle"
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     header_timeout_s: float = 10.0
     max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES
+    send_buffer_bytes: int = 0  # 0: the kernel's autotuning
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if self.send_buffer_bytes:
+            _cap_send_buffer(transport, self.send_buffer_bytes)
         self._head_timer: asyncio.TimerHandle | None = None
         self._start_head()
         super().connection_made(transport)
@@ -105,8 +114,19 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
-def guarded_protocol(header_timeout_s: float,
+def _cap_send_buffer(transport: asyncio.Transport, num_bytes: int) -> None:
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, num_bytes)
+    except OSError:  # the connection is already gone: nothing to bound
+        pass
+
+
+def guarded_protocol(header_timeout_s: float, send_buffer_bytes: int = 0,
                      max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES) -> type[GuardedHttpToolsProtocol]:
     """The protocol class to pass as uvicorn.Config(http=...), with these limits."""
     return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,),
-                {"header_timeout_s": header_timeout_s, "max_head_bytes": max_head_bytes})
+                {"header_timeout_s": header_timeout_s, "max_head_bytes": max_head_bytes,
+                 "send_buffer_bytes": send_buffer_bytes})

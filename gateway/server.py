@@ -44,7 +44,8 @@ def uvicorn_config(app: Starlette, config: GatewayConfig, **overrides) -> uvicor
     # --log-format json its lines are JSON too.
     settings = dict(host=config.host, port=config.port, log_level=config.log_level,
                     log_config=None, access_log=False, timeout_graceful_shutdown=5,
-                    lifespan="on", http=guarded_protocol(config.header_timeout_s),
+                    lifespan="on", http=guarded_protocol(config.header_timeout_s,
+                                                         config.client_send_buffer_bytes),
                     h11_max_incomplete_event_size=DEFAULT_MAX_HEAD_BYTES)
     settings.update(overrides)
     return uvicorn.Config(app, **settings)

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tests.e2e.trickle import TrickleClient
-from tests.gateway.helpers import GatewayServer, cyclic_reply, wait_until
+from tests.gateway.helpers import GatewayServer, cyclic_reply, raw_completion, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -42,4 +42,26 @@ def test_the_rate_decides(caplog, num_bytes, is_aborted):
                 assert len(client.received) > 5 * 20_000
         finally:
             client.close()
+            worker.stop()
+
+
+@pytest.mark.parametrize("send_buffer,is_aborted", [
+    (64 * 1024, True),  # the product's default: bounded, so the stream stops and is aborted
+    (0, False),  # the kernel's autotuning: megabytes, all 4000 tokens fit in the socket
+])
+def test_a_client_that_stops_reading_is_stopped_by_the_bounded_send_buffer(send_buffer,
+                                                                           is_aborted):
+    # Nothing shrinks the buffers by hand here: the gateway's own socket settings must make
+    # a client that never reads (a tiny receive buffer of its own) block its stream.
+    with GatewayServer(credit_window=16, slow_client_timeout_s=1.0,
+                       client_send_buffer_bytes=send_buffer) as gw:
+        worker = gw.worker(reply=cyclic_reply("x" * 50), step_s=0.001).start()
+        assert worker.ready.wait(5)
+        sock = raw_completion(gw.port, {**BODY, "stream": True}, rcvbuf=4096)
+        try:
+            assert wait_until(lambda: worker.submits, 5)
+            rid = worker.submits[0].request_id
+            assert wait_until(lambda: rid in worker.aborts, 8) is is_aborted
+        finally:
+            sock.close()
             worker.stop()
