@@ -60,7 +60,8 @@ class WorkerHandle:
 
     @property
     def incarnation(self) -> str:
-        """A short name for this worker process (its route is a secret; this is not)."""
+        """A short name for this worker process (its route is a secret; this is not). A
+        worker uses one route on all its gateways, so each of them names it alike."""
         return hashlib.sha256(self.route).hexdigest()[:12]
 
     @property

@@ -46,6 +46,16 @@ SNDHWM = 100_000  # messages queued while the gateway is away; beyond this we dr
 MAX_MSG_BYTES = MAX_FRAME_BYTES + 4096  # a bigger inbound message drops the connection
 
 
+def new_route(worker_id: str) -> bytes:
+    """The worker process's route (its DEALER routing id): its id plus a secret suffix, new
+    every process run. The gateway sends to us only through the route our HELLO came from,
+    so no other peer can take our place, and a new route tells it we restarted. Every link
+    of one process uses the same route: each gateway of `serve --gateways N` names the
+    process by it (the `incarnation` its admin API shows), so all of them must name it alike.
+    """
+    return f"{worker_id}.{secrets.token_hex(12)}".encode()
+
+
 class GatewayLink(threading.Thread):
     """Owns the DEALER: decoded gateway messages go to `inbox`; frames that the engine
     thread pushes into the inproc outbox go out; heartbeats go out on their own clock.
@@ -57,8 +67,8 @@ class GatewayLink(threading.Thread):
 
     _HELLO_RETRY_S = 0.1
 
-    def __init__(self, ctx: zmq.Context, config: WorkerConfig, router_address: str,
-                 outbox_address: str, keys: WorkerKeys | None,
+    def __init__(self, ctx: zmq.Context, config: WorkerConfig, route: bytes,
+                 router_address: str, outbox_address: str, keys: WorkerKeys | None,
                  inbox: queue.Queue[tuple[int, Message]], index: int = 0):
         super().__init__(name=f"gateway-link-{index}", daemon=True)
         self.config = config
@@ -72,11 +82,7 @@ class GatewayLink(threading.Thread):
         self.progress_at = time.monotonic()  # the engine thread's last finished iteration
         self._pending_hello: list[bytes] | None = None
         self._dealer = ctx.socket(zmq.DEALER)
-        # The route: our id plus a secret suffix, new every process run. The gateway sends to
-        # us only through the route our HELLO came from, so no other peer can take our
-        # place, and a new route tells it we restarted.
-        route = f"{config.worker_id}.{secrets.token_hex(12)}"
-        self._dealer.setsockopt(zmq.IDENTITY, route.encode())
+        self._dealer.setsockopt(zmq.IDENTITY, route)  # see new_route
         self._dealer.setsockopt(zmq.IMMEDIATE, 1)
         self._dealer.setsockopt(zmq.LINGER, LINGER_MS)
         self._dealer.setsockopt(zmq.SNDHWM, SNDHWM)
@@ -218,14 +224,15 @@ class GatewayPeer:
     and what the engine thread knows of that gateway process (its id, whether it answered).
     Only the engine thread touches these sockets and fields."""
 
-    def __init__(self, ctx: zmq.Context, config: WorkerConfig, index: int, router_address: str,
-                 tokens_address: str, keys: WorkerKeys | None,
+    def __init__(self, ctx: zmq.Context, config: WorkerConfig, route: bytes, index: int,
+                 router_address: str, tokens_address: str, keys: WorkerKeys | None,
                  inbox: queue.Queue[tuple[int, Message]]):
         self.index = index
         self.state = LinkState.CONNECTING
         self.gateway_id: str | None = None  # the gateway process we serve here (from READY)
         outbox_address = f"inproc://worker-outbox-{id(self)}"
-        self.link = GatewayLink(ctx, config, router_address, outbox_address, keys, inbox, index)
+        self.link = GatewayLink(ctx, config, route, router_address, outbox_address, keys, inbox,
+                                index)
         self._to_link = ctx.socket(zmq.PUSH)
         self._to_link.connect(outbox_address)
         tokens = ctx.socket(zmq.PUSH)

@@ -68,7 +68,7 @@ from zeroserve.common.protocol import (
 )
 from zeroserve.worker.config import EngineConfig
 from zeroserve.worker.grammar import GrammarSpec
-from zeroserve.worker.link import GatewayPeer, LinkState
+from zeroserve.worker.link import GatewayPeer, LinkState, new_route
 from zeroserve.worker.outputs import RequestOutput
 from zeroserve.worker.sequence import RequestError, SamplingParams
 
@@ -236,7 +236,9 @@ class WorkerLoop:
         ctx = zmq.Context()
         keys = (None if self.config.keys_dir is None
                 else load_worker_keys(self.config.keys_dir, self.config.worker_id))
-        self.gateways = [GatewayPeer(ctx, self.config, i, router, tokens, keys, self._inbox)
+        route = new_route(self.config.worker_id)  # one per process, shared by every gateway
+        self.gateways = [GatewayPeer(ctx, self.config, route, i, router, tokens, keys,
+                                     self._inbox)
                          for i, (router, tokens) in enumerate(self.config.gateway_endpoints)]
         for gw in self.gateways:
             gw.start()

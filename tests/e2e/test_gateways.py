@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tests.e2e.helpers import StreamResult, stream_in_thread
+from zeroserve.common.admin_client import AdminClient, restart
 
 pytestmark = pytest.mark.slow
 
@@ -70,6 +71,29 @@ def wait_for_workers_on_every_gateway(url: str, num_gateways: int, num_workers: 
     raise AssertionError(f"gateways ready: {ready} of {pids}")
 
 
+def incarnations(client: httpx.Client) -> dict[str, tuple[int, str]]:
+    """Each worker's pid and incarnation, as the gateway behind `client` names them."""
+    return {w["worker_id"]: (w["pid"], w["incarnation"])
+            for w in client.get("/admin/workers").json()["workers"]}
+
+
+def same_on_every_gateway(by_pid: dict[int, list[httpx.Client]]) -> dict[str, tuple[int, str]]:
+    """The workers' names, asserted the same through every gateway (`zeroserve workers
+    restart` polls whichever one answers)."""
+    seen = {pid: incarnations(clients[0]) for pid, clients in by_pid.items()}
+    first, *others = seen.values()
+    assert all(names == first for names in others), seen
+    return first
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def test_a_dead_gateway_ends_only_its_own_streams_and_comes_back(zeroserve):
     server = zeroserve(args=("--gateways", "2", "--workers", "2", "--backend", "fake",
                              "--device", "cpu", "--fake-forward-ms", "10",
@@ -79,6 +103,8 @@ def test_a_dead_gateway_ends_only_its_own_streams_and_comes_back(zeroserve):
 
     by_pid = clients_on_each_gateway(server.url, per_gateway=3)
     assert set(by_pid) == gateway_pids
+    names = same_on_every_gateway(by_pid)
+    assert sorted(names) == ["worker-0", "worker-1"]
     victim, survivor = sorted(by_pid)
     streams: dict[int, list[StreamResult]] = {}
     threads = []
@@ -117,6 +143,7 @@ def test_a_dead_gateway_ends_only_its_own_streams_and_comes_back(zeroserve):
     # New requests succeed on the new gateway process, with the undisturbed run's text.
     (new_gateway,) = new_pids - {survivor}
     client = clients_on_each_gateway(server.url, per_gateway=1)[new_gateway][0]
+    assert incarnations(client) == names  # the new gateway names the workers alike
     thread, result = stream_in_thread(server.url, BODY, client=client)
     thread.join(timeout=120)
     client.close()
@@ -185,6 +212,21 @@ def test_the_tier_answers_as_one_for_metrics_and_admin(zeroserve):
         undrain = by_pid[second][0].post("/admin/workers/worker-0/undrain")
         assert undrain.status_code == 200, undrain.text
         assert set(wait_for_status(by_pid, "ready").values()) == {"ready"}
+
+        # `zeroserve workers restart` against the shared port: whichever gateway each poll
+        # reaches, it returns only once a new process is ready (the old one has exited).
+        old_pid, old_incarnation = same_on_every_gateway(by_pid)["worker-0"]
+        restart(AdminClient(server.url), "worker-0", deadline_s=5, timeout_s=60,
+                say=lambda _: None)
+        assert not is_alive(old_pid)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the other gateway may take its HELLO later
+            seen = {incarnations(clients[0]).get("worker-0") for clients in by_pid.values()}
+            if len(seen) == 1 and None not in seen:
+                break
+            time.sleep(0.1)
+        new_pid, new_incarnation = same_on_every_gateway(by_pid)["worker-0"]
+        assert new_pid != old_pid and new_incarnation != old_incarnation
     finally:
         for clients in by_pid.values():
             clients[0].close()

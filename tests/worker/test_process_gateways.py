@@ -96,6 +96,21 @@ def test_silence_of_one_gateway_past_its_grace_fails_only_its_streams(gateways):
     stop(a, worker)
 
 
+def test_every_gateway_knows_one_process_by_the_same_route_and_a_new_one_by_another(
+        gateways):
+    """Each gateway names a worker process by its route (the `incarnation` in GET
+    /admin/workers), so `zeroserve workers restart` polling whichever gateway answers sees
+    one name per process: the same through both gateways, and a new one after a restart."""
+    a, b = gateways
+    worker, _ = start_two(gateways)
+    first = a.route
+    assert first == b.route
+    stop(a, worker)
+    worker, _ = start_two(gateways)  # the next run, as its supervisor would start it
+    assert a.route == b.route != first
+    stop(a, worker)
+
+
 def test_config_pairs_router_and_tokens_addresses():
     with pytest.raises(ValueError, match="tokens"):
         WorkerConfig("w", ("ipc://a", "ipc://b"), "ipc://c")
