@@ -11,7 +11,8 @@ Output, by tool_choice:
   (Qwen 2.5/3, Hermes, SmolLM with the prompt above) and Llama 3's bare JSON calls
   ({"name": ..., "parameters": {...}}, after an optional <|python_tag|>).
 - a named function: the output *is* its arguments (a grammar forces it, structured_output.py).
-- "required": the output is a JSON array of {"name", "arguments"} (forced by a grammar).
+- "required": the output is a JSON array of {"name", "arguments"} (forced by a grammar; its
+  keys come in the schema's sorted order, "arguments" first).
 
 `ToolCallStream` turns a choice's text deltas into OpenAI's chat deltas as they come: content,
 or for each call a first delta with its index, id, type and name, then argument fragments.
@@ -19,6 +20,7 @@ or for each call a first delta with its index, id, type and name, then argument 
 
 from __future__ import annotations
 
+import enum
 import json
 import re
 import uuid
@@ -214,16 +216,19 @@ def _parse_block(body: str, names: set[str]) -> ToolCall | None:
 
 
 def parse_forced_calls(text: str, tools: ToolChoice) -> list[ToolCall]:
-    """The output of a forced call (its grammar decided the shape); [] if it is cut short."""
+    """The output of a forced call (its grammar decided the shape); [] if it is cut short.
+    Each call's arguments are the model's own text, as the stream sends them."""
     if tools.mode == "named":
         return [ToolCall(tools.name or "", text)]
     try:
         items = json.loads(text)
     except ValueError:
         return []
-    names = {f["name"] for f in tools.functions}
-    calls = [_call_from_object(item, names) for item in items] if isinstance(items, list) else []
-    return [c for c in calls if c is not None]
+    if not isinstance(items, list):
+        return []
+    scanner = _ArrayCallScanner({f["name"] for f in tools.functions})
+    scanner.push(text)
+    return scanner.calls
 
 
 def parse_calls(text: str, tools: ToolChoice) -> tuple[str | None, list[ToolCall]]:
@@ -255,7 +260,7 @@ class ToolCallStream:
         self._buffer = ""
         self._mode = "text"  # auto: "text", "call" (inside <tool_call>), "json" (Llama 3)
         self._started = False  # auto: something decided how the output starts
-        self._scanner = _ArrayCallScanner() if tools.mode == "required" else None
+        self._scanner = _ArrayCallScanner(self.names) if tools.mode == "required" else None
 
     def push(self, text: str) -> list[dict[str, Any]]:
         if not text:
@@ -351,47 +356,121 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+class _At(enum.Enum):
+    """Where _ArrayCallScanner is in a call object, at the object's own level."""
+    KEY_NEXT = 1  # after "{" or ",": a key comes next
+    KEY = 2  # inside a key
+    VALUE_NEXT = 3  # after a key: ":" and then its value
+    VALUE = 4  # inside a value
+    VALUE_DONE = 5  # after a value: "," or "}" comes next
+
+
 class _ArrayCallScanner:
-    """Streams the calls of a "required" output, `[{"name": "f", "arguments": {...}}, ...]`
-    (the grammar's shape): each call's start once its name is complete, then its arguments
-    as they arrive."""
+    """Reads the calls of a "required" output, `[{"name": "f", "arguments": {...}}, ...]`, as
+    it streams, with the keys in either order and any spacing. The order matters: the grammar
+    engine writes an object's properties in its schema's order, and the schema's keys are
+    sorted (structured_output.json_schema_grammar), so "arguments" in fact comes first.
 
-    _NAME = re.compile(r'"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*$')
+    A call starts (its index, id and name are sent) once its name is complete and one of the
+    tools'; arguments after the name go out as they arrive. Arguments before the name are held
+    until it comes: OpenAI's first delta of a call names it, and an object cut short before
+    its name is no call. A call's arguments are the model's own text of the value, so the
+    fragments join to exactly what parse_forced_calls returns (it runs this same scanner)."""
 
-    def __init__(self) -> None:
-        self.num_calls = 0
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
+        self.calls: list[ToolCall] = []  # those started; the last may still be arriving
         self._depth = 0
         self._in_string = False
         self._escape = False
-        self._item = ""  # the current call's text before its arguments
-        self._args_depth: int | None = None  # the call object's depth, while in arguments
-        self._args_seen = False  # the arguments' first non-space character came
+        self._at: _At | None = None  # None: outside any call object
+        self._key: str | None = None  # the key whose value comes or is being read
+        self._text = ""  # the key or (not the arguments) value being read, as JSON text
+        self._is_scalar = False  # the value is a number, true, false or null
+        self._held: list[str] = []  # the arguments, while the call's name is not known
+        self._has_arguments = False
+        self._is_started = False  # this object's call was sent
+
+    @property
+    def num_calls(self) -> int:
+        return len(self.calls)
 
     def push(self, text: str) -> list[dict[str, Any]]:
         deltas: list[dict[str, Any]] = []
-        fragment: list[str] = []
+        fragment: list[str] = []  # the current call's arguments from this text: one delta
         for ch in text:
+            depth, in_string = self._depth, self._in_string  # before ch
             self._track(ch)
-            if self._args_depth is not None:
-                if self._depth < self._args_depth:  # the call object's closing brace
-                    self._flush(fragment, deltas)
-                    self._args_depth = None
-                    self._item = ""
-                elif fragment or not ch.isspace() or self._args_seen:
-                    self._args_seen = True
-                    fragment.append(ch)
+            if self._at is None:
+                if ch == "{" and depth == 1 and not in_string:  # an item of the array
+                    self._open_object()
                 continue
-            if self._depth >= 2:  # inside a call object, before its arguments
-                self._item += ch
-                match = None if self._in_string else self._NAME.search(self._item)
-                if match:
-                    self.num_calls += 1
-                    deltas.append(_call_start(self.num_calls - 1, new_call_id(),
-                                              json.loads(match.group(1))))
-                    self._args_depth = self._depth
-                    self._args_seen = False
+            if self._at is _At.VALUE:
+                if not (self._is_scalar and (ch in ",}" or ch.isspace())):
+                    self._add_value(ch, fragment)
+                    if not self._is_scalar and self._depth == 2 and not self._in_string:
+                        self._end_value(deltas, fragment)  # its closing quote or bracket
+                    continue
+                self._end_value(deltas, fragment)  # a scalar ends before ch: read ch below
+            if self._depth == 1:  # the call object's closing brace
+                self._close_object(deltas, fragment)
+            elif self._at is _At.KEY:
+                self._text += ch
+                if not self._in_string:
+                    self._key, self._at = _json_or_none(self._text), _At.VALUE_NEXT
+            elif self._at is _At.KEY_NEXT and ch == '"':
+                self._text, self._at = ch, _At.KEY
+            elif self._at is _At.VALUE_DONE and ch == ",":
+                self._at = _At.KEY_NEXT
+            elif self._at is _At.VALUE_NEXT and ch != ":" and not ch.isspace():
+                self._text, self._at, self._is_scalar = "", _At.VALUE, ch not in '"{['
+                self._add_value(ch, fragment)
         self._flush(fragment, deltas)
         return deltas
+
+    def _open_object(self) -> None:
+        self._at, self._key, self._text = _At.KEY_NEXT, None, ""
+        self._held.clear()
+        self._has_arguments = self._is_started = False
+
+    def _add_value(self, ch: str, fragment: list[str]) -> None:
+        if self._key != "arguments":
+            self._text += ch
+        elif self._is_started:
+            fragment.append(ch)
+        else:
+            self._held.append(ch)
+
+    def _end_value(self, deltas: list[dict[str, Any]], fragment: list[str]) -> None:
+        self._at = _At.VALUE_DONE
+        if self._key == "arguments":
+            self._has_arguments = True
+        elif self._key == "name" and not self._is_started:
+            name = _json_or_none(self._text)
+            if isinstance(name, str) and name in self.names:
+                self._start(name, deltas, fragment)
+
+    def _start(self, name: str, deltas: list[dict[str, Any]], fragment: list[str]) -> None:
+        # `fragment` is empty here: arguments reach it only once the call is started.
+        call = ToolCall(name, "")
+        self.calls.append(call)
+        deltas.append(_call_start(len(self.calls) - 1, call.id, name))
+        self._is_started = True
+        fragment.extend(self._held)
+        self._held.clear()
+
+    def _close_object(self, deltas: list[dict[str, Any]], fragment: list[str]) -> None:
+        if self._is_started and not self._has_arguments:
+            fragment.append("{}")  # no arguments: none (as _call_from_object reads it)
+        self._flush(fragment, deltas)
+        self._at = None
 
     def _track(self, ch: str) -> None:
         if self._in_string:
@@ -411,5 +490,7 @@ class _ArrayCallScanner:
 
     def _flush(self, fragment: list[str], deltas: list[dict[str, Any]]) -> None:
         if fragment:
-            deltas.append(_call_arguments(self.num_calls - 1, "".join(fragment)))
+            piece = "".join(fragment)
+            self.calls[-1].arguments += piece
+            deltas.append(_call_arguments(len(self.calls) - 1, piece))
             fragment.clear()

@@ -225,6 +225,71 @@ def test_forced_outputs_stream_arguments_as_they_come():
     assert streamed_calls(deltas) == [("get_time", {"zone": "UTC"})]
 
 
+
+def streamed_raw_calls(deltas: list[dict]) -> list[tuple[str, str]]:
+    """(name, arguments text) per call from OpenAI deltas, checking that each call's first
+    piece (index, id, type, name) comes before any of its arguments."""
+    calls: dict[int, list] = {}
+    for d in deltas:
+        for piece in d.get("tool_calls", []):
+            if "id" in piece:
+                assert piece["index"] not in calls and piece["type"] == "function"
+                calls[piece["index"]] = [piece["function"]["name"], ""]
+            calls[piece["index"]][1] += piece["function"]["arguments"]
+    assert sorted(calls) == list(range(len(calls)))
+    return [tuple(c) for _, c in sorted(calls.items())]
+
+
+def stream_in_pieces(tool_choice, text: str, size: int) -> tuple[list[dict], ToolCallStream]:
+    stream = ToolCallStream(tool_choice)
+    deltas = [d for i in range(0, len(text), size) for d in stream.push(text[i:i + size])]
+    return deltas + stream.finish(), stream
+
+
+@pytest.mark.parametrize(("text", "calls"), [
+    # The grammar's own order: its schema's keys are sorted, so "arguments" comes first.
+    ('[{"arguments": {"city": "Paris"}, "name": "get_weather"}]',
+     [("get_weather", {"city": "Paris"})]),
+    ('[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+     [("get_weather", {"city": "Paris"})]),
+    ('[{"arguments": {"city": "A,\\"}"}, "name": "get_weather"}, '
+     '{"name": "get_time", "arguments": {"zone": "UTC"}}, '
+     '{"arguments": {}, "name": "get_time"}]',
+     [("get_weather", {"city": 'A,"}'}), ("get_time", {"zone": "UTC"}), ("get_time", {})]),
+    ('\n[ {\n  "arguments" :{ "city":"Oslo" } ,\n  "name":"get_weather"\n} ,'
+     '{"name" : "get_time","arguments":{"zone" : "CET"}}\n]\n',
+     [("get_weather", {"city": "Oslo"}), ("get_time", {"zone": "CET"})]),
+])
+def test_required_calls_stream_as_the_whole_output_parses(text, calls):
+    """Whatever the key order and spacing, the streamed calls are the non-streamed ones: the
+    same names, and arguments fragments that join to the very same text."""
+    _, whole = parse_calls(text, tools("required"))
+    assert [(c.name, json.loads(c.arguments)) for c in whole] == calls
+    for size in (1, 2, 7, 1000):
+        deltas, stream = stream_in_pieces(tools("required"), text, size)
+        assert streamed_raw_calls(deltas) == [(c.name, c.arguments) for c in whole]
+        assert stream.has_calls and all("content" not in d for d in deltas)
+
+
+def test_required_arguments_stream_as_they_come_once_the_name_is_known():
+    """Name first: the arguments go out in fragments as they arrive. Arguments first: they are
+    held until the name (a call's first delta names it) and then sent whole."""
+    name_first = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    deltas, _ = stream_in_pieces(tools("required"), name_first, 1)
+    assert len([d for d in deltas if "id" not in d["tool_calls"][0]]) > 5
+    args_first = '[{"arguments": {"city": "Paris"}, "name": "get_weather"}]'
+    stream = ToolCallStream(tools("required"))
+    assert stream.push(args_first[:-20]) == []  # the name has not come yet
+    deltas = stream.push(args_first[-20:]) + stream.finish()
+    assert streamed_raw_calls(deltas) == [("get_weather", '{"city": "Paris"}')]
+
+
+def test_required_call_cut_short_before_its_name_is_no_call():
+    deltas, stream = stream_in_pieces(tools("required"), '[{"arguments": {"city": "Pa', 3)
+    assert deltas == [] and not stream.has_calls
+    assert parse_calls('[{"arguments": {"city": "Pa', tools("required")) == (
+        '[{"arguments": {"city": "Pa', [])
+
 # --- through the app -----------------------------------------------------------------------
 
 @pytest.fixture
@@ -266,6 +331,29 @@ def test_named_tool_call_over_http(served_reply):
     assert len(pieces) > 2  # argument fragments as the tokens came
     assert choices[-1]["finish_reason"] == "tool_calls"
 
+
+
+@pytest.mark.parametrize("parallel", [None, True])
+def test_required_tool_call_over_http_streams_as_it_answers_whole(served_reply, parallel):
+    """The grammar writes "arguments" before "name": the stream still carries the call."""
+    gw, worker, reply = served_reply
+    reply["text"] = '[{"arguments": {"city": "Paris"}, "name": "get_weather"}]'
+    body = {"messages": MSGS, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 80}
+    if parallel is not None:
+        body["parallel_tool_calls"] = parallel
+    choice = httpx.post(gw.url + "/v1/chat/completions", json=body,
+                        timeout=10).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+    chunks = post_stream(gw, "/v1/chat/completions", {**body, "stream": True})
+    assert chunks[-1] == "[DONE]"
+    choices = [c["choices"][0] for c in chunks[:-1] if c["choices"]]
+    assert choices[0]["delta"]["role"] == "assistant"
+    deltas = [c["delta"] for c in choices if c["delta"].get("tool_calls")]
+    assert streamed_raw_calls(deltas) == [("get_weather", '{"city": "Paris"}')]
+    assert choices[-1]["finish_reason"] == "tool_calls"
 
 def test_auto_tool_call_and_plain_answer_over_http(served_reply):
     gw, worker, reply = served_reply
