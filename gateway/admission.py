@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from zeroserve.gateway.errors import no_worker, queue_full
+from zeroserve.gateway.errors import APIError, no_worker, queue_full
 from zeroserve.gateway.registry import WorkerHandle, WorkerRegistry
 from zeroserve.gateway.routing import Prefix
 
@@ -28,6 +28,7 @@ class Admission:
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
         self._waiters: deque[tuple[str, Prefix | None, asyncio.Future]] = deque()
+        self._closed_with: APIError | None = None  # set by close(): later acquires fail
 
     @property
     def num_queued(self) -> int:
@@ -43,6 +44,8 @@ class Admission:
                       prompt_token_ids: list[int] | None = None) -> WorkerHandle:
         """A worker with the request already assigned to it; 429 or 503 otherwise.
         `prompt_token_ids`: what the router places the request by (None: least loaded)."""
+        if self._closed_with is not None:
+            raise self._closed_with
         prefix = None if prompt_token_ids is None else Prefix(prompt_token_ids)
         if not self._waiters:
             worker = self.registry.pick(prefix)
@@ -66,6 +69,15 @@ class Admission:
                 self._waiters.remove(entry)
             if not is_handed_over:
                 self._give_back(future, request_id)
+
+    def close(self, error: APIError) -> None:
+        """The server is stopping: the waiting requests fail with `error` now (they would
+        wait for a worker that no longer comes), and so does every later one."""
+        self._closed_with = error
+        while self._waiters:
+            _, _, future = self._waiters.popleft()
+            if not future.done():
+                future.set_exception(error)
 
     def _give_back(self, future: asyncio.Future, request_id: str) -> None:
         """We stopped waiting (timeout, cancel); if a worker was reserved meanwhile, free it."""

@@ -39,7 +39,13 @@ from zeroserve.common.protocol import (
 )
 from zeroserve.gateway.admission import Admission
 from zeroserve.gateway.config import GatewayConfig
-from zeroserve.gateway.errors import APIError, request_timeout, server_error, worker_failed
+from zeroserve.gateway.errors import (
+    APIError,
+    request_timeout,
+    server_error,
+    shutting_down,
+    worker_failed,
+)
 from zeroserve.gateway.logging import get_logger
 from zeroserve.gateway.metrics import Metrics, RequestMetrics
 from zeroserve.gateway.reconcile import Reconciler, TokenCheck, check_token_counts
@@ -112,15 +118,25 @@ class Gateway:
                 await self._heartbeat_task
             except asyncio.CancelledError:
                 pass
+        self.end_requests()
+        await self.edge.close()
+
+    def begin_shutdown(self) -> None:
+        """The HTTP server stops: requests waiting for a worker, and any new one, get a 503
+        now; running ones go on (end_requests ends them at the server's deadline)."""
+        self.admission.close(shutting_down())
+
+    def end_requests(self) -> None:
+        """End every open request with a 503 (an error event for a stream), and abort it on
+        its worker: while their clients can still be told, not when the server cancels."""
+        self.admission.close(shutting_down())
         for task in list(self._resubmit_tasks):
             task.cancel()
         for state in list(self.streams.states.values()):
-            self._fail(state, APIError(503, "The server is shutting down.",
-                                       type="service_unavailable", code="shutdown"))
+            self._fail(state, shutting_down())
             if state.worker_id is not None:
                 self.edge.send(state.worker_id, Abort([state.request_id]))
         self.outbox.flush()
-        await self.edge.close()
 
     # --- requests (called by HTTP handlers) -------------------------------------------
 

@@ -81,6 +81,11 @@ def no_worker(message: str = "No worker is available to serve the request.") -> 
                     headers={"Retry-After": "1"})
 
 
+def shutting_down() -> APIError:
+    return APIError(503, "The server is shutting down.", type="service_unavailable",
+                    code="shutdown", headers={"Retry-After": "1"})
+
+
 def worker_failed(message: str) -> APIError:
     return APIError(503, message, type="service_unavailable", code="worker_lost")
 

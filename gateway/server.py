@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import sys
 
@@ -11,6 +12,7 @@ from starlette.applications import Starlette
 from zeroserve.common.gc_tuning import tune_for_serving
 from zeroserve.gateway.app import build_app
 from zeroserve.gateway.config import GatewayConfig
+from zeroserve.gateway.core import Gateway
 from zeroserve.gateway.http_protocol import DEFAULT_MAX_HEAD_BYTES, guarded_protocol
 from zeroserve.gateway.logging import get_logger, setup_logging
 
@@ -51,9 +53,34 @@ def uvicorn_config(app: Starlette, config: GatewayConfig, **overrides) -> uvicor
     return uvicorn.Config(app, **settings)
 
 
+class GatewayHttpServer(uvicorn.Server):
+    """uvicorn's server with the gateway's end to a shutdown. uvicorn waits up to
+    timeout_graceful_shutdown for responses to end, then cancels their tasks: a request
+    still waiting for a worker got a plain-text 500, and a stream a cut connection with no
+    error event. Here, as the shutdown starts, waiting and new requests get a 503 at once;
+    streams still running shortly before the deadline end with an error event and [DONE]."""
+
+    def __init__(self, config: uvicorn.Config, gateway: Gateway):
+        super().__init__(config)
+        self.gateway = gateway
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        gateway = self.gateway
+        gateway.begin_shutdown()
+        grace_s = self.config.timeout_graceful_shutdown or 0.0
+        # The last second (at most half the grace) is for the error events to go out.
+        end = asyncio.get_running_loop().call_later(grace_s - min(1.0, grace_s / 2),
+                                                    gateway.end_requests)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            end.cancel()
+
+
 def run_gateway(config: GatewayConfig) -> None:
     setup_logging(config.log_format, config.log_level)
-    server = uvicorn.Server(uvicorn_config(build_app(config), config))
+    app = build_app(config)
+    server = GatewayHttpServer(uvicorn_config(app, config), app.state.gateway)
     sockets = None
     if config.reuse_port:
         try:

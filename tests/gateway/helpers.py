@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import uvicorn
 import zmq
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -32,7 +31,7 @@ from zeroserve.common.protocol import (
 )
 from zeroserve.gateway.app import build_app
 from zeroserve.gateway.config import GatewayConfig
-from zeroserve.gateway.server import uvicorn_config
+from zeroserve.gateway.server import GatewayHttpServer, uvicorn_config
 from zeroserve.gateway.tokenizer import TextTokenizer, byte_to_unicode
 
 IM_START, IM_END = 256, 257  # the byte tokenizer's special tokens
@@ -289,17 +288,20 @@ class FakeWorker:
 class GatewayServer:
     """The real app on a real uvicorn server in a background thread."""
 
-    def __init__(self, tokenizer: TextTokenizer | None = None, **overrides):
+    def __init__(self, tokenizer: TextTokenizer | None = None,
+                 uvicorn_overrides: dict | None = None, **overrides):
         self.port = free_port()
         defaults = dict(port=self.port, heartbeat_interval_s=0.05, worker_timeout_s=1.0,
                         queue_timeout_s=5.0)
         defaults.update(overrides)
         self.config = GatewayConfig(**defaults)
         self.app = build_app(self.config, tokenizer or byte_tokenizer())
-        # The product's uvicorn settings (its HTTP protocol class, so streamed chunks take
-        # the direct write path as they do in `zeroserve gateway`).
-        self.server = uvicorn.Server(uvicorn_config(self.app, self.config, host="127.0.0.1",
-                                                    port=self.port, log_level="warning"))
+        # The product's uvicorn settings and server class (its HTTP protocol class, so
+        # streamed chunks take the direct write path as they do in `zeroserve gateway`).
+        self.server = GatewayHttpServer(
+            uvicorn_config(self.app, self.config, host="127.0.0.1", port=self.port,
+                           log_level="warning", **(uvicorn_overrides or {})),
+            self.app.state.gateway)
         self._thread = threading.Thread(target=lambda: asyncio.run(self._serve()),
                                         daemon=True)
         self.loop: asyncio.AbstractEventLoop | None = None
