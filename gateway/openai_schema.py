@@ -626,9 +626,9 @@ def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len:
     return max_tokens
 
 
-def check_token_ids(ids: list[int], vocab_size: int) -> None:
+def check_token_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> None:
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise invalid_request(f"Token id {_preview(bad)} is out of the vocabulary "
-                              f"[0, {vocab_size}).", param="prompt")
+                              f"[0, {vocab_size}).", param=param)
 

@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse, Response
 from zeroserve.gateway.chat_template import ChatTemplate, ChatTemplateError
 from zeroserve.gateway.config import GatewayConfig
 from zeroserve.gateway.core import Gateway
-from zeroserve.gateway.errors import APIError, client_too_slow, invalid_request
+from zeroserve.gateway.errors import APIError, client_too_slow, invalid_request, model_not_found
 from zeroserve.gateway.generation import RequestGroup
 from zeroserve.gateway.limits import RequestLimits, check_submit_fits
 from zeroserve.gateway.logging import get_logger
@@ -77,10 +77,20 @@ class Api:
     # --- simple endpoints ------------------------------------------------------------
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.served_names[0], "object": "model", "created": self.started,
-            "owned_by": "zeroserve", "root": self.config.model,
-            "max_model_len": self.max_model_len}]})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{model}: OpenAI's retrieve (the openai client's models.retrieve);
+        any served name finds the model."""
+        name = request.path_params["model"]
+        if name not in self.served_names:
+            return model_not_found(name).response()
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict:
+        return {"id": self.served_names[0], "object": "model", "created": self.started,
+                "owned_by": "zeroserve", "root": self.config.model,
+                "max_model_len": self.max_model_len}
 
     async def tokenize(self, request: Request) -> Response:
         try:
@@ -115,7 +125,7 @@ class Api:
     def _detokenize_now(self, ids: list) -> str:
         if not all(type(t) is int for t in ids):
             raise invalid_request("'tokens' must be an array of token ids.", param="tokens")
-        check_token_ids(ids, self.tokenizer.vocab_size)
+        check_token_ids(ids, self.tokenizer.vocab_size, param="tokens")
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     # --- generation ------------------------------------------------------------------

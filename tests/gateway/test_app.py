@@ -209,6 +209,12 @@ def test_models_health_tokenize(served):
     gw, _ = served
     models = httpx.get(gw.url + "/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == MODEL
+    # OpenAI's retrieve, as the openai client's models.retrieve() calls it
+    assert httpx.get(f"{gw.url}/v1/models/{MODEL}").json() == models["data"][0]
+    missing = httpx.get(gw.url + "/v1/models/other/model")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    bad_ids = httpx.post(gw.url + "/detokenize", json={"tokens": [1, 10**6]})
+    assert bad_ids.status_code == 400 and bad_ids.json()["error"]["param"] == "tokens"
     health = httpx.get(gw.url + "/health")
     assert health.status_code == 200 and health.json()["workers"][0]["worker_id"] == "fake-0"
     tok = httpx.post(gw.url + "/tokenize", json={"prompt": "héllo"}).json()
