@@ -39,7 +39,11 @@ def json_schema_grammar(schema: Any, param: str) -> Grammar:
     """A JSON schema (already parsed) -> a grammar, or a 400 naming `param`."""
     if not isinstance(schema, (dict, bool)):
         raise invalid_request(f"'{param}' must be a JSON schema object.", param=param)
-    text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+    # Keys keep the caller's order: the grammar engine writes an object's properties in the
+    # schema's order, and callers choose it (a "reasoning" before its "answer"), as with
+    # OpenAI's structured outputs. Sorted, a forced tool call's "arguments" came before its
+    # "name", so they could not stream until the name arrived.
+    text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
     if len(text) > MAX_GRAMMAR_CHARS:
         raise invalid_request(f"'{param}' is too large ({len(text)} characters; the limit is "
                               f"{MAX_GRAMMAR_CHARS}).", param=param)

@@ -11,8 +11,8 @@ Output, by tool_choice:
   (Qwen 2.5/3, Hermes, SmolLM with the prompt above) and Llama 3's bare JSON calls
   ({"name": ..., "parameters": {...}}, after an optional <|python_tag|>).
 - a named function: the output *is* its arguments (a grammar forces it, structured_output.py).
-- "required": the output is a JSON array of {"name", "arguments"} (forced by a grammar; its
-  keys come in the schema's sorted order, "arguments" first).
+- "required": the output is a JSON array of {"name", "arguments"} (forced by a grammar, which
+  writes "name" first; the parser takes either order).
 
 `ToolCallStream` turns a choice's text deltas into OpenAI's chat deltas as they come: content,
 or for each call a first delta with its index, id, type and name, then argument fragments.
@@ -374,9 +374,10 @@ class _At(enum.Enum):
 
 class _ArrayCallScanner:
     """Reads the calls of a "required" output, `[{"name": "f", "arguments": {...}}, ...]`, as
-    it streams, with the keys in either order and any spacing. The order matters: the grammar
-    engine writes an object's properties in its schema's order, and the schema's keys are
-    sorted (structured_output.json_schema_grammar), so "arguments" in fact comes first.
+    it streams, with the keys in either order and any spacing. The grammar engine writes an
+    object's properties in its schema's order, which names "name" first
+    (structured_output.required_tool_grammar); a schema sent with sorted keys once put
+    "arguments" first, and either order must give the same calls.
 
     A call starts (its index, id and name are sent) once its name is complete and one of the
     tools'; arguments after the name go out as they arrive. Arguments before the name are held

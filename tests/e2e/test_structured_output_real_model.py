@@ -92,6 +92,8 @@ def test_json_schema_answers_parse_and_match(client):
         choice = reply.choices[0]
         assert choice.finish_reason == "stop"
         assert matches(json.loads(choice.message.content), PERSON), choice.message.content
+        # in the schema's own order, as OpenAI writes them (not sorted: "age" first)
+        assert list(json.loads(choice.message.content)) == list(PERSON["properties"])
 
 
 def test_json_object_streams_one_object(client):
@@ -114,6 +116,24 @@ def test_required_tool_gives_a_valid_call(client):
     assert call.type == "function" and call.id.startswith("call_")
     tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
     assert matches(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+def test_required_tool_streams_its_arguments_as_they_come(client):
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=ask("What is the weather like in Paris?"),
+        tools=[WEATHER], tool_choice="required", max_tokens=MAX_TOKENS, temperature=0.0,
+        stream=True, parallel_tool_calls=False)
+    deltas, finish = [], None
+    for chunk in stream:
+        if chunk.choices:
+            deltas += chunk.choices[0].delta.tool_calls or []
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    first, *rest = deltas
+    assert first.function.name == "get_weather"
+    assert len(rest) > 1  # the grammar writes the name first, so arguments need not wait
+    arguments = "".join(d.function.arguments for d in deltas)
+    assert matches(json.loads(arguments), WEATHER["function"]["parameters"])
 
 
 def test_named_tool_streams_openai_deltas(client):
