@@ -209,7 +209,12 @@ class RequestGroup:
         completion = sum(c.num_output_tokens for c in self.choices)
         usage = {"prompt_tokens": prompt, "completion_tokens": completion,
                  "total_tokens": prompt + completion}
-        cached = sum(c.num_cached_tokens for c in self.choices)
+        # Each prompt counts once, as in prompt_tokens: its n choices share one prefill (the
+        # others find the first's blocks cached), so the prompt's cached tokens are the
+        # fewest any of its choices found, never more than the prompt.
+        n = len(self.choices) // max(1, len(self.prompt_lengths))
+        cached = sum(min(c.num_cached_tokens for c in self.choices[k:k + n])
+                     for k in range(0, len(self.choices), max(1, n)))
         if cached:
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage

@@ -87,6 +87,7 @@ class FakeStream:
     logprobs: int | None
     num_sent: int = 0
     credit_limit: int = 0  # the highest CREDIT limit (cumulative), at least the window
+    num_cached_tokens: int = 0
 
     @property
     def credit(self) -> int:
@@ -133,6 +134,9 @@ class FakeWorker:
     drop_incoming: Callable[[object], bool] = field(default=lambda msg: False)
     drop_outgoing: Callable[[Tokens], bool] = field(default=lambda msg: False)
     progress_age_s: float = 0.0  # what heartbeats report (a large value: engine stuck)
+    # As a prefix cache would: a prompt seen before is reported cached whole.
+    is_prefix_caching: bool = False
+    _seen_prompts: set[tuple[int, ...]] = field(default_factory=set)
     num_free_blocks: int = 1000  # what heartbeats report (of 1000)
     state: str = "ready"  # what heartbeats report
     counters: dict = field(default_factory=dict)  # what heartbeats report (cumulative)
@@ -242,9 +246,13 @@ class FakeWorker:
                 return
             tokens = self.reply(msg.prompt_token_ids, msg.params)[:msg.params["max_tokens"]]
             # A stream moved here from another worker goes on after what it produced there.
+            prompt = tuple(msg.prompt_token_ids)
+            is_cached = self.is_prefix_caching and prompt in self._seen_prompts
+            self._seen_prompts.add(prompt)
             self.streams[msg.request_id] = FakeStream(
                 msg.request_id, tokens, msg.params["max_tokens"], len(msg.prompt_token_ids),
-                msg.credit, msg.params.get("logprobs"), num_sent=len(msg.output_token_ids))
+                msg.credit, msg.params.get("logprobs"), num_sent=len(msg.output_token_ids),
+                num_cached_tokens=len(prompt) if is_cached else 0)
         elif isinstance(msg, Abort):
             self.aborts.extend(msg.request_ids)
             for rid in msg.request_ids:
@@ -280,8 +288,8 @@ class FakeWorker:
             if s.logprobs is not None:
                 lps = [[-0.25, [[t, -0.25]] + [[(t + j) % 256, -1.0 - j]
                                                for j in range(1, s.logprobs)]] for t in new]
-            outputs.append(TokenOutput(rid, new, finish, s.num_prompt_tokens, s.num_sent, 0,
-                                       lps, None))
+            outputs.append(TokenOutput(rid, new, finish, s.num_prompt_tokens, s.num_sent,
+                                       s.num_cached_tokens, lps, None))
         return outputs
 
 

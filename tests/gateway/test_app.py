@@ -609,3 +609,14 @@ def test_streaming_n_choices_interleave_and_each_finishes(served):
     assert finishes == {i: "stop" for i in range(4)}
     assert evs[-2]["usage"]["completion_tokens"] == 4 * len(REPLY.encode())
     assert_no_leaks(gw)
+
+
+def test_cached_tokens_count_each_prompt_once_with_n_choices(served):
+    gw, worker = served
+    worker.is_prefix_caching = True  # a prompt seen before is cached whole
+    body = {"prompt": ["a cold start", "another"], "n": 3, "max_tokens": 4}
+    first = httpx.post(gw.url + "/v1/completions", json=body).json()["usage"]
+    # each prompt's first choice computed it (the other two found it cached)
+    assert first.get("prompt_tokens_details", {"cached_tokens": 0})["cached_tokens"] == 0
+    again = httpx.post(gw.url + "/v1/completions", json=body).json()["usage"]
+    assert again["prompt_tokens_details"]["cached_tokens"] == again["prompt_tokens"]
