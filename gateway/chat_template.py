@@ -8,6 +8,7 @@ The environment matches what Hugging Face's `apply_chat_template` gives template
 from __future__ import annotations
 
 import json
+import uuid
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -86,7 +87,11 @@ class ChatTemplate:
         self.eos_token = eos_token or ""
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               **extra: Any) -> str:
+               continue_final_message: bool = False, **extra: Any) -> str:
+        """continue_final_message: the text ends right after the final message's content
+        (no end of turn), for the model to go on with it."""
+        if continue_final_message:
+            return self._render_open(messages, **extra)
         try:
             return self.template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
@@ -95,3 +100,16 @@ class ChatTemplate:
             raise ChatTemplateError(str(e)) from None
         except Exception as e:  # a template is code; its failures are about the input
             raise ChatTemplateError(f"chat template failed: {e}") from None
+
+    def _render_open(self, messages: list[dict[str, Any]], **extra: Any) -> str:
+        """The conversation cut right after the final message's content. A marker appended
+        to that content shows where it ends, whatever the template writes after it (and
+        even when the content is empty or also appears elsewhere in the text)."""
+        marker = f"<<continue-{uuid.uuid4().hex}>>"
+        final = {**messages[-1], "content": messages[-1]["content"] + marker}
+        text = self.render([*messages[:-1], final], add_generation_prompt=False, **extra)
+        end = text.rfind(marker)
+        if end < 0:
+            raise ChatTemplateError("continue_final_message: the chat template does not "
+                                    "show the final message's content as given")
+        return text[:end].replace(marker, "")

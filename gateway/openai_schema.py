@@ -121,15 +121,34 @@ class ToolChoice:
 
 
 @dataclass(frozen=True)
+class ChatPrompt:
+    """What a chat request puts in front of the model: the messages, the tools and how the
+    template renders them. /v1/chat/completions and /tokenize read it from the same fields,
+    so /tokenize counts exactly the chat prompt."""
+
+    messages: list[dict[str, Any]]
+    tools: ToolChoice | None = None  # None: no tools given (or tool_choice "none")
+    add_generation_prompt: bool = True
+    # The final (assistant) message stays open: the model continues its content.
+    continue_final_message: bool = False
+    extra_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class ChatRequest:
     model: str
-    messages: list[dict[str, Any]]
+    prompt: ChatPrompt
     sampling: SamplingOptions
     stream: bool = False
     include_usage: bool = False
-    add_generation_prompt: bool = True
-    extra_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    tools: ToolChoice | None = None  # None: no tools given (or tool_choice "none")
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        return self.prompt.messages
+
+    @property
+    def tools(self) -> ToolChoice | None:
+        return self.prompt.tools
 
 
 # --- field readers ---------------------------------------------------------------------
@@ -490,19 +509,18 @@ def _check_num_engine_requests(num_prompts: int, n: int, limits: RequestLimits) 
                               f"{limits.max_engine_requests}.", param="n")
 
 
-# What the server itself passes to a chat template.
+# What the server itself passes to a chat template (continue_final_message: what
+# ChatTemplate.render takes beside the template's arguments).
 _TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token",
-                             "tools"})
+                             "tools", "continue_final_message"})
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 def parse_chat(body: dict, served_names: tuple[str, ...],
                limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequest:
     model = check_model(body, served_names)
-    parsed = _parse_messages(body.get("messages"), limits)
-    _reject_if_set(body, "functions", "use 'tools' (the legacy 'functions' is not "
-                   "supported).")
-    tools = _parse_tools(body)
+    prompt = _parse_chat_prompt(body, limits)
+    tools = prompt.tools
     grammar = _parse_output_grammar(body)
     if tools is not None and tools.is_forced:
         if grammar is not None:
@@ -529,14 +547,30 @@ def parse_chat(body: dict, served_names: tuple[str, ...],
     if grammar is not None:
         sampling = replace(sampling, grammar=grammar)
     _check_num_engine_requests(1, sampling.n, limits)
+    return ChatRequest(model, prompt, sampling, stream, include_usage)
+
+
+def _parse_chat_prompt(body: dict, limits: RequestLimits) -> ChatPrompt:
+    """The prompt-shaping fields of a chat request (shared by chat and /tokenize)."""
+    messages = _parse_messages(body.get("messages"), limits)
+    _reject_if_set(body, "functions", "use 'tools' (the legacy 'functions' is not "
+                   "supported).")
+    tools = _parse_tools(body)
+    add_generation_prompt = _get(body, "add_generation_prompt", bool, True)
+    continue_final = _get(body, "continue_final_message", bool, False)
+    if continue_final and add_generation_prompt:
+        raise invalid_request("'continue_final_message' and 'add_generation_prompt' cannot "
+                              "both be true (set 'add_generation_prompt' to false).",
+                              param="continue_final_message")
+    if continue_final and messages[-1]["role"] != "assistant":
+        raise invalid_request("'continue_final_message' needs the final message to be the "
+                              "assistant's.", param="continue_final_message")
     kwargs = _get(body, "chat_template_kwargs", dict, {})
     reserved = _TEMPLATE_NAMES.intersection(kwargs)
     if reserved:
         raise invalid_request(f"'chat_template_kwargs' may not set {sorted(reserved)}.",
                               param="chat_template_kwargs")
-    return ChatRequest(model, parsed, sampling, stream, include_usage,
-                       add_generation_prompt=_get(body, "add_generation_prompt", bool, True),
-                       extra_template_kwargs=kwargs, tools=tools)
+    return ChatPrompt(messages, tools, add_generation_prompt, continue_final, kwargs)
 
 
 def _parse_messages(messages: Any, limits: RequestLimits) -> list[dict[str, Any]]:
@@ -592,8 +626,8 @@ def parse_tokenize(body: dict, served_names: tuple[str, ...],
         check_model(body, served_names)
     add_special = _get(body, "add_special_tokens", bool, None)
     if "messages" in body:
-        return {"messages": _parse_messages(body["messages"], limits),
-                "add_generation_prompt": _get(body, "add_generation_prompt", bool, True),
+        chat = _parse_chat_prompt(body, limits)
+        return {"chat": chat, "add_generation_prompt": chat.add_generation_prompt,
                 "add_special_tokens": False if add_special is None else add_special}
     prompt = _get(body, "prompt", str)
     if prompt is None:

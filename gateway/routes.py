@@ -16,6 +16,7 @@ from zeroserve.gateway.limits import RequestLimits, check_submit_fits
 from zeroserve.gateway.logging import get_logger
 from zeroserve.gateway.offload import CpuPool
 from zeroserve.gateway.openai_schema import (
+    ChatPrompt,
     SamplingOptions,
     check_context,
     check_token_ids,
@@ -94,10 +95,9 @@ class Api:
 
     async def tokenize(self, request: Request) -> Response:
         try:
-            spec = parse_tokenize(await self._read_json(request), self.served_names,
-                                  self.limits)
-            if "messages" in spec:
-                text = await self._render(spec["messages"], spec["add_generation_prompt"], {})
+            spec = await self._parse(parse_tokenize, await self._read_json(request))
+            if "chat" in spec:
+                text = await self._render(spec["chat"])
             else:
                 text = spec["prompt"]
             ids = await self._encode(text, spec["add_special_tokens"])
@@ -156,10 +156,7 @@ class Api:
     async def chat(self, request: Request) -> Response:
         try:
             req = await self._parse(parse_chat, await self._read_json(request))
-            messages, tool_kwargs = prepare_messages(req.messages, req.tools,
-                                                     self.template.source)
-            text = await self._render(messages, req.add_generation_prompt,
-                                      tool_kwargs | req.extra_template_kwargs)
+            text = await self._render(req.prompt)
             ids = await self._encode(text, add_special_tokens=False)
             ctx = ResponseContext("chat", req.model, req.include_usage, tools=req.tools)
             return await self._generate(request, ctx, [ids], req.sampling, req.stream,
@@ -186,17 +183,20 @@ class Api:
             return self.tokenizer.encode(text, add_special_tokens)
         return await self.cpu.run(self.tokenizer.encode, text, add_special_tokens)
 
-    async def _render(self, messages: list[dict], add_generation_prompt: bool,
-                      extra: dict) -> str:
+    async def _render(self, prompt: ChatPrompt) -> str:
+        """The text a chat prompt puts in front of the model (tools included)."""
+        messages, tool_kwargs = prepare_messages(prompt.messages, prompt.tools,
+                                                 self.template.source)
+        extra = tool_kwargs | prompt.extra_template_kwargs
         num_chars = sum(len(m["content"]) for m in messages)
         if num_chars <= _INLINE_CHARS and len(messages) <= _INLINE_MESSAGES and not extra:
-            return self._render_now(messages, add_generation_prompt, extra)
-        return await self.cpu.run(self._render_now, messages, add_generation_prompt, extra)
+            return self._render_now(messages, prompt, extra)
+        return await self.cpu.run(self._render_now, messages, prompt, extra)
 
-    def _render_now(self, messages: list[dict], add_generation_prompt: bool,
-                    extra: dict) -> str:
+    def _render_now(self, messages: list[dict], prompt: ChatPrompt, extra: dict) -> str:
         try:
-            return self.template.render(messages, add_generation_prompt, **extra)
+            return self.template.render(messages, prompt.add_generation_prompt,
+                                        prompt.continue_final_message, **extra)
         except ChatTemplateError as e:
             raise invalid_request(f"The chat template rejected the messages: {e}",
                                   param="messages") from None
