@@ -120,29 +120,18 @@ def test_required_tool_gives_a_valid_call(client):
     assert matches(json.loads(call.function.arguments), tool["function"]["parameters"])
 
 
-def test_required_tool_streams_its_arguments_as_they_come(client):
+@pytest.mark.parametrize("tool_choice,tools,question", [
+    ("required", [WEATHER], "What is the weather like in Paris?"),
+    ({"type": "function", "function": {"name": "get_weather"}}, [WEATHER, TIME],
+     "Is it cold in Oslo?"),
+], ids=["required", "named"])
+def test_forced_tool_calls_stream_openai_deltas(client, tool_choice, tools, question):
+    """The call's name first, then its arguments in fragments as they are generated (for
+    "required" the grammar writes "name" before "arguments", so they need not wait)."""
     stream = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct", messages=ask("What is the weather like in Paris?"),
-        tools=[WEATHER], tool_choice="required", max_tokens=MAX_TOKENS, temperature=0.0,
-        stream=True, parallel_tool_calls=False)
-    deltas, finish = [], None
-    for chunk in stream:
-        if chunk.choices:
-            deltas += chunk.choices[0].delta.tool_calls or []
-            finish = chunk.choices[0].finish_reason or finish
-    assert finish == "tool_calls"
-    first, *rest = deltas
-    assert first.function.name == "get_weather"
-    assert len(rest) > 1  # the grammar writes the name first, so arguments need not wait
-    arguments = "".join(d.function.arguments for d in deltas)
-    assert matches(json.loads(arguments), WEATHER["function"]["parameters"])
-
-
-def test_named_tool_streams_openai_deltas(client):
-    stream = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct", messages=ask("Is it cold in Oslo?"),
-        tools=[WEATHER, TIME], max_tokens=MAX_TOKENS, temperature=0.0, stream=True,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        model="SmolLM2-135M-Instruct", messages=ask(question), tools=tools,
+        tool_choice=tool_choice, max_tokens=MAX_TOKENS, temperature=0.0, stream=True,
+        parallel_tool_calls=False)
     deltas, finish = [], None
     for chunk in stream:
         if chunk.choices:
@@ -151,7 +140,7 @@ def test_named_tool_streams_openai_deltas(client):
     assert finish == "tool_calls"
     first, *rest = deltas
     assert first.id.startswith("call_") and first.function.name == "get_weather"
-    assert len(rest) > 1  # the arguments come in fragments, as they are generated
+    assert len(rest) > 1
     assert all(d.index == 0 and d.id is None for d in rest)
     arguments = "".join(d.function.arguments for d in deltas)
     assert matches(json.loads(arguments), WEATHER["function"]["parameters"])
