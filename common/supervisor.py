@@ -92,6 +92,10 @@ class Supervisor:
         self.exit_code = 0
         self._num_signals = 0
         self._first_signal_at = 0.0
+        self._stopping = threading.Event()
+
+    def run(self) -> int:
+        """Start everything, keep it running until a signal, stop in order. Main thread only."""
         # Signal handlers wake the main loop through a pipe, never a lock: a handler runs in
         # the main thread between two bytecodes, so one that took threading.Event's lock
         # while the main loop held it (inside Event.wait or clear) would wait on itself
@@ -99,10 +103,6 @@ class Supervisor:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._stopping = threading.Event()
-
-    def run(self) -> int:
-        """Start everything, keep it running until a signal, stop in order. Main thread only."""
         previous = {sig: signal.signal(sig, self._on_signal)
                     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, self._on_child_exit)

@@ -143,10 +143,6 @@ class ChatRequest:
     include_usage: bool = False
 
     @property
-    def messages(self) -> list[dict[str, Any]]:
-        return self.prompt.messages
-
-    @property
     def tools(self) -> ToolChoice | None:
         return self.prompt.tools
 
@@ -626,8 +622,7 @@ def parse_tokenize(body: dict, served_names: tuple[str, ...],
         check_model(body, served_names)
     add_special = _get(body, "add_special_tokens", bool, None)
     if "messages" in body:
-        chat = _parse_chat_prompt(body, limits)
-        return {"chat": chat, "add_generation_prompt": chat.add_generation_prompt,
+        return {"chat": _parse_chat_prompt(body, limits),
                 "add_special_tokens": False if add_special is None else add_special}
     prompt = _get(body, "prompt", str)
     if prompt is None:

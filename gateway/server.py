@@ -65,12 +65,11 @@ class GatewayHttpServer(uvicorn.Server):
         self.gateway = gateway
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        gateway = self.gateway
-        gateway.begin_shutdown()
+        self.gateway.begin_shutdown()
         grace_s = self.config.timeout_graceful_shutdown or 0.0
         # The last second (at most half the grace) is for the error events to go out.
         end = asyncio.get_running_loop().call_later(grace_s - min(1.0, grace_s / 2),
-                                                    gateway.end_requests)
+                                                    self.gateway.end_requests)
         try:
             await super().shutdown(sockets)
         finally:

@@ -134,7 +134,7 @@ def test_tools_reach_a_template_that_reads_them():
             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}],
         "tools": [WEATHER, TIME]}, NAMES)
-    messages, kwargs = prepare_messages(req.messages, req.tools, source)
+    messages, kwargs = prepare_messages(req.prompt.messages, req.tools, source)
     text = ChatTemplate(source).render(messages, True, **kwargs)
     assert text == "[get_weather][get_time]user:Weather in Paris?assistant:<Paris>tool:sunny"
 
@@ -146,7 +146,7 @@ def test_a_template_without_tools_gets_them_in_a_system_message():
             "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "c", "content": "sunny"}],
         "tools": [WEATHER]}, NAMES)
-    messages, kwargs = prepare_messages(req.messages, req.tools, template.source)
+    messages, kwargs = prepare_messages(req.prompt.messages, req.tools, template.source)
     assert kwargs == {}
     text = template.render(messages, True)
     system = text.split("<|im_end|>")[0]

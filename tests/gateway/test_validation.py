@@ -57,7 +57,7 @@ def test_content_parts_are_joined_and_assistant_may_be_empty():
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text",
                                                                      "text": "b"}]},
         {"role": "assistant", "content": None}]}, NAMES)
-    assert [m["content"] for m in req.messages] == ["a\nb", ""]
+    assert [m["content"] for m in req.prompt.messages] == ["a\nb", ""]
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -124,7 +124,7 @@ def test_tokenize_bodies():
     assert parse_tokenize({"prompt": "x"}, NAMES) == {"prompt": "x",
                                                       "add_special_tokens": True}
     spec = parse_tokenize({"messages": [{"role": "user", "content": "x"}]}, NAMES)
-    assert spec["add_special_tokens"] is False and spec["add_generation_prompt"] is True
+    assert spec["add_special_tokens"] is False and spec["chat"].add_generation_prompt is True
     assert error_of(parse_tokenize, {}, NAMES).status == 400
 
 
