@@ -7,7 +7,7 @@ restart does not fail the requests that arrive meanwhile. Whoever frees capacity
 request ending, a worker saying HELLO) calls `wake()`, which hands workers out in order.
 The worker is reserved for the request before its waiter resumes, so two waiters never
 count the same free slot. Each request goes where the registry's router sends its prompt
-(gateway/routing.py).
+(gateway/workers/routing.py).
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import asyncio
 from collections import deque
 
 from zeroserve.gateway.errors import APIError, no_worker, queue_full
-from zeroserve.gateway.registry import WorkerHandle, WorkerRegistry
-from zeroserve.gateway.routing import Prefix
+from zeroserve.gateway.workers.handle import WorkerHandle
+from zeroserve.gateway.workers.prefix import Prefix
+from zeroserve.gateway.workers.registry import WorkerRegistry
 
 
 class Admission:

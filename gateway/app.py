@@ -16,26 +16,22 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from zeroserve.common.model_files import model_display_name
-from zeroserve.gateway.admin import AdminApi
-from zeroserve.gateway.auth import ApiKeyMiddleware, ApiKeys, warn_if_exposed
-from zeroserve.gateway.chat_template import ChatTemplate
 from zeroserve.gateway.config import GatewayConfig
 from zeroserve.gateway.core import Gateway
 from zeroserve.gateway.errors import APIError, invalid_api_key, server_error
-from zeroserve.gateway.health import HealthEndpoints
+from zeroserve.gateway.http.admin import AdminApi
+from zeroserve.gateway.http.auth import ApiKeyMiddleware, ApiKeys, warn_if_exposed
+from zeroserve.gateway.http.health import HealthEndpoints
+from zeroserve.gateway.http.rate_limit import RateLimiter, RateLimitMiddleware
+from zeroserve.gateway.http.routes import Api
+from zeroserve.gateway.key_limits import default_limits, load_key_limits
 from zeroserve.gateway.logging import get_logger
-from zeroserve.gateway.loop_monitor import LoopLagMonitor
-from zeroserve.gateway.metrics import DEFAULT_MAX_MODEL_LEN, Metrics, NoRequestMetrics
-from zeroserve.gateway.rate_limit import (
-    RateLimiter,
-    RateLimitMiddleware,
-    default_limits,
-    load_key_limits,
-)
-from zeroserve.gateway.routes import Api
-from zeroserve.gateway.tier_metrics import TierMetrics
-from zeroserve.gateway.tokenizer import TextTokenizer, load_tokenizer
-from zeroserve.gateway.tracing import RequestTracer
+from zeroserve.gateway.observability.loop_monitor import LoopLagMonitor
+from zeroserve.gateway.observability.metrics import DEFAULT_MAX_MODEL_LEN, Metrics, NoRequestMetrics
+from zeroserve.gateway.observability.tier_metrics import TierMetrics
+from zeroserve.gateway.observability.tracing import RequestTracer
+from zeroserve.gateway.text.chat_template import ChatTemplate
+from zeroserve.gateway.text.tokenizer import TextTokenizer, load_tokenizer
 
 log = get_logger("app")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import os
 import socket
 import tempfile
@@ -9,10 +10,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zeroserve.common.keys import InsecurePlaneError, check_plane_security
-from zeroserve.gateway.rate_limit import default_limits, load_key_limits
-from zeroserve.gateway.routing import ROUTING_POLICIES
+from zeroserve.gateway.key_limits import default_limits, load_key_limits
 
 LOG_FORMATS = ("text", "json")
+
+
+class RoutingPolicy(enum.Enum):
+    """Which worker takes a request (gateway/workers/routing.py)."""
+    CACHE_AWARE = "cache_aware"
+    LEAST_LOADED = "least_loaded"
+
+
+ROUTING_POLICIES = tuple(p.value for p in RoutingPolicy)
 
 
 @dataclass(frozen=True)
@@ -36,7 +45,7 @@ class GatewayConfig:
     # again as its max_num_seqs. More than that waits in the gateway's bounded queue.
     max_waiting_per_worker: int | None = None
     log_level: str = "info"
-    # HTTP input limits (gateway/request_body.py, gateway/limits.py, gateway/http_protocol.py):
+    # HTTP input limits (gateway/http/request_body.py, gateway/api/limits.py, gateway/http/http_protocol.py):
     max_request_body_bytes: int = 8 * 1024 * 1024  # beyond: 413
     request_body_timeout_s: float = 30.0  # a body not fully received by then: 408
     header_timeout_s: float = 10.0  # a request head not complete by then: connection closed
@@ -44,7 +53,7 @@ class GatewayConfig:
     # context): one request with no max_tokens holds a sequence slot and KV for a bounded time.
     max_tokens_limit: int = 4096
     max_prompt_chars: int = 1_000_000  # per prompt, per conversation and per /tokenize input
-    # Slow readers and the event loop (gateway/sse.py, gateway/loop_monitor.py):
+    # Slow readers and the event loop (gateway/http/sse.py, gateway/observability/loop_monitor.py):
     # a stream whose sends were blocked for most of the last slow_client_timeout_s and that
     # delivered fewer bytes/s than this over it is aborted (0 turns the rate rule off).
     min_client_rate: float = 1024.0
@@ -55,7 +64,7 @@ class GatewayConfig:
     # client was never paused nor aborted. Linux doubles the value given.
     client_send_buffer_bytes: int = 64 * 1024
     loop_lag_warn_s: float = 0.25  # event-loop lag at or above this is a stall: logged, counted
-    # Bearer keys for the admin API (gateway/admin.py); never logged or shown in repr.
+    # Bearer keys for the admin API (gateway/http/admin.py); never logged or shown in repr.
     admin_keys: tuple[str, ...] = field(default=(), repr=False)
     # The worker plane's keys (common/keys.py): required for tcp:// endpoints unless insecure.
     keys_dir: str | None = None
@@ -65,11 +74,11 @@ class GatewayConfig:
     request_idle_timeout_s: float = 300.0
     # a worker whose engine made no progress for this long gets no new work (UNHEALTHY).
     worker_stall_timeout_s: float = 30.0
-    # Observability (gateway/metrics.py, gateway/tracing.py): an OTLP collector for request
+    # Observability (gateway/observability/metrics.py, gateway/observability/tracing.py): an OTLP collector for request
     # traces (None: no tracing), and whether to skip Prometheus metrics altogether.
     otlp_traces_endpoint: str | None = None
     disable_metrics: bool = False
-    # HTTP access (gateway/auth.py, gateway/rate_limit.py; CORS and hosts in gateway/app.py):
+    # HTTP access (gateway/http/auth.py, gateway/http/rate_limit.py; CORS and hosts in gateway/app.py):
     # bearer keys for /v1/*, /tokenize and /detokenize; never logged or shown in repr.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     allowed_origins: tuple[str, ...] = ()  # CORS; () -> no CORS headers: browsers cannot read
@@ -78,14 +87,14 @@ class GatewayConfig:
     rate_limit_rps: float | None = None  # requests per second
     rate_limit_burst: int | None = None  # requests at once; None -> rps rounded up
     rate_limit_tpm: int | None = None  # prompt + completion tokens per minute
-    rate_limits_file: str | None = None  # per-key limits, JSON or TOML (gateway/rate_limit.py)
-    # Which worker gets a request (gateway/routing.py): "cache_aware" or "least_loaded".
+    rate_limits_file: str | None = None  # per-key limits, JSON or TOML (gateway/http/rate_limit.py)
+    # Which worker gets a request (gateway/workers/routing.py): "cache_aware" or "least_loaded".
     routing: str = "cache_aware"
     # Bind the HTTP port with SO_REUSEPORT, so that several gateway processes share it (the
     # kernel spreads connections over them): `zeroserve serve --gateways N`.
     reuse_port: bool = False
     # The gateways of one tier (`serve --gateways N`) share this folder and each answers
-    # /metrics for all of them (gateway/tier_metrics.py); `gateway_index` names this one.
+    # /metrics for all of them (gateway/observability/tier_metrics.py); `gateway_index` names this one.
     metrics_dir: str | None = None
     gateway_index: int = 0
 

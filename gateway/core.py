@@ -1,6 +1,6 @@
 """The gateway's core: request table, worker registry, admission, and the message handlers.
 
-The receive loop (gateway/zmq_io.py) calls `_on_message`, which dispatches by message type
+The receive loop (gateway/workers/zmq_io.py) calls `_on_message`, which dispatches by message type
 through a table; handlers only touch in-memory state and queues. HTTP
 handlers create request states, `submit` them, consume their sink queues, grant credit and
 `finish` them. Every way a request ends goes through `finish` (or `_fail`, which delivers
@@ -47,9 +47,9 @@ from zeroserve.gateway.errors import (
     worker_failed,
 )
 from zeroserve.gateway.logging import get_logger
-from zeroserve.gateway.metrics import Metrics, RequestMetrics
+from zeroserve.gateway.observability.metrics import Metrics, RequestMetrics
+from zeroserve.gateway.observability.tracing import RequestTracer
 from zeroserve.gateway.reconcile import Reconciler, TokenCheck, check_token_counts
-from zeroserve.gateway.registry import WorkerRegistry, WorkerStatus
 from zeroserve.gateway.streams import (
     RequestPhase,
     RequestState,
@@ -57,8 +57,9 @@ from zeroserve.gateway.streams import (
     StreamTable,
     WorkerOutbox,
 )
-from zeroserve.gateway.tracing import RequestTracer
-from zeroserve.gateway.zmq_io import Peer, ZmqEdge
+from zeroserve.gateway.workers.handle import WorkerStatus
+from zeroserve.gateway.workers.registry import WorkerRegistry
+from zeroserve.gateway.workers.zmq_io import Peer, ZmqEdge
 
 log = get_logger("core")
 
@@ -77,7 +78,7 @@ class Gateway:
         self.clock = clock
         # Counted here from the streams, so a worker's restart cannot make them go back.
         self.metrics = metrics or Metrics(config.served_model_name or "").requests
-        self.tracer = tracer  # a span tree per finished request (gateway/tracing.py), or None
+        self.tracer = tracer  # a span tree per finished request (gateway/observability/tracing.py), or None
         # Tells workers which gateway process speaks: a new one means the old streams are gone.
         self.gateway_id = uuid.uuid4().hex
         self.registry = WorkerRegistry(config.max_waiting_per_worker,
@@ -224,7 +225,7 @@ class Gateway:
             if state.phase is not RequestPhase.DONE:
                 state.deliver(e)
 
-    # --- operator commands (called by gateway/admin.py) ---------------------------------
+    # --- operator commands (called by gateway/http/admin.py) ---------------------------------
 
     def drain_worker(self, worker_id: str, deadline_s: float, exit_when_drained: bool) -> bool:
         """No new work to this worker; its streams finish within deadline_s or move on.

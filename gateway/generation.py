@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 from zeroserve.common.protocol import TokenOutput
 from zeroserve.gateway.core import Gateway
-from zeroserve.gateway.detokenizer import IncrementalDetokenizer
 from zeroserve.gateway.errors import APIError, server_error, worker_failed
-from zeroserve.gateway.metrics import RequestMetrics
-from zeroserve.gateway.stop_strings import StopStringMatcher
+from zeroserve.gateway.observability.metrics import RequestMetrics
 from zeroserve.gateway.streams import RequestState, Sink
-from zeroserve.gateway.tokenizer import TextTokenizer
+from zeroserve.gateway.text.detokenizer import IncrementalDetokenizer
+from zeroserve.gateway.text.stop_strings import StopStringMatcher
+from zeroserve.gateway.text.tokenizer import TextTokenizer
 
 
 @dataclass(slots=True)

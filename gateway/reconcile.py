@@ -23,8 +23,8 @@ import enum
 from collections.abc import Callable, Iterable
 
 from zeroserve.common.protocol import TokenOutput
-from zeroserve.gateway.registry import WorkerHandle
 from zeroserve.gateway.streams import RequestPhase, RequestState, StreamTable, WorkerOutbox
+from zeroserve.gateway.workers.handle import WorkerHandle
 
 # A SUBMIT sent this long before a worker's snapshot must be in it (transit allowance), and a
 # request must be missing from the reports for this long before it counts as lost.

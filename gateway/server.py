@@ -13,7 +13,7 @@ from zeroserve.common.gc_tuning import tune_for_serving
 from zeroserve.gateway.app import build_app
 from zeroserve.gateway.config import GatewayConfig
 from zeroserve.gateway.core import Gateway
-from zeroserve.gateway.http_protocol import DEFAULT_MAX_HEAD_BYTES, guarded_protocol
+from zeroserve.gateway.http.http_protocol import DEFAULT_MAX_HEAD_BYTES, guarded_protocol
 from zeroserve.gateway.logging import get_logger, setup_logging
 
 STARTUP_FAILURE = 3

@@ -35,7 +35,7 @@ class Sink:
 
     `direct`, when set, is offered each item that arrives while the consumer is parked with
     nothing queued; it returns True when it handled the item then and there (a streamed
-    response writing it to its client from the receive loop: gateway/streaming.py), False to
+    response writing it to its client from the receive loop: gateway/http/streaming.py), False to
     leave it to the consumer. Items stay in order: once one is queued, the rest queue behind
     it until the consumer has taken them.
     """

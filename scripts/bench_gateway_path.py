@@ -49,15 +49,15 @@ def _cycle() -> types.SimpleNamespace:
 
 async def run_once(num_streams: int, num_steps: int, kind: str) -> dict:
     from zeroserve.common.protocol import PROTOCOL_VERSION, Hello, TokenOutput, Tokens, encode
+    from zeroserve.gateway.api.openai_schema import parse_chat, parse_completion
+    from zeroserve.gateway.api.responses import ResponseContext
     from zeroserve.gateway.app import build_app
     from zeroserve.gateway.config import GatewayConfig
     from zeroserve.gateway.generation import RequestGroup
-    from zeroserve.gateway.http_protocol import CYCLE_SCOPE_KEY
-    from zeroserve.gateway.openai_schema import parse_chat, parse_completion
-    from zeroserve.gateway.responses import ResponseContext
-    from zeroserve.gateway.streaming import StreamedResponse
+    from zeroserve.gateway.http.http_protocol import CYCLE_SCOPE_KEY
+    from zeroserve.gateway.http.streaming import StreamedResponse
     from zeroserve.gateway.streams import RequestPhase
-    from zeroserve.gateway.tokenizer import load_tokenizer
+    from zeroserve.gateway.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer("default")
     app = build_app(GatewayConfig(port=1), tokenizer)

@@ -374,7 +374,7 @@ def main() -> None:
         shared = ["--reuse-port", *default_endpoint_args(args.port, index)] \
             if args.gateways > 1 else []
         gateways.append(subprocess.Popen(
-            [py, "-m", "zeroserve.common.cli", "gateway", "--port", str(args.port), "--log-level",
+            [py, "-m", "zeroserve.cli", "gateway", "--port", str(args.port), "--log-level",
              "warning", "--max-queued-requests", str(args.streams * 2),
              "--credit-window", str(args.credit_window), *shared, *args.gateway_arg],
             env=env, cwd=ROOT))
@@ -383,7 +383,7 @@ def main() -> None:
     stamped = None
     try:
         if args.worker == "stamped":
-            from zeroserve.gateway.tokenizer import load_tokenizer
+            from zeroserve.gateway.text.tokenizer import load_tokenizer
 
             (word_id,) = load_tokenizer("default").encode(" hello", add_special_tokens=False)
             ctx = multiprocessing.get_context("spawn")
@@ -392,14 +392,14 @@ def main() -> None:
             stamped.start()
         elif args.worker == "serve":
             procs.append(subprocess.Popen(
-                [py, "-m", "zeroserve.common.cli", "serve", "--port", str(args.port),
+                [py, "-m", "zeroserve.cli", "serve", "--port", str(args.port),
                  "--gateways", str(args.gateways), "--backend", "fake", "--fake-forward-ms",
                  str(args.step_ms), "--max-num-seqs", str(args.streams), "--credit-window",
                  str(args.credit_window), "--log-level", "warning", *args.gateway_arg],
                 env=env, cwd=ROOT))
         else:
             procs.append(subprocess.Popen(
-                [py, "-m", "zeroserve.common.cli", "worker", "--port", str(args.port),
+                [py, "-m", "zeroserve.cli", "worker", "--port", str(args.port),
                  "--gateways", str(args.gateways), "--backend", "fake",
                  "--fake-forward-ms", str(args.step_ms), "--max-num-seqs",
                  str(max(args.streams, 64)), "--max-num-batched-tokens",
@@ -413,7 +413,7 @@ def main() -> None:
         if args.worker == "serve":
             children = child_processes(procs[-1].pid)
             gateway_pids = [pid for pid, cmd in children.items() if " gateway " in cmd]
-            (worker_pid,) = [pid for pid, cmd in children.items() if "zeroserve.worker" in cmd]
+            (worker_pid,) = [pid for pid, cmd in children.items() if "zeroserve.cli worker" in cmd]
         cpu_before = {"gateway": gateways_cpu_seconds(gateway_pids),
                       "worker": cpu_seconds(worker_pid)}
         load_before = os.getloadavg()[0]

@@ -293,7 +293,7 @@ async def run_phase(name: str, url: str, port: int, model: str, args: argparse.N
 
 
 def start_server(args: argparse.Namespace, log_path: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "zeroserve.common.cli", "serve", "--port", str(args.port),
+    argv = [sys.executable, "-m", "zeroserve.cli", "serve", "--port", str(args.port),
             "--device", "cpu", "--slow-client-timeout", str(args.slow_client_timeout),
             *args.server_args]
     if args.quick:

@@ -48,7 +48,7 @@ def in_process(prompts: list[list[int]], args: argparse.Namespace) -> float:
 
 def over_http(samples, args: argparse.Namespace) -> float:
     port = free_port()
-    cmd = [sys.executable, "-m", "zeroserve.common.cli", "serve", "--port", str(port),
+    cmd = [sys.executable, "-m", "zeroserve.cli", "serve", "--port", str(port),
            "--max-num-seqs", str(args.concurrency), "--num-threads", str(args.threads)]
     server = Server("zeroserve", cmd, port, args.concurrency,
                     REPO_ROOT / ".bench" / "logs" / "http_vs_engine.log")
@@ -77,8 +77,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
-    from zeroserve.gateway.chat_template import ChatTemplate
-    from zeroserve.gateway.tokenizer import load_tokenizer
+    from zeroserve.gateway.text.chat_template import ChatTemplate
+    from zeroserve.gateway.text.tokenizer import load_tokenizer
 
     samples = load_chat_samples(args.num_prompts, max_prompt_tokens=args.max_prompt_tokens)
     tokenizer = load_tokenizer("default")

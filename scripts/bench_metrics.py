@@ -44,7 +44,7 @@ def metrics_us_per_token(num_tokens: int, batch: int = 16, repeats: int = 100) -
     step; the relay benchmark's batches are larger, so this is an upper bound), minus the
     same loop with no calls."""
     sys.path.insert(0, str(ROOT))
-    from zeroserve.gateway.metrics import Metrics
+    from zeroserve.gateway.observability.metrics import Metrics
 
     metrics = Metrics("bench").requests
 

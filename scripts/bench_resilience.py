@@ -44,7 +44,7 @@ PHASES = ("steady", "kill -9 worker-0", "rolling restart")
 
 
 def start_server(args: argparse.Namespace, log_path: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "zeroserve.common.cli", "serve", "--port", str(args.port),
+    argv = [sys.executable, "-m", "zeroserve.cli", "serve", "--port", str(args.port),
             "--device", "cpu", "--workers", "2", *args.server_args]
     if args.quick:
         argv += ["--backend", "fake", "--fake-forward-ms", "20", "--num-kv-blocks", "4096"]
@@ -126,7 +126,7 @@ def run_events(args: argparse.Namespace, url: str, t0: float, events: list) -> N
     events.append((time.perf_counter() - t0, "kill -9 worker-0"))
     time.sleep(max(0.0, t0 + 2 * args.phase_s - time.perf_counter()))
     events.append((time.perf_counter() - t0, "rolling restart begins"))
-    done = subprocess.run([sys.executable, "-m", "zeroserve.common.cli", "workers", "restart", "--all",
+    done = subprocess.run([sys.executable, "-m", "zeroserve.cli", "workers", "restart", "--all",
                            "--deadline", str(args.drain_deadline), "--url", url],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     events.append((time.perf_counter() - t0,

@@ -88,7 +88,7 @@ class Server:
         env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROSERVE_")}
         env["ZEROSERVE_CACHE_DIR"] = str(cache_dir)
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-        argv = [sys.executable, "-m", "zeroserve.common.cli", "serve", "--port", str(self.port),
+        argv = [sys.executable, "-m", "zeroserve.cli", "serve", "--port", str(self.port),
                 "--workers", str(num_workers), "--model", args.model, "--device", "cpu",
                 *args.serve_args]
         self.log = open(Path(tempfile.gettempdir()) / f"bench_restart_{self.port}.log", "w")  # noqa: SIM115

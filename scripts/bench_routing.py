@@ -144,7 +144,7 @@ async def run_chats(url: str, chats: list[list[str]], concurrency: int,
 
 def start_server(mode: str, port: int, args: argparse.Namespace,
                  log_path: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "zeroserve.common.cli", "serve", "--port", str(port), "--device",
+    argv = [sys.executable, "-m", "zeroserve.cli", "serve", "--port", str(port), "--device",
             "cpu", "--workers", "2", "--routing", mode, *args.server_args]
     if args.fake:
         argv += ["--backend", "fake", "--fake-forward-ms", "20"]

@@ -95,8 +95,8 @@ def run_variant(cfg: bench_serving.BenchConfig, samples, with_schema: bool) -> d
 def in_process(args: argparse.Namespace) -> dict:
     import torch
 
-    from zeroserve.gateway.chat_template import ChatTemplate
-    from zeroserve.gateway.tokenizer import load_tokenizer
+    from zeroserve.gateway.text.chat_template import ChatTemplate
+    from zeroserve.gateway.text.tokenizer import load_tokenizer
     from zeroserve.worker.config import EngineConfig
     from zeroserve.worker.engine import Engine
     from zeroserve.worker.grammar import GrammarSpec

@@ -48,10 +48,10 @@ def run_once(num_seqs: int, num_steps: int, num_prompt_tokens: int,
     time) over num_steps decode steps of engine.step_overlapped, as the worker loop runs it."""
     from zeroserve.common.gc_tuning import tune_for_serving
     from zeroserve.common.protocol import encode
-    from zeroserve.worker.config import EngineConfig
+    from zeroserve.worker.config import EngineConfig, WorkerConfig
     from zeroserve.worker.engine import Engine
     from zeroserve.worker.fake_runner import FakeRunner
-    from zeroserve.worker.process import WorkerConfig, WorkerLoop, _Stream
+    from zeroserve.worker.process import WorkerLoop, _Stream
     from zeroserve.worker.sequence import SamplingParams
 
     config = EngineConfig(model="fake", max_num_seqs=num_seqs,

@@ -109,7 +109,7 @@ def server_command(system: str, plan: Plan, port: int, slots: int) -> list[str] 
     if system.startswith("zeroserve"):
         mode = {"zeroserve": "continuous", "zeroserve-static": "static",
                 "zeroserve-dynamic": "dynamic"}[system]
-        return [py, "-c", "from zeroserve.common.cli import main; main()", "serve", "--port", str(port),
+        return [py, "-c", "from zeroserve.cli.main import main; main()", "serve", "--port", str(port),
                 "--max-num-seqs", str(slots), "--batching-mode", mode,
                 "--num-threads", str(plan.threads), "--drain-timeout", "1",
                 "--log-level", "warning", *plan.zeroserve_args]

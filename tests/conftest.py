@@ -41,7 +41,7 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def zeroserve_argv(command: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "zeroserve.common.cli", command, *args]
+    return [sys.executable, "-m", "zeroserve.cli", command, *args]
 
 
 class ServerProcess:

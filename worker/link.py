@@ -19,7 +19,6 @@ import queue
 import secrets
 import threading
 import time
-from typing import TYPE_CHECKING
 
 import zmq
 
@@ -34,9 +33,7 @@ from zeroserve.common.protocol import (
     decode,
     encode,
 )
-
-if TYPE_CHECKING:
-    from zeroserve.worker.process import WorkerConfig
+from zeroserve.worker.config import WorkerConfig
 
 log = logging.getLogger("zeroserve.worker")
 

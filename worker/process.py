@@ -41,12 +41,12 @@ import queue
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from zeroserve.common.keys import check_plane_security, is_worker_id_valid, load_worker_keys
+from zeroserve.common.keys import load_worker_keys
 from zeroserve.common.protocol import (
     PROTOCOL_VERSION,
     UNKNOWN_WORKER,
@@ -66,7 +66,7 @@ from zeroserve.common.protocol import (
     WorkerState,
     encode,
 )
-from zeroserve.worker.config import EngineConfig
+from zeroserve.worker.config import WorkerConfig
 from zeroserve.worker.grammar import GrammarSpec
 from zeroserve.worker.link import GatewayPeer, LinkState, new_route
 from zeroserve.worker.outputs import RequestOutput
@@ -77,78 +77,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("zeroserve.worker")
 
-BACKENDS = ("model", "fake")
 # Exit codes. A supervisor restarts on any of them; 3 means "fix the configuration".
 EXIT_OK = 0  # drained, or told to shut down
 EXIT_ENGINE_FAILED = 1  # a step raised; in-flight requests were failed first
 EXIT_REFUSED = 3  # the gateway refused our HELLO (e.g. another protocol version)
 # 4 (worker.link.EXIT_STALLED): the engine thread made no progress for stall_timeout_s.
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    worker_id: str
-    # The gateway's ROUTER (the worker connects a DEALER) and PULL (a PUSH for TOKENS).
-    # Several gateways: one address each, in the same order (the i-th router and the i-th
-    # tokens address are one gateway's).
-    router_address: str | tuple[str, ...]
-    tokens_address: str | tuple[str, ...]
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    backend: str = "model"  # "model" or "fake" (FakeRunner, tests/benchmarks only)
-    heartbeat_interval_s: float = 0.5
-    gateway_timeout_s: float = 5.0  # no gateway heartbeat for this long -> say HELLO again
-    drain_timeout_s: float = 30.0
-    fake_forward_s: float = 0.0  # backend "fake" only: simulated time of one forward
-    fake_stamps_path: str | None = None  # backend "fake" only: when each token was made
-    # A silent gateway: keep its streams (paused at their credit) this long, then fail them.
-    gateway_grace_s: float = 120.0
-    # No engine progress for this long: exit EXIT_STALLED (None: never; tests in-process).
-    stall_timeout_s: float | None = 120.0
-    max_step_failures: int = 3  # engine steps failing in a row before the worker exits
-    # CurveZMQ keys (common/keys.py): required for tcp:// endpoints unless insecure.
-    keys_dir: str | None = None
-    insecure: bool = False
-
-    def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, not {self.backend!r}")
-        if self.heartbeat_interval_s <= 0:
-            raise ValueError("heartbeat_interval_s must be > 0")
-        if self.gateway_timeout_s <= self.heartbeat_interval_s:
-            raise ValueError("gateway_timeout_s must be longer than heartbeat_interval_s")
-        if self.drain_timeout_s < 0:
-            raise ValueError("drain_timeout_s must be >= 0")
-        if self.fake_forward_s < 0:
-            raise ValueError("fake_forward_s must be >= 0")
-        if self.gateway_grace_s < self.gateway_timeout_s:
-            raise ValueError("gateway_grace_s must be >= gateway_timeout_s")
-        if self.stall_timeout_s is not None and self.stall_timeout_s <= 0:
-            raise ValueError("stall_timeout_s must be > 0")
-        if self.max_step_failures < 1:
-            raise ValueError("max_step_failures must be >= 1")
-        if not is_worker_id_valid(self.worker_id):
-            raise ValueError(f"worker_id {self.worker_id!r}: use up to 128 letters, digits, "
-                             "'.', '_' or '-'")
-        endpoints = self.gateway_endpoints
-        if not endpoints:
-            raise ValueError("give at least one gateway router and tokens address")
-        if len({address for pair in endpoints for address in pair}) != 2 * len(endpoints):
-            raise ValueError("every gateway address must be different")
-        check_plane_security(tuple(a for pair in endpoints for a in pair), self.keys_dir,
-                             self.insecure)
-
-    @property
-    def gateway_endpoints(self) -> list[tuple[str, str]]:
-        """(router, tokens) address pairs, one per gateway."""
-        routers, tokens = _addresses(self.router_address), _addresses(self.tokens_address)
-        if len(routers) != len(tokens):
-            raise ValueError(f"{len(routers)} router addresses but {len(tokens)} tokens "
-                             "addresses: give one of each per gateway")
-        return list(zip(routers, tokens, strict=True))
-
-
-def _addresses(value: str | tuple[str, ...]) -> tuple[str, ...]:
-    return (value,) if isinstance(value, str) else tuple(value)
 
 
 def run_worker(config: WorkerConfig, engine: Engine | None = None) -> int:

@@ -29,7 +29,7 @@ def write_tiny_repo(directory: Path) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     from tests.worker.arch_models import make_model
-    from zeroserve.gateway.tokenizer import byte_to_unicode
+    from zeroserve.gateway.text.tokenizer import byte_to_unicode
 
     model = make_model("qwen2", vocab_size=259, bos_token_id=None, eos_token_id=258)
     model.save_pretrained(directory, safe_serialization=True)

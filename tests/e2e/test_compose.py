@@ -34,7 +34,7 @@ def flag(command: list[str], name: str) -> str | None:
 
 def setting(service: dict, name: str) -> str | None:
     """A flag's value from the command, else from its ZEROSERVE_* variable."""
-    from zeroserve.common.cli import env_name
+    from zeroserve.cli.main import env_name
 
     return flag(service["command"], name) or service.get("environment", {}).get(env_name(name))
 
@@ -130,7 +130,7 @@ class Localizer:
             i = out.index("--port") + 1
             out[i] = str(self.port(out[i]))
         if out[0] == "zeroserve":  # run from this checkout, whatever is installed
-            out = [sys.executable, "-m", "zeroserve.common.cli", *out[1:]]
+            out = [sys.executable, "-m", "zeroserve.cli", *out[1:]]
         return out
 
     def env(self, service: dict) -> dict[str, str]:
@@ -193,7 +193,7 @@ def test_localizer_rewrites_hosts_ports_and_devices():
     local = Localizer()
     command = local.command(["zeroserve", "worker", "--device", "cuda:1", "--router-address",
                              "tcp://gateway:5555", "--port", "8000"])
-    assert command[:4] == [sys.executable, "-m", "zeroserve.common.cli", "worker"]
+    assert command[:4] == [sys.executable, "-m", "zeroserve.cli", "worker"]
     assert flag(command, "--device") == "cpu"
     assert flag(command, "--router-address") == f"tcp://127.0.0.1:{local.ports['5555']}"
     assert flag(command, "--port") == str(local.ports["8000"])

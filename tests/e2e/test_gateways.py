@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.e2e.helpers import StreamResult, stream_in_thread
-from zeroserve.common.admin_client import AdminClient, restart
+from zeroserve.cli.admin_client import AdminClient, restart
 
 pytestmark = pytest.mark.slow
 

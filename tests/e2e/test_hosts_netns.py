@@ -128,7 +128,7 @@ def hosts():
 
 
 def zeroserve(*args: str) -> list[str]:
-    return [sys.executable, "-m", "zeroserve.common.cli", *args]
+    return [sys.executable, "-m", "zeroserve.cli", *args]
 
 
 def health(url: str) -> dict:

@@ -32,7 +32,7 @@ from zeroserve.common.protocol import (
 from zeroserve.gateway.app import build_app
 from zeroserve.gateway.config import GatewayConfig
 from zeroserve.gateway.server import GatewayHttpServer, uvicorn_config
-from zeroserve.gateway.tokenizer import TextTokenizer, byte_to_unicode
+from zeroserve.gateway.text.tokenizer import TextTokenizer, byte_to_unicode
 
 IM_START, IM_END = 256, 257  # the byte tokenizer's special tokens
 _PIDS = itertools.count(10_000)

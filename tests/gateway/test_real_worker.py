@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.gateway.helpers import GatewayServer, wait_until
-from zeroserve.gateway.tokenizer import load_tokenizer
+from zeroserve.gateway.text.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,7 +27,7 @@ def tokenizer():
 def start_worker(gw: GatewayServer, worker_id: str) -> subprocess.Popen:
     router, tokens = gw.config.endpoints
     return subprocess.Popen(
-        [sys.executable, "-m", "zeroserve.common.cli", "worker", "--worker-id", worker_id,
+        [sys.executable, "-m", "zeroserve.cli", "worker", "--worker-id", worker_id,
          "--router-address", router, "--tokens-address", tokens, "--backend", "fake",
          "--fake-forward-ms", "5", "--heartbeat-interval", "0.1", "--log-level", "warning"],
         cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))

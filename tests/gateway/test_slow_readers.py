@@ -25,7 +25,7 @@ def reasons(caplog) -> list[str]:
     (8192, False),  # ~80 kB/s: slower than generation, above the minimum
 ])
 def test_the_rate_decides(caplog, num_bytes, is_aborted):
-    caplog.set_level(logging.WARNING, logger="zeroserve.gateway.sse")
+    caplog.set_level(logging.WARNING, logger="zeroserve.gateway.http.sse")
     with GatewayServer(credit_window=16, slow_client_timeout_s=1.0,
                        min_client_rate=20_000) as gw:
         worker = gw.worker(reply=cyclic_reply("x" * 50), step_s=0.001).start()

@@ -143,7 +143,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def default_prompts() -> list[list[int]]:
-    from zeroserve.gateway.tokenizer import load_tokenizer
+    from zeroserve.gateway.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer("default")
     return [tokenizer.encode(t) for t in TEXTS]

@@ -33,7 +33,7 @@ def compiler() -> GrammarCompiler:
 
 
 def test_gguf_vocabulary_spells_tokens_as_bytes(vocabulary):
-    from zeroserve.gateway.tokenizer import load_tokenizer
+    from zeroserve.gateway.text.tokenizer import load_tokenizer
 
     reference = load_tokenizer("default")  # the gateway's tokenizer, built independently
     for text in ["Hello world", ' {"a": 1}\n', "naïve 日本"]:
@@ -161,7 +161,7 @@ def test_a_hugging_face_tokenizer_json_works_too(tmp_path):
     vocabulary, with logits wider than the tokenizer (padded embeddings)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    from zeroserve.gateway.tokenizer import byte_to_unicode
+    from zeroserve.gateway.text.tokenizer import byte_to_unicode
 
     spell = byte_to_unicode()
     tk = Tokenizer(models.BPE({spell[b]: b for b in range(256)}, [], fuse_unk=False))

@@ -29,10 +29,11 @@ from zeroserve.common.protocol import (
     decode,
     encode,
 )
+from zeroserve.worker.config import WorkerConfig
 from zeroserve.worker.model.info import ModelInfo
 from zeroserve.worker.outputs import EngineStats, RequestOutput
 from zeroserve.worker.outputs import StepTiming as EngineStepTiming
-from zeroserve.worker.process import WorkerConfig, run_worker
+from zeroserve.worker.process import run_worker
 from zeroserve.worker.sequence import FinishReason, RequestError, SamplingParams
 
 NUM_BLOCKS = 64

@@ -17,7 +17,7 @@ from tests.worker.test_process import (
     stop,
 )
 from zeroserve.common.protocol import Credit, Heartbeat, Hello, Ready, Submit
-from zeroserve.worker.process import WorkerConfig
+from zeroserve.worker.config import WorkerConfig
 
 
 @pytest.fixture

@@ -1,0 +1,100 @@
+"""Which of `zeroserve serve`'s children have become ready, asked of the gateway over HTTP.
+
+The supervisor cannot see readiness itself: a worker is ready once the gateway has answered
+its HELLO with READY, which happens inside the gateway. So the supervisor's readiness probe
+asks the gateway, on loopback:
+
+- a gateway child is ready once `GET /health/live` answers with the pid we started (a
+  different process on that port, the classic "port in use", does not count). Several
+  gateways share the port (`serve --gateways N`, SO_REUSEPORT) and the kernel picks which
+  one answers a new connection, so the probe asks a few times per round;
+- a worker child is ready once `GET /health` lists its id as `ready` with the pid we started
+  (a stale entry of an earlier incarnation does not count for a new one).
+
+The probe runs only until every child has been ready once (see cli/supervisor.py), so in
+steady state it costs nothing. With API keys on, the gateway shows pids and worker ids only
+to callers with a key, so the probe sends one (`serve` gives it the first key). It imports
+nothing from the CLI, so the dependency runs one way: cli/main.py -> cli/children.py,
+cli/main.py -> cli/supervisor.py.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+GATEWAY_CHILD = "gateway"
+_TIMEOUT_S = 1.0
+_LIVE_ASKS_PER_GATEWAY = 3  # per probe round, while some gateway has not answered yet
+
+
+def gateway_child_names(num_gateways: int) -> list[str]:
+    """"gateway" for one (as ever), "gateway-0" ... "gateway-(N-1)" for several."""
+    if num_gateways == 1:
+        return [GATEWAY_CHILD]
+    return [f"{GATEWAY_CHILD}-{i}" for i in range(num_gateways)]
+
+
+def is_gateway_child(name: str) -> bool:
+    return name == GATEWAY_CHILD or name.startswith(GATEWAY_CHILD + "-")
+
+
+def local_url(host: str, port: int) -> str:
+    """The URL a process on this machine reaches a server bound to `host:port` at."""
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def _get_json(url: str, api_key: str | None = None) -> dict | None:
+    """The JSON body of a GET, whatever the status (503 carries a body too); None if none."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                    timeout=_TIMEOUT_S) as response:
+            body = response.read()
+    except urllib.error.HTTPError as e:
+        body = e.read()
+    except OSError:
+        return None
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
+class GatewayReadiness:
+    """A `ReadinessProbe` for `serve`: pids by child name -> names of the ready ones."""
+
+    def __init__(self, base_url: str, api_key: str | None = None):
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+
+    def __call__(self, pids: dict[str, int]) -> set[str]:
+        ready = set()
+        gateways = {pid: name for name, pid in pids.items() if is_gateway_child(name)}
+        for _ in range(_LIVE_ASKS_PER_GATEWAY * len(gateways)):
+            live = _get_json(self.base_url + "/health/live", self.api_key)
+            if live is None:
+                break
+            if live.get("pid") in gateways:
+                ready.add(gateways[live.get("pid")])
+            if len(ready) == len(gateways):
+                break
+        workers = {name: pid for name, pid in pids.items() if not is_gateway_child(name)}
+        if workers:
+            health = _get_json(self.base_url + "/health", self.api_key) or {}
+            for entry in health.get("workers") or []:
+                if not isinstance(entry, dict):
+                    continue
+                name = entry.get("worker_id")
+                if (entry.get("status") == "ready" and name in workers
+                        and entry.get("pid") == workers[name]):
+                    ready.add(name)
+        return ready

@@ -1,0 +1,989 @@
+"""The `zeroserve` command line: `serve` (gateway + supervised workers), `gateway`, `worker`,
+and `check` (a container health check).
+
+Every flag also reads `ZEROSERVE_<FLAG>` (dashes become underscores: `--max-num-seqs` reads
+`ZEROSERVE_MAX_NUM_SEQS`); an explicit flag wins. Flags become the frozen configs
+(EngineConfig, GatewayConfig, WorkerConfig); an invalid value is a usage error, never a
+traceback. The `*_args` functions turn configs back into flags, which is how `serve` hands
+each child process its configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from zeroserve.worker.config import ATTENTION_BACKENDS, BatchingMode, EngineConfig
+
+ENV_PREFIX = "ZEROSERVE_"
+LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def env_name(flag: str) -> str:
+    """'--max-num-seqs' -> 'ZEROSERVE_MAX_NUM_SEQS'."""
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def option(*decls: str, **kwargs: Any) -> Callable:
+    """click.option with its ZEROSERVE_<FLAG> variable set explicitly (click's automatic
+    prefix would add the command name: ZEROSERVE_SERVE_PORT)."""
+    flag = next(d for d in decls if d.startswith("--")).split("/")[0]
+    kwargs.setdefault("envvar", env_name(flag))
+    kwargs.setdefault("show_envvar", True)
+    kwargs.setdefault("show_default", True)
+    return click.option(*decls, **kwargs)
+
+
+def _default(cls: type, name: str) -> Any:
+    return {f.name: f.default for f in dataclasses.fields(cls)}[name]
+
+
+class ByteSize(click.ParamType):
+    """'4GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
+
+    name = "bytes"
+    _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+              "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+              "tib": 2**40}
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        if isinstance(value, int):
+            return value
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+        unit = match and self._UNITS.get(match.group(2).lower())
+        if not match or unit is None:
+            self.fail(f"{value!r} is not a size (examples: 4GiB, 512MiB, 1000000)", param, ctx)
+        size = int(float(match.group(1)) * unit)
+        if size < 1:
+            self.fail(f"{value!r} must be at least one byte", param, ctx)
+        return size
+
+
+def _check_device(ctx: Any, param: Any, value: str) -> str:
+    if not _DEVICE_RE.match(value):
+        raise click.BadParameter(f"{value!r}: use auto, cpu, cuda or cuda:N")
+    return value
+
+
+def _positive(ctx: Any, param: Any, value: float | None) -> float | None:
+    if value is not None and value <= 0:
+        raise click.BadParameter("must be > 0")
+    return value
+
+
+class ListItem(click.ParamType):
+    """One or more values: repeat the flag, or separate them with commas (also in the
+    ZEROSERVE_* variable: ZEROSERVE_API_KEY=key1,key2); a JSON list as vLLM takes it
+    (--allowed-origins '["*"]') works too. See _list_values."""
+
+    name = "text"
+    envvar_list_splitter = ","
+
+
+def _list_values(ctx: Any, param: Any, values: tuple[str, ...] | None) -> tuple[str, ...]:
+    items: list[str] = []
+    for value in values or ():
+        value = value.strip()
+        if value.startswith("["):
+            try:
+                parsed = json.loads(value)
+            except ValueError:
+                raise click.BadParameter("not a JSON list of strings") from None
+            if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+                raise click.BadParameter("not a JSON list of strings")
+            items += parsed
+        else:
+            items += value.split(",")
+    return tuple(dict.fromkeys(item.strip() for item in items if item.strip()))
+
+
+def _options(decorators: list[Callable]) -> Callable:
+    def apply(fn: Callable) -> Callable:
+        for decorator in reversed(decorators):
+            fn = decorator(fn)
+        return fn
+
+    return apply
+
+
+MODEL_OPTION = _options([
+    option("--model", default="default",
+           help='"default" (the embedded SmolLM2-135M-Instruct), a .gguf file, a Hugging Face '
+                'model directory, or a Hub id ("org/name", "org/name/file.gguf"), downloaded '
+                "into the Hugging Face cache once (HF_HUB_OFFLINE=1: from the cache only)."),
+    option("--revision", default=None,
+           help="The Hub model's branch, tag or commit. [default: main]"),
+])
+
+
+def _fetch_hub_model(opts: dict[str, Any]) -> None:
+    """A Hub model is fetched here, before anything starts; what follows (and every child of
+    `serve`) gets its local path in the Hugging Face cache."""
+    from zeroserve.common.model_files import ModelNotFoundError, fetch_model
+
+    try:
+        opts["model"] = fetch_model(opts["model"], opts.pop("revision", None))
+    except ModelNotFoundError as e:
+        raise click.ClickException(str(e)) from None
+
+LOG_OPTIONS = [
+    option("--log-format", type=click.Choice(LOG_FORMATS), default="text",
+           help="text for terminals, json for one object a line."),
+    option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), default="info"),
+]
+
+ENGINE_OPTIONS = [
+    option("--device", default="auto", callback=_check_device,
+           help="auto, cpu, cuda or cuda:N."),
+    option("--dtype", type=click.Choice(DTYPES), default="auto"),
+    option("--max-num-seqs", type=click.IntRange(min=1),
+           default=_default(EngineConfig, "max_num_seqs"),
+           help="Most sequences in one batch."),
+    option("--max-num-batched-tokens", type=click.IntRange(min=1), default=None,
+           help="Token budget of one step (prefill chunks + decodes). [default: "
+                f"{EngineConfig.max_num_batched_tokens}, or --max-num-seqs if larger, so that "
+                "every running sequence decodes at each step]"),
+    option("--max-model-len", type=click.IntRange(min=1), default=None,
+           help="Context length cap. [default: the model's own]"),
+    option("--block-size", type=click.IntRange(min=1), default=_default(EngineConfig, "block_size"),
+           help="Tokens per KV block (a power of two)."),
+    option("--num-kv-blocks", type=click.IntRange(min=1), default=None,
+           help="KV pool size in blocks; wins over --kv-cache-memory."),
+    option("--kv-cache-memory", type=ByteSize(), default=None,
+           help="KV pool size in bytes, e.g. 4GiB. [default: from free memory]"),
+    option("--enable-prefix-caching/--no-enable-prefix-caching",
+           default=_default(EngineConfig, "enable_prefix_caching")),
+    option("--batching-mode", type=click.Choice([m.value for m in BatchingMode]),
+           default=BatchingMode.CONTINUOUS.value,
+           help="continuous is the product; static and dynamic are benchmark baselines."),
+    option("--batch-wait-ms", type=click.FloatRange(min=0),
+           default=_default(EngineConfig, "batch_wait_ms"), help="dynamic mode's window."),
+    option("--num-threads", type=click.IntRange(min=1), default=None,
+           help="torch CPU threads. [default: torch's]"),
+    option("--attention-backend", type=click.Choice(ATTENTION_BACKENDS),
+           default=_default(EngineConfig, "attention_backend"),
+           help="Decode attention: native (a CPU kernel compiled on first use), torch, or "
+                "auto (native for bfloat16 on the CPU where it builds)."),
+    option("--backend", type=click.Choice(["model", "fake"]), default="model",
+           help="fake emits tokens without a model (tests and benchmarks only)."),
+    option("--seed", type=int, default=_default(EngineConfig, "seed")),
+    option("--fake-forward-ms", type=click.FloatRange(min=0), default=0.0,
+           help="--backend fake only: simulated milliseconds per forward."),
+    option("--weight-cache/--no-weight-cache", default=_default(EngineConfig, "weight_cache"),
+           help="Write the prepared weights once and memory-map them on later starts."),
+    option("--weight-cache-dir", default=None,
+           help="Where the weight cache lives. [default: $ZEROSERVE_CACHE_DIR/weights or "
+                "~/.cache/zeroserve/weights]"),
+]
+
+# Who may call the HTTP API, and how often (gateway/http/auth.py, gateway/http/rate_limit.py).
+HTTP_ACCESS_OPTIONS = [
+    option("--api-key", "api_keys", type=ListItem(), multiple=True, callback=_list_values,
+           help="Bearer key required on /v1/*, /tokenize and /detokenize (repeat it, or "
+                "separate keys with commas). [default: none: the API is open]"),
+    option("--api-key-file", type=click.Path(exists=True, dir_okay=False), default=None,
+           help="A file of API keys, one a line (blank lines and # comments skipped), added "
+                "to --api-key."),
+    option("--allowed-origins", type=ListItem(), multiple=True, callback=_list_values,
+           help="Origins whose web pages may read replies (CORS), e.g. https://app.example "
+                "or '*'. [default: none: browsers cannot read replies]"),
+    option("--allowed-hosts", type=ListItem(), multiple=True, callback=_list_values,
+           help="Host header values accepted (e.g. api.example.com, *.example.com); others "
+                "get 400. Loopback names always pass. [default: any]"),
+    option("--rate-limit-rps", type=click.FloatRange(min=0, min_open=True), default=None,
+           help="Requests per second per API key (per client IP without keys). "
+                "[default: unlimited]"),
+    option("--rate-limit-burst", type=click.IntRange(min=1), default=None,
+           help="Requests a key may send at once. [default: --rate-limit-rps rounded up]"),
+    option("--rate-limit-tpm", type=click.IntRange(min=1), default=None,
+           help="Prompt + completion tokens per minute per API key (per client IP without "
+                "keys), charged when a response ends. [default: unlimited]"),
+    option("--rate-limits", "rate_limits_file", type=click.Path(exists=True, dir_okay=False),
+           default=None,
+           help="Per-key limits, a JSON or .toml file: {KEY: {requests_per_second, burst, "
+                "tokens_per_minute}}; a field left out takes the flag's default."),
+]
+
+GATEWAY_OPTIONS = [
+    option("--host", default="127.0.0.1", help="HTTP bind address."),
+    option("--port", type=click.IntRange(0, 65535), default=8000, help="HTTP port."),
+    option("--served-model-name", default=None,
+           help="The model id clients use. [default: from the model file]"),
+    option("--chat-template", default=None, type=click.Path(dir_okay=False),
+           help="A jinja2 file (or a tokenizer_config.json) whose chat template replaces the "
+                "model's own. [default: the model's]"),
+    option("--credit-window", type=click.IntRange(min=1), default=32,
+           help="Tokens of one stream in flight before the client must read."),
+    option("--slow-client-timeout", type=float, default=30.0, callback=_positive,
+           help="Seconds a stream may make no progress before it is aborted."),
+    option("--max-queued-requests", type=click.IntRange(min=0), default=256,
+           help="Requests waiting for a worker; beyond: 429."),
+    option("--queue-timeout", type=float, default=60.0, callback=_positive,
+           help="Seconds a queued request waits for a worker before a 503."),
+    option("--worker-timeout", type=float, default=3.0, callback=_positive,
+           help="Seconds without a heartbeat before a worker counts as lost."),
+    option("--min-client-rate", type=click.FloatRange(min=0), default=1024.0,
+           help="Bytes/s a stream must reach over each --slow-client-timeout window while "
+                "the client holds it up (its writes blocked most of the window); slower "
+                "streams are aborted. 0: off."),
+    option("--client-send-buffer", type=ByteSize(), default=64 * 1024,
+           help="Kernel send buffer per client connection (e.g. 64KiB; 0: the kernel's "
+                "autotuning, up to megabytes). It bounds what a client that stops reading "
+                "is sent before its stream pauses and --slow-client-timeout runs."),
+    option("--loop-lag-warn", type=float, default=0.25, callback=_positive,
+           help="Seconds of event-loop lag that count as a stall: logged (rate-limited) and "
+                "counted in /health."),
+    option("--request-idle-timeout", type=float, default=300.0, callback=_positive,
+           help="Seconds a running request with credit may receive nothing from its worker "
+                "before it fails (504) and is aborted there."),
+    option("--admin-key", default=None,
+           help="Bearer key for the admin API (`zeroserve workers ...`). [default: the API "
+                "keys; with none at all, loopback clients only]"),
+    option("--worker-stall-timeout", type=float, default=30.0, callback=_positive,
+           help="Seconds a worker's engine may make no progress (its heartbeats say) before it "
+                "is marked unhealthy and gets no new work."),
+    option("--reuse-port", is_flag=True, default=False,
+           help="Bind the HTTP port with SO_REUSEPORT so that several gateway processes "
+                "share it (`serve --gateways N` sets it)."),
+    option("--routing", type=click.Choice(["cache_aware", "least_loaded"]),
+           default="cache_aware",
+           help="Which worker gets a request: cache_aware (the one holding the prompt's "
+                "prefix in its KV cache, within a load bound) or least_loaded."),
+    option("--otlp-traces-endpoint", default=None,
+           help="Send a trace per request (queue, prefill and decode spans) to this OTLP "
+                "collector: http://host:4318 (OTLP/HTTP) or grpc://host:4317. Needs "
+                "`pip install 'zeroserve[tracing]'`. [default: no tracing]"),
+    option("--metrics-dir", default=None,
+           help="Gateways of one tier share this folder: each writes its metrics there and "
+                "GET /metrics on any of them answers for all, each gateway's own series "
+                "labelled gateway=\"INDEX\" (`serve --gateways N` sets it). [default: none]"),
+    option("--gateway-index", type=click.IntRange(min=0), default=0,
+           help="This gateway's index in its tier (`serve --gateways N` sets it)."),
+    option("--disable-metrics", is_flag=True, default=False,
+           help="No Prometheus metrics: GET /metrics answers 404 and requests record "
+                "nothing."),
+    # HTTP input limits (gateway/http/request_body.py, gateway/api/limits.py, gateway/http/http_protocol.py)
+    option("--max-request-body", type=ByteSize(), default=8 * 1024 * 1024,
+           help="Largest request body in bytes (e.g. 8MiB); beyond: 413."),
+    option("--request-body-timeout", type=float, default=30.0, callback=_positive,
+           help="Seconds a request body may take to arrive; beyond: 408."),
+    option("--header-timeout", type=float, default=10.0, callback=_positive,
+           help="Seconds a request's head (request line and headers) may take to arrive; "
+                "beyond: the connection is closed."),
+    option("--max-tokens-limit", type=click.IntRange(min=1), default=4096,
+           help="Server cap on max_tokens; a chat request without max_tokens gets the room "
+                "left in the context, at most this."),
+    option("--max-prompt-chars", type=click.IntRange(min=1), default=1_000_000,
+           help="Characters per prompt, per conversation and per /tokenize input; beyond: 400."),
+    *HTTP_ACCESS_OPTIONS,
+]
+
+ADDRESS_OPTIONS = [
+    option("--router-address", type=ListItem(), multiple=True, callback=_list_values,
+           help="Gateway ROUTER endpoint (ipc:// or tcp://); a worker or `serve --gateways "
+                "N` takes one per gateway (repeat it, or separate with commas). "
+                "[default: ipc, from --port]"),
+    option("--tokens-address", type=ListItem(), multiple=True, callback=_list_values,
+           help="Gateway PULL endpoint for tokens, one per gateway as --router-address. "
+                "[default: ipc, from --port]"),
+    option("--keys-dir", default=None,
+           help="CurveZMQ key set (`zeroserve keys generate DIR`): required for tcp:// "
+                "endpoints; only workers whose key is in it can connect, each as its own id."),
+    option("--insecure", is_flag=True, default=False,
+           help="Allow tcp:// endpoints without keys (only on a network you trust)."),
+]
+
+# For `serve` and `worker`: how a worker rides out a silent gateway and a stuck engine.
+WORKER_RESILIENCE_OPTIONS = [
+    option("--gateway-grace", type=float, default=120.0, callback=_positive,
+           help="Seconds a worker keeps its streams (paused at their credit) while the gateway "
+                "is silent, e.g. stalled or restarting; then it fails them and frees their KV."),
+    option("--stall-timeout", type=float, default=120.0, callback=_positive,
+           help="Seconds without engine progress after which a worker exits (code 4) so that "
+                "its supervisor or container runtime restarts it."),
+    option("--max-step-failures", type=click.IntRange(min=1), default=3,
+           help="Engine steps failing in a row before a worker exits (code 1); a single "
+                "failure fails only the streams of that step."),
+]
+
+WORKER_PROCESS_OPTIONS = [
+    option("--heartbeat-interval", type=float, default=0.5, callback=_positive,
+           help="Seconds between heartbeats to the gateway."),
+    option("--gateway-timeout", type=float, default=5.0, callback=_positive,
+           help="Seconds of gateway silence before failing in-flight work and saying HELLO "
+                "again."),
+    option("--drain-timeout", type=click.FloatRange(min=0), default=30.0,
+           help="On SIGTERM, seconds to finish in-flight requests before failing them."),
+]
+
+
+# -- flags -> configs ------------------------------------------------------------------------
+
+
+def _build(cls: type, **kwargs: Any) -> Any:
+    """Construct a config; its validation errors become usage errors."""
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def engine_config(opts: dict[str, Any], device: str | None = None) -> EngineConfig:
+    return _build(
+        EngineConfig, model=opts["model"], device=device or opts["device"],
+        dtype=opts["dtype"], max_num_seqs=opts["max_num_seqs"],
+        max_num_batched_tokens=opts["max_num_batched_tokens"] or max(
+            EngineConfig.max_num_batched_tokens, opts["max_num_seqs"]),
+        max_model_len=opts["max_model_len"], block_size=opts["block_size"],
+        num_kv_blocks=opts["num_kv_blocks"], kv_cache_memory=opts["kv_cache_memory"],
+        enable_prefix_caching=opts["enable_prefix_caching"],
+        batching_mode=BatchingMode(opts["batching_mode"]), batch_wait_ms=opts["batch_wait_ms"],
+        num_threads=opts["num_threads"], seed=opts["seed"],
+        attention_backend=opts["attention_backend"],
+        weight_cache=opts["weight_cache"], weight_cache_dir=opts["weight_cache_dir"],
+    )
+
+
+def _chat_template(opts: dict[str, Any]) -> str | None:
+    """--chat-template, checked now (readable, compiles) and made absolute for children."""
+    path = opts.get("chat_template")
+    if path is None:
+        return None
+    from zeroserve.gateway.text.chat_template import ChatTemplateError, read_template_file
+
+    try:
+        read_template_file(path)
+    except ChatTemplateError as e:
+        raise click.UsageError(f"--chat-template: {e}") from None
+    return os.path.abspath(path)
+
+
+def gateway_config(opts: dict[str, Any]):
+    from zeroserve.gateway.config import GatewayConfig
+
+    if opts["otlp_traces_endpoint"] and importlib.util.find_spec("opentelemetry.sdk") is None:
+        raise click.UsageError("--otlp-traces-endpoint needs the OpenTelemetry SDK: "
+                               "pip install 'zeroserve[tracing]'")
+
+    return _build(
+        GatewayConfig, host=opts["host"], port=opts["port"], model=opts["model"],
+        served_model_name=opts["served_model_name"], chat_template=_chat_template(opts),
+        router_address=opts["router_address"],
+        tokens_address=opts["tokens_address"], credit_window=opts["credit_window"],
+        slow_client_timeout_s=opts["slow_client_timeout"],
+        max_queued_requests=opts["max_queued_requests"], queue_timeout_s=opts["queue_timeout"],
+        worker_timeout_s=opts["worker_timeout"], log_format=opts["log_format"],
+        log_level=opts["log_level"].lower(),
+        min_client_rate=opts["min_client_rate"], loop_lag_warn_s=opts["loop_lag_warn"],
+        client_send_buffer_bytes=opts["client_send_buffer"],
+        request_idle_timeout_s=opts["request_idle_timeout"],
+        worker_stall_timeout_s=opts["worker_stall_timeout"], routing=opts["routing"],
+        reuse_port=opts["reuse_port"],
+        keys_dir=opts["keys_dir"], insecure=opts["insecure"],
+        admin_keys=(opts["admin_key"],) if opts["admin_key"] else (),
+        otlp_traces_endpoint=opts["otlp_traces_endpoint"],
+        disable_metrics=opts["disable_metrics"],
+        metrics_dir=opts.get("metrics_dir"), gateway_index=opts.get("gateway_index", 0),
+        **_input_limits(opts),
+        **_http_access(opts),
+    )
+
+
+def _http_access(opts: dict[str, Any]) -> dict[str, Any]:
+    keys = list(opts["api_keys"])
+    if opts["api_key_file"] is not None:
+        try:
+            with open(opts["api_key_file"], encoding="utf-8") as lines:
+                keys += [k.strip() for k in lines if k.strip() and not k.startswith("#")]
+        except (OSError, UnicodeDecodeError) as e:
+            raise click.UsageError(f"cannot read --api-key-file: {e}") from None
+    return dict(api_keys=tuple(dict.fromkeys(keys)), allowed_origins=opts["allowed_origins"],
+                allowed_hosts=opts["allowed_hosts"], rate_limit_rps=opts["rate_limit_rps"],
+                rate_limit_burst=opts["rate_limit_burst"], rate_limit_tpm=opts["rate_limit_tpm"],
+                rate_limits_file=opts["rate_limits_file"])
+
+
+def _input_limits(opts: dict[str, Any]) -> dict[str, Any]:
+    return dict(max_request_body_bytes=opts["max_request_body"],
+                request_body_timeout_s=opts["request_body_timeout"],
+                header_timeout_s=opts["header_timeout"],
+                max_tokens_limit=opts["max_tokens_limit"],
+                max_prompt_chars=opts["max_prompt_chars"])
+
+
+def worker_config(opts: dict[str, Any], engine: EngineConfig, worker_id: str,
+                  router_address: str | tuple[str, ...],
+                  tokens_address: str | tuple[str, ...]):
+    """One gateway's addresses as strings (as ever), several as tuples."""
+    from zeroserve.worker.config import WorkerConfig
+
+    def one_or_many(addresses: str | tuple[str, ...]) -> str | tuple[str, ...]:
+        return addresses[0] if isinstance(addresses, tuple) and len(addresses) == 1 else addresses
+
+    return _build(
+        WorkerConfig, worker_id=worker_id, router_address=one_or_many(router_address),
+        tokens_address=one_or_many(tokens_address), engine=engine, backend=opts["backend"],
+        heartbeat_interval_s=opts["heartbeat_interval"],
+        gateway_timeout_s=opts["gateway_timeout"], drain_timeout_s=opts["drain_timeout"],
+        fake_forward_s=opts["fake_forward_ms"] / 1000, gateway_grace_s=opts["gateway_grace"],
+        stall_timeout_s=opts["stall_timeout"], max_step_failures=opts["max_step_failures"],
+        keys_dir=opts["keys_dir"], insecure=opts["insecure"],
+        fake_stamps_path=opts.get("fake_stamps"),
+    )
+
+
+# -- configs -> flags (for child processes) --------------------------------------------------
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def engine_args(config: EngineConfig) -> list[str]:
+    """Flags that make `zeroserve worker` build exactly this EngineConfig."""
+    args = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if value is None:
+            continue
+        if isinstance(value, bool):  # --enable-prefix-caching / --no-enable-prefix-caching
+            args.append(_flag(f.name) if value else "--no-" + _flag(f.name)[2:])
+        else:
+            args += [_flag(f.name), str(value.value if isinstance(value, BatchingMode) else value)]
+    return args
+
+
+def worker_args(config: Any) -> list[str]:
+    """Flags for `zeroserve worker` that rebuild this WorkerConfig."""
+    addresses = []
+    for router, tokens in config.gateway_endpoints:
+        addresses += ["--router-address", router, "--tokens-address", tokens]
+    return [
+        "--worker-id", config.worker_id, *addresses, "--backend", config.backend,
+        "--heartbeat-interval", str(config.heartbeat_interval_s),
+        "--gateway-timeout", str(config.gateway_timeout_s),
+        "--drain-timeout", str(config.drain_timeout_s),
+        "--fake-forward-ms", str(config.fake_forward_s * 1000),
+        "--gateway-grace", str(config.gateway_grace_s),
+        "--stall-timeout", str(config.stall_timeout_s),
+        "--max-step-failures", str(config.max_step_failures),
+        *_security_args(config),
+        *engine_args(config.engine),
+    ]
+
+
+def gateway_args(config: Any) -> list[str]:
+    """Flags for `zeroserve gateway` that rebuild this GatewayConfig."""
+    router, tokens = config.endpoints
+    args = [
+        "--host", config.host, "--port", str(config.port), "--model", config.model,
+        "--router-address", router, "--tokens-address", tokens,
+        "--credit-window", str(config.credit_window),
+        "--slow-client-timeout", str(config.slow_client_timeout_s),
+        "--max-queued-requests", str(config.max_queued_requests),
+        "--queue-timeout", str(config.queue_timeout_s),
+        "--worker-timeout", str(config.worker_timeout_s),
+        "--log-format", config.log_format, "--log-level", config.log_level,
+        "--min-client-rate", str(config.min_client_rate),
+        "--client-send-buffer", str(config.client_send_buffer_bytes),
+        "--loop-lag-warn", str(config.loop_lag_warn_s),
+        "--request-idle-timeout", str(config.request_idle_timeout_s),
+        "--worker-stall-timeout", str(config.worker_stall_timeout_s),
+        "--routing", config.routing,
+        *(["--reuse-port"] if config.reuse_port else []),
+        *_security_args(config),
+        *_input_limit_args(config),
+        *_http_access_args(config),
+    ]
+    if config.served_model_name is not None:
+        args += ["--served-model-name", config.served_model_name]
+    if config.chat_template is not None:
+        args += ["--chat-template", config.chat_template]
+    if config.otlp_traces_endpoint is not None:
+        args += ["--otlp-traces-endpoint", config.otlp_traces_endpoint]
+    if config.disable_metrics:
+        args.append("--disable-metrics")
+    if config.metrics_dir is not None:
+        args += ["--metrics-dir", config.metrics_dir,
+                 "--gateway-index", str(config.gateway_index)]
+    return args
+
+
+def _input_limit_args(config: Any) -> list[str]:
+    return ["--max-request-body", str(config.max_request_body_bytes),
+            "--request-body-timeout", str(config.request_body_timeout_s),
+            "--header-timeout", str(config.header_timeout_s),
+            "--max-tokens-limit", str(config.max_tokens_limit),
+            "--max-prompt-chars", str(config.max_prompt_chars)]
+
+
+def _http_access_args(config: Any) -> list[str]:
+    """Everything but the API keys: those travel in the child's environment (serve_children)."""
+    args = []
+    for origin in config.allowed_origins:
+        args += ["--allowed-origins", origin]
+    for host in config.allowed_hosts:
+        args += ["--allowed-hosts", host]
+    for flag, value in (("--rate-limit-rps", config.rate_limit_rps),
+                        ("--rate-limit-burst", config.rate_limit_burst),
+                        ("--rate-limit-tpm", config.rate_limit_tpm),
+                        ("--rate-limits", config.rate_limits_file)):
+        if value is not None:
+            args += [flag, str(value)]
+    return args
+
+
+def _security_args(config: Any) -> list[str]:
+    args = [] if config.keys_dir is None else ["--keys-dir", config.keys_dir]
+    return args + (["--insecure"] if config.insecure else [])
+
+
+def serve_children(gateways: list[Any], workers: list[Any], log_args: list[str]) -> list[Any]:
+    """The child processes of `zeroserve serve`: the gateways (one is named "gateway",
+    several "gateway-0", "gateway-1", ...), then one per worker config."""
+    from zeroserve.cli.children import gateway_child_names
+    from zeroserve.cli.supervisor import ChildSpec
+
+    python = sys.executable
+    specs = []
+    for name, gateway in zip(gateway_child_names(len(gateways)), gateways, strict=True):
+        # Secrets travel in the child's environment, never on its command line (ps shows it).
+        secrets = {env_name("--admin-key"): gateway.admin_keys[0]} if gateway.admin_keys else {}
+        if gateway.api_keys:
+            secrets[env_name("--api-key")] = ",".join(gateway.api_keys)
+        specs.append(ChildSpec(name, (python, "-m", "zeroserve.cli", "gateway",
+                                      *gateway_args(gateway), *log_args),
+                               stop_timeout_s=15.0, stop_phase=1, env=secrets or None))
+    for config in workers:
+        specs.append(ChildSpec(config.worker_id, (python, "-m", "zeroserve.cli", "worker",
+                                                  *worker_args(config), *log_args),
+                               stop_timeout_s=config.drain_timeout_s + 10.0, stop_phase=0))
+    return specs
+
+
+# -- devices ---------------------------------------------------------------------------------
+
+
+def count_cuda_devices() -> int:
+    """GPUs this process may use, without importing torch (the supervisor stays light)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
+                                 timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
+
+
+def worker_devices(device: str, num_workers: int | None, num_gpus: int) -> list[str]:
+    """One device per local worker: auto -> cuda:i when there are GPUs, else the CPU."""
+    if num_workers is None:
+        num_workers = max(1, num_gpus) if device in ("auto", "cuda") else 1
+    if device == "auto":
+        device = "cuda" if num_gpus else "cpu"
+    if device == "cuda":
+        if num_gpus == 0:
+            raise click.UsageError("--device cuda asked for, but no CUDA device is visible")
+        return [f"cuda:{i % num_gpus}" for i in range(num_workers)]
+    return [device] * num_workers
+
+
+# -- commands --------------------------------------------------------------------------------
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("zeroserve")
+    except PackageNotFoundError:  # running from a checkout that was never installed
+        return "unknown (not installed)"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(version=_version(), prog_name="zeroserve", message="%(prog)s %(version)s")
+def main() -> None:
+    """zeroserve: an OpenAI-compatible LLM server (an HTTP gateway and ZeroMQ workers)."""
+
+
+@main.command()
+@MODEL_OPTION
+@_options(GATEWAY_OPTIONS)
+@_options(ADDRESS_OPTIONS)
+@_options(ENGINE_OPTIONS)
+@option("--workers", type=click.IntRange(min=1), default=None,
+        help="Local worker processes. [default: one per CUDA GPU, else 1]")
+@option("--gateways", type=click.IntRange(min=1), default=1,
+        help="Gateway processes sharing the HTTP port (SO_REUSEPORT); every worker serves "
+             "them all, and one gateway's death ends only its own clients' streams.")
+@option("--drain-timeout", type=click.FloatRange(min=0), default=30.0,
+        help="On SIGTERM, seconds workers get to finish in-flight requests.")
+@_options(WORKER_RESILIENCE_OPTIONS)
+@_options(LOG_OPTIONS)
+def serve(**opts: Any) -> None:
+    """Run the gateway and supervise N local workers (restarted with backoff if they exit).
+
+    SIGTERM or Ctrl-C: workers drain (finish in-flight requests, up to --drain-timeout),
+    then the gateway stops. Killing one worker's pid restarts just that worker.
+    """
+    from zeroserve.cli.children import GatewayReadiness, local_url
+    from zeroserve.cli.supervisor import RestartPolicy, Supervisor
+    from zeroserve.common.logging_setup import setup_logging
+
+    setup_logging(opts["log_format"], opts["log_level"])
+    _fetch_hub_model(opts)
+    devices = worker_devices(opts["device"], opts["workers"],
+                             count_cuda_devices() if opts["device"] in ("auto", "cuda") else 0)
+    worker_ids = [f"worker-{i}" for i in range(len(devices))]
+    ephemeral_keys = _ephemeral_keys_if_needed(opts, worker_ids)
+    try:
+        gateways = serve_gateway_configs(opts)
+        gateway = gateways[0]
+        routers = tuple(g.endpoints[0] for g in gateways)
+        tokens = tuple(g.endpoints[1] for g in gateways)
+        opts.update(heartbeat_interval=gateway.heartbeat_interval_s,
+                    gateway_timeout=max(5.0, 2 * gateway.worker_timeout_s))
+        workers = [
+            worker_config(opts, engine_config(opts, device=device), worker_id, routers, tokens)
+            for worker_id, device in zip(worker_ids, devices, strict=True)
+        ]
+        children = serve_children(gateways, workers, log_args=_log_args(opts))
+        readiness = GatewayReadiness(local_url(gateway.host, gateway.port),
+                                     gateway.api_keys[0] if gateway.api_keys else None)
+        code = Supervisor(children, RestartPolicy(), readiness=readiness).run()
+    finally:
+        if ephemeral_keys is not None:
+            from zeroserve.common.keys import remove
+
+            remove(ephemeral_keys)
+    sys.exit(code)
+
+
+def serve_gateway_configs(opts: dict[str, Any]) -> list[Any]:
+    """`serve`'s gateway processes: one, or --gateways N sharing the port, each with its
+    own worker-plane endpoints (given, one per gateway, or the default ipc pair of its
+    index)."""
+    num = opts["gateways"]
+    routers, tokens = opts["router_address"], opts["tokens_address"]
+    for flag, given in (("--router-address", routers), ("--tokens-address", tokens)):
+        if given and len(given) != num:
+            raise click.UsageError(f"{flag}: give one per gateway ({num}), not {len(given)}")
+    if num == 1:
+        return [gateway_config({**opts, "router_address": routers[0] if routers else None,
+                                "tokens_address": tokens[0] if tokens else None})]
+    from zeroserve.gateway.config import default_endpoints, tier_metrics_dir
+
+    configs = []
+    for index in range(num):
+        router, token = default_endpoints(opts["port"], index)
+        configs.append(gateway_config({
+            **opts, "reuse_port": True, "gateway_index": index,
+            "metrics_dir": opts.get("metrics_dir") or tier_metrics_dir(opts["port"]),
+            "router_address": routers[index] if routers else router,
+            "tokens_address": tokens[index] if tokens else token}))
+    return configs
+
+
+def _ephemeral_keys_if_needed(opts: dict[str, Any], worker_ids: list[str]) -> Any:
+    """`serve` on tcp:// with no key set: make one for this run's own workers (a private
+    temporary directory, removed at exit), so its plane is authenticated all the same."""
+    addresses = [*opts["router_address"], *opts["tokens_address"]]
+    if opts["keys_dir"] or opts["insecure"] or all(a.startswith("ipc://") for a in addresses):
+        return None
+    from zeroserve.common.keys import ephemeral
+
+    key_dir = ephemeral(worker_ids)
+    opts["keys_dir"] = str(key_dir)
+    click.echo(f"tcp:// endpoints without --keys-dir: using an ephemeral key set in {key_dir}",
+               err=True)
+    return key_dir
+
+
+@main.command()
+@MODEL_OPTION
+@_options(GATEWAY_OPTIONS)
+@_options(ADDRESS_OPTIONS)
+@_options(LOG_OPTIONS)
+def gateway(**opts: Any) -> None:
+    """Run only the HTTP gateway; workers connect to its --router-address/--tokens-address."""
+    from zeroserve.cli.supervisor import die_with_parent
+    from zeroserve.common.keys import KeySetError
+    from zeroserve.common.model_files import ModelNotFoundError
+
+    _fetch_hub_model(opts)
+    for flag in ("router_address", "tokens_address"):
+        if len(opts[flag]) > 1:
+            raise click.UsageError(f"--{flag.replace('_', '-')}: a gateway binds one address")
+        opts[flag] = opts[flag][0] if opts[flag] else None
+    config = gateway_config(opts)
+    die_with_parent()
+    from zeroserve.gateway.server import run_gateway
+
+    try:
+        run_gateway(config)
+    except ModelNotFoundError as e:  # the tokenizer and chat template come from the model
+        raise click.ClickException(str(e)) from None
+    except KeySetError as e:
+        raise click.ClickException(f"cannot load the key set: {e}") from None
+
+
+@main.command()
+@option("--worker-id", default=None,
+        help="Stable id (a restarted worker with the same id takes its place). "
+             "[default: <hostname>-<pid>]")
+@_options(ADDRESS_OPTIONS)
+@option("--port", type=click.IntRange(0, 65535), default=8000,
+        help="The gateway's HTTP port; picks the default ipc endpoints.")
+@option("--gateways", type=click.IntRange(min=1), default=1,
+        help="Without addresses: serve this many local gateways on --port (the default ipc "
+             "endpoints of each, as `serve --gateways N` makes them).")
+@option("--fake-stamps", type=click.Path(dir_okay=False), default=None,
+        help="--backend fake only, for benchmarks: at exit, write a JSON list of [first "
+             "prompt token, output index, monotonic time] for every token the fake made.")
+@MODEL_OPTION
+@_options(ENGINE_OPTIONS)
+@_options(WORKER_PROCESS_OPTIONS)
+@_options(WORKER_RESILIENCE_OPTIONS)
+@_options(LOG_OPTIONS)
+def worker(**opts: Any) -> None:
+    """Run one worker: load the model once, connect to the gateway, serve until SIGTERM."""
+    from zeroserve.cli.supervisor import die_with_parent
+    from zeroserve.common.logging_setup import setup_logging
+    from zeroserve.worker.process import build_engine, run_worker
+
+    setup_logging(opts["log_format"], opts["log_level"])
+    _fetch_hub_model(opts)
+    defaults = [_default_endpoints(opts["port"], i) for i in range(opts["gateways"])]
+    routers = opts["router_address"] or tuple(router for router, _ in defaults)
+    tokens = opts["tokens_address"] or tuple(token for _, token in defaults)
+    config = worker_config(
+        opts, engine_config(opts), opts["worker_id"] or f"{socket.gethostname()}-{os.getpid()}",
+        routers, tokens,
+    )
+    die_with_parent()
+    if config.keys_dir is not None:
+        from zeroserve.common.keys import KeySetError, load_worker_keys
+
+        try:
+            load_worker_keys(config.keys_dir, config.worker_id)
+        except KeySetError as e:
+            raise click.ClickException(f"cannot load the key set: {e}") from None
+    try:
+        engine = build_engine(config)
+    except (OSError, ValueError) as e:  # a missing model file, an unusable device or dtype
+        raise click.ClickException(f"cannot load the model: {e}") from None
+    sys.exit(run_worker(config, engine=engine))
+
+
+ADMIN_CLIENT_OPTIONS = [
+    option("--url", default="http://127.0.0.1:8000", help="The gateway's base URL."),
+    option("--admin-key", default=None, help="The gateway's admin key (or an API key)."),
+]
+
+
+@main.group()
+def workers() -> None:
+    """Operate workers through a gateway's admin API: list, drain, undrain, restart."""
+
+
+def _admin(opts: dict[str, Any]):
+    from zeroserve.cli.admin_client import AdminClient
+
+    return AdminClient(opts["url"], opts["admin_key"])
+
+
+def _admin_call(call: Callable[[], Any]) -> Any:
+    from zeroserve.cli.admin_client import AdminError
+
+    try:
+        return call()
+    except AdminError as e:
+        raise click.ClickException(str(e)) from None
+
+
+@workers.command("list")
+@_options(ADMIN_CLIENT_OPTIONS)
+def workers_list(**opts: Any) -> None:
+    """One line per worker: id, status, load, pid, incarnation."""
+    found = _admin_call(lambda: _admin(opts).workers())
+    for w in found:
+        click.echo(f"{w['worker_id']:<20} {w['status']:<10} running={w['num_running']} "
+                   f"waiting={w['num_waiting']} paused={w['num_paused']} "
+                   f"in_flight={w['num_in_flight']} pid={w['pid']} "
+                   f"incarnation={w['incarnation']}")
+    if not found:
+        click.echo("no worker is connected")
+
+
+DEADLINE_OPTION = option("--deadline", type=click.FloatRange(0, 3600), default=30.0,
+                         help="Seconds in-flight streams get to finish before they move to "
+                              "another worker.")
+
+
+@workers.command("drain")
+@click.argument("worker_id")
+@DEADLINE_OPTION
+@_options(ADMIN_CLIENT_OPTIONS)
+def workers_drain(worker_id: str, **opts: Any) -> None:
+    """Send WORKER_ID no new work; its streams finish or move on. It stays up (undrain)."""
+    _admin_call(lambda: _admin(opts).drain(worker_id, opts["deadline"]))
+    click.echo(f"{worker_id}: draining")
+
+
+@workers.command("undrain")
+@click.argument("worker_id")
+@_options(ADMIN_CLIENT_OPTIONS)
+def workers_undrain(worker_id: str, **opts: Any) -> None:
+    """Let WORKER_ID take new work again."""
+    _admin_call(lambda: _admin(opts).undrain(worker_id))
+    click.echo(f"{worker_id}: ready for new work")
+
+
+@workers.command("restart")
+@click.argument("worker_id", required=False)
+@option("--all", "restart_all", is_flag=True, default=False,
+        help="Every worker, one at a time (rolling): the next only when the last is ready.")
+@DEADLINE_OPTION
+@option("--timeout", type=float, default=300.0, callback=_positive,
+        help="Seconds a restarted worker gets (after its drain deadline) to be ready again.")
+@_options(ADMIN_CLIENT_OPTIONS)
+def workers_restart(worker_id: str | None, restart_all: bool, **opts: Any) -> None:
+    """Drain WORKER_ID (or --all, rolling), let it exit and come back; wait until it is ready.
+
+    Exits 0 only when every restarted worker is ready again as a new process.
+    """
+    from zeroserve.cli.admin_client import restart, rolling_restart
+
+    if restart_all == (worker_id is not None):
+        raise click.UsageError("give one WORKER_ID or --all")
+    client = _admin(opts)
+    if restart_all:
+        ids = _admin_call(lambda: rolling_restart(client, opts["deadline"], opts["timeout"],
+                                                  click.echo))
+        click.echo(f"restarted {len(ids)} worker(s): {', '.join(ids)}")
+        return
+    _admin_call(lambda: restart(client, worker_id, opts["deadline"], opts["timeout"],
+                                click.echo))
+
+
+@main.group()
+def keys() -> None:
+    """CurveZMQ key sets for the worker plane (tcp:// between gateway and workers)."""
+
+
+@keys.command("generate")
+@click.argument("key_dir", type=click.Path(file_okay=False))
+@click.option("--worker-id", "worker_ids", multiple=True,
+              help="A worker id to issue a key pair for (repeat it). [default: worker-0 to "
+                   "worker-(N-1), N from --workers]")
+@click.option("--workers", "num_workers", type=click.IntRange(min=1), default=2,
+              show_default=True, help="How many worker-N pairs, when no --worker-id is given.")
+def keys_generate(key_dir: str, worker_ids: tuple[str, ...], num_workers: int) -> None:
+    """Write a gateway key pair and one key pair per worker into KEY_DIR.
+
+    The gateway needs KEY_DIR/gateway.key_secret and KEY_DIR/workers/*.key; a worker needs
+    KEY_DIR/gateway.key and its own KEY_DIR/workers/ID.key_secret. Pass --keys-dir KEY_DIR
+    to both.
+    """
+    from zeroserve.common.keys import KeySetError, generate
+
+    ids = list(worker_ids) or [f"worker-{i}" for i in range(num_workers)]
+    try:
+        path = generate(key_dir, ids)
+    except KeySetError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"wrote a gateway key pair and {len(ids)} worker key pair(s) "
+               f"({', '.join(ids)}) to {path}")
+
+
+@main.command()
+@option("--url", default="http://127.0.0.1:8000", help="The gateway's base URL.")
+@option("--live/--ready", "is_live", default=False,
+        help="--live: the gateway process serves HTTP (GET /health/live), workers or not; "
+             "--ready: at least one worker is ready (GET /health answers 200).")
+@option("--worker-id", default=None,
+        help="Check that this worker is registered and ready, not just the gateway.")
+@option("--timeout", type=float, default=5.0, callback=_positive, help="Seconds to wait.")
+@option("--api-key", default=None,
+        help="One of the gateway's API keys (the first, if a comma-separated list): with keys "
+             "on, /health lists workers only to callers with one.")
+def check(url: str, is_live: bool, worker_id: str | None, timeout: float,
+          api_key: str | None) -> None:
+    """Health check for containers: exit 0 if the gateway is live, ready, or has this worker.
+
+    --live: GET /health/live answers 200 (for a liveness probe: a gateway with no worker yet
+    is alive and must not be restarted). --ready (the default): GET /health answers 200, at
+    least one worker is ready. --worker-id: /health lists that worker as ready (it said
+    HELLO and keeps heartbeating).
+    """
+    if is_live and worker_id is not None:
+        raise click.UsageError("--live checks the gateway alone; drop --worker-id")
+    api_key = (api_key or "").split(",")[0].strip() or None
+    status, body = _get(url.rstrip("/") + ("/health/live" if is_live else "/health"), timeout,
+                        api_key)
+    if is_live:
+        if status != 200:
+            raise click.ClickException(f"/health/live answered {status}")
+        click.echo("ok: the gateway is live")
+        return
+    workers = body.get("workers", []) if isinstance(body, dict) else []
+    if worker_id is None:
+        if status != 200:
+            raise click.ClickException(f"/health answered {status}: no worker is ready")
+        click.echo(f"ok: {len(workers)} worker(s)")
+        return
+    if not isinstance(body, dict) or "workers" not in body:
+        raise click.ClickException("the gateway lists workers only to callers with an API key: "
+                                   "pass --api-key or set ZEROSERVE_API_KEY")
+    states = {w.get("worker_id"): w.get("status") for w in workers if isinstance(w, dict)}
+    if states.get(worker_id) != "ready":
+        raise click.ClickException(f"worker {worker_id} is {states.get(worker_id, 'unknown')}")
+    click.echo(f"ok: {worker_id} is ready")
+
+
+def _get(url: str, timeout: float, api_key: str | None = None) -> tuple[int, Any]:
+    """(status, parsed JSON body or None) of a GET; a ClickException if nothing answers."""
+    import urllib.error
+    import urllib.request
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                    timeout=timeout) as response:
+            status, body = response.status, response.read()
+    except urllib.error.HTTPError as e:
+        status, body = e.code, e.read()
+    except OSError as e:
+        raise click.ClickException(f"{url} does not answer: {e}") from None
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, None
+
+
+def _default_endpoints(port: int, index: int = 0) -> tuple[str, str]:
+    from zeroserve.gateway.config import default_endpoints
+
+    return default_endpoints(port, index)
+
+
+def _log_args(opts: dict[str, Any]) -> list[str]:
+    return ["--log-format", opts["log_format"], "--log-level", opts["log_level"].lower()]

@@ -1,0 +1,304 @@
+"""HTTP handlers: validate, tokenize, admit, then stream or collect the result."""
+
+from __future__ import annotations
+
+import time
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from zeroserve.gateway.api.limits import RequestLimits, check_submit_fits
+from zeroserve.gateway.api.openai_schema import (
+    ChatPrompt,
+    SamplingOptions,
+    check_context,
+    check_token_ids,
+    parse_chat,
+    parse_completion,
+    parse_tokenize,
+)
+from zeroserve.gateway.api.responses import (
+    SSE_DONE,
+    LogprobsFormatter,
+    ResponseContext,
+    chat_response,
+    completion_response,
+    sse,
+)
+from zeroserve.gateway.api.tool_calls import parse_calls, prepare_messages
+from zeroserve.gateway.config import GatewayConfig
+from zeroserve.gateway.core import Gateway
+from zeroserve.gateway.errors import APIError, client_too_slow, invalid_request, model_not_found
+from zeroserve.gateway.generation import RequestGroup
+from zeroserve.gateway.http.offload import CpuPool
+from zeroserve.gateway.http.rate_limit import track_usage
+from zeroserve.gateway.http.request_body import parse_json_object, read_body
+from zeroserve.gateway.http.sse import race_disconnect
+from zeroserve.gateway.http.streaming import (
+    StreamedResponse,
+    log_done,
+    update_logprobs,
+    with_prompt_logprobs,
+)
+from zeroserve.gateway.logging import get_logger
+from zeroserve.gateway.observability.tracing import trace_headers
+from zeroserve.gateway.text.chat_template import ChatTemplate, ChatTemplateError
+from zeroserve.gateway.text.tokenizer import TextTokenizer
+
+log = get_logger("api")
+
+# When no worker ever said HELLO and the model files do not say either.
+_FALLBACK_MAX_MODEL_LEN = 2048
+# Work below these sizes runs on the loop (well under a millisecond: a thread hop would
+# cost more); above them it goes to the CPU pool.
+_INLINE_CHARS = 2048
+_INLINE_MESSAGES = 16
+_INLINE_TOKENS = 4096
+# Request fields whose checking compiles a grammar (gateway/api/structured_output.py).
+_GRAMMAR_FIELDS = ("response_format", "tools", "guided_json", "guided_regex")
+
+
+class Api:
+    def __init__(self, config: GatewayConfig, gateway: Gateway, tokenizer: TextTokenizer,
+                 template: ChatTemplate, served_names: tuple[str, ...]):
+        self.config = config
+        self.gateway = gateway
+        self.tokenizer = tokenizer
+        self.template = template
+        self.served_names = served_names  # the first is the one /v1/models lists
+        self.started = int(time.time())
+        self.limits = RequestLimits.from_config(config, tokenizer.vocab_size)
+        self.cpu = CpuPool()
+
+    @property
+    def max_model_len(self) -> int:
+        return (self.gateway.registry.max_model_len() or self.tokenizer.max_model_len
+                or _FALLBACK_MAX_MODEL_LEN)
+
+    # --- simple endpoints ------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{model}: OpenAI's retrieve (the openai client's models.retrieve);
+        any served name finds the model."""
+        name = request.path_params["model"]
+        if name not in self.served_names:
+            return model_not_found(name).response()
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict:
+        return {"id": self.served_names[0], "object": "model", "created": self.started,
+                "owned_by": "zeroserve", "root": self.config.model,
+                "max_model_len": self.max_model_len}
+
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            spec = await self._parse(parse_tokenize, await self._read_json(request))
+            if "chat" in spec:
+                text = await self._render(spec["chat"])
+            else:
+                text = spec["prompt"]
+            ids = await self._encode(text, spec["add_special_tokens"])
+        except APIError as e:
+            return e.response()
+        if len(ids) <= _INLINE_TOKENS:
+            return JSONResponse({"tokens": ids, "count": len(ids),
+                                 "max_model_len": self.max_model_len})
+        return Response(await self.cpu.run(_tokenize_body, ids, self.max_model_len),
+                        media_type="application/json")
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            ids = (await self._read_json(request)).get("tokens")
+            if not isinstance(ids, list):
+                raise invalid_request("'tokens' must be an array of token ids.", param="tokens")
+            if len(ids) <= _INLINE_TOKENS:
+                text = self._detokenize_now(ids)
+            else:
+                text = await self.cpu.run(self._detokenize_now, ids)
+        except APIError as e:
+            return e.response()
+        return JSONResponse({"prompt": text})
+
+    def _detokenize_now(self, ids: list) -> str:
+        if not all(type(t) is int for t in ids):
+            raise invalid_request("'tokens' must be an array of token ids.", param="tokens")
+        check_token_ids(ids, self.tokenizer.vocab_size, param="tokens")
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    # --- generation ------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        try:
+            req = await self._parse(parse_completion, await self._read_json(request))
+            prompts = []
+            echoes = [] if req.echo else None
+            for p in req.prompts:
+                if isinstance(p, str):
+                    ids = await self._encode(p)
+                else:
+                    # Against the context first: a long list costs a loop to check.
+                    check_context(len(p), req.sampling.max_tokens, self.max_model_len)
+                    check_token_ids(p, self.tokenizer.vocab_size)
+                    ids = list(p)
+                prompts.append(ids)
+                if echoes is not None:
+                    echoes.append(p if isinstance(p, str) else
+                                  self.tokenizer.decode(ids, skip_special_tokens=False))
+            ctx = ResponseContext("completion", req.model, req.include_usage)
+            return await self._generate(request, ctx, prompts, req.sampling, req.stream,
+                                        echoes=echoes)
+        except APIError as e:
+            return e.response()
+
+    async def chat(self, request: Request) -> Response:
+        try:
+            req = await self._parse(parse_chat, await self._read_json(request))
+            text = await self._render(req.prompt)
+            ids = await self._encode(text, add_special_tokens=False)
+            ctx = ResponseContext("chat", req.model, req.include_usage, tools=req.tools)
+            return await self._generate(request, ctx, [ids], req.sampling, req.stream,
+                                        what="messages")
+        except APIError as e:
+            return e.response()
+
+    # --- request preparation: bounded, and off the loop when large ---------------------
+
+    async def _read_json(self, request: Request) -> dict:
+        raw = await read_body(request, self.config.max_request_body_bytes,
+                              self.config.request_body_timeout_s)
+        return await parse_json_object(raw, self.cpu)
+
+    async def _parse(self, parse, body: dict):
+        """parse(body, ...) -> a typed request; in the CPU pool when it holds a schema or
+        tools: checking a large JSON schema with the grammar engine takes up to a second."""
+        if any(body.get(k) is not None for k in _GRAMMAR_FIELDS):
+            return await self.cpu.run(parse, body, self.served_names, self.limits)
+        return parse(body, self.served_names, self.limits)
+
+    async def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) <= _INLINE_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens)
+        return await self.cpu.run(self.tokenizer.encode, text, add_special_tokens)
+
+    async def _render(self, prompt: ChatPrompt) -> str:
+        """The text a chat prompt puts in front of the model (tools included)."""
+        messages, tool_kwargs = prepare_messages(prompt.messages, prompt.tools,
+                                                 self.template.source)
+        extra = tool_kwargs | prompt.extra_template_kwargs
+        num_chars = sum(len(m["content"]) for m in messages)
+        if num_chars <= _INLINE_CHARS and len(messages) <= _INLINE_MESSAGES and not extra:
+            return self._render_now(messages, prompt, extra)
+        return await self.cpu.run(self._render_now, messages, prompt, extra)
+
+    def _render_now(self, messages: list[dict], prompt: ChatPrompt, extra: dict) -> str:
+        try:
+            return self.template.render(messages, prompt.add_generation_prompt,
+                                        prompt.continue_final_message, **extra)
+        except ChatTemplateError as e:
+            raise invalid_request(f"The chat template rejected the messages: {e}",
+                                  param="messages") from None
+
+
+    async def _generate(self, request: Request, ctx: ResponseContext, prompts: list[list[int]],
+                        sampling: SamplingOptions, stream: bool, what: str = "prompt",
+                        echoes: list[str] | None = None) -> Response:
+        """`echoes`: per prompt, the text that comes before its completions (echo)."""
+        group = RequestGroup(self.gateway, trace_headers=None if self.gateway.tracer is None
+                             else trace_headers(request.headers))
+        track_usage(request, group)  # its tokens count against the client's rate limit
+        for ids in prompts:
+            max_tokens = check_context(len(ids), sampling.max_tokens, self.max_model_len, what,
+                                       self.limits.max_tokens_limit)
+            check_submit_fits(ids, sampling.worker_params(max_tokens, 0),
+                              self.config.credit_window)
+            group.prompt_lengths.append(len(ids))
+            for i in range(sampling.n):
+                group.add(ids, sampling.worker_params(max_tokens, i), self.tokenizer,
+                          sampling.stop, sampling.skip_special_tokens)
+        log.info("request", extra={
+            "request_id": ctx.id, "kind": ctx.kind, "stream": stream,
+            "num_prompt_tokens": sum(group.prompt_lengths),
+            "engine_request_ids": [c.state.request_id for c in group.choices]})
+        try:
+            is_gone, _ = await race_disconnect(group.submit(), request.receive)
+        except APIError as e:
+            group.close()
+            self.gateway.metrics.on_refused(e)
+            raise
+        metrics = self.gateway.metrics
+        if is_gone:
+            group.close()
+            metrics.on_aborted("disconnect")
+            return Response(status_code=499)
+        if stream:
+            def on_slow_client() -> bytes:
+                metrics.on_aborted("slow_client")
+                return sse(client_too_slow(self.config.slow_client_timeout_s).body()) + SSE_DONE
+
+            streamed = StreamedResponse(self.gateway, self.tokenizer, group, ctx, sampling,
+                                        echoes)
+            return streamed.response(self.config.slow_client_timeout_s, on_slow_client,
+                                     self.config.min_client_rate,
+                                     on_disconnect=lambda: metrics.on_aborted("disconnect"))
+        try:
+            is_gone, result = await race_disconnect(
+                self._collect(group, ctx, sampling, echoes), request.receive)
+        finally:
+            group.close()
+            log_done(ctx, group)
+        if is_gone:
+            log.info("client disconnected", extra={"request_id": ctx.id})
+            metrics.on_aborted("disconnect")
+            return Response(status_code=499)
+        return JSONResponse(result)
+
+    async def _collect(self, group: RequestGroup, ctx: ResponseContext,
+                       sampling: SamplingOptions, echoes: list[str] | None = None) -> dict:
+        texts = [""] * len(group.choices)
+        if echoes is not None:
+            texts = [echoes[c.index // sampling.n] for c in group.choices]
+        logprobs: list[dict | None] = [None] * len(group.choices)
+        echoed: set[int] = set()
+        async for batch in group.update_batches():
+            for update, state in batch:
+                if sampling.prompt_logprobs is not None and update.index not in echoed:
+                    echoed.add(update.index)
+                    logprobs[update.index] = with_prompt_logprobs(self.tokenizer, None, update, state)
+                lp = update_logprobs(self.tokenizer, ctx, update, len(texts[update.index]))
+                if lp is not None:
+                    logprobs[update.index] = LogprobsFormatter.merge(logprobs[update.index], lp)
+                texts[update.index] += update.text
+                self.gateway.grant(state, len(update.token_ids))
+        if sampling.logprobs is not None and ctx.kind == "chat":
+            logprobs = [lp or {"content": []} for lp in logprobs]
+        choices = []
+        for c in group.choices:
+            if ctx.kind == "chat":
+                message: dict = {"role": "assistant", "content": texts[c.index]}
+                finish_reason = c.finish_reason
+                if ctx.tools is not None:
+                    content, calls = parse_calls(texts[c.index], ctx.tools)
+                    message["content"] = content
+                    if calls:
+                        message["tool_calls"] = [call.to_openai() for call in calls]
+                        if finish_reason == "stop":
+                            finish_reason = "tool_calls"
+                choices.append({"index": c.index, "message": message,
+                                "logprobs": logprobs[c.index], "finish_reason": finish_reason})
+            else:
+                choices.append({"index": c.index, "text": texts[c.index],
+                                "logprobs": logprobs[c.index], "finish_reason": c.finish_reason})
+        build = chat_response if ctx.kind == "chat" else completion_response
+        return build(ctx, choices, group.usage())
+
+
+def _tokenize_body(ids: list[int], max_model_len: int) -> bytes:
+    """/tokenize's JSON for many ids, in slices: json.dumps of 400k ids holds the GIL for
+    ~50 ms in one C call, while between slices the event loop gets its turn."""
+    parts = [",".join(map(str, ids[i:i + _INLINE_TOKENS]))
+             for i in range(0, len(ids), _INLINE_TOKENS)]
+    return (f'{{"tokens":[{",".join(parts)}],"count":{len(ids)},'
+            f'"max_model_len":{max_model_len}}}').encode()

@@ -1,0 +1,211 @@
+"""One streamed response: a request group's updates rendered as SSE events.
+
+Two ways an output reaches the client, one renderer (`render`) and one credit rule (grant
+once the chunk is on the client's socket):
+
+- **The response's task** (`events()`, pumped by SSEResponse): it waits on the group's
+  sink, takes everything queued, renders it as one chunk and sends it. It does the start
+  and the end of a stream (a worker's finish, usage, [DONE]), failures, and any time the
+  client's socket is backed up.
+- **The direct path** (`_direct`, the sink's `direct` hook): in a stream's steady state
+  (its task parked on an empty sink, the socket taking writes) the receive loop renders
+  the output and writes it to the socket itself, then grants the credit. When the gateway
+  is behind (several TOKENS messages waiting) the writes of one pass are merged per stream
+  (workers.zmq_io.DeferredWrites), so each socket gets one write for all of them. With 1,000 streams
+  one engine step delivers 1,000 outputs; waking 1,000 tasks to send one chunk each, each
+  through a chain of generators, the ASGI send coroutine and the middleware layers, was
+  ~35% of the gateway's CPU (docs/benchmarks.md, issue 13).
+
+A failure inside the direct path fails this stream only: it is handed to the stream's task,
+which ends the response as a failure in `events()` would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Callable
+
+from zeroserve.common.protocol import TokenOutput
+from zeroserve.gateway.api.openai_schema import SamplingOptions
+from zeroserve.gateway.api.responses import (
+    SSE_DONE,
+    LogprobsFormatter,
+    ResponseContext,
+    chat_chunk,
+    chat_delta_chunk,
+    chat_role_chunk,
+    completion_chunk,
+    sse,
+    usage_chunk,
+)
+from zeroserve.gateway.api.tool_calls import ToolCallStream
+from zeroserve.gateway.core import Gateway
+from zeroserve.gateway.errors import APIError
+from zeroserve.gateway.generation import ChoiceUpdate, RequestGroup
+from zeroserve.gateway.http.sse import SSEResponse
+from zeroserve.gateway.logging import get_logger
+from zeroserve.gateway.streams import RequestState
+from zeroserve.gateway.text.tokenizer import TextTokenizer
+
+log = get_logger("api")
+
+
+def update_logprobs(tokenizer: TextTokenizer, ctx: ResponseContext, update: ChoiceUpdate,
+                    offset: int) -> dict | None:
+    """An update's logprobs in the endpoint's shape (None without any)."""
+    if update.logprobs is None or not update.token_ids:
+        return None
+    fmt = LogprobsFormatter(tokenizer, ctx.kind)
+    if ctx.kind == "chat":
+        return fmt.chat(update.token_ids, update.logprobs)
+    return fmt.completion(update.token_ids, update.logprobs, offset)
+
+
+def with_prompt_logprobs(tokenizer: TextTokenizer, lp: dict | None, update: ChoiceUpdate,
+                         state: RequestState) -> dict:
+    """echo + logprobs: the prompt's tokens and logprobs before the completion's."""
+    prompt = LogprobsFormatter(tokenizer, "completion").prompt(
+        state.prompt_token_ids, update.prompt_logprobs or [])
+    return prompt if lp is None else LogprobsFormatter.merge(prompt, lp)
+
+
+def log_done(ctx: ResponseContext, group: RequestGroup) -> None:
+    log.info("request done", extra={
+        "request_id": ctx.id, "elapsed_s": round(time.time() - ctx.created_at, 3),
+        "finish_reasons": [c.finish_reason for c in group.choices],
+        "num_output_tokens": sum(c.num_output_tokens for c in group.choices)})
+
+
+class StreamedResponse:
+    """Renders one request group's updates as SSE chunks, from its task or directly."""
+
+    def __init__(self, gateway: Gateway, tokenizer: TextTokenizer, group: RequestGroup,
+                 ctx: ResponseContext, sampling: SamplingOptions,
+                 echoes: list[str] | None = None):
+        self.gateway = gateway
+        self.tokenizer = tokenizer
+        self.group = group
+        self.ctx = ctx
+        self.sampling = sampling
+        self.echoes = echoes
+        indexes = [c.index for c in group.choices]
+        self._offsets = [0] * len(indexes)  # characters sent per choice (logprob offsets)
+        # Like vLLM and llama-server, the role chunk goes out with a choice's first output,
+        # not before prefill, so clients that stop a TTFT clock at the first chunk measure
+        # the time to the first token.
+        self._needs_role = set(indexes) if ctx.kind == "chat" else set()
+        self._needs_echo = set(indexes) if echoes is not None else set()
+        self._tool_streams = ({i: ToolCallStream(ctx.tools) for i in indexes}
+                              if ctx.kind == "chat" and ctx.tools is not None else None)
+        self._build = chat_chunk if ctx.kind == "chat" else completion_chunk
+        self._sse: SSEResponse | None = None
+        self._writes = gateway.edge.writes
+        self._failure: BaseException | None = None  # raised in the direct path
+
+    def response(self, slow_client_timeout_s: float, on_slow_client: Callable[[], bytes],
+                 min_client_rate: float, on_disconnect: Callable[[], None]) -> SSEResponse:
+        self._sse = SSEResponse(self.events(), slow_client_timeout_s,
+                                on_slow_client=on_slow_client, request_id=self.ctx.id,
+                                min_client_rate=min_client_rate, on_disconnect=on_disconnect)
+        self.group.sink.direct = self._direct
+        return self._sse
+
+    async def events(self) -> AsyncIterator[bytes]:
+        group, ctx = self.group, self.ctx
+        try:
+            async for batch in group.update_batches(lambda: self._failure is not None):
+                chunk = self.render(batch)
+                if chunk:
+                    yield chunk
+                # Those chunks are on the client's socket (or there was nothing to send).
+                self._grant(batch)
+            if self._failure is not None:
+                raise self._failure
+            if ctx.include_usage:
+                yield sse(usage_chunk(ctx, group.usage()))
+            yield SSE_DONE
+        except APIError as e:
+            log.warning("stream failed", extra={"request_id": ctx.id, "error": e.message})
+            yield sse(e.body()) + SSE_DONE
+        finally:
+            group.sink.direct = None
+            group.close()
+            log_done(ctx, group)
+
+    def _direct(self, item: tuple) -> bool:
+        """The sink's hook: write a plain output (no finish, no failure) to the client now
+        if its socket takes it without waiting; False leaves it to the task."""
+        out = item[1]
+        if type(out) is not TokenOutput or out.finish_reason is not None \
+                or self._failure is not None or not self._sse.can_write_now():
+            return False
+        group = self.group
+        try:
+            batch, error = group.take((item,))
+            if batch:
+                chunk = self.render(batch)
+                if chunk:
+                    writes = self._writes
+                    if writes.is_deferring:  # the gateway is behind: one write per pass
+                        writes.add(self._sse, chunk)
+                    else:
+                        self._sse.write_now(chunk)
+                self._grant(batch)
+                if group.is_finished:
+                    group.sink.wake()  # a stop string ended it: the task sends the end
+        except Exception as e:  # this stream's bug: its task ends it (and logs it)
+            error = e
+        if error is not None:
+            self._failure = error
+            group.sink.wake()
+        return True
+
+    def _grant(self, batch: list[tuple[ChoiceUpdate, RequestState]]) -> None:
+        for update, state in batch:
+            self.gateway.grant(state, len(update.token_ids))
+
+    def render(self, batch: list[tuple[ChoiceUpdate, RequestState]]) -> bytes:
+        """A batch of updates -> the SSE events for it, as one chunk (maybe empty)."""
+        ctx, offsets, tokenizer = self.ctx, self._offsets, self.tokenizer
+        out = []
+        for update, state in batch:
+            index = update.index
+            if index in self._needs_role:
+                self._needs_role.discard(index)
+                out.append(sse(chat_role_chunk(ctx, index)))
+            if index in self._needs_echo:
+                self._needs_echo.discard(index)
+                echo = self.echoes[index // self.sampling.n]
+                offsets[index] += len(echo)
+                update = dataclasses.replace(update, text=echo + update.text)
+                lp = update_logprobs(tokenizer, ctx, update, offsets[index])
+                offsets[index] += len(update.text) - len(echo)
+                if self.sampling.prompt_logprobs is not None:
+                    lp = with_prompt_logprobs(tokenizer, lp, update, state)
+            else:
+                lp = None if update.logprobs is None else update_logprobs(
+                    tokenizer, ctx, update, offsets[index])
+                offsets[index] += len(update.text)
+            if self._tool_streams is not None:
+                out += _tool_chunks(ctx, self._tool_streams[index], update, lp)
+            elif update.text or update.finish_reason is not None or lp is not None:
+                out.append(self._build(ctx, update, lp))
+        return b"".join(out)
+
+
+def _tool_chunks(ctx: ResponseContext, stream: ToolCallStream, update: ChoiceUpdate,
+                 logprobs: dict | None) -> list[bytes]:
+    """A chat update of a request with tools -> its chunks: content or tool-call deltas; the
+    last carries the logprobs and the finish ("tool_calls" when calls were made)."""
+    deltas = stream.push(update.text)
+    finish_reason = update.finish_reason
+    if finish_reason is not None:
+        deltas += stream.finish()
+        if finish_reason == "stop" and stream.has_calls:
+            finish_reason = "tool_calls"
+    chunks = [chat_delta_chunk(ctx, update.index, d, None, None) for d in deltas[:-1]]
+    if deltas or finish_reason is not None or logprobs is not None:
+        last = deltas[-1] if deltas else {}
+        chunks.append(chat_delta_chunk(ctx, update.index, last, logprobs, finish_reason))
+    return chunks

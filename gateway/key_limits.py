@@ -1,0 +1,94 @@
+"""Rate-limit settings: the `Limits` of one client (requests per second, burst, tokens per
+minute), the defaults from the flags and the per-key limits file (JSON or TOML). Plain data,
+read when the config is built (so a bad file fails at start) and used by
+gateway/http/rate_limit.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+
+class RateLimitConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Limits:
+    requests_per_second: float | None = None  # None: unlimited
+    burst: int | None = None  # requests a client may send at once; None -> ceil(rate), >= 1
+    tokens_per_minute: int | None = None  # prompt + completion tokens; None: unlimited
+
+    def __post_init__(self) -> None:
+        rps, burst, tpm = self.requests_per_second, self.burst, self.tokens_per_minute
+        if rps is not None and not (_is_number(rps) and 0 < rps < math.inf):
+            raise RateLimitConfigError("requests_per_second must be a number > 0")
+        if burst is not None and not (type(burst) is int and burst >= 1):
+            raise RateLimitConfigError("burst must be an integer >= 1")
+        if tpm is not None and not (type(tpm) is int and tpm >= 1):
+            raise RateLimitConfigError("tokens_per_minute must be an integer >= 1")
+
+    @property
+    def is_unlimited(self) -> bool:
+        return self.requests_per_second is None and self.tokens_per_minute is None
+
+    @property
+    def request_capacity(self) -> int:
+        assert self.requests_per_second is not None
+        return self.burst or max(1, math.ceil(self.requests_per_second))
+
+
+def _is_number(value: Any) -> bool:
+    return type(value) in (int, float)
+
+
+def default_limits(rps: float | None, burst: int | None, tpm: int | None) -> Limits:
+    return Limits(requests_per_second=rps, burst=burst, tokens_per_minute=tpm)
+
+
+def load_key_limits(path: str | None, api_keys: tuple[str, ...], default: Limits
+                    ) -> dict[int, Limits]:
+    """Per-key limits from a JSON or TOML file (by its suffix), by the key's index in
+    `api_keys`. Errors never name a key: they are secrets."""
+    if path is None:
+        return {}
+    if not api_keys:
+        raise RateLimitConfigError("per-key rate limits (--rate-limits) need API keys "
+                                   "(--api-key)")
+    try:
+        raw = Path(path).read_bytes()
+        table = _parse_toml(raw, path) if path.endswith(".toml") else json.loads(raw)
+    except (OSError, ValueError) as e:  # TOMLDecodeError and JSONDecodeError are ValueErrors
+        raise RateLimitConfigError(f"cannot read the rate limits file {path}: "
+                                   f"{type(e).__name__}") from None
+    if not isinstance(table, dict):
+        raise RateLimitConfigError(f"{path}: must map API keys to their limits")
+    names = {f.name for f in fields(Limits)}
+    per_key = {}
+    for position, (key, entry) in enumerate(table.items(), start=1):
+        where = f"{path}: entry {position}"
+        if key not in api_keys:
+            raise RateLimitConfigError(f"{where} is for a key that is not one of the API keys")
+        if not isinstance(entry, dict) or not set(entry) <= names:
+            raise RateLimitConfigError(f"{where} must be an object with only "
+                                       f"{', '.join(sorted(names))}")
+        # TOML has no null: "unlimited" says it in both formats.
+        entry = {name: None if value == "unlimited" else value for name, value in entry.items()}
+        try:
+            per_key[api_keys.index(key)] = replace(default, **entry)
+        except RateLimitConfigError as e:
+            raise RateLimitConfigError(f"{where}: {e}") from None
+    return per_key
+
+
+def _parse_toml(raw: bytes, path: str) -> Any:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        raise RateLimitConfigError(f"{path}: TOML needs Python 3.11 or later; "
+                                   "use JSON") from None
+    return tomllib.loads(raw.decode())

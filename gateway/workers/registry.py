@@ -1,0 +1,135 @@
+"""Worker registry: who is connected, how loaded, who is alive; and routing.
+
+A worker says HELLO once its model is loaded (and again after reconnecting); we answer
+READY and from then on expect a HEARTBEAT every interval. A worker silent for
+`worker_timeout_s` is lost. A HELLO from a known id replaces the old incarnation (its
+requests are gone with it). A worker that says DRAIN gets nothing new, and neither does
+one whose heartbeats say its engine made no progress for `stall_timeout_s` (UNHEALTHY:
+its I/O thread is alive, its engine thread is stuck); it is READY again once it moves.
+"""
+
+from __future__ import annotations
+
+from zeroserve.common.protocol import Heartbeat, Hello, WorkerState
+from zeroserve.gateway.config import RoutingPolicy
+from zeroserve.gateway.workers.handle import WorkerHandle, WorkerStatus
+from zeroserve.gateway.workers.prefix import Prefix, PrefixIndex
+from zeroserve.gateway.workers.routing import Router
+
+
+class WorkerRegistry:
+    def __init__(self, max_waiting_per_worker: int | None = None,
+                 stall_timeout_s: float = 30.0,
+                 routing: RoutingPolicy | str = RoutingPolicy.CACHE_AWARE):
+        self.max_waiting_per_worker = max_waiting_per_worker
+        self.stall_timeout_s = stall_timeout_s
+        self.router = Router(routing)
+        self.workers: dict[str, WorkerHandle] = {}
+        self.last_max_model_len: int | None = None
+
+    def register(self, hello: Hello, route: bytes, now: float) -> WorkerHandle | None:
+        """Add a worker; return the incarnation it replaces (whose requests are lost).
+
+        A HELLO repeated by the same process (same route: its READY got lost or was late,
+        or it thought the gateway gone) is not a restart: the worker keeps its place and its
+        requests. Every process picks a new route, so a restart shows even where every
+        worker is pid 1 (containers).
+        """
+        old = self.workers.get(hello.worker_id)
+        if old is not None and old.route == route:
+            old.hello, old.last_seen = hello, now
+            old.status = WorkerStatus.DRAINING if old.is_drain_requested else WorkerStatus.READY
+            self.last_max_model_len = hello.max_model_len
+            return None
+        self.workers.pop(hello.worker_id, None)
+        max_waiting = (hello.max_num_seqs if self.max_waiting_per_worker is None
+                       else self.max_waiting_per_worker)
+        self.workers[hello.worker_id] = WorkerHandle(
+            hello=hello, route=route, last_seen=now, max_waiting=max_waiting,
+            num_free_blocks=hello.num_kv_blocks, num_total_blocks=hello.num_kv_blocks,
+            prefix_index=PrefixIndex(hello.num_kv_blocks))
+        self.last_max_model_len = hello.max_model_len
+        return old
+
+    def get(self, worker_id: str) -> WorkerHandle | None:
+        return self.workers.get(worker_id)
+
+    def on_heartbeat(self, hb: Heartbeat, now: float) -> WorkerHandle | None:
+        worker = self.workers.get(hb.worker_id)
+        if worker is None:
+            return None
+        worker.last_seen = now
+        worker.num_running, worker.num_waiting = hb.num_running, hb.num_waiting
+        worker.num_paused = hb.num_paused
+        worker.num_free_blocks, worker.num_total_blocks = hb.num_free_blocks, hb.num_total_blocks
+        worker.num_sent_since_heartbeat = 0
+        worker.num_steps, worker.progress_age_s = hb.num_steps, hb.progress_age_s
+        num_held = hb.num_running + hb.num_waiting + hb.num_paused
+        worker.num_foreign = max(0, num_held - len(hb.request_ids))
+        # The worker's own word decides (it publishes "draining" before it says DRAIN, so a
+        # heartbeat never contradicts a DRAIN sent before it). An operator's drain sent from
+        # here holds until the worker's heartbeats say "draining": a heartbeat it sent before
+        # the DRAIN reached it must not undo the drain. From then on the worker's state is
+        # the truth, so an undrain through any gateway of `serve --gateways N` (each sees
+        # the worker's heartbeats) ends the drain in all of them.
+        if hb.state == WorkerState.DRAINING.value:
+            worker.is_drain_requested = False  # acknowledged
+            worker.status = WorkerStatus.DRAINING
+        elif worker.is_drain_requested:
+            worker.status = WorkerStatus.DRAINING
+        else:
+            is_stalled = hb.progress_age_s > self.stall_timeout_s
+            worker.status = WorkerStatus.UNHEALTHY if is_stalled else WorkerStatus.READY
+        return worker
+
+    def touch(self, worker_id: str, now: float) -> None:
+        """Any message from a worker proves it alive."""
+        worker = self.workers.get(worker_id)
+        if worker is not None:
+            worker.last_seen = now
+
+    def mark_draining(self, worker_id: str) -> WorkerHandle | None:
+        worker = self.workers.get(worker_id)
+        if worker is not None:
+            worker.status = WorkerStatus.DRAINING
+        return worker
+
+    def expire(self, now: float, timeout_s: float) -> list[WorkerHandle]:
+        """Remove and return the workers silent for longer than timeout_s."""
+        lost = [w for w in self.workers.values() if now - w.last_seen > timeout_s]
+        for w in lost:
+            del self.workers[w.worker_id]
+        return lost
+
+    def remove(self, worker_id: str) -> WorkerHandle | None:
+        return self.workers.pop(worker_id, None)
+
+    def pick(self, prefix: Prefix | None = None) -> WorkerHandle | None:
+        """The worker for a request with this prompt (gateway/workers/routing.py: the one holding
+        its prefix within a load bound, else the least loaded), among those that can take
+        it; None if none can. Without a prompt: the least loaded."""
+        return self.router.pick([w for w in self.workers.values() if w.can_accept], prefix)
+
+    def assign(self, worker: WorkerHandle, request_id: str,
+               prefix: Prefix | None = None) -> None:
+        worker.request_ids.add(request_id)
+        worker.num_sent_since_heartbeat += 1
+        self.router.on_assigned(worker, prefix)
+
+    def release(self, worker_id: str, request_id: str) -> None:
+        worker = self.workers.get(worker_id)
+        if worker is not None:
+            worker.request_ids.discard(request_id)
+
+    @property
+    def num_live(self) -> int:
+        return len(self.workers)
+
+    @property
+    def has_ready(self) -> bool:
+        return any(w.status is WorkerStatus.READY for w in self.workers.values())
+
+    def max_model_len(self) -> int | None:
+        """The context limit live workers enforce (the smallest), or the last one seen."""
+        lens = [w.hello.max_model_len for w in self.workers.values()]
+        return min(lens) if lens else self.last_max_model_len

@@ -1,0 +1,277 @@
+"""The gateway's ZeroMQ edge: it binds the sockets, runs the receive loop, sends.
+
+- ROUTER: control both ways; frames are [route, type, body]. A worker's route (its DEALER's
+  routing id) is its worker id plus a random suffix chosen per process, so it cannot be
+  guessed or taken over by another peer: the gateway sends to a worker only through the
+  route that its accepted HELLO came from (`bind_route`). A restarted worker comes with a
+  new route.
+- PULL: TOKENS from every worker's PUSH; frames are [type, body].
+
+With a key set (CurveZMQ) both sockets are CURVE servers: only peers whose public key is on
+the allow-list complete a handshake (gateway/workers/zap.py), and every message carries the worker
+id its key was issued for (`Peer.user_id`), which the core checks against what the message
+claims. Without keys the sockets must be ipc:// in a private directory (or the operator said
+--insecure).
+
+Every socket has a message size limit (a bigger frame drops the connection) and bounded
+queues. One receive loop polls both sockets, decodes and hands messages on; a malformed
+frame, or a handler that raises, is logged (rate-limited) and dropped, never ends the loop.
+Sends never block: a ROUTER drops what it cannot route, and so do we.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import zmq
+import zmq.asyncio
+
+from zeroserve.common.keys import GatewayKeys, curve_server
+from zeroserve.common.logging_setup import RateLimited, printable
+from zeroserve.common.protocol import (
+    MAX_FRAME_BYTES,
+    Message,
+    ProtocolError,
+    Tokens,
+    decode,
+    encode,
+)
+from zeroserve.gateway.config import prepare_ipc_endpoint
+from zeroserve.gateway.logging import get_logger
+from zeroserve.gateway.workers.zap import ZAP_DOMAIN, ZapHandler
+
+log = get_logger("zmq")
+
+_MAX_BATCH = 256  # messages drained from one socket per wake-up, so neither starves
+_MAX_MSG_BYTES = MAX_FRAME_BYTES + 4096  # a bigger inbound message drops its connection
+_RCVHWM = 10_000  # messages queued per socket before ZeroMQ stops reading the peers
+_SNDHWM = 10_000  # messages queued per worker; beyond, sends to it are dropped
+
+
+class ClientStream(Protocol):
+    """What DeferredWrites needs of a client's response (gateway/http/sse.py's SSEResponse)."""
+
+    def write_now(self, chunk: bytes) -> None: ...
+
+
+class DeferredWrites:
+    """Chunks for many streams held over one pass of the receive loop and written once per
+    stream at its end (the edge turns this on when several TOKENS messages were waiting). The pass runs without yielding to the event loop, so nothing else writes to
+    those sockets, or sees them change, in between."""
+
+    def __init__(self) -> None:
+        self.is_deferring = False
+        self._pending: dict[ClientStream, list[bytes]] = {}
+
+    def add(self, response: ClientStream, chunk: bytes) -> None:
+        chunks = self._pending.get(response)
+        if chunks is None:
+            self._pending[response] = [chunk]
+        else:
+            chunks.append(chunk)
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, {}
+        for response, chunks in pending.items():
+            response.write_now(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Who sent a message. `worker_id`: the worker bound to this route (None: not yet);
+    `user_id`: the worker id the peer's CURVE key was issued for (None without keys)."""
+
+    route: bytes | None  # None for the PULL socket (TOKENS)
+    worker_id: str | None
+    user_id: str | None
+
+
+Handler = Callable[[Peer, Message], None]
+
+
+class ZmqEdge:
+    def __init__(self, router_address: str, tokens_address: str, on_message: Handler,
+                 keys: GatewayKeys | None = None, writes: DeferredWrites | None = None):
+        self.router_address = router_address
+        # Client writes made while TOKENS are dispatched: held and merged per stream when
+        # the gateway is behind (more than one TOKENS message waiting).
+        self.writes = writes or DeferredWrites()
+        self.tokens_address = tokens_address
+        self._on_message = on_message
+        self.keys = keys
+        self._ctx: zmq.asyncio.Context | None = None
+        self._router: zmq.asyncio.Socket | None = None
+        self._pull: zmq.asyncio.Socket | None = None
+        self._zap: ZapHandler | None = None
+        self._task: asyncio.Task | None = None
+        self._routes: dict[str, bytes] = {}  # worker id -> route
+        self._workers: dict[bytes, str] = {}  # route -> worker id
+        self._warn = RateLimited()
+        self.num_dropped = 0  # malformed or refused inbound messages
+
+    def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        if self.keys is not None:
+            self._zap = ZapHandler(self._ctx, self.keys.workers)
+            self._zap.start()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._pull = self._ctx.socket(zmq.PULL)
+        for sock, address in ((self._router, self.router_address),
+                              (self._pull, self.tokens_address)):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, _MAX_MSG_BYTES)
+            sock.setsockopt(zmq.RCVHWM, _RCVHWM)
+            sock.setsockopt(zmq.SNDHWM, _SNDHWM)
+            if self.keys is not None:
+                curve_server(sock, self.keys, ZAP_DOMAIN)
+            prepare_ipc_endpoint(address)
+            sock.bind(address)
+        self._task = asyncio.create_task(self._receive_loop(), name="zmq-receive")
+        log.info("bound", extra={"router": self.router_address, "tokens": self.tokens_address,
+                                 "curve": self.keys is not None})
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        for sock in (self._router, self._pull):
+            if sock is not None:
+                sock.close(linger=0)
+        if self._zap is not None:
+            self._zap.stop()
+        if self._ctx is not None:
+            self._ctx.term()
+
+    # -- routes ---------------------------------------------------------------------------
+
+    def bind_route(self, worker_id: str, route: bytes) -> None:
+        """From now on, messages for `worker_id` go to `route` and messages from `route`
+        are that worker's (its HELLO was accepted)."""
+        old = self._routes.get(worker_id)
+        if old is not None:
+            self._workers.pop(old, None)
+        self._routes[worker_id] = route
+        self._workers[route] = worker_id
+
+    def unbind(self, worker_id: str) -> None:
+        route = self._routes.pop(worker_id, None)
+        if route is not None:
+            self._workers.pop(route, None)
+
+    # -- sending --------------------------------------------------------------------------
+
+    def send(self, worker_id: str, msg: Message) -> bool:
+        """Queue a message to a bound worker; False if it could not be sent."""
+        route = self._routes.get(worker_id)
+        return route is not None and self.send_route(route, msg)
+
+    def send_route(self, route: bytes, msg: Message) -> bool:
+        """Queue a message to whoever holds `route` (a peer not bound yet: HELLO answers)."""
+        if self._router is None:
+            return False
+        future = self._router.send_multipart([route, *encode(msg)], flags=zmq.DONTWAIT)
+        if future.done() and future.exception() is not None:
+            self._warn_limited("send failed", route=route, msg=type(msg).__name__,
+                               error=str(future.exception()))
+            return False
+        return True
+
+    # -- receiving ------------------------------------------------------------------------
+
+    async def _receive_loop(self) -> None:
+        """The one receive loop: wait until either socket has input, drain both."""
+        assert self._router is not None and self._pull is not None
+        poller = zmq.asyncio.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._pull, zmq.POLLIN)
+        while True:
+            ready = dict(await poller.poll())
+            if self._pull in ready:
+                await self._drain_tokens()
+            if self._router in ready:
+                await self._drain(self._router, self._dispatch_router)
+
+    async def _drain(self, sock: zmq.asyncio.Socket, dispatch: Callable[[list], None]) -> None:
+        for _ in range(_MAX_BATCH):
+            try:
+                frames = await sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            dispatch(frames)
+
+    async def _drain_tokens(self) -> None:
+        """Read every TOKENS message waiting (up to _MAX_BATCH), then dispatch them. One
+        waiting: its outputs go to their clients as they are dispatched. Several (the
+        gateway fell behind the workers' steps): the writes are held until all are
+        dispatched and each stream's socket gets one write with all its new events, so a
+        gateway under more load spends less per token, not more."""
+        assert self._pull is not None
+        batch = []
+        for _ in range(_MAX_BATCH):
+            try:
+                batch.append(await self._pull.recv_multipart(flags=zmq.NOBLOCK, copy=False))
+            except zmq.Again:
+                break
+        if len(batch) == 1:
+            self._dispatch_tokens(batch[0])
+            return
+        self.writes.is_deferring = True
+        try:
+            for frames in batch:
+                self._dispatch_tokens(frames)
+        finally:
+            self.writes.is_deferring = False
+            self.writes.flush()
+
+    def _user_id(self, frame: zmq.Frame) -> str | None:
+        return frame.get("User-Id") if self.keys is not None else None
+
+    def _dispatch_router(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) < 2:
+            self._drop("a frame without a route")
+            return
+        route = frames[0].bytes
+        try:
+            msg = decode([f.bytes for f in frames[1:]])
+        except ProtocolError as e:
+            self._drop("malformed frame", route=route, error=str(e))
+            return
+        self._handle(Peer(route, self._workers.get(route), self._user_id(frames[1])), msg)
+
+    def _dispatch_tokens(self, frames: list[zmq.Frame]) -> None:
+        try:
+            msg = decode([f.bytes for f in frames])
+        except ProtocolError as e:
+            self._drop("malformed frame on the tokens socket", error=str(e))
+            return
+        if not isinstance(msg, Tokens):
+            self._drop("a non-TOKENS message on the tokens socket", msg=type(msg).__name__)
+            return
+        self._handle(Peer(None, msg.worker_id, self._user_id(frames[0])), msg)
+
+    def _handle(self, peer: Peer, msg: Message) -> None:
+        try:
+            self._on_message(peer, msg)
+        except Exception:  # a handler bug must not end the loop
+            log.exception("handler failed", extra={"worker_id": printable(peer.worker_id),
+                                                   "msg": type(msg).__name__})
+
+    def _drop(self, what: str, route: bytes | None = None, **extra: str) -> None:
+        self.num_dropped += 1
+        self._warn_limited(f"dropped {what}", route=route, **extra)
+
+    def _warn_limited(self, what: str, route: bytes | None = None, **extra: str) -> None:
+        num_held = self._warn.allow(what)
+        if num_held is None:
+            return
+        fields = {k: printable(v) for k, v in extra.items()}
+        if route is not None:
+            fields["route"] = printable(route.decode(errors="replace"))
+        log.warning(what, extra={**fields, "num_held_back": num_held})
