@@ -21,6 +21,7 @@ from zeroserve.gateway.core import Gateway
 from zeroserve.gateway.errors import APIError, invalid_api_key, server_error
 from zeroserve.gateway.http.admin import AdminApi
 from zeroserve.gateway.http.auth import ApiKeyMiddleware, ApiKeys, warn_if_exposed
+from zeroserve.gateway.http.error_response import error_response
 from zeroserve.gateway.http.health import HealthEndpoints
 from zeroserve.gateway.http.rate_limit import RateLimiter, RateLimitMiddleware
 from zeroserve.gateway.http.routes import Api
@@ -88,11 +89,11 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None) -> 
 
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+        return error_response(APIError(exc.status_code, str(exc.detail), type=kind))
 
     async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
-        return server_error("Internal server error.").response()
+        return error_response(server_error("Internal server error."))
 
     routes = [
         Route("/v1/completions", api.completions, methods=["POST"]),
@@ -121,7 +122,7 @@ def metrics_endpoint(metrics: Metrics, keys: ApiKeys):
 
     async def scrape(request: Request) -> Response:
         if not keys.is_authorized(request):
-            return invalid_api_key().response()
+            return error_response(invalid_api_key())
         body, content_type = metrics.exposition()
         return Response(body, media_type=content_type)
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from starlette.responses import JSONResponse
-
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
@@ -27,9 +25,6 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -8,7 +8,8 @@ Every import counts, module-level, function-level and under TYPE_CHECKING alike.
   the gateway never imports torch, and the worker's engine core (scheduler, block manager,
   sequence, plan, config, outputs) needs no torch, not even through a module it imports;
 - cli/ (the launcher) sits on top: it may import anything and nothing imports it;
-- inside gateway/ a module imports only its own rank or lower (GATEWAY_RANKS);
+- inside gateway/ a module imports only its own rank or lower (GATEWAY_RANKS), and starlette
+  and uvicorn appear only in gateway/http/ and the composition above it (app, server);
 - there are no import circles;
 - every package folder is a package in pyproject.toml (an editable install would hide a
   missing one; `pip install .` in the Dockerfile would not).
@@ -132,6 +133,14 @@ def test_the_gateway_never_imports_torch():
     graph = import_graph()
     wrong = [f"{m} -> {t}" for m in graph if m.startswith("gateway")
              for t in third_party(m) if t == "torch"]
+    assert wrong == []
+
+
+def test_starlette_and_uvicorn_live_only_in_the_http_layer():
+    graph = import_graph()
+    wrong = [f"{m} -> {t}" for m in graph if m.startswith("gateway")
+             and gateway_rank(m) < GATEWAY_RANKS["http"]
+             for t in third_party(m) if t in ("starlette", "uvicorn")]
     assert wrong == []
 
 

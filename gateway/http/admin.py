@@ -26,6 +26,7 @@ from zeroserve.gateway.config import GatewayConfig
 from zeroserve.gateway.core import Gateway
 from zeroserve.gateway.errors import APIError, invalid_request
 from zeroserve.gateway.http.auth import ApiKeys, is_loopback_host
+from zeroserve.gateway.http.error_response import error_response
 from zeroserve.gateway.logging import get_logger
 
 log = get_logger("admin")
@@ -53,7 +54,7 @@ class AdminApi:
     async def list_workers(self, request: Request) -> Response:
         refusal = self._refusal(request)
         if refusal is not None:
-            return refusal.response()
+            return error_response(refusal)
         workers = [w.describe() for w in self.gateway.registry.workers.values()]
         return JSONResponse({"workers": sorted(workers, key=lambda w: w["worker_id"])})
 
@@ -66,23 +67,23 @@ class AdminApi:
     async def undrain(self, request: Request) -> Response:
         refusal = self._refusal(request)
         if refusal is not None:
-            return refusal.response()
+            return error_response(refusal)
         worker_id = request.path_params["worker_id"]
         if not self.gateway.undrain_worker(worker_id):
-            return _unknown_worker(worker_id).response()
+            return error_response(_unknown_worker(worker_id))
         return JSONResponse({"worker_id": worker_id, "action": "undrain"})
 
     async def _drain(self, request: Request, exit_when_drained: bool) -> Response:
         refusal = self._refusal(request)
         if refusal is not None:
-            return refusal.response()
+            return error_response(refusal)
         worker_id = request.path_params["worker_id"]
         try:
             deadline_s = _deadline(await request.body())
         except APIError as e:
-            return e.response()
+            return error_response(e)
         if not self.gateway.drain_worker(worker_id, deadline_s, exit_when_drained):
-            return _unknown_worker(worker_id).response()
+            return error_response(_unknown_worker(worker_id))
         action = "restart" if exit_when_drained else "drain"
         return JSONResponse({"worker_id": worker_id, "action": action,
                              "deadline_s": deadline_s})

@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from zeroserve.common.logging_setup import RateLimited, printable
 from zeroserve.gateway.errors import invalid_api_key
+from zeroserve.gateway.http.error_response import error_response
 from zeroserve.gateway.logging import get_logger
 
 log = get_logger("auth")
@@ -86,7 +87,7 @@ class ApiKeyMiddleware:
                 log.info("refused a request without a valid API key",
                          extra={"path": printable(scope["path"]), "client": _client_host(scope),
                                 "num_refused_since_last_line": num_held})
-            await invalid_api_key().response()(scope, receive, send)
+            await error_response(invalid_api_key())(scope, receive, send)
             return
         scope.setdefault("state", {})[KEY_INDEX_STATE] = index
         await self.app(scope, receive, send)

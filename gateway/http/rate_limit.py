@@ -35,6 +35,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from zeroserve.gateway.errors import APIError, rate_limited
 from zeroserve.gateway.http.auth import is_protected, key_index
+from zeroserve.gateway.http.error_response import error_response
 from zeroserve.gateway.key_limits import Limits
 
 MAX_IP_BUCKETS = 4096
@@ -188,7 +189,7 @@ class RateLimitMiddleware:
         if refusal is not None:
             if self.on_refused is not None:
                 self.on_refused(refusal)
-            await refusal.response()(scope, receive, send)
+            await error_response(refusal)(scope, receive, send)
             return
         meter = scope.setdefault("state", {})[USAGE_STATE] = UsageMeter()
         try:

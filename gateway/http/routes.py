@@ -30,6 +30,7 @@ from zeroserve.gateway.config import GatewayConfig
 from zeroserve.gateway.core import Gateway
 from zeroserve.gateway.errors import APIError, client_too_slow, invalid_request, model_not_found
 from zeroserve.gateway.generation import RequestGroup
+from zeroserve.gateway.http.error_response import error_response
 from zeroserve.gateway.http.offload import CpuPool
 from zeroserve.gateway.http.rate_limit import track_usage
 from zeroserve.gateway.http.request_body import parse_json_object, read_body
@@ -85,7 +86,7 @@ class Api:
         any served name finds the model."""
         name = request.path_params["model"]
         if name not in self.served_names:
-            return model_not_found(name).response()
+            return error_response(model_not_found(name))
         return JSONResponse(self._model_card())
 
     def _model_card(self) -> dict:
@@ -102,7 +103,7 @@ class Api:
                 text = spec["prompt"]
             ids = await self._encode(text, spec["add_special_tokens"])
         except APIError as e:
-            return e.response()
+            return error_response(e)
         if len(ids) <= _INLINE_TOKENS:
             return JSONResponse({"tokens": ids, "count": len(ids),
                                  "max_model_len": self.max_model_len})
@@ -119,7 +120,7 @@ class Api:
             else:
                 text = await self.cpu.run(self._detokenize_now, ids)
         except APIError as e:
-            return e.response()
+            return error_response(e)
         return JSONResponse({"prompt": text})
 
     def _detokenize_now(self, ids: list) -> str:
@@ -151,7 +152,7 @@ class Api:
             return await self._generate(request, ctx, prompts, req.sampling, req.stream,
                                         echoes=echoes)
         except APIError as e:
-            return e.response()
+            return error_response(e)
 
     async def chat(self, request: Request) -> Response:
         try:
@@ -162,7 +163,7 @@ class Api:
             return await self._generate(request, ctx, [ids], req.sampling, req.stream,
                                         what="messages")
         except APIError as e:
-            return e.response()
+            return error_response(e)
 
     # --- request preparation: bounded, and off the loop when large ---------------------
 

@@ -188,7 +188,7 @@ def test_a_hugging_face_tokenizer_json_works_too(tmp_path):
 def test_a_sentencepiece_gguf_vocabulary_spells_like_sentencepiece(tmp_path_factory):
     """tokenizer.ggml.model "llama" (Llama 2, Mistral): '▁' is a space, <0xNN> a byte."""
     pytest.importorskip("sentencepiece")
-    from tests.gateway import test_tokenizer_sentencepiece as spm_tests
+    from tests.gateway.text import test_tokenizer_sentencepiece as spm_tests
 
     spm = spm_tests.spm.__wrapped__()
     path = spm_tests.gguf_path.__wrapped__(spm, tmp_path_factory)
