@@ -210,11 +210,10 @@ class Api:
         group = RequestGroup(self.gateway, trace_headers=None if self.gateway.tracer is None
                              else trace_headers(request.headers))
         track_usage(request, group)  # its tokens count against the client's rate limit
-        for ids in prompts:
-            max_tokens = check_context(len(ids), sampling.max_tokens, self.max_model_len, what,
-                                       self.limits.max_tokens_limit)
-            check_submit_fits(ids, sampling.worker_params(max_tokens, 0),
-                              self.config.credit_window)
+        # Every prompt is checked before any is registered: a 400 for the last prompt must
+        # leave nothing of the first ones behind.
+        max_tokens_of = [self._check_prompt(ids, sampling, what) for ids in prompts]
+        for ids, max_tokens in zip(prompts, max_tokens_of, strict=True):
             group.prompt_lengths.append(len(ids))
             for i in range(sampling.n):
                 group.add(ids, sampling.worker_params(max_tokens, i), self.tokenizer,
@@ -255,6 +254,13 @@ class Api:
             metrics.on_aborted("disconnect")
             return Response(status_code=499)
         return JSONResponse(result)
+
+    def _check_prompt(self, ids: list[int], sampling: SamplingOptions, what: str) -> int:
+        """The max_tokens in effect for this prompt; a 400 when it does not fit."""
+        max_tokens = check_context(len(ids), sampling.max_tokens, self.max_model_len, what,
+                                   self.limits.max_tokens_limit)
+        check_submit_fits(ids, sampling.worker_params(max_tokens, 0), self.config.credit_window)
+        return max_tokens
 
     async def _collect(self, group: RequestGroup, ctx: ResponseContext,
                        sampling: SamplingOptions, echoes: list[str] | None = None) -> dict:
