@@ -63,7 +63,7 @@ class Admission:
             worker = await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
             is_handed_over = True
             return worker
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise no_worker(f"No worker became available within {self.timeout_s:g}s.") from None
         finally:
             if entry in self._waiters:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,7 @@ def load_key_limits(path: str | None, api_keys: tuple[str, ...], default: Limits
                                    "(--api-key)")
     try:
         raw = Path(path).read_bytes()
-        table = _parse_toml(raw, path) if path.endswith(".toml") else json.loads(raw)
+        table = tomllib.loads(raw.decode()) if path.endswith(".toml") else json.loads(raw)
     except (OSError, ValueError) as e:  # TOMLDecodeError and JSONDecodeError are ValueErrors
         raise RateLimitConfigError(f"cannot read the rate limits file {path}: "
                                    f"{type(e).__name__}") from None
@@ -83,12 +84,3 @@ def load_key_limits(path: str | None, api_keys: tuple[str, ...], default: Limits
         except RateLimitConfigError as e:
             raise RateLimitConfigError(f"{where}: {e}") from None
     return per_key
-
-
-def _parse_toml(raw: bytes, path: str) -> Any:
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        raise RateLimitConfigError(f"{path}: TOML needs Python 3.11 or later; "
-                                   "use JSON") from None
-    return tomllib.loads(raw.decode())

@@ -113,7 +113,7 @@ async def measured_client(session: aiohttp.ClientSession, url: str, model: str,
                             ttft = time.monotonic() - started
                         finish = choice.get("finish_reason") or finish
                     usage = event.get("usage") or usage
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             phase.failures[type(e).__name__] += 1
             continue
         num = (usage or {}).get("completion_tokens", 0)
@@ -162,7 +162,7 @@ async def send_raw(port: int, payload: bytes, timeout_s: float) -> str:
     try:
         reader, writer = await asyncio.wait_for(
             asyncio.open_connection("127.0.0.1", port), timeout_s)
-    except (OSError, asyncio.TimeoutError):
+    except (TimeoutError, OSError):
         return "connect failed"
     head, body = payload.split(b"\r\n\r\n", 1)
     try:
@@ -171,16 +171,16 @@ async def send_raw(port: int, payload: bytes, timeout_s: float) -> str:
         writer.write(head + b"\r\n\r\n")
         try:
             line = await asyncio.wait_for(reader.readline(), 0.2)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             writer.write(body)
             try:
                 await asyncio.wait_for(writer.drain(), timeout_s)
-            except (ConnectionError, asyncio.TimeoutError):
+            except (TimeoutError, ConnectionError):
                 pass
             line = await asyncio.wait_for(reader.readline(), timeout_s)
         parts = line.split()
         return parts[1].decode() if len(parts) >= 2 else "no answer"
-    except (OSError, asyncio.TimeoutError):
+    except (TimeoutError, OSError):
         return "reset"
     finally:
         writer.close()
@@ -201,7 +201,7 @@ async def trickle(port: int, model: str, seconds: float) -> str:
         while time.monotonic() < deadline:
             try:
                 data = await asyncio.wait_for(loop.sock_recv(sock, 16), 0.5)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 continue
             if not data:
                 return "closed by server"
@@ -224,7 +224,7 @@ async def hang_up_early(session: aiohttp.ClientSession, url: str, model: str) ->
                 if raw.startswith(b"data: {"):
                     return "hung up"
         return "ended"
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+    except (TimeoutError, aiohttp.ClientError) as e:
         return type(e).__name__
 
 

@@ -110,7 +110,7 @@ async def one_turn(session: aiohttp.ClientSession, url: str, messages: list[dict
                     result.num_output_tokens = usage["completion_tokens"]
                     details = usage.get("prompt_tokens_details") or {}
                     result.num_cached_tokens = details.get("cached_tokens", 0)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+    except (TimeoutError, aiohttp.ClientError, ValueError) as e:
         result.error = f"{type(e).__name__}: {e}"[:200]
     finally:
         result.e2e_s = time.perf_counter() - start

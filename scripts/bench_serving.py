@@ -165,7 +165,7 @@ async def send_request(session: aiohttp.ClientSession, url: str, body: dict,
                 result.error = "no text in the response"
                 return result
             result.is_success = True
-    except asyncio.TimeoutError:
+    except TimeoutError:
         result.error = "timeout"
     except (aiohttp.ClientError, RuntimeError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"[:300]

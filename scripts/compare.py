@@ -32,7 +32,7 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -540,8 +540,8 @@ def main(argv: list[str] | None = None) -> int:
     plan, a = parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     command = "python scripts/compare.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-    started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    started = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     loadavg = os.getloadavg()
     pool = load_chat_samples(sum(plan.num_prompts(lv) for lv in plan.levels), plan.seed,
                              max_prompt_tokens=plan.max_prompt_tokens)

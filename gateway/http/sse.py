@@ -227,5 +227,5 @@ class SSEResponse:
         try:
             await asyncio.wait_for(send({"type": "http.response.body", "body": body,
                                          "more_body": False}), _FINAL_WRITE_TIMEOUT_S)
-        except (asyncio.TimeoutError, OSError):
+        except (TimeoutError, OSError):
             pass
