@@ -21,7 +21,12 @@ from zeroserve.gateway.errors import invalid_request, model_not_found
 
 MAX_N = 128
 MAX_LOGPROBS = 20
-MAX_STOP_STRINGS = 16
+MAX_STOP_STRINGS = 16  # OpenAI takes 4, vLLM any number
+# Each stop string's characters and all of them together: the matcher's work per piece of
+# output grows with the longest (gateway/stop_strings.py), and a stop string longer than a
+# reply is no stop string.
+MAX_STOP_CHARS = 256
+MAX_STOP_TOTAL_CHARS = 1024
 # Every integer field must fit 64 bits before anything converts it (float() of a 400-digit
 # integer raises OverflowError).
 _MIN_INT = -(2 ** 63)
@@ -226,6 +231,14 @@ def _parse_stop(body: dict) -> tuple[str, ...]:
     if len(stop) > MAX_STOP_STRINGS:
         raise invalid_request(f"'stop' may hold at most {MAX_STOP_STRINGS} strings.",
                               param="stop")
+    longest = max(map(len, stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise invalid_request(f"Each 'stop' string may have at most {MAX_STOP_CHARS} "
+                              f"characters; one has {longest}.", param="stop")
+    total = sum(map(len, stop))
+    if total > MAX_STOP_TOTAL_CHARS:
+        raise invalid_request(f"The 'stop' strings may have at most {MAX_STOP_TOTAL_CHARS} "
+                              f"characters together; they have {total}.", param="stop")
     return tuple(s for s in stop if s)
 
 

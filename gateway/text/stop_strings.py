@@ -3,6 +3,13 @@
 Text arrives in pieces. A piece may end with the start of a stop string ("\\n\\nUs" of
 "\\n\\nUser:"), so that tail is held back until the next piece shows whether the stop
 string completes (then the text ends before it) or not (then the tail is released).
+
+Cost is linear in the text: per stop string, the length of the text's longest suffix that
+begins it is carried from piece to piece by the Knuth-Morris-Pratt automaton (amortized
+O(1) a character), and the held tail is the longest of those, so it is shorter than the
+longest stop string (which the API caps, openai_schema.MAX_STOP_CHARS). A piece is searched
+for whole stop strings together with that tail only: a stop string that starts before the
+tail cannot complete.
 """
 
 from __future__ import annotations
@@ -13,6 +20,10 @@ class StopStringMatcher:
         self.stops = [s for s in stops if s]
         self.held = ""
         self.is_stopped = False
+        self._failure = [_prefix_function(s) for s in self.stops]
+        # Per stop: the length of the longest suffix of the text so far that is a proper
+        # prefix of it (the automaton's state). `held` is the longest of them.
+        self._matched = [0] * len(self.stops)
 
     def push(self, text: str) -> str:
         """Add text; return what is safe to emit. Sets `is_stopped` when a stop string
@@ -27,7 +38,7 @@ class StopStringMatcher:
             self.is_stopped = True
             self.held = ""
             return buffer[:cut]
-        keep = self._partial_match_len(buffer)
+        keep = self._advance(text)
         self.held = buffer[len(buffer) - keep:] if keep else ""
         return buffer[:len(buffer) - keep]
 
@@ -36,12 +47,33 @@ class StopStringMatcher:
         out, self.held = self.held, ""
         return "" if self.is_stopped else out
 
-    def _partial_match_len(self, buffer: str) -> int:
-        """Length of the longest suffix of buffer that is a proper prefix of a stop."""
+    def _advance(self, text: str) -> int:
+        """Feed text to every stop's automaton; the longest partial match after it. (No
+        stop completes here: push found none in the held tail plus text.)"""
         best = 0
-        for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(buffer)), best, -1):
-                if buffer.endswith(stop[:k]):
-                    best = k
-                    break
+        for j, stop in enumerate(self.stops):
+            failure, q, last = self._failure[j], self._matched[j], len(stop) - 1
+            for ch in text:
+                while q and stop[q] != ch:
+                    q = failure[q - 1]
+                if stop[q] == ch:
+                    q += 1
+                    if q > last:  # a whole match (push rules it out): stay a proper prefix
+                        q = failure[q - 1]
+            self._matched[j] = q
+            best = max(best, q)
         return best
+
+
+def _prefix_function(s: str) -> list[int]:
+    """KMP: failure[i] = the length of the longest proper prefix of s[:i + 1] that is also
+    a suffix of it."""
+    failure = [0] * len(s)
+    q = 0
+    for i in range(1, len(s)):
+        while q and s[i] != s[q]:
+            q = failure[q - 1]
+        if s[i] == s[q]:
+            q += 1
+        failure[i] = q
+    return failure

@@ -34,3 +34,26 @@ def test_a_later_prompt_too_long_leaves_no_request_state(served):
     assert len(gw.gateway.streams) == 0, gw.gateway.streams.states  # not 6 orphans
     assert not worker.submits
     assert_no_leaks(gw)
+
+
+@pytest.mark.parametrize(("stop", "what"), [
+    ("x" * 257, "at most 256 characters"),
+    (["y" * 200] * 6, "1024 characters together"),
+])
+def test_stop_strings_are_capped_with_a_clear_400(served, stop, what):
+    gw, worker = served
+    r = httpx.post(gw.url + "/v1/completions", json={"prompt": "hi", "stop": stop})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "stop" and what in error["message"]
+    assert error["type"] == "invalid_request_error"
+    assert not worker.submits
+
+
+def test_stop_strings_at_the_caps_still_work(served):
+    gw, _ = served
+    r = httpx.post(gw.url + "/v1/completions",
+                   json={"prompt": "hi", "stop": ["z" * 256, "q" * 256, ", world"]})
+    assert r.status_code == 200
+    assert r.json()["choices"][0] == {"index": 0, "text": "Hello", "logprobs": None,
+                                      "finish_reason": "stop"}
