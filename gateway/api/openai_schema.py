@@ -23,7 +23,7 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16  # OpenAI takes 4, vLLM any number
 # Each stop string's characters and all of them together: the matcher's work per piece of
-# output grows with the longest (gateway/stop_strings.py), and a stop string longer than a
+# output grows with the longest (gateway/text/stop_strings.py), and a stop string longer than a
 # reply is no stop string.
 MAX_STOP_CHARS = 256
 MAX_STOP_TOTAL_CHARS = 1024
@@ -137,6 +137,23 @@ class ChatPrompt:
     # The final (assistant) message stays open: the model continues its content.
     continue_final_message: bool = False
     extra_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_chars(self) -> int:
+        """The characters of the messages, earlier calls' arguments included."""
+        return sum(_message_chars(m) for m in self.messages)
+
+
+def _message_chars(message: dict[str, Any]) -> int:
+    num_chars = len(message["content"])
+    calls = message.get("tool_calls")
+    if isinstance(calls, list):
+        for call in calls:
+            function = call.get("function") if isinstance(call, dict) else None
+            arguments = function.get("arguments") if isinstance(function, dict) else None
+            if isinstance(arguments, str):
+                num_chars += len(arguments)
+    return num_chars
 
 
 @dataclass(frozen=True)
@@ -589,7 +606,7 @@ def _parse_messages(messages: Any, limits: RequestLimits) -> list[dict[str, Any]
         raise invalid_request(f"'messages' may hold at most {limits.max_messages} messages.",
                               param="messages")
     parsed = [_parse_message(m, i) for i, m in enumerate(messages)]
-    check_prompt_chars(sum(len(m["content"]) for m in parsed), limits, "messages",
+    check_prompt_chars(sum(_message_chars(m) for m in parsed), limits, "messages",
                        "The conversation")
     return parsed
 

@@ -27,7 +27,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from zeroserve.gateway import bounded_json
 from zeroserve.gateway.api.openai_schema import ToolChoice
+from zeroserve.gateway.errors import invalid_request
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -81,9 +83,9 @@ def prepare_messages(messages: list[dict[str, Any]], tools: ToolChoice | None,
     if tools is None and not has_history:
         return messages, {}
     if template_uses_tools(template_source):
-        out = [_with_object_arguments(m) for m in messages]
+        out = [_with_object_arguments(m, i) for i, m in enumerate(messages)]
         return out, ({"tools": tools.tools} if tools is not None else {})
-    out = [_as_text(m) for m in messages]
+    out = [_as_text(m, i) for i, m in enumerate(messages)]
     if tools is not None:
         prompt = tools_system_prompt(tools.functions)
         if out and out[0]["role"] in ("system", "developer"):
@@ -102,36 +104,42 @@ def _calls_of(message: dict[str, Any]) -> list[dict[str, Any]]:
     return [c for c in calls if isinstance(c, dict) and isinstance(c.get("function"), dict)]
 
 
-def _with_object_arguments(message: dict[str, Any]) -> dict[str, Any]:
+def _history_arguments(arguments: Any, param: str) -> Any:
+    """An earlier call's arguments as an object when they are JSON text (else as given);
+    400 when they nest deeper than a request body may."""
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        return bounded_json.loads(arguments)
+    except bounded_json.TooDeep as e:
+        raise invalid_request(f"'{param}' holds {e}.", param=param) from None
+    except ValueError:
+        return arguments
+
+
+def _with_object_arguments(message: dict[str, Any], i: int) -> dict[str, Any]:
     """Templates (transformers' convention) read a call's arguments as an object."""
     calls = _calls_of(message)
     if not calls:
         return message
     fixed = []
-    for call in calls:
+    for j, call in enumerate(calls):
         function = dict(call["function"])
-        if isinstance(function.get("arguments"), str):
-            try:
-                function["arguments"] = json.loads(function["arguments"])
-            except ValueError:
-                pass
+        function["arguments"] = _history_arguments(
+            function.get("arguments"), f"messages[{i}].tool_calls[{j}].function.arguments")
         fixed.append({**call, "function": function})
     return {**message, "tool_calls": fixed}
 
 
-def _as_text(message: dict[str, Any]) -> dict[str, Any]:
+def _as_text(message: dict[str, Any], i: int) -> dict[str, Any]:
     """For a template without tool support: calls and results written into the content."""
     calls = _calls_of(message)
     if calls:
         blocks = []
-        for call in calls:
+        for j, call in enumerate(calls):
             function = call["function"]
-            arguments = function.get("arguments")
-            if isinstance(arguments, str):
-                try:
-                    arguments = json.loads(arguments)
-                except ValueError:
-                    pass
+            arguments = _history_arguments(
+                function.get("arguments"), f"messages[{i}].tool_calls[{j}].function.arguments")
             body = json.dumps({"name": function.get("name"), "arguments": arguments},
                               ensure_ascii=False)
             blocks.append(f"{CALL_OPEN}\n{body}\n{CALL_CLOSE}")
@@ -154,7 +162,7 @@ def _call_from_object(obj: Any, names: set[str]) -> ToolCall | None:
     arguments = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(arguments, str):
         try:
-            json.loads(arguments)
+            bounded_json.loads(arguments)
         except ValueError:
             return None
         text = arguments
@@ -172,11 +180,11 @@ def _parse_json_calls(text: str, names: set[str]) -> list[ToolCall] | None:
     if not body.startswith(("{", "[")):
         return None
     try:
-        parsed = json.loads(body)
+        parsed = bounded_json.loads(body)
         objects = parsed if isinstance(parsed, list) else [parsed]
     except ValueError:
         try:
-            objects = [json.loads(part) for part in body.split(";") if part.strip()]
+            objects = [bounded_json.loads(part) for part in body.split(";") if part.strip()]
         except ValueError:
             return None
     calls = [_call_from_object(o, names) for o in objects]
@@ -210,7 +218,7 @@ def parse_tool_calls(text: str, tools: ToolChoice) -> tuple[str | None, list[Too
 
 def _parse_block(body: str, names: set[str]) -> ToolCall | None:
     try:
-        return _call_from_object(json.loads(body), names)
+        return _call_from_object(bounded_json.loads(body), names)
     except ValueError:
         return None
 
@@ -221,7 +229,7 @@ def parse_forced_calls(text: str, tools: ToolChoice) -> list[ToolCall]:
     if tools.mode == "named":
         return [ToolCall(tools.name or "", text)]
     try:
-        items = json.loads(text)
+        items = bounded_json.loads(text)
     except ValueError:
         return []
     if not isinstance(items, list):
@@ -358,7 +366,7 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 def _json_or_none(text: str) -> Any:
     try:
-        return json.loads(text)
+        return bounded_json.loads(text)
     except ValueError:
         return None
 

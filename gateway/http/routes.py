@@ -185,16 +185,17 @@ class Api:
         return await self.cpu.run(self.tokenizer.encode, text, add_special_tokens)
 
     async def _render(self, prompt: ChatPrompt) -> str:
-        """The text a chat prompt puts in front of the model (tools included)."""
+        """The text a chat prompt puts in front of the model (tools included). Earlier
+        calls' arguments are parsed as JSON on the way: in the CPU pool when large."""
+        if (prompt.num_chars <= _INLINE_CHARS and len(prompt.messages) <= _INLINE_MESSAGES
+                and prompt.tools is None and not prompt.extra_template_kwargs):
+            return self._render_now(prompt)
+        return await self.cpu.run(self._render_now, prompt)
+
+    def _render_now(self, prompt: ChatPrompt) -> str:
         messages, tool_kwargs = prepare_messages(prompt.messages, prompt.tools,
                                                  self.template.source)
         extra = tool_kwargs | prompt.extra_template_kwargs
-        num_chars = sum(len(m["content"]) for m in messages)
-        if num_chars <= _INLINE_CHARS and len(messages) <= _INLINE_MESSAGES and not extra:
-            return self._render_now(messages, prompt, extra)
-        return await self.cpu.run(self._render_now, messages, prompt, extra)
-
-    def _render_now(self, messages: list[dict], prompt: ChatPrompt, extra: dict) -> str:
         try:
             return self.template.render(messages, prompt.add_generation_prompt,
                                         prompt.continue_final_message, **extra)

@@ -41,7 +41,7 @@ from zeroserve.gateway.api.responses import (
 )
 from zeroserve.gateway.api.tool_calls import ToolCallStream
 from zeroserve.gateway.core import Gateway
-from zeroserve.gateway.errors import APIError
+from zeroserve.gateway.errors import APIError, server_error
 from zeroserve.gateway.generation import ChoiceUpdate, RequestGroup
 from zeroserve.gateway.http.sse import SSEResponse
 from zeroserve.gateway.logging import get_logger
@@ -128,6 +128,10 @@ class StreamedResponse:
         except APIError as e:
             log.warning("stream failed", extra={"request_id": ctx.id, "error": e.message})
             yield sse(e.body()) + SSE_DONE
+        except Exception:  # a bug rendering this stream: it ends as a failure, not cut short
+            log.exception("stream failed", extra={"request_id": ctx.id})
+            yield sse(server_error("The server failed while streaming the response.").body()) \
+                + SSE_DONE
         finally:
             group.sink.direct = None
             group.close()

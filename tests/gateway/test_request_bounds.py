@@ -3,6 +3,8 @@ work on the event loop, and the OpenAI behaviours that scoring clients rely on."
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -57,3 +59,119 @@ def test_stop_strings_at_the_caps_still_work(served):
     assert r.status_code == 200
     assert r.json()["choices"][0] == {"index": 0, "text": "Hello", "logprobs": None,
                                       "finish_reason": "stop"}
+
+
+# --- JSON nested inside strings --------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object",
+                                          "properties": {"city": {"type": "string"}}}}}
+DEEP = "[" * 5000 + "]" * 5000  # json.loads of it raises RecursionError
+
+
+def history_with_arguments(arguments: str) -> list[dict]:
+    return [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_deeply_nested_arguments_in_the_history_are_a_400(served, path):
+    gw, worker = served
+    r = httpx.post(gw.url + path, json={"messages": history_with_arguments(DEEP),
+                                        "tools": [WEATHER]})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "messages[1].tool_calls[0].function.arguments"
+    assert "deeper than 64" in error["message"]
+    assert not worker.submits
+    assert_no_leaks(gw)
+
+
+def test_arguments_that_are_not_json_still_render(served):
+    gw, _ = served
+    r = httpx.post(gw.url + "/tokenize",
+                   json={"messages": history_with_arguments('{"city": "Par')})
+    assert r.status_code == 200
+    assert r.json()["count"] > 0
+
+
+@pytest.fixture
+def served_reply():
+    """A gateway whose fake worker answers with the text the test sets, 64 tokens a step."""
+    reply = {"text": ""}
+    with GatewayServer() as gw:
+        worker = gw.worker(reply=lambda p, params: list(reply["text"].encode()),
+                           tokens_per_step=64)
+        worker.start()
+        assert worker.ready.wait(5)
+        yield gw, worker, reply
+        worker.stop()
+
+
+DEEP_CALL = '<tool_call>{"name": "get_weather", "arguments": ' + "[" * 1500 + "]" * 1500 \
+    + "}</tool_call>"
+
+
+def test_a_deeply_nested_call_in_the_output_is_kept_as_content(served_reply):
+    gw, _, reply = served_reply
+    reply["text"] = DEEP_CALL
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER],
+            "max_tokens": 3200}
+    r = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=20)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"] == DEEP_CALL and "tool_calls" not in choice["message"]
+    assert choice["finish_reason"] == "stop"
+
+    with httpx.stream("POST", gw.url + "/v1/chat/completions", json={**body, "stream": True},
+                      timeout=20) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert all("error" not in c for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert text == DEEP_CALL
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert_no_leaks(gw)
+
+
+def test_bounded_json_turns_every_failure_into_a_value_error():
+    from zeroserve.gateway import bounded_json
+
+    assert bounded_json.loads('{"a": [1, {"b": 2}]}') == {"a": [1, {"b": 2}]}
+    assert bounded_json.loads("[" * 64 + "]" * 64) is not None
+    for text in ("[" * 65 + "]" * 65, DEEP, '{"a": ', "[" * 100_000):
+        with pytest.raises(ValueError):
+            bounded_json.loads(text)
+
+
+def test_large_arguments_are_parsed_off_the_event_loop(served, monkeypatch):
+    import threading
+
+    from zeroserve.gateway import tool_calls
+
+    threads = []
+    real_loads = tool_calls.bounded_json.loads
+
+    def spy(text, *args):
+        threads.append(threading.current_thread().name)
+        return real_loads(text, *args)
+
+    monkeypatch.setattr(tool_calls.bounded_json, "loads", spy)
+    gw, _ = served
+    arguments = json.dumps({"rows": [{"city": f"c{i}"} for i in range(10_000)]})
+    r = httpx.post(gw.url + "/tokenize", json={"messages": history_with_arguments(arguments)})
+    assert r.status_code == 200
+    assert threads and all(name.startswith("gateway-cpu") for name in threads), threads
+
+
+def test_arguments_count_toward_the_conversation_limit(served):
+    gw, _ = served
+    arguments = json.dumps({"city": "x" * 1_000_000})
+    r = httpx.post(gw.url + "/v1/chat/completions",
+                   json={"messages": history_with_arguments(arguments)})
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "prompt_too_long"

@@ -184,7 +184,10 @@ def test_a_failure_in_one_streams_direct_write_ends_only_that_stream(monkeypatch
                 text, events = results[prompt]
                 assert text == (DIGITS * 20)[:150] and events[-1] == {"done": True}
             bad_text, bad_events = results["bad"]
-            assert not bad_events or bad_events[-1] != {"done": True}  # it ended early
+            # It ended early, as a failure the client can read: an error event, then [DONE].
+            assert "!" not in bad_text and len(bad_text) < 150
+            assert bad_events[-2]["error"]["type"] == "server_error"
+            assert bad_events[-1] == {"done": True}
             bad_id = next(s.request_id for s in worker.submits if is_bad(s.prompt_token_ids))
             assert wait_until(lambda: bad_id in worker.aborts, 5)  # and its work stopped
         finally:
