@@ -23,9 +23,13 @@ class Limits:
     requests_per_second: float | None = None  # None: unlimited
     burst: int | None = None  # requests a client may send at once; None -> ceil(rate), >= 1
     tokens_per_minute: int | None = None  # prompt + completion tokens; None: unlimited
+    max_concurrent_requests: int | None = None  # requests in flight at once; None: unlimited
 
     def __post_init__(self) -> None:
         rps, burst, tpm = self.requests_per_second, self.burst, self.tokens_per_minute
+        concurrent = self.max_concurrent_requests
+        if concurrent is not None and not (type(concurrent) is int and concurrent >= 1):
+            raise RateLimitConfigError("max_concurrent_requests must be an integer >= 1")
         if rps is not None and not (_is_number(rps) and 0 < rps < math.inf):
             raise RateLimitConfigError("requests_per_second must be a number > 0")
         if burst is not None and not (type(burst) is int and burst >= 1):
@@ -35,7 +39,8 @@ class Limits:
 
     @property
     def is_unlimited(self) -> bool:
-        return self.requests_per_second is None and self.tokens_per_minute is None
+        return (self.requests_per_second is None and self.tokens_per_minute is None
+                and self.max_concurrent_requests is None)
 
     @property
     def request_capacity(self) -> int:
@@ -47,8 +52,10 @@ def _is_number(value: Any) -> bool:
     return type(value) in (int, float)
 
 
-def default_limits(rps: float | None, burst: int | None, tpm: int | None) -> Limits:
-    return Limits(requests_per_second=rps, burst=burst, tokens_per_minute=tpm)
+def default_limits(rps: float | None, burst: int | None, tpm: int | None,
+                   max_concurrent: int | None = None) -> Limits:
+    return Limits(requests_per_second=rps, burst=burst, tokens_per_minute=tpm,
+                  max_concurrent_requests=max_concurrent)
 
 
 def load_key_limits(path: str | None, api_keys: tuple[str, ...], default: Limits

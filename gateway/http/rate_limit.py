@@ -3,17 +3,23 @@
 - **Requests**: `requests_per_second` refills a bucket of `burst` requests (default: the
   rate rounded up, at least 1); each request to a protected path (`gateway/http/auth.py`) takes
   one.
-- **Tokens**: `tokens_per_minute` refills a bucket of one minute's tokens. A request's cost
-  (prompt + completion tokens, as its `usage` reports them, each prompt counted once
-  whatever `n`) is known only when its response ends, so it is charged then, and the
-  balance may go below zero; a client whose balance is below zero is refused until it has
-  refilled to zero. So a single request is never cut short, and a key that overspends waits
-  for its debt to refill (a 4,000-token reply on a 1,000 tokens/minute key: about three
-  minutes).
+- **Tokens**: `tokens_per_minute` refills a bucket of one minute's tokens. A generation
+  reserves what it may cost once it is validated, before any worker sees it: its prompt
+  tokens (each prompt once, whatever `n`) plus `n` x `max_tokens` per prompt. It is refused
+  (429) unless the bucket holds that much, or a whole minute's worth for a request larger
+  than that; so a key cannot start more work than its budget by sending it all at once.
+  When the response ends, what was reserved and not used (`usage`'s total is the cost) is
+  given back. A request larger than a minute's tokens leaves the balance below zero; a
+  client whose balance is below zero is refused until it has refilled to zero (a
+  4,000-token request on a 1,000 tokens/minute key: about three minutes).
+- **Concurrency**: `max_concurrent_requests` bounds a client's requests in flight (a stream
+  counts until it ends); past it, 429 with `Retry-After: 1`. Unlimited unless the per-key
+  file sets it: one key can then no longer fill the gateway's queue for everyone.
 - Over either limit: 429 in OpenAI's shape (`rate_limit_error`, `rate_limit_exceeded`) with
   `Retry-After`: the whole seconds until the request would be admitted.
 - Who is limited: each API key, with its own limits from `--rate-limits FILE` (JSON or
-  TOML: key -> {requests_per_second, burst, tokens_per_minute}; a field left out takes the
+  TOML: key -> {requests_per_second, burst, tokens_per_minute, max_concurrent_requests}; a
+  field left out takes the
   flag's default, `null` or "unlimited" is unlimited) or the defaults from `--rate-limit-rps`,
   `--rate-limit-burst`, `--rate-limit-tpm`. Without API keys the defaults apply per client
   IP address (behind a proxy: the proxy's), in at most MAX_IP_BUCKETS buckets, the least
@@ -78,6 +84,8 @@ class RateLimiter:
         self.clock = clock
         self._keys: dict[int, _Buckets] = {}  # at most one per configured key
         self._ips: OrderedDict[Hashable, _Buckets] = OrderedDict()  # LRU
+        # Requests in flight per client with a concurrency limit (no entry at zero).
+        self._in_flight: dict[Hashable, int] = {}
 
     @property
     def is_enabled(self) -> bool:
@@ -88,10 +96,18 @@ class RateLimiter:
         return self.per_key.get(client, self.default) if type(client) is int else self.default
 
     def admit(self, client: Hashable) -> APIError | None:
-        """Take one request from `client`'s bucket; a 429 if it is over a limit."""
+        """Take one request from `client`'s bucket; a 429 if it is over a limit. An admitted
+        request is in flight until `finish`."""
         limits = self.limits(client)
         if limits.is_unlimited:
             return None
+        in_flight = self._in_flight.get(client, 0)
+        if limits.max_concurrent_requests is not None \
+                and in_flight >= limits.max_concurrent_requests:
+            return rate_limited(
+                f"Rate limit reached for concurrent requests: at most "
+                f"{limits.max_concurrent_requests} at once. Retry after the Retry-After "
+                "seconds.", 1)
         now = self.clock()
         buckets = self._buckets(client, limits, now)
         if buckets.tokens is not None:
@@ -109,16 +125,52 @@ class RateLimiter:
                     f"second (burst {limits.request_capacity}). Retry after the Retry-After "
                     "seconds.", _whole_seconds(buckets.requests.seconds_until(1)))
             buckets.requests.level -= 1
+        if limits.max_concurrent_requests is not None:
+            self._in_flight[client] = in_flight + 1
         return None
 
+    def reserve(self, client: Hashable, num_tokens: int) -> APIError | None:
+        """Take what a generation may cost from the token bucket now; a 429 unless the
+        bucket holds it (or, for one larger than the bucket, a full bucket)."""
+        limits = self.limits(client)
+        if limits.tokens_per_minute is None or num_tokens <= 0:
+            return None
+        now = self.clock()
+        bucket = self._buckets(client, limits, now).tokens
+        assert bucket is not None
+        bucket.refill(now)
+        needed = min(num_tokens, bucket.capacity)
+        if bucket.level < needed:
+            return rate_limited(
+                f"Rate limit reached for tokens: {limits.tokens_per_minute} per minute "
+                f"(prompt + completion); this request may use {num_tokens} (its prompt and "
+                f"max_tokens) and {max(0, math.floor(bucket.level))} are left. Retry after "
+                "the Retry-After seconds, or ask for fewer max_tokens.",
+                _whole_seconds(bucket.seconds_until(needed)))
+        bucket.level -= num_tokens
+        return None
+
+    def finish(self, client: Hashable, num_tokens: int, num_reserved: int = 0) -> None:
+        """A request ended: it used `num_tokens` of the `num_reserved` taken for it. The
+        difference is charged or given back (never above a full bucket), and the request
+        is no longer in flight."""
+        in_flight = self._in_flight.get(client)
+        if in_flight is not None:
+            if in_flight > 1:
+                self._in_flight[client] = in_flight - 1
+            else:
+                del self._in_flight[client]
+        self.charge(client, num_tokens - num_reserved)
+
     def charge(self, client: Hashable, num_tokens: int) -> None:
-        """Charge a finished request's tokens (the balance may go below zero)."""
-        if num_tokens <= 0:
+        """Charge tokens (the balance may go below zero); a negative count gives back."""
+        if num_tokens == 0:
             return
         buckets = self._keys.get(client) if type(client) is int else self._ips.get(client)
         if buckets is not None and buckets.tokens is not None:
-            buckets.tokens.refill(self.clock())
-            buckets.tokens.level -= num_tokens
+            bucket = buckets.tokens
+            bucket.refill(self.clock())
+            bucket.level = min(bucket.capacity, bucket.level - num_tokens)
 
     def _buckets(self, client: Hashable, limits: Limits, now: float) -> _Buckets:
         table = self._keys if type(client) is int else self._ips
@@ -149,12 +201,21 @@ def _whole_seconds(seconds: float) -> int:
 
 
 class UsageMeter:
-    """The generations one HTTP request ran; read when its response has ended."""
+    """The generations one HTTP request ran, and the tokens reserved for them; read when
+    its response has ended."""
 
-    def __init__(self) -> None:
+    def __init__(self, limiter: RateLimiter, client: Hashable) -> None:
+        self.limiter = limiter
+        self.client = client
+        self.num_reserved = 0
         self._groups: list[Any] = []
 
-    def add(self, group: Any) -> None:
+    def add(self, group: Any, num_tokens: int) -> None:
+        """Reserve `num_tokens` for `group` (429 when the client's budget lacks them)."""
+        refusal = self.limiter.reserve(self.client, num_tokens)
+        if refusal is not None:
+            raise refusal
+        self.num_reserved += num_tokens
         self._groups.append(group)
 
     @property
@@ -162,12 +223,14 @@ class UsageMeter:
         return sum(group.usage()["total_tokens"] for group in self._groups)
 
 
-def track_usage(request: Request, group: Any) -> None:
-    """Count `group`'s tokens (anything with OpenAI's `usage()`) against the request's
-    client, if rate limits are on; called by the route that runs the generation."""
+def track_usage(request: Request, group: Any, num_tokens: int) -> None:
+    """Reserve what `group` may cost (`num_tokens`: prompts + n x max_tokens) and count
+    its tokens (anything with OpenAI's `usage()`) against the request's client, if rate
+    limits are on; called by the route that runs the generation before it registers any
+    engine request. Raises the 429 when the client's token budget lacks them."""
     meter = request.scope.get("state", {}).get(USAGE_STATE)
     if meter is not None:
-        meter.add(group)
+        meter.add(group, num_tokens)
 
 
 class RateLimitMiddleware:
@@ -191,11 +254,11 @@ class RateLimitMiddleware:
                 self.on_refused(refusal)
             await error_response(refusal)(scope, receive, send)
             return
-        meter = scope.setdefault("state", {})[USAGE_STATE] = UsageMeter()
+        meter = scope.setdefault("state", {})[USAGE_STATE] = UsageMeter(self.limiter, client)
         try:
             await self.app(scope, receive, send)  # returns when the response (stream) ended
         finally:
-            self.limiter.charge(client, meter.num_tokens)
+            self.limiter.finish(client, meter.num_tokens, meter.num_reserved)
 
 
 def _client(scope: Scope) -> Hashable:

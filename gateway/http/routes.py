@@ -210,10 +210,16 @@ class Api:
         """`echoes`: per prompt, the text that comes before its completions (echo)."""
         group = RequestGroup(self.gateway, trace_headers=None if self.gateway.tracer is None
                              else trace_headers(request.headers))
-        track_usage(request, group)  # its tokens count against the client's rate limit
         # Every prompt is checked before any is registered: a 400 for the last prompt must
         # leave nothing of the first ones behind.
         max_tokens_of = [self._check_prompt(ids, sampling, what) for ids in prompts]
+        # What it may cost is reserved against the client's rate limit (429 if it lacks it).
+        num_tokens = sum(map(len, prompts)) + sampling.n * sum(max_tokens_of)
+        try:
+            track_usage(request, group, num_tokens)
+        except APIError as e:
+            self.gateway.metrics.on_refused(e)
+            raise
         for ids, max_tokens in zip(prompts, max_tokens_of, strict=True):
             group.prompt_lengths.append(len(ids))
             for i in range(sampling.n):

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.helpers import GatewayServer
+from tests.gateway.helpers import GatewayServer, cyclic_reply
 from zeroserve.gateway.http.rate_limit import RateLimiter
 from zeroserve.gateway.key_limits import Limits, RateLimitConfigError, load_key_limits
 
@@ -59,6 +59,50 @@ def test_tokens_are_charged_after_the_fact_and_the_debt_refills():
     assert limiter.admit(0) is None  # back to zero: admitted, whatever it will cost
 
 
+def test_a_generation_reserves_its_cost_and_gets_back_what_it_did_not_use():
+    clock = Clock()
+    limiter = RateLimiter(Limits(tokens_per_minute=600), clock=clock)  # 10 a second
+    assert limiter.admit(0) is None and limiter.reserve(0, 500) is None
+    assert limiter.admit(0) is None  # 100 left: admitted, but not for 200 more
+    refused = limiter.reserve(0, 200)
+    assert refused.status == 429 and refused.headers["Retry-After"] == "10"
+    assert "may use 200" in refused.message and "100 are left" in refused.message
+    limiter.finish(0, 50, 500)  # it used 50 of its 500: 450 come back
+    assert limiter.reserve(0, 200) is None
+    limiter.finish(0, 200, 200)
+    assert limiter._keys[0].tokens.level == 350
+    limiter.finish(0, 0, 10_000)  # never above a full bucket
+    assert limiter._keys[0].tokens.level == 600
+
+
+def test_a_generation_larger_than_the_bucket_needs_a_full_one_and_leaves_a_debt():
+    clock = Clock()
+    limiter = RateLimiter(Limits(tokens_per_minute=600), clock=clock)
+    assert limiter.reserve(0, 1000) is None  # a full bucket: it may run
+    assert limiter.admit(0).headers["Retry-After"] == "40"  # 400 in debt
+    clock.now += 40
+    assert limiter.admit(0) is None and limiter.reserve(0, 1000) is not None
+
+
+def test_concurrent_requests_per_client():
+    limiter = RateLimiter(Limits(max_concurrent_requests=2), {1: Limits()}, clock=Clock())
+    assert limiter.admit(0) is None and limiter.admit(0) is None
+    refused = limiter.admit(0)
+    assert refused.status == 429 and refused.headers == {"Retry-After": "1"}
+    assert "concurrent" in refused.message
+    assert all(limiter.admit(1) is None for _ in range(10))  # unlimited key
+    limiter.finish(0, 0)
+    assert limiter.admit(0) is None
+    limiter.finish(0, 0)
+    limiter.finish(0, 0)
+    assert limiter._in_flight == {}
+    ip = ("ip", "10.0.0.1")
+    assert limiter.admit(ip) is None and limiter.admit(ip) is None and limiter.admit(ip)
+    limiter.finish(ip, 0)
+    limiter.finish(ip, 0)
+    assert limiter._in_flight == {}  # nothing kept per address once it is idle
+
+
 def test_per_key_limits_override_the_default():
     clock = Clock()
     limiter = RateLimiter(Limits(requests_per_second=1),
@@ -91,6 +135,9 @@ def test_key_limits_file_json_and_toml(tmp_path):
     assert load_key_limits(str(path), (KEY, OTHER_KEY), default) == {
         1: Limits(requests_per_second=1, burst=2, tokens_per_minute=1000),
         0: Limits(requests_per_second=5, tokens_per_minute=None)}
+    path.write_text(json.dumps({KEY: {"max_concurrent_requests": 4}}))
+    assert load_key_limits(str(path), (KEY,), default) == {
+        0: Limits(requests_per_second=5, tokens_per_minute=1000, max_concurrent_requests=4)}
     toml = tmp_path / "limits.toml"
     toml.write_text(f'["{KEY}"]\nrequests_per_second = 0.5\ntokens_per_minute = "unlimited"\n')
     assert load_key_limits(str(toml), (KEY,), default) == {
@@ -102,6 +149,7 @@ def test_key_limits_file_json_and_toml(tmp_path):
     ({KEY: {"rps": 1}}, "only burst"),
     ({KEY: {"requests_per_second": 0}}, "requests_per_second must be"),
     ({KEY: {"burst": 1.5}}, "burst must be"),
+    ({KEY: {"max_concurrent_requests": 0}}, "max_concurrent_requests must be"),
     ([KEY], "must map"),
 ])
 def test_bad_key_limits_files_are_refused_without_naming_keys(tmp_path, content, fragment):
@@ -151,19 +199,69 @@ def test_tokens_per_minute(served):
     body = {"model": MODEL, "prompt": "Say hi", "max_tokens": 20}
     r = httpx.post(served.url + "/v1/completions", json=body, headers=bearer(KEY))
     assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == 26
-    # A stream's tokens count when it ends: 26 + 26 > 30, so the key is now in debt.
-    with httpx.stream("POST", served.url + "/v1/completions", json={**body, "stream": True},
-                      headers=bearer(KEY)) as stream:
-        assert stream.status_code == 200
-        assert stream.read().endswith(b"data: [DONE]\n\n")
-    refused = httpx.post(served.url + "/v1/completions", json=body, headers=bearer(KEY))
+    # The next one may cost 6 + 20 = 26 as well, and only ~4 are left: refused up front.
+    refused = httpx.post(served.url + "/v1/completions", json={**body, "stream": True},
+                         headers=bearer(KEY))
     assert refused.status_code == 429, refused.text
-    # 22 tokens in debt at half a token a second.
+    # 22 tokens short at half a token a second.
     assert 40 <= int(refused.headers["retry-after"]) <= 44
-    assert "tokens" in refused.json()["error"]["message"]
+    assert "may use 26" in refused.json()["error"]["message"]
+    # A smaller max_tokens fits what is left.
+    small = httpx.post(served.url + "/v1/completions",
+                       json={**body, "prompt": "hi", "max_tokens": 1}, headers=bearer(KEY))
+    assert small.status_code == 200 and small.json()["usage"]["total_tokens"] == 3
 
 
 @pytest.mark.parametrize("served", [dict(rate_limit_rps=1)], indirect=True)
 def test_without_keys_limits_apply_per_client_ip(served):
     assert httpx.get(served.url + "/v1/models").status_code == 200
     assert httpx.get(served.url + "/v1/models").status_code == 429
+
+
+def test_one_key_at_its_concurrency_limit_leaves_the_others_served(tmp_path):
+    limits = tmp_path / "limits.json"
+    limits.write_text(json.dumps({KEY: {"max_concurrent_requests": 1}}))
+    body = {"model": MODEL, "prompt": "Say hi", "max_tokens": 30, "stream": True}
+    with GatewayServer(api_keys=(KEY, OTHER_KEY), rate_limits_file=str(limits)) as gw:
+        worker = gw.worker(reply=cyclic_reply("ab"), step_s=0.05).start()
+        try:
+            assert worker.ready.wait(5)
+            with httpx.stream("POST", gw.url + "/v1/completions", json=body,
+                              headers=bearer(KEY), timeout=10) as first:
+                assert first.status_code == 200
+                refused = httpx.post(gw.url + "/v1/completions", json=body,
+                                     headers=bearer(KEY))
+                assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+                assert "concurrent" in refused.json()["error"]["message"]
+                other = httpx.post(gw.url + "/v1/completions",
+                                   json={**body, "stream": False}, headers=bearer(OTHER_KEY))
+                assert other.status_code == 200
+                assert first.read().endswith(b"data: [DONE]\n\n")
+            again = httpx.post(gw.url + "/v1/completions", json={**body, "stream": False},
+                               headers=bearer(KEY))
+            assert again.status_code == 200
+        finally:
+            worker.stop()
+
+
+def test_tokens_are_reserved_while_a_stream_runs_and_given_back_after():
+    body = {"model": MODEL, "prompt": "Say hi", "max_tokens": 80, "stream": True}
+    with GatewayServer(api_keys=(KEY,), rate_limit_tpm=100) as gw:
+        worker = gw.worker(reply=cyclic_reply("ab"), step_s=0.02).start()
+        try:
+            assert worker.ready.wait(5)
+            with httpx.stream("POST", gw.url + "/v1/completions",
+                              json={**body, "max_tokens": 10}, headers=bearer(KEY),
+                              timeout=10) as first:
+                assert first.status_code == 200
+                # 16 reserved of 100: another 86 do not fit while it runs (before, both
+                # were admitted and charged only when they ended).
+                refused = httpx.post(gw.url + "/v1/completions", json=body,
+                                     headers=bearer(KEY))
+                assert refused.status_code == 429, refused.text
+                first.read()
+            r = httpx.post(gw.url + "/v1/completions", json={**body, "max_tokens": 60},
+                           headers=bearer(KEY))
+            assert r.status_code == 200  # 16 used, nothing withheld: 66 fit
+        finally:
+            worker.stop()
