@@ -40,6 +40,9 @@ class Choice:
     detokenizer: IncrementalDetokenizer
     stop: StopStringMatcher
     num_prompt_tokens: int
+    # echo with max_tokens 0: the worker makes one token (it cannot make none) for the
+    # prompt's logprobs; that token is dropped and the choice ends "length" with none.
+    is_scoring: bool = False
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
@@ -55,6 +58,8 @@ class Choice:
 
     def consume(self, out: TokenOutput, metrics: RequestMetrics, now: float) -> ChoiceUpdate:
         """One batch from the worker -> text to emit (maybe "") and maybe a finish."""
+        if self.is_scoring:
+            return self._scored(out, metrics, now)
         num_new = len(out.new_token_ids)
         if num_new:
             # Per chunk, the metrics cost one list append (RequestGroup counts the tokens).
@@ -86,6 +91,18 @@ class Choice:
         return ChoiceUpdate(self.index, text, out.new_token_ids, out.logprobs,
                             self.finish_reason, out.prompt_logprobs)
 
+    def _scored(self, out: TokenOutput, metrics: RequestMetrics, now: float) -> ChoiceUpdate:
+        """A scoring choice's first output ends it: the prompt was computed."""
+        if out.finish_reason in ("abort", "error"):
+            detail = out.error or "the worker aborted the request"
+            raise (server_error if out.finish_reason == "error" else worker_failed)(
+                f"Generation failed: {detail}")
+        self._on_first_output(out.timings, metrics, now)
+        self.num_cached_tokens = out.num_cached_tokens
+        self.finish_reason = "length"
+        metrics.on_finished("length", 0, now - self.created_at, self.prefill_s, 0.0)
+        return ChoiceUpdate(self.index, "", [], None, "length", out.prompt_logprobs)
+
     @property
     def has_output(self) -> bool:
         return self.first_output_at > 0
@@ -109,17 +126,20 @@ class RequestGroup:
     choices: list[Choice] = field(default_factory=list)
     prompt_lengths: list[int] = field(default_factory=list)  # per prompt, once
     sink: Sink = field(default_factory=Sink)
+    # echo + logprobs: each prompt's logprobs were computed (an extra pass over the prompt).
+    has_prompt_logprobs: bool = False
     # The HTTP request's W3C trace-context headers, for the traces' parent (with tracing on).
     trace_headers: dict[str, str] | None = None
     _params: list[dict] = field(default_factory=list)
 
     def add(self, prompt_ids: list[int], params: dict, tokenizer: TextTokenizer,
-            stop: tuple[str, ...], skip_special_tokens: bool) -> None:
+            stop: tuple[str, ...], skip_special_tokens: bool, is_scoring: bool = False) -> None:
         index = len(self.choices)
         state = self.gateway.new_request(index, prompt_ids, self.sink)
         detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self.choices.append(Choice(index, state, detok, StopStringMatcher(list(stop)),
-                                   len(prompt_ids), created_at=self.gateway.clock()))
+                                   len(prompt_ids), is_scoring,
+                                   created_at=self.gateway.clock()))
         self._params.append(params)
 
     async def submit(self) -> None:
@@ -203,6 +223,14 @@ class RequestGroup:
         """End every choice still open (client gone, error, slow client)."""
         for choice in self.choices:
             self.gateway.finish(choice.state, abort=True)
+
+    @property
+    def num_billed_tokens(self) -> int:
+        """What the rate limit charges: usage's total, plus each prompt once more when its
+        logprobs were computed (an uncached pass over the whole vocabulary at every
+        position, beside the prefill the choices share)."""
+        extra = sum(self.prompt_lengths) if self.has_prompt_logprobs else 0
+        return self.usage()["total_tokens"] + extra
 
     def usage(self) -> dict[str, int]:
         prompt = sum(self.prompt_lengths)

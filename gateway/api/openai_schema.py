@@ -20,6 +20,9 @@ from zeroserve.gateway.api.structured_output import (
 from zeroserve.gateway.errors import invalid_request, model_not_found
 
 MAX_N = 128
+# echo + logprobs: each choice carries its prompt's logprobs (prompt tokens x (logprobs + 1)
+# entries), so n multiplies the response, not the work (computed once per prompt).
+MAX_N_WITH_PROMPT_LOGPROBS = 4
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16  # OpenAI takes 4, vLLM any number
 # Each stop string's characters and all of them together: the matcher's work per piece of
@@ -71,16 +74,23 @@ class SamplingOptions:
     grammar: Grammar | None = None  # constrained decoding (response_format, forced tools)
     prompt_logprobs: int | None = None  # echo + logprobs: the prompt's logprobs too
 
+    @property
+    def is_scoring(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) is the whole answer."""
+        return self.max_tokens == 0
+
     def worker_params(self, max_tokens: int, choice: int) -> dict[str, Any]:
         """SamplingParams fields by name for SUBMIT (plus "grammar", which SUBMIT carries in
-        a field of its own). Choice i of n gets seed + i."""
+        a field of its own). Choice i of n gets seed + i. Only choice 0 asks for the
+        prompt's logprobs (an uncached prefill over the whole vocabulary): the other
+        choices show the same ones and share one cached prefill among themselves."""
         seed = None if self.seed is None else (self.seed + choice) % (2 ** 63)
         extra: dict[str, Any] = {}
         if self.logit_bias:
             extra["logit_bias"] = [list(pair) for pair in self.logit_bias]
         if self.grammar is not None:
             extra["grammar"] = self.grammar.to_wire()
-        if self.prompt_logprobs is not None:
+        if self.prompt_logprobs is not None and choice == 0:
             extra["prompt_logprobs"] = self.prompt_logprobs
         return extra | {
             "max_tokens": max_tokens, "min_tokens": min(self.min_tokens, max_tokens),
@@ -490,12 +500,17 @@ def parse_completion(body: dict, served_names: tuple[str, ...],
     _in_range("logprobs", logprobs, 0, MAX_LOGPROBS)
     stream, include_usage = _parse_stream(body)
     max_tokens = _get(body, "max_tokens", int, min(16, limits.max_tokens_limit))
-    _parse_max_tokens("max_tokens", max_tokens, limits)
+    if not (echo and max_tokens == 0):  # echo with 0: score the prompt (OpenAI's legacy API)
+        _parse_max_tokens("max_tokens", max_tokens, limits)
     sampling = _parse_sampling(body, max_tokens=max_tokens, logprobs=logprobs, limits=limits)
     grammar = _parse_output_grammar(body)
     if grammar is not None:
         sampling = replace(sampling, grammar=grammar)
     if echo and logprobs is not None:  # OpenAI: the echoed prompt comes with its logprobs
+        if sampling.n > MAX_N_WITH_PROMPT_LOGPROBS:
+            raise invalid_request(f"'n' may be at most {MAX_N_WITH_PROMPT_LOGPROBS} with "
+                                  "'echo' and 'logprobs' (each choice repeats the prompt's "
+                                  f"logprobs); got {sampling.n}.", param="n")
         sampling = replace(sampling, prompt_logprobs=logprobs)
     _check_num_engine_requests(len(prompts), sampling.n, limits)
     return CompletionRequest(model, prompts, sampling, stream, include_usage, echo)

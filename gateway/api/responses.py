@@ -131,6 +131,49 @@ class LogprobsFormatter:
         return acc
 
 
+# --- echo + logprobs: the prompt's logprobs, rendered once per prompt -------------------
+
+_LOGPROB_KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+_JSON_SLICE = 1024  # values per json.dumps call: each holds the GIL well under a millisecond
+
+
+def prompt_logprobs_json(tokenizer: TextTokenizer, token_ids: list[int],
+                         entries: list) -> dict[str, str]:
+    """A prompt's logprobs in the completion shape, each array as JSON text without its
+    brackets: every choice of the prompt splices the same text (spliced_logprobs_json).
+    Pure Python and slice-sized C calls: run in the CPU pool, it lets the loop in."""
+    lp = LogprobsFormatter(tokenizer, "completion").prompt(token_ids, entries)
+    return {k: _json_array_body(lp[k]) for k in _LOGPROB_KEYS}
+
+
+def spliced_logprobs_json(prompt: dict[str, str], completion: dict | None) -> str:
+    """The logprobs of an echoed choice: its prompt's (already JSON), then its own."""
+    parts = []
+    for k in _LOGPROB_KEYS:
+        head = prompt[k]
+        tail = "" if completion is None else _json_array_body(completion[k])
+        parts.append(f'"{k}":[{head}{"," if head and tail else ""}{tail}]')
+    return "{" + ",".join(parts) + "}"
+
+
+def _json_array_body(values: list) -> str:
+    return ",".join(json.dumps(values[i:i + _JSON_SLICE], ensure_ascii=False,
+                               separators=(",", ":"))[1:-1]
+                    for i in range(0, len(values), _JSON_SLICE))
+
+
+def completion_body(ctx: ResponseContext, choices: list[dict], usage: dict,
+                    logprobs_json: list[str]) -> bytes:
+    """completion_response as JSON bytes, each choice's logprobs given as JSON text."""
+    rendered = ",".join(
+        f'{{"index":{c["index"]},"text":{_json(c["text"])},"logprobs":{lp},'
+        f'"finish_reason":{_finish_json(c["finish_reason"])}}}'
+        for c, lp in zip(choices, logprobs_json, strict=True))
+    return (f'{{"id":{_json(ctx.id)},"object":"text_completion","created":{ctx.created},'
+            f'"model":{_json(ctx.model)},"choices":[{rendered}],"usage":{_json(usage)}}}'
+            ).encode()
+
+
 # --- stream chunks -------------------------------------------------------------------
 
 def _json(value: Any) -> str:
@@ -145,11 +188,13 @@ def _finish_json(reason: str | None) -> str:
     return "null" if reason is None else _json_string(reason)
 
 
-def completion_chunk(ctx: ResponseContext, update: ChoiceUpdate, logprobs: dict | None
-                     ) -> bytes:
+def completion_chunk(ctx: ResponseContext, update: ChoiceUpdate, logprobs: dict | None,
+                     logprobs_json: str | None = None) -> bytes:
+    """`logprobs_json`: the logprobs already as JSON text (then `logprobs` is ignored)."""
+    lp = _json(logprobs) if logprobs_json is None else logprobs_json
     return ctx.render_choice(
         f'{{"index":{update.index},"text":{_json(update.text)},'
-        f'"logprobs":{_json(logprobs)},"finish_reason":{_finish_json(update.finish_reason)}}}')
+        f'"logprobs":{lp},"finish_reason":{_finish_json(update.finish_reason)}}}')
 
 
 def chat_role_chunk(ctx: ResponseContext, index: int) -> dict:

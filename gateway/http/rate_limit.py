@@ -8,8 +8,8 @@
   tokens (each prompt once, whatever `n`) plus `n` x `max_tokens` per prompt. It is refused
   (429) unless the bucket holds that much, or a whole minute's worth for a request larger
   than that; so a key cannot start more work than its budget by sending it all at once.
-  When the response ends, what was reserved and not used (`usage`'s total is the cost) is
-  given back. A request larger than a minute's tokens leaves the balance below zero; a
+  When the response ends, what was reserved and not used (`usage`'s total is the cost, plus
+  each prompt once more when echo + logprobs computed its logprobs) is given back. A request larger than a minute's tokens leaves the balance below zero; a
   client whose balance is below zero is refused until it has refilled to zero (a
   4,000-token request on a 1,000 tokens/minute key: about three minutes).
 - **Concurrency**: `max_concurrent_requests` bounds a client's requests in flight (a stream
@@ -220,12 +220,12 @@ class UsageMeter:
 
     @property
     def num_tokens(self) -> int:
-        return sum(group.usage()["total_tokens"] for group in self._groups)
+        return sum(group.num_billed_tokens for group in self._groups)
 
 
 def track_usage(request: Request, group: Any, num_tokens: int) -> None:
     """Reserve what `group` may cost (`num_tokens`: prompts + n x max_tokens) and count
-    its tokens (anything with OpenAI's `usage()`) against the request's client, if rate
+    its tokens (anything with `num_billed_tokens`) against the request's client, if rate
     limits are on; called by the route that runs the generation before it registers any
     engine request. Raises the 429 when the client's token budget lacks them."""
     meter = request.scope.get("state", {}).get(USAGE_STATE)

@@ -22,7 +22,10 @@ from zeroserve.gateway.api.responses import (
     LogprobsFormatter,
     ResponseContext,
     chat_response,
+    completion_body,
     completion_response,
+    prompt_logprobs_json,
+    spliced_logprobs_json,
     sse,
 )
 from zeroserve.gateway.api.tool_calls import parse_calls, prepare_messages
@@ -39,7 +42,6 @@ from zeroserve.gateway.http.streaming import (
     StreamedResponse,
     log_done,
     update_logprobs,
-    with_prompt_logprobs,
 )
 from zeroserve.gateway.logging import get_logger
 from zeroserve.gateway.observability.tracing import trace_headers
@@ -213,8 +215,11 @@ class Api:
         # Every prompt is checked before any is registered: a 400 for the last prompt must
         # leave nothing of the first ones behind.
         max_tokens_of = [self._check_prompt(ids, sampling, what) for ids in prompts]
-        # What it may cost is reserved against the client's rate limit (429 if it lacks it).
-        num_tokens = sum(map(len, prompts)) + sampling.n * sum(max_tokens_of)
+        # What it may cost is reserved against the client's rate limit (429 if it lacks it);
+        # prompt logprobs are one more pass over each prompt (RequestGroup.num_billed_tokens).
+        group.has_prompt_logprobs = sampling.prompt_logprobs is not None
+        num_passes = 2 if group.has_prompt_logprobs else 1
+        num_tokens = num_passes * sum(map(len, prompts)) + sampling.n * sum(max_tokens_of)
         try:
             track_usage(request, group, num_tokens)
         except APIError as e:
@@ -223,8 +228,9 @@ class Api:
         for ids, max_tokens in zip(prompts, max_tokens_of, strict=True):
             group.prompt_lengths.append(len(ids))
             for i in range(sampling.n):
-                group.add(ids, sampling.worker_params(max_tokens, i), self.tokenizer,
-                          sampling.stop, sampling.skip_special_tokens)
+                # Scoring (max_tokens 0): the worker makes one token, which is dropped.
+                group.add(ids, sampling.worker_params(max(1, max_tokens), i), self.tokenizer,
+                          sampling.stop, sampling.skip_special_tokens, sampling.is_scoring)
         log.info("request", extra={
             "request_id": ctx.id, "kind": ctx.kind, "stream": stream,
             "num_prompt_tokens": sum(group.prompt_lengths),
@@ -246,7 +252,7 @@ class Api:
                 return sse(client_too_slow(self.config.slow_client_timeout_s).body()) + SSE_DONE
 
             streamed = StreamedResponse(self.gateway, self.tokenizer, group, ctx, sampling,
-                                        echoes)
+                                        echoes, self.cpu)
             return streamed.response(self.config.slow_client_timeout_s, on_slow_client,
                                      self.config.min_client_rate,
                                      on_disconnect=lambda: metrics.on_aborted("disconnect"))
@@ -260,7 +266,7 @@ class Api:
             log.info("client disconnected", extra={"request_id": ctx.id})
             metrics.on_aborted("disconnect")
             return Response(status_code=499)
-        return JSONResponse(result)
+        return result
 
     def _check_prompt(self, ids: list[int], sampling: SamplingOptions, what: str) -> int:
         """The max_tokens in effect for this prompt; a 400 when it does not fit."""
@@ -270,17 +276,20 @@ class Api:
         return max_tokens
 
     async def _collect(self, group: RequestGroup, ctx: ResponseContext,
-                       sampling: SamplingOptions, echoes: list[str] | None = None) -> dict:
+                       sampling: SamplingOptions, echoes: list[str] | None = None) -> Response:
+        n = sampling.n
         texts = [""] * len(group.choices)
         if echoes is not None:
-            texts = [echoes[c.index // sampling.n] for c in group.choices]
+            texts = [echoes[c.index // n] for c in group.choices]
         logprobs: list[dict | None] = [None] * len(group.choices)
-        echoed: set[int] = set()
+        # echo + logprobs: per prompt, its ids and the logprob entries its choice 0 brought.
+        prompt_entries: dict[int, tuple[list[int], list]] = {}
         async for batch in group.update_batches():
             for update, state in batch:
-                if sampling.prompt_logprobs is not None and update.index not in echoed:
-                    echoed.add(update.index)
-                    logprobs[update.index] = with_prompt_logprobs(self.tokenizer, None, update, state)
+                if (sampling.prompt_logprobs is not None and update.index % n == 0
+                        and update.index // n not in prompt_entries):
+                    prompt_entries[update.index // n] = (state.prompt_token_ids,
+                                                         update.prompt_logprobs or [])
                 lp = update_logprobs(self.tokenizer, ctx, update, len(texts[update.index]))
                 if lp is not None:
                     logprobs[update.index] = LogprobsFormatter.merge(logprobs[update.index], lp)
@@ -305,8 +314,40 @@ class Api:
             else:
                 choices.append({"index": c.index, "text": texts[c.index],
                                 "logprobs": logprobs[c.index], "finish_reason": c.finish_reason})
+        if sampling.prompt_logprobs is not None:
+            return await self._echoed_logprobs_response(ctx, choices, group, logprobs,
+                                                        prompt_entries, sampling)
         build = chat_response if ctx.kind == "chat" else completion_response
-        return build(ctx, choices, group.usage())
+        return JSONResponse(build(ctx, choices, group.usage()))
+
+    async def _echoed_logprobs_response(self, ctx: ResponseContext, choices: list[dict],
+                                        group: RequestGroup, logprobs: list[dict | None],
+                                        prompt_entries: dict[int, tuple[list[int], list]],
+                                        sampling: SamplingOptions) -> Response:
+        """echo + logprobs: each prompt's logprobs formatted and rendered once, spliced
+        into its n choices; in the CPU pool when large (a long prompt with top-20
+        alternatives is hundreds of thousands of values)."""
+        n = sampling.n
+        for c in group.choices[::n]:  # a prompt whose choice 0 brought none: no values
+            prompt_entries.setdefault(c.index // n, (c.state.prompt_token_ids, []))
+        args = (self.tokenizer, ctx, choices, group.usage(), logprobs, prompt_entries, n)
+        num_values = (sum(len(ids) for ids, _ in prompt_entries.values())
+                      * (1 + (sampling.prompt_logprobs or 0)))
+        if num_values <= _INLINE_TOKENS:
+            body = _echoed_logprobs_body(*args)
+        else:
+            body = await self.cpu.run(_echoed_logprobs_body, *args)
+        return Response(body, media_type="application/json")
+
+
+def _echoed_logprobs_body(tokenizer: TextTokenizer, ctx: ResponseContext, choices: list[dict],
+                          usage: dict, logprobs: list[dict | None],
+                          prompt_entries: dict[int, tuple[list[int], list]], n: int) -> bytes:
+    prompt_json = {p: prompt_logprobs_json(tokenizer, ids, entries)
+                   for p, (ids, entries) in prompt_entries.items()}
+    spliced = [spliced_logprobs_json(prompt_json[c["index"] // n], logprobs[c["index"]])
+               for c in choices]
+    return completion_body(ctx, choices, usage, spliced)
 
 
 def _tokenize_body(ids: list[int], max_model_len: int) -> bytes:

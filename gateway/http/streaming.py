@@ -36,6 +36,8 @@ from zeroserve.gateway.api.responses import (
     chat_delta_chunk,
     chat_role_chunk,
     completion_chunk,
+    prompt_logprobs_json,
+    spliced_logprobs_json,
     sse,
     usage_chunk,
 )
@@ -43,12 +45,17 @@ from zeroserve.gateway.api.tool_calls import ToolCallStream
 from zeroserve.gateway.core import Gateway
 from zeroserve.gateway.errors import APIError, server_error
 from zeroserve.gateway.generation import ChoiceUpdate, RequestGroup
+from zeroserve.gateway.http.offload import CpuPool
 from zeroserve.gateway.http.sse import SSEResponse
 from zeroserve.gateway.logging import get_logger
 from zeroserve.gateway.streams import RequestState
 from zeroserve.gateway.text.tokenizer import TextTokenizer
 
 log = get_logger("api")
+
+# Prompt logprob values (tokens x (1 + alternatives)) formatted on the loop; more go to the
+# CPU pool.
+_INLINE_LOGPROB_VALUES = 4096
 
 
 def update_logprobs(tokenizer: TextTokenizer, ctx: ResponseContext, update: ChoiceUpdate,
@@ -60,14 +67,6 @@ def update_logprobs(tokenizer: TextTokenizer, ctx: ResponseContext, update: Choi
     if ctx.kind == "chat":
         return fmt.chat(update.token_ids, update.logprobs)
     return fmt.completion(update.token_ids, update.logprobs, offset)
-
-
-def with_prompt_logprobs(tokenizer: TextTokenizer, lp: dict | None, update: ChoiceUpdate,
-                         state: RequestState) -> dict:
-    """echo + logprobs: the prompt's tokens and logprobs before the completion's."""
-    prompt = LogprobsFormatter(tokenizer, "completion").prompt(
-        state.prompt_token_ids, update.prompt_logprobs or [])
-    return prompt if lp is None else LogprobsFormatter.merge(prompt, lp)
 
 
 def log_done(ctx: ResponseContext, group: RequestGroup) -> None:
@@ -82,7 +81,7 @@ class StreamedResponse:
 
     def __init__(self, gateway: Gateway, tokenizer: TextTokenizer, group: RequestGroup,
                  ctx: ResponseContext, sampling: SamplingOptions,
-                 echoes: list[str] | None = None):
+                 echoes: list[str] | None = None, cpu: CpuPool | None = None):
         self.gateway = gateway
         self.tokenizer = tokenizer
         self.group = group
@@ -96,6 +95,13 @@ class StreamedResponse:
         # the time to the first token.
         self._needs_role = set(indexes) if ctx.kind == "chat" else set()
         self._needs_echo = set(indexes) if echoes is not None else set()
+        # echo + logprobs: a choice's first chunk carries its prompt's logprobs, which come
+        # once per prompt (with choice 0's first output) and are formatted once, in the CPU
+        # pool when large. A choice's updates wait in `_held` until then.
+        self._has_prompt_logprobs = echoes is not None and sampling.prompt_logprobs is not None
+        self._prompt_json: dict[int, dict[str, str]] = {}
+        self._held: dict[int, list[tuple[ChoiceUpdate, RequestState]]] = {}
+        self._cpu = cpu
         self._tool_streams = ({i: ToolCallStream(ctx.tools) for i in indexes}
                               if ctx.kind == "chat" and ctx.tools is not None else None)
         self._build = chat_chunk if ctx.kind == "chat" else completion_chunk
@@ -115,6 +121,8 @@ class StreamedResponse:
         group, ctx = self.group, self.ctx
         try:
             async for batch in group.update_batches(lambda: self._failure is not None):
+                if self._has_prompt_logprobs:
+                    batch = await self._echoable(batch)
                 chunk = self.render(batch)
                 if chunk:
                     yield chunk
@@ -144,6 +152,8 @@ class StreamedResponse:
         if type(out) is not TokenOutput or out.finish_reason is not None \
                 or self._failure is not None or not self._sse.can_write_now():
             return False
+        if self._has_prompt_logprobs and item[0].index in self._needs_echo:
+            return False  # its prompt's logprobs are awaited in the task
         group = self.group
         try:
             batch, error = group.take((item,))
@@ -165,6 +175,34 @@ class StreamedResponse:
             group.sink.wake()
         return True
 
+    async def _echoable(self, batch: list[tuple[ChoiceUpdate, RequestState]]
+                        ) -> list[tuple[ChoiceUpdate, RequestState]]:
+        """The updates that can be rendered now, in order per choice: a choice whose echo
+        still lacks its prompt's logprobs waits (its credit with it)."""
+        n = self.sampling.n
+        for update, state in batch:
+            prompt = update.index // n
+            if update.index % n == 0 and prompt not in self._prompt_json:
+                self._prompt_json[prompt] = await self._format_prompt(
+                    state.prompt_token_ids, update.prompt_logprobs or [])
+        ready = []
+        for item in batch:
+            index = item[0].index
+            if index in self._held or (index in self._needs_echo
+                                       and index // n not in self._prompt_json):
+                self._held.setdefault(index, []).append(item)
+            else:
+                ready.append(item)
+        for index in [i for i in self._held if i // n in self._prompt_json]:
+            ready += self._held.pop(index)
+        return ready
+
+    async def _format_prompt(self, token_ids: list[int], entries: list) -> dict[str, str]:
+        num_values = len(token_ids) * (1 + (self.sampling.prompt_logprobs or 0))
+        if self._cpu is None or num_values <= _INLINE_LOGPROB_VALUES:
+            return prompt_logprobs_json(self.tokenizer, token_ids, entries)
+        return await self._cpu.run(prompt_logprobs_json, self.tokenizer, token_ids, entries)
+
     def _grant(self, batch: list[tuple[ChoiceUpdate, RequestState]]) -> None:
         for update, state in batch:
             self.gateway.grant(state, len(update.token_ids))
@@ -173,7 +211,7 @@ class StreamedResponse:
         """A batch of updates -> the SSE events for it, as one chunk (maybe empty)."""
         ctx, offsets, tokenizer = self.ctx, self._offsets, self.tokenizer
         out = []
-        for update, state in batch:
+        for update, _ in batch:
             index = update.index
             if index in self._needs_role:
                 self._needs_role.discard(index)
@@ -185,8 +223,11 @@ class StreamedResponse:
                 update = dataclasses.replace(update, text=echo + update.text)
                 lp = update_logprobs(tokenizer, ctx, update, offsets[index])
                 offsets[index] += len(update.text) - len(echo)
-                if self.sampling.prompt_logprobs is not None:
-                    lp = with_prompt_logprobs(tokenizer, lp, update, state)
+                if self._has_prompt_logprobs:
+                    lp_json = spliced_logprobs_json(
+                        self._prompt_json[index // self.sampling.n], lp)
+                    out.append(completion_chunk(ctx, update, None, lp_json))
+                    continue
             else:
                 lp = None if update.logprobs is None else update_logprobs(
                     tokenizer, ctx, update, offsets[index])

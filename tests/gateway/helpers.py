@@ -88,6 +88,9 @@ class FakeStream:
     num_sent: int = 0
     credit_limit: int = 0  # the highest CREDIT limit (cumulative), at least the window
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: made-up entries for the prompt's tokens after the
+    # first, sent once with the first output (as the real worker does).
+    prompt_logprobs: list | None = None
 
     @property
     def credit(self) -> int:
@@ -252,7 +255,8 @@ class FakeWorker:
             self.streams[msg.request_id] = FakeStream(
                 msg.request_id, tokens, msg.params["max_tokens"], len(msg.prompt_token_ids),
                 msg.credit, msg.params.get("logprobs"), num_sent=len(msg.output_token_ids),
-                num_cached_tokens=len(prompt) if is_cached else 0)
+                num_cached_tokens=len(prompt) if is_cached else 0,
+                prompt_logprobs=_prompt_logprobs(prompt, msg.params.get("prompt_logprobs")))
         elif isinstance(msg, Abort):
             self.aborts.extend(msg.request_ids)
             for rid in msg.request_ids:
@@ -289,8 +293,19 @@ class FakeWorker:
                 lps = [[-0.25, [[t, -0.25]] + [[(t + j) % 256, -1.0 - j]
                                                for j in range(1, s.logprobs)]] for t in new]
             outputs.append(TokenOutput(rid, new, finish, s.num_prompt_tokens, s.num_sent,
-                                       s.num_cached_tokens, lps, None))
+                                       s.num_cached_tokens, lps, None,
+                                       prompt_logprobs=s.prompt_logprobs))
+            s.prompt_logprobs = None
         return outputs
+
+
+def _prompt_logprobs(prompt: tuple[int, ...], k: int | None) -> list | None:
+    """Per prompt token after the first: its logprob -1 - i and k alternatives (the token
+    itself at -0.5 first)."""
+    if k is None:
+        return None
+    return [[-1.0 - i, [[t, -0.5]] + [[(t + j) % 256, -1.0 - j] for j in range(1, k)]]
+            for i, t in enumerate(prompt[1:])]
 
 
 class GatewayServer:
