@@ -176,6 +176,29 @@ def test_echo_with_logprobs_and_n_sharing_the_prompt(client):
     assert _prefix_cache_hits(client) - hits_before >= 2 * shared > 0
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_and_n_shares_its_logprobs(client):
+    """lm-eval's loglikelihood request: echo + logprobs + max_tokens 0 gives the prompt's
+    logprobs and no completion; with n = 2 both choices show the same prompt logprobs, which
+    the worker computed once (one SUBMIT asked for them)."""
+    prompt = "The capital of France is Paris, and the capital of Italy is Rome."
+    scored = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt,
+                                       max_tokens=0, echo=True, logprobs=1)
+    [choice] = scored.choices
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert len(lp.tokens) == scored.usage.prompt_tokens and "".join(lp.tokens) == prompt
+    assert lp.token_logprobs[0] is None and all(x <= 0 for x in lp.token_logprobs[1:])
+    both = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt,
+                                     max_tokens=2, echo=True, logprobs=1, n=2, seed=3)
+    num_prompt = len(lp.tokens)
+    for c in both.choices:
+        assert c.logprobs.tokens[:num_prompt] == lp.tokens
+        assert c.logprobs.token_logprobs[1:num_prompt] == pytest.approx(
+            lp.token_logprobs[1:], abs=1e-3)
+        assert len(c.logprobs.tokens) == num_prompt + 2
+
+
 def _prefix_cache_hits(client) -> float:
     url = str(client.base_url).removesuffix("/").removesuffix("/v1") + "/metrics"
     with urllib.request.urlopen(url, timeout=10) as response:
