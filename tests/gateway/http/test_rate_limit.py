@@ -247,14 +247,14 @@ def test_one_key_at_its_concurrency_limit_leaves_the_others_served(tmp_path):
 def test_tokens_are_reserved_while_a_stream_runs_and_given_back_after():
     body = {"model": MODEL, "prompt": "Say hi", "max_tokens": 80, "stream": True}
     with GatewayServer(api_keys=(KEY,), rate_limit_tpm=100) as gw:
-        worker = gw.worker(reply=cyclic_reply("ab"), step_s=0.02).start()
+        worker = gw.worker(reply=cyclic_reply("ab"), step_s=0.05).start()
         try:
             assert worker.ready.wait(5)
             with httpx.stream("POST", gw.url + "/v1/completions",
-                              json={**body, "max_tokens": 10}, headers=bearer(KEY),
+                              json={**body, "max_tokens": 20}, headers=bearer(KEY),
                               timeout=10) as first:
                 assert first.status_code == 200
-                # 16 reserved of 100: another 86 do not fit while it runs (before, both
+                # 26 reserved of 100: another 86 do not fit while it runs (before, both
                 # were admitted and charged only when they ended).
                 refused = httpx.post(gw.url + "/v1/completions", json=body,
                                      headers=bearer(KEY))
@@ -262,6 +262,6 @@ def test_tokens_are_reserved_while_a_stream_runs_and_given_back_after():
                 first.read()
             r = httpx.post(gw.url + "/v1/completions", json={**body, "max_tokens": 60},
                            headers=bearer(KEY))
-            assert r.status_code == 200  # 16 used, nothing withheld: 66 fit
+            assert r.status_code == 200  # 26 used, nothing withheld: 66 fit
         finally:
             worker.stop()
