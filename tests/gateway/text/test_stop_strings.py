@@ -98,5 +98,5 @@ def test_a_long_partial_match_that_breaks_costs_linear_time():
     assert "".join(out) == "x" and len(m.held) == length - 1  # the rest may still stop
     start = time.perf_counter()
     out.append(m.push("y"))
-    assert time.perf_counter() - start < 0.3
+    assert time.perf_counter() - start < 0.5
     assert "".join(out) == "x" * length + "y" and m.held == "" and not m.is_stopped
