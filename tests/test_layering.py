@@ -18,17 +18,10 @@ Every import counts, module-level, function-level and under TYPE_CHECKING alike.
 from __future__ import annotations
 
 import ast
-import sys
+import tomllib
 from pathlib import Path
 
-import pytest
-
 from tests.conftest import REPO_ROOT
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    tomllib = None
 
 LAYERS = ("common", "worker", "gateway", "cli")
 MAY_IMPORT = {
@@ -186,7 +179,6 @@ def test_there_are_no_import_circles():
     assert circles == []
 
 
-@pytest.mark.skipif(tomllib is None, reason="tomllib is Python 3.11+")
 def test_every_package_folder_is_installed():
     config = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     package_dir = config["package-dir"]

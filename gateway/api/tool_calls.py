@@ -27,9 +27,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from zeroserve.gateway import bounded_json
 from zeroserve.gateway.api.openai_schema import ToolChoice
 from zeroserve.gateway.errors import invalid_request
+from zeroserve.gateway.text import bounded_json
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"

@@ -139,7 +139,7 @@ def test_a_deeply_nested_call_in_the_output_is_kept_as_content(served_reply):
 
 
 def test_bounded_json_turns_every_failure_into_a_value_error():
-    from zeroserve.gateway import bounded_json
+    from zeroserve.gateway.text import bounded_json
 
     assert bounded_json.loads('{"a": [1, {"b": 2}]}') == {"a": [1, {"b": 2}]}
     assert bounded_json.loads("[" * 64 + "]" * 64) is not None
@@ -151,7 +151,7 @@ def test_bounded_json_turns_every_failure_into_a_value_error():
 def test_large_arguments_are_parsed_off_the_event_loop(served, monkeypatch):
     import threading
 
-    from zeroserve.gateway import tool_calls
+    from zeroserve.gateway.api import tool_calls
 
     threads = []
     real_loads = tool_calls.bounded_json.loads
@@ -281,7 +281,7 @@ def test_n_is_capped_with_prompt_logprobs(served):
 def test_long_prompt_logprobs_are_formatted_off_the_event_loop(served, monkeypatch, stream):
     import threading
 
-    from zeroserve.gateway import responses
+    from zeroserve.gateway.api import responses
 
     threads = []
     real = responses.prompt_logprobs_json
