@@ -202,8 +202,10 @@ HTTP_ACCESS_OPTIONS = [
            help="Origins whose web pages may read replies (CORS), e.g. https://app.example "
                 "or '*'. [default: none: browsers cannot read replies]"),
     option("--allowed-hosts", type=ListItem(), multiple=True, callback=_list_values,
-           help="Host header values accepted (e.g. api.example.com, *.example.com); others "
-                "get 400. Loopback names always pass. [default: any]"),
+           help="Host header values accepted (e.g. api.example.com, *.example.com, [::1], or "
+                "'*' for any); others get 421. Loopback names always pass. [default: loopback "
+                "names only when --host is a loopback address (against DNS rebinding), else "
+                "any]"),
     option("--rate-limit-rps", type=click.FloatRange(min=0, min_open=True), default=None,
            help="Requests per second per API key (per client IP without keys). "
                 "[default: unlimited]"),
@@ -251,8 +253,8 @@ GATEWAY_OPTIONS = [
            help="Seconds a running request with credit may receive nothing from its worker "
                 "before it fails (504) and is aborted there."),
     option("--admin-key", default=None,
-           help="Bearer key for the admin API (`zeroserve workers ...`). [default: the API "
-                "keys; with none at all, loopback clients only]"),
+           help="Bearer key for the admin API (`zeroserve workers ...`); API keys never grant "
+                "it. [default: none: loopback clients only]"),
     option("--worker-stall-timeout", type=float, default=30.0, callback=_positive,
            help="Seconds a worker's engine may make no progress (its heartbeats say) before it "
                 "is marked unhealthy and gets no new work."),
@@ -795,7 +797,8 @@ def worker(**opts: Any) -> None:
 
 ADMIN_CLIENT_OPTIONS = [
     option("--url", default="http://127.0.0.1:8000", help="The gateway's base URL."),
-    option("--admin-key", default=None, help="The gateway's admin key (or an API key)."),
+    option("--admin-key", default=None,
+           help="The gateway's admin key; none for a gateway on this machine without one."),
 ]
 
 

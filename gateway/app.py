@@ -10,7 +10,6 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -19,6 +18,7 @@ from zeroserve.common.model_files import model_display_name
 from zeroserve.gateway.config import GatewayConfig
 from zeroserve.gateway.core import Gateway
 from zeroserve.gateway.errors import APIError, invalid_api_key, server_error
+from zeroserve.gateway.host_check import AllowedHosts, HostCheckMiddleware
 from zeroserve.gateway.http.admin import AdminApi
 from zeroserve.gateway.http.auth import ApiKeyMiddleware, ApiKeys, warn_if_exposed
 from zeroserve.gateway.http.error_response import error_response
@@ -134,12 +134,9 @@ def http_middleware(config: GatewayConfig, keys: ApiKeys,
     """Outermost first: the Host check, CORS (so preflights and 401s carry its headers), the
     API key, then the rate limiter (which needs to know the key)."""
     stack = []
-    if config.allowed_hosts:
-        # Loopback names stay allowed, so local probes (serve's supervisor, `zeroserve
-        # check`) work; DNS rebinding brings a foreign name, never these.
-        hosts = [*config.allowed_hosts, "127.0.0.1", "localhost", "[::1]"]
-        stack.append(Middleware(TrustedHostMiddleware, allowed_hosts=hosts,
-                                www_redirect=False))
+    hosts = AllowedHosts.for_server(config.host, config.allowed_hosts)
+    if hosts is not None:  # gateway/host_check.py: DNS rebinding
+        stack.append(Middleware(HostCheckMiddleware, hosts=hosts))
     if config.allowed_origins:
         # Bearer keys, not cookies: no credentials mode. Browsers may read Retry-After.
         stack.append(Middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),

@@ -194,7 +194,7 @@ async def one_stream(port: int, k: int, max_tokens: int, arrivals: list[list[flo
     except OSError as e:
         errors.append(f"connect: {e}")
         return
-    transport.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n"
+    transport.write(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
                     b"Content-Type: application/json\r\nContent-Length: "
                     + str(len(body)).encode() + b"\r\n\r\n" + body)
     try:

@@ -320,7 +320,7 @@ static void build_request(struct stream *s, long prompt_id, long max_tokens) {
                             "\"stream_options\": {\"include_usage\": true}}",
                             prompt_id, max_tokens);
     int head_len = snprintf(head, sizeof head,
-                            "POST /v1/completions HTTP/1.1\r\nHost: bench\r\n"
+                            "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
                             "Connection: close\r\nContent-Type: application/json\r\n"
                             "Content-Length: %d\r\n\r\n",
                             body_len);

@@ -8,9 +8,22 @@
                                               0 and its supervisor (serve, compose, k8s) starts
                                               it again; it comes back with a new incarnation
 
-Who may call it: `Authorization: Bearer KEY` with an admin key (`--admin-key`), or, when no
-admin key is set, one of the API keys; with no key configured at all, only clients on the
-loopback interface (a newcomer's `./scripts/serve`). Keys are compared in constant time.
+Who may call it: `Authorization: Bearer KEY` with an admin key (`--admin-key`, compared in
+constant time). Without an admin key, only clients on the loopback interface, whatever API
+keys exist: an API key serves, it never operates workers (`zeroserve workers ...` on the
+gateway's machine needs no key). A request a proxy forwarded (Forwarded, X-Forwarded-For,
+X-Real-IP) is not a loopback client, wherever the proxy runs.
+
+And never a web page, which a browser on this machine would send from loopback:
+- a request with an `Origin` header is refused (403) unless that origin is named in
+  `--allowed-origins` (`*` does not count: it is for the serving API). Browsers send Origin
+  with every cross-site POST and fetch(); what goes without one (a link, an image) is a GET
+  whose reply the page cannot read;
+- a POST must say `Content-Type: application/json` or carry `Authorization` (415 otherwise):
+  a browser sends neither cross-site without a CORS preflight, so an HTML form or a "simple"
+  fetch() cannot reach an operation, whatever the browser does about Origin;
+- DNS rebinding (a page's own name resolved to 127.0.0.1) is refused by the Host check
+  (gateway/host_check.py) before any route.
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from zeroserve.common.logging_setup import RateLimited, printable
 from zeroserve.gateway.config import GatewayConfig
 from zeroserve.gateway.core import Gateway
 from zeroserve.gateway.errors import APIError, invalid_request
@@ -39,7 +53,9 @@ _MAX_BODY_BYTES = 4096
 class AdminApi:
     def __init__(self, config: GatewayConfig, gateway: Gateway):
         self.gateway = gateway
-        self.keys = ApiKeys(tuple(config.admin_keys or config.api_keys))
+        self.keys = ApiKeys(config.admin_keys)
+        self.origins = frozenset(o for o in config.allowed_origins if o != "*")
+        self._warn = RateLimited()
 
     def routes(self) -> list[Route]:
         return [
@@ -91,19 +107,53 @@ class AdminApi:
     # --- who may call --------------------------------------------------------------------
 
     def _refusal(self, request: Request) -> APIError | None:
+        refusal = self._caller_refusal(request) or _cross_site_refusal(request, self.origins)
+        num_held = None if refusal is None else self._warn.allow(refusal.code or "")
+        if num_held is not None:  # a flood of refusals must not flood the log
+            log.warning("refused an admin call (%s)", refusal.code, extra={
+                "path": printable(request.url.path), "num_refused_since_last_line": num_held,
+                "client": None if request.client is None else request.client.host})
+        return refusal
+
+    def _caller_refusal(self, request: Request) -> APIError | None:
         if not self.keys.is_enabled:
-            if request.client is not None and is_loopback_host(request.client.host):
+            if _is_local_client(request):
                 return None
-            return APIError(403, "The admin API answers only loopback clients unless an "
-                                 "admin key is set (--admin-key).", type="permission_error",
+            return APIError(403, "The admin API answers only clients on the gateway's own "
+                                 "machine unless an admin key is set (--admin-key); API keys "
+                                 "do not grant it.", type="permission_error",
                             code="admin_forbidden")
         if self.keys.match(request.headers.get("authorization")) is not None:
             return None
-        log.warning("refused an admin call without a valid key",
-                    extra={"path": request.url.path})
         return APIError(401, "A valid admin key is required (Authorization: Bearer KEY).",
                         type="authentication_error", code="invalid_admin_key",
                         headers={"WWW-Authenticate": "Bearer"})
+
+
+_PROXY_HEADERS = ("forwarded", "x-forwarded-for", "x-real-ip")
+
+
+def _is_local_client(request: Request) -> bool:
+    """A loopback peer that no proxy speaks for."""
+    return (request.client is not None and is_loopback_host(request.client.host)
+            and not any(name in request.headers for name in _PROXY_HEADERS))
+
+
+def _cross_site_refusal(request: Request, origins: frozenset[str]) -> APIError | None:
+    """What a browser could send on a web page's behalf is refused (the module's docstring)."""
+    origin = request.headers.get("origin")
+    if origin is not None and origin not in origins:
+        return APIError(403, f"The admin API does not answer web pages (Origin "
+                             f"{origin[:100]!r}); call it with `zeroserve workers` or curl, or "
+                             "name the origin in --allowed-origins.", type="permission_error",
+                        code="cross_origin_forbidden")
+    if request.method == "POST" and "authorization" not in request.headers:
+        content_type = request.headers.get("content-type", "")
+        if content_type.partition(";")[0].strip().lower() != "application/json":
+            return APIError(415, "An admin POST needs 'Content-Type: application/json' (an "
+                                 "empty body takes the defaults) or an Authorization header.",
+                            code="unsupported_media_type")
+    return None
 
 
 def _deadline(raw: bytes) -> float:

@@ -8,7 +8,7 @@
   (`gateway/http/health.py` asks `is_authorized`): no pids, worker ids, devices or model files.
 - Keys are compared in constant time: the presented token is hashed (so its length tells
   nothing) and its digest compared with every key's, with no early exit on a match.
-- The admin API (`gateway/http/admin.py`) has its own check: admin keys, else these keys.
+- The admin API (`gateway/http/admin.py`) has its own check: admin keys only, never these.
 
 The middleware records which key matched (its index) in the request's state for the rate
 limiter (`gateway/http/rate_limit.py`), so a key is matched once per request.

@@ -75,13 +75,13 @@ def check_error(r: httpx.Response, status: int, param: str | None = None) -> Non
 def send_hostile_inputs(server) -> None:
     port = server.port
     # 30 MB declared (the first MiB sent): refused on the Content-Length, before the body.
-    head = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            b"content-length: 31457280\r\n\r\n")
+    head = (b"POST /v1/completions HTTP/1.1\r\nhost: localhost\r\n"
+            b"content-type: application/json\r\ncontent-length: 31457280\r\n\r\n")
     status, error = status_of(raw_request(port, head, [b" " * 65536] * 16))
     assert status == 413 and error["code"] == "request_too_large"
     # 30 MB chunked, no length: refused once 8 MiB have arrived.
-    head = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
-            b"\r\ntransfer-encoding: chunked\r\n\r\n")
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\n"
+            b"content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n")
     chunk = b"10000\r\n" + b" " * 65536 + b"\r\n"
     status, error = status_of(raw_request(port, head, [chunk] * 480))
     assert status == 413 and error["code"] == "request_too_large"
@@ -109,11 +109,11 @@ def send_hostile_inputs(server) -> None:
 
     # Slow headers: the connection is closed at the header timeout, unanswered.
     started = time.monotonic()
-    out = raw_request(port, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n", wait_s=10)
+    out = raw_request(port, b"POST /v1/completions HTTP/1.1\r\nhost: localhost\r\n", wait_s=10)
     assert out == b"" and time.monotonic() - started < HEADER_TIMEOUT_S + 2
     # A slow body: 408.
     status, error = status_of(raw_request(
-        port, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+        port, b"POST /v1/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json"
               b"\r\ncontent-length: 100\r\n\r\n{", wait_s=10))
     assert status == 408 and error["code"] == "request_body_timeout"
 

@@ -321,10 +321,10 @@ class GatewayServer:
         self.app = build_app(self.config, tokenizer or byte_tokenizer())
         # The product's uvicorn settings and server class (its HTTP protocol class, so
         # streamed chunks take the direct write path as they do in `zeroserve gateway`).
-        self.server = GatewayHttpServer(
-            uvicorn_config(self.app, self.config, host="127.0.0.1", port=self.port,
-                           log_level="warning", **(uvicorn_overrides or {})),
-            self.app.state.gateway)
+        settings = {"host": "127.0.0.1", "port": self.port, "log_level": "warning",
+                    **(uvicorn_overrides or {})}
+        self.server = GatewayHttpServer(uvicorn_config(self.app, self.config, **settings),
+                                        self.app.state.gateway)
         self._thread = threading.Thread(target=lambda: asyncio.run(self._serve()),
                                         daemon=True)
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -396,7 +396,7 @@ def raw_completion(port: int, body: dict, rcvbuf: int | None = None):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     sock.connect(("127.0.0.1", port))
     data = json.dumps(body).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
                  b"Content-Type: application/json\r\nContent-Length: "
                  + str(len(data)).encode() + b"\r\n\r\n" + data)
     return sock

@@ -166,8 +166,9 @@ def test_allowed_hosts():
     with GatewayServer(allowed_hosts=("api.example",)) as gw:
         assert httpx.get(gw.url + "/v1/models", headers={"Host": "api.example"}).status_code \
             == 200
-        assert httpx.get(gw.url + "/v1/models",
-                         headers={"Host": "rebound.attacker.example"}).status_code == 400
+        refused = httpx.get(gw.url + "/v1/models", headers={"Host": "rebound.attacker.example"})
+        assert refused.status_code == 421
+        assert refused.json()["error"]["code"] == "host_not_allowed"
         assert httpx.get(gw.url + "/health/live").status_code == 200  # 127.0.0.1: loopback
 
 
