@@ -206,13 +206,30 @@ def prepare_ipc_endpoint(address: str) -> None:
     if not address.startswith("ipc://"):
         return
     path = Path(address[len("ipc://"):])
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    make_private_dirs(path.parent)
     check_private_dir(path.parent)
     if not (path.exists() or path.is_symlink()):
         return
     if path.is_socket() and _is_listening(path):
         raise EndpointInUseError(f"{address} is in use by a running process")
     path.unlink()
+
+
+def make_private_dirs(folder: Path) -> None:
+    """`mkdir -p` where every folder made is mode 700. Path.mkdir(parents=True, mode=...)
+    gives the parents it makes the umask's mode (755 under the usual 022): the metrics
+    folder of `serve --gateways N` made the ipc:// folder so, as its parent, and
+    check_private_dir then refused it on every fresh machine."""
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    for made in reversed(missing):
+        try:
+            made.mkdir(mode=0o700)
+        except FileExistsError:  # another gateway of the tier, just now
+            continue
+        os.chmod(made, 0o700)  # mkdir's mode passes through the umask too
 
 
 def check_private_dir(folder: Path) -> None:

@@ -30,6 +30,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from zeroserve.gateway.config import make_private_dirs
 from zeroserve.gateway.logging import get_logger
 
 log = get_logger("metrics")
@@ -49,7 +50,7 @@ class TierMetrics:
     def __init__(self, folder: str, index: int):
         self.folder = Path(folder)
         self.index = index
-        self.folder.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(self.folder)  # it may be the first to make the ipc:// folder
         self._path = self.folder / f"gateway-{index}.prom"
 
     def write(self, own: bytes) -> None:

@@ -209,7 +209,7 @@ def test_the_tier_answers_as_one_for_metrics_and_admin(zeroserve):
         drain = by_pid[first][0].post("/admin/workers/worker-0/drain", json={"deadline_s": 30})
         assert drain.status_code == 200, drain.text
         assert set(wait_for_status(by_pid, "draining").values()) == {"draining"}
-        undrain = by_pid[second][0].post("/admin/workers/worker-0/undrain")
+        undrain = by_pid[second][0].post("/admin/workers/worker-0/undrain", json={})
         assert undrain.status_code == 200, undrain.text
         assert set(wait_for_status(by_pid, "ready").values()) == {"ready"}
 
@@ -230,3 +230,23 @@ def test_the_tier_answers_as_one_for_metrics_and_admin(zeroserve):
     finally:
         for clients in by_pid.values():
             clients[0].close()
+
+
+def test_a_tier_starts_on_a_fresh_machine(zeroserve, tmp_path):
+    """A new container: no zeroserve-UID folder under the temp dir yet, umask 022. The
+    metrics folder made it first with mode 755 and every gateway refused it (exit 1)."""
+    fresh_tmp = tmp_path / "fresh-tmp"
+    fresh_tmp.mkdir()
+    previous = os.umask(0o022)
+    try:
+        server = zeroserve(args=("--gateways", "2", "--workers", "1", "--backend", "fake",
+                                 "--device", "cpu", "--num-kv-blocks", "64"),
+                           env={"TMPDIR": str(fresh_tmp)}, num_workers=1, timeout_s=120)
+    finally:
+        os.umask(previous)
+    wait_for_workers_on_every_gateway(server.url, 2, 1, timeout_s=60)
+    assert httpx.post(server.url + "/v1/completions", timeout=30,
+                      json={"prompt": "hi", "max_tokens": 3}).status_code == 200
+    ipc_dir = fresh_tmp / f"zeroserve-{os.getuid()}"
+    for folder in (ipc_dir, ipc_dir / f"gw-{server.port}-metrics"):
+        assert folder.stat().st_mode & 0o777 == 0o700, folder

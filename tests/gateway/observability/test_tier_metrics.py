@@ -54,3 +54,24 @@ def test_a_gateway_gone_silent_is_left_out(tmp_path):
     os.utime(tmp_path / "gateway-1.prom", (old, old))
     tokens = samples(a.exposition()[0], "zeroserve:generation_tokens_total")
     assert list(tokens) == [(("gateway", "0"), ("model_name", "m"))]
+
+
+def test_a_tier_starts_on_a_fresh_machine_under_the_usual_umask(tmp_path):
+    """`serve --gateways 2` on a fresh machine: its ipc:// folder does not exist yet, and the
+    first gateway's metrics folder (inside it) was made first, with the umask's mode; the
+    private-folder check of the ipc:// sockets then refused it and no gateway started."""
+    import httpx
+
+    from tests.gateway.helpers import GatewayServer
+
+    ipc_dir = tmp_path / "zeroserve-uid"  # as the temp dir's zeroserve-UID, not made yet
+    router, tokens = (f"ipc://{ipc_dir}/gw-8000-1-{kind}.sock" for kind in ("router", "tokens"))
+    previous = os.umask(0o022)
+    try:
+        with GatewayServer(metrics_dir=str(ipc_dir / "gw-8000-metrics"), gateway_index=1,
+                           router_address=router, tokens_address=tokens) as gw:
+            assert httpx.get(gw.url + "/metrics").status_code == 200
+    finally:
+        os.umask(previous)
+    for folder in (ipc_dir, ipc_dir / "gw-8000-metrics"):
+        assert folder.stat().st_mode & 0o777 == 0o700, folder
