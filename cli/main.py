@@ -730,13 +730,13 @@ def gateway(**opts: Any) -> None:
     from zeroserve.common.keys import KeySetError
     from zeroserve.common.model_files import ModelNotFoundError
 
+    die_with_parent()  # first: a Hub download may take long, and serve may die meanwhile
     _fetch_hub_model(opts)
     for flag in ("router_address", "tokens_address"):
         if len(opts[flag]) > 1:
             raise click.UsageError(f"--{flag.replace('_', '-')}: a gateway binds one address")
         opts[flag] = opts[flag][0] if opts[flag] else None
     config = gateway_config(opts)
-    die_with_parent()
     from zeroserve.gateway.server import run_gateway
 
     try:
@@ -768,6 +768,8 @@ def gateway(**opts: Any) -> None:
 def worker(**opts: Any) -> None:
     """Run one worker: load the model once, connect to the gateway, serve until SIGTERM."""
     from zeroserve.cli.supervisor import die_with_parent
+
+    die_with_parent()  # first: a Hub download (or torch's import) may take long
     from zeroserve.common.logging_setup import setup_logging
     from zeroserve.worker.process import build_engine, run_worker
 
@@ -780,7 +782,6 @@ def worker(**opts: Any) -> None:
         opts, engine_config(opts), opts["worker_id"] or f"{socket.gethostname()}-{os.getpid()}",
         routers, tokens,
     )
-    die_with_parent()
     if config.keys_dir is not None:
         from zeroserve.common.keys import KeySetError, load_worker_keys
 

@@ -21,8 +21,11 @@ like anything else (its workers notice the silence and say HELLO to the new one)
   requests through the still-running gateway), then the gateway gets SIGTERM. Another
   signal, a second or more after the first, kills everything at once.
 - Children run in their own sessions (a terminal's Ctrl-C reaches only the supervisor,
-  which stops them in order) and die with it: each calls `die_with_parent()` at start,
-  which sets PR_SET_PDEATHSIG, so even a SIGKILLed supervisor leaves no orphans.
+  which stops them in order) and die with it: each calls `die_with_parent()` first thing,
+  before any work that may take long (a Hub download), which sets PR_SET_PDEATHSIG, so even
+  a SIGKILLed supervisor leaves no orphans.
+- Every exited child is reaped, not only ours: `serve` as a container's PID 1 inherits the
+  orphans of the whole container and must not let them pile up as zombies.
 """
 
 from __future__ import annotations
@@ -163,6 +166,7 @@ class Supervisor:
         return self.exit_code != 0
 
     def _reap_and_restart(self) -> None:
+        self._reap()
         now = time.monotonic()
         for child in self.children:
             process = child.process
@@ -170,6 +174,25 @@ class Supervisor:
                 self._on_exit(child, process.returncode, now)
             if child.restart_at is not None and now >= child.restart_at:
                 self._start(child)
+
+    def _reap(self) -> None:
+        """Collect every child that exited: ours (their Popen learns the exit code, as its
+        own poll() would) and orphans. As a container's PID 1, `serve` inherits every process
+        whose parent died (a compiler a worker started, a helper of a helper); one nobody
+        waits for stays a zombie, holding its pid, until the container ends."""
+        ours = {c.process.pid: c.process for c in self.children
+                if c.process is not None and c.process.returncode is None}
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:  # no child at all
+                return
+            if pid == 0:  # none has exited
+                return
+            if pid in ours:
+                ours[pid].returncode = os.waitstatus_to_exitcode(status)
+            else:
+                log.debug("reaped an orphan (pid %d)", pid, extra={"pid": pid})
 
     def _on_exit(self, child: _Child, code: int, now: float) -> None:
         ran_s = now - child.started_at

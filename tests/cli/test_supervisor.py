@@ -38,6 +38,14 @@ if mode == "ready_then_fail":  # served for a moment, then crashed with an error
     time.sleep(0.6)
     note("crash")
     sys.exit(4)
+if mode == "orphan":  # a helper's helper outlives the helper: re-parented to the reaper
+    if os.fork() == 0:
+        if os.fork() == 0:
+            note("orphan")
+            time.sleep(0.3)  # its parent is gone by now
+            os._exit(0)
+        os._exit(0)
+    os.wait()
 def on_term(signum, frame):
     note("term")
     time.sleep(0.3)  # a drain that takes a moment
@@ -49,10 +57,12 @@ while True:
 """
 
 DRIVER = r"""
-import json, logging, sys
+import ctypes, json, logging, sys
 sys.path.insert(0, {repo!r})
 from zeroserve.cli.supervisor import ChildSpec, RestartPolicy, Supervisor
 logging.basicConfig(level=logging.INFO)
+# PR_SET_CHILD_SUBREAPER: orphans below us come to us, as they come to a container's PID 1.
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)
 specs, policy, events = json.loads(sys.argv[1])
 children = [ChildSpec(s["name"], tuple(s["argv"]), s["stop_timeout_s"], s["stop_phase"])
             for s in specs]
@@ -234,3 +244,84 @@ def test_children_die_with_a_killed_supervisor(harness):
     while time.monotonic() < deadline and any(_alive(p) for p in pids):
         time.sleep(0.05)
     assert not any(_alive(p) for p in pids)
+
+
+def _exists(pid: int) -> bool:
+    """Alive or a zombie (exited, and nobody has waited for it)."""
+    return os.path.exists(f"/proc/{pid}")
+
+
+@pytest.mark.slow
+def test_orphans_are_reaped(harness):
+    """`serve` as a container's PID 1 inherits every orphan of the container; one it does not
+    wait for stays a zombie until the container ends."""
+    harness.start([("worker-0", "orphan", 0)])
+    harness.wait_for(lambda: harness.pids("worker-0", "orphan"))
+    orphan = harness.pids("worker-0", "orphan")[0]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _exists(orphan):
+        time.sleep(0.05)
+    assert not _exists(orphan), "the orphan was left a zombie"
+    # Its own child is still supervised as before: killed, it is restarted.
+    os.kill(harness.pids("worker-0")[0], signal.SIGKILL)
+    harness.wait_for(lambda: len(harness.pids("worker-0")) == 2)
+
+
+PARENT = r"""
+import os, subprocess, sys, time
+env = {**os.environ, "ZEROSERVE_SUPERVISOR_PID": str(os.getpid())}
+child = subprocess.Popen(sys.argv[1:], env=env, start_new_session=True)
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+class SilentHub:
+    """An HF_ENDPOINT that accepts connections and never answers: a download that hangs."""
+
+    def __init__(self):
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.sock.settimeout(60)
+
+    def wait_for_a_request(self):
+        conn, _ = self.sock.accept()  # kept open, unanswered, until the test ends
+        return conn
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["worker", "gateway"])
+def test_children_die_with_a_killed_supervisor_during_a_hub_download(tmp_path, command):
+    """Under `serve`, a child dies with it (PR_SET_PDEATHSIG) from its very start: it was set
+    only after the model download, so a child killed with its parent during one lingered."""
+    from tests.conftest import child_env
+
+    hub = SilentHub()
+    argv = [sys.executable, "-m", "zeroserve.cli", command,
+            "--model", "zeroserve-test/never-answers", "--port", "1"]
+    env = child_env({"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"),
+                     "HF_HUB_OFFLINE": "0", "HF_HUB_ETAG_TIMEOUT": "60",
+                     "HF_HUB_DOWNLOAD_TIMEOUT": "60"})
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, *argv], env=env, cwd=REPO,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        connection = hub.wait_for_a_request()  # the child is downloading now
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and _alive(child):
+            time.sleep(0.05)
+        assert not _alive(child), "the child outlived its supervisor"
+        connection.close()
+    finally:
+        parent.kill()
+        try:
+            os.kill(child, signal.SIGKILL)
+        except (ProcessLookupError, UnboundLocalError):
+            pass
+        hub.sock.close()
