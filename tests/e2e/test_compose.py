@@ -9,9 +9,11 @@ real request is served through them.
 from __future__ import annotations
 
 import re
+import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -94,17 +96,57 @@ def test_dockerfile_installs_the_project_and_the_default_model():
         assert f"COPY {package} ./{package}" in text
 
 
+def key_host_dir(services: dict[str, dict]) -> str:
+    """Where `docker compose run --rm keygen` writes the key set on the host (./keys)."""
+    return services["keygen"]["volumes"][0].split(":")[0]
+
+
+def mounted_keys(services: dict[str, dict], name: str) -> dict[str, str]:
+    """The key files a service's container sees: path under its ZEROSERVE_KEYS_DIR -> path
+    under the host's key folder. Every key mount must be read-only and keep its name."""
+    service = services[name]
+    host_dir, key_dir = key_host_dir(services), service["environment"]["ZEROSERVE_KEYS_DIR"]
+    found = {}
+    for volume in service["volumes"]:
+        source, target, *mode = volume.split(":")
+        if source == host_dir or source.startswith(host_dir + "/"):
+            assert target.startswith(key_dir + "/") and mode == ["ro"], (name, volume)
+            found[target[len(key_dir) + 1:]] = source[len(host_dir) + 1:]
+    return found
+
+
 def test_the_worker_plane_uses_keys():
     services = load_services()
     keygen = services["keygen"]
     assert keygen["command"][:4] == ["zeroserve", "keys", "generate", "/keys"]
     assert keygen["profiles"] == ["setup"]  # a one-off, not part of `up`
-    host_dir = keygen["volumes"][0].split(":")[0]
     for name in ["gateway", *workers(services)]:
-        service = services[name]
-        key_dir = service["environment"]["ZEROSERVE_KEYS_DIR"]
-        assert f"{host_dir}:{key_dir}:ro" in service["volumes"], name
-        assert "--insecure" not in service["command"]
+        assert mounted_keys(services, name), name
+        assert "--insecure" not in services[name]["command"]
+
+
+def test_each_container_gets_only_its_own_secret_key():
+    """A worker that held every worker's secret could speak as any of them; each container
+    gets what `zeroserve keys generate` says it needs, and no more."""
+    services = load_services()
+    ids = [setting(s, "--worker-id") for s in workers(services).values()]
+    expected = {"gateway": {"gateway.key_secret", *(f"workers/{i}.key" for i in ids)}}
+    for name, service in workers(services).items():
+        worker_id = setting(service, "--worker-id")
+        expected[name] = {"gateway.key", f"workers/{worker_id}.key_secret"}
+    for name, files in expected.items():
+        mounted = mounted_keys(services, name)
+        assert set(mounted) == files, name
+        assert all(host == inside for inside, host in mounted.items()), name
+
+
+def container_key_dir(services: dict[str, dict], name: str, host_keys: Path,
+                      folder: Path) -> Path:
+    """`folder`, holding only the key files the service's container gets mounted."""
+    for inside, host in mounted_keys(services, name).items():
+        (folder / inside).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        shutil.copy2(host_keys / host, folder / inside)  # its mode (600 for a secret) too
+    return folder
 
 
 class Localizer:
@@ -149,9 +191,14 @@ def test_compose_services_serve_a_request(tmp_path):
                             env=child_env(), capture_output=True, text=True, timeout=60)
     assert keygen.returncode == 0, keygen.stderr
     try:
+        # Each service sees only the key files its container gets.
+        local.key_dir = str(container_key_dir(services, "gateway", tmp_path / "keys",
+                                              tmp_path / "gateway-keys"))
         started.append(ServerProcess(local.command(gateway["command"]), http_port,
                                      tmp_path / "gateway.log", local.env(gateway)))
         for name, service in workers(services).items():
+            local.key_dir = str(container_key_dir(services, name, tmp_path / "keys",
+                                                  tmp_path / f"{name}-keys"))
             # The fake backend: this checks the wiring, not the model.
             command = local.command(service["command"]) + [
                 "--backend", "fake", "--num-kv-blocks", "256"]
