@@ -97,3 +97,28 @@ def test_a_rolling_restart_under_load_loses_no_request(server):
     assert_all_succeeded(results, 60)
     after = {w["worker_id"]: w["pid"] for w in server.ready_workers()}
     assert set(after) == set(pids) and all(after[w] != pids[w] for w in pids)
+
+
+def test_api_keys_without_an_admin_key_leave_the_admin_api_to_this_machine(zeroserve):
+    """`serve --api-key K` and no --admin-key: an API key never operates workers, and the
+    operator's `zeroserve workers ...` on the same machine needs no key."""
+    import httpx
+
+    api_key = "sk-customer"
+    server = zeroserve(args=("--backend", "fake", "--device", "cpu", "--num-kv-blocks", "64"),
+                       env={"ZEROSERVE_API_KEY": api_key}, wait=False)
+    deadline = time.monotonic() + 120  # /health without a key says only the status
+    while server.health()[0] != 200 and time.monotonic() < deadline:
+        assert server.process.poll() is None, server.log_tail()
+        time.sleep(0.25)
+    listed = workers_cli(server, "list", key=None)
+    assert listed.returncode == 0 and "worker-0" in listed.stdout, listed.stderr
+    drained = workers_cli(server, "drain", "worker-0", key=None)
+    assert drained.returncode == 0, drained.stderr
+    assert "draining" in workers_cli(server, "list", key=None).stdout
+    assert workers_cli(server, "undrain", "worker-0", key=None).returncode == 0
+    # Through a proxy on this machine, a customer with a valid API key is refused.
+    r = httpx.post(server.url + "/admin/workers/worker-0/drain", json={},
+                   headers={"Authorization": f"Bearer {api_key}",
+                            "X-Forwarded-For": "203.0.113.7"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "admin_forbidden"
