@@ -59,6 +59,7 @@ def test_gateway_service():
     # Liveness: compose must not restart a healthy gateway for want of a ready worker.
     assert "--live" in gateway["healthcheck"]["test"]
     assert gateway["restart"] == "unless-stopped"
+    assert gateway["init"] is True  # PID 1 reaps orphans (serve does it itself; gateway not)
 
 
 def test_one_worker_service_per_gpu():
@@ -81,6 +82,7 @@ def test_one_worker_service_per_gpu():
         assert setting(service, "--router-address") == f"tcp://gateway:{router_port}"
         assert setting(service, "--tokens-address") == f"tcp://gateway:{tokens_port}"
         assert service["restart"] == "unless-stopped"
+        assert service["init"] is True, name
         test = service["healthcheck"]["test"]
         assert test[1:3] == ["zeroserve", "check"] and setting(service, "--worker-id") in test
     assert len(gpus) == len(found) and len(ids) == len(found)  # no GPU or id shared
