@@ -202,7 +202,7 @@ HTTP_ACCESS_OPTIONS = [
            help="Origins whose web pages may read replies (CORS), e.g. https://app.example "
                 "or '*'. [default: none: browsers cannot read replies]"),
     option("--allowed-hosts", type=ListItem(), multiple=True, callback=_list_values,
-           help="Host header values accepted (e.g. api.example.com, *.example.com, [::1], or "
+           help="Host header values accepted (e.g. api.example.com, *.example.com, [fd00::2], or "
                 "'*' for any); others get 421. Loopback names always pass. [default: loopback "
                 "names only when --host is a loopback address (against DNS rebinding), else "
                 "any]"),
