@@ -18,11 +18,11 @@ from zeroserve.common.model_files import model_display_name
 from zeroserve.gateway.config import GatewayConfig
 from zeroserve.gateway.core import Gateway
 from zeroserve.gateway.errors import APIError, invalid_api_key, server_error
-from zeroserve.gateway.host_check import AllowedHosts, HostCheckMiddleware
 from zeroserve.gateway.http.admin import AdminApi
 from zeroserve.gateway.http.auth import ApiKeyMiddleware, ApiKeys, warn_if_exposed
 from zeroserve.gateway.http.error_response import error_response
 from zeroserve.gateway.http.health import HealthEndpoints
+from zeroserve.gateway.http.host_check import AllowedHosts, HostCheckMiddleware
 from zeroserve.gateway.http.rate_limit import RateLimiter, RateLimitMiddleware
 from zeroserve.gateway.http.routes import Api
 from zeroserve.gateway.key_limits import default_limits, load_key_limits
@@ -135,7 +135,7 @@ def http_middleware(config: GatewayConfig, keys: ApiKeys,
     API key, then the rate limiter (which needs to know the key)."""
     stack = []
     hosts = AllowedHosts.for_server(config.host, config.allowed_hosts)
-    if hosts is not None:  # gateway/host_check.py: DNS rebinding
+    if hosts is not None:  # gateway/http/host_check.py: DNS rebinding
         stack.append(Middleware(HostCheckMiddleware, hosts=hosts))
     if config.allowed_origins:
         # Bearer keys, not cookies: no credentials mode. Browsers may read Retry-After.

@@ -23,7 +23,7 @@ And never a web page, which a browser on this machine would send from loopback:
   a browser sends neither cross-site without a CORS preflight, so an HTML form or a "simple"
   fetch() cannot reach an operation, whatever the browser does about Origin;
 - DNS rebinding (a page's own name resolved to 127.0.0.1) is refused by the Host check
-  (gateway/host_check.py) before any route.
+  (gateway/http/host_check.py) before any route.
 """
 
 from __future__ import annotations

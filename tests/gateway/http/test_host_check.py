@@ -1,4 +1,4 @@
-"""The Host check against DNS rebinding (gateway/host_check.py): loopback names only on a
+"""The Host check against DNS rebinding (gateway/http/host_check.py): loopback names only on a
 loopback-bound gateway by default, `--allowed-hosts` added, IPv6 literals with ports."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from tests.gateway.helpers import GatewayServer
-from zeroserve.gateway.host_check import AllowedHosts, host_name
+from zeroserve.gateway.http.host_check import AllowedHosts, host_name
 
 
 @pytest.mark.parametrize("header,name", [

@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from zeroserve.gateway.errors import APIError
 from zeroserve.gateway.http.auth import is_loopback_host
+from zeroserve.gateway.http.error_response import error_response
 
 
 def host_name(value: str) -> str:
@@ -76,6 +77,6 @@ class HostCheckMiddleware:
         if scope["type"] == "http":
             host = Headers(scope=scope).get("host")
             if host is not None and not self.hosts.allows(host):
-                await host_not_allowed(host).response()(scope, receive, send)
+                await error_response(host_not_allowed(host))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
