@@ -578,7 +578,8 @@ class WorkerLoop:
         self._num_signals += 1
 
     def _check_signals(self) -> None:
-        if self._num_signals == 1 and self._drain_deadline is None:
+        # An operator's drain (no exit) may be under way: SIGTERM still ends in an exit.
+        if self._num_signals == 1 and not self._exit_when_drained:
             self._begin_drain(self.config.drain_timeout_s, tell_gateway=True)
         elif self._num_signals >= 2:
             log.warning("second stop signal: exiting now", extra=self._log_extra)

@@ -440,6 +440,28 @@ def test_request_drain_tells_the_gateway(gateway, tmp_path):
     assert loop.exit_code == 0
 
 
+def test_sigterm_during_an_operator_drain_still_exits(gateway):
+    """An operator's drain (no exit) must not swallow SIGTERM: the worker finishes what it
+    holds and exits 0 instead of running until SIGKILL."""
+    from zeroserve.worker.process import WorkerLoop
+
+    config = WorkerConfig(WORKER_ID, gateway.router_address, gateway.tokens_address,
+                          heartbeat_interval_s=0.05, drain_timeout_s=5.0)
+    loop = WorkerLoop(config, ScriptedEngine(step_s=0.01))
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    gateway.recv(Hello)
+    gateway.send(Ready(True))
+    gateway.send(Submit("old", [1], {"max_tokens": 20}, 32))
+    gateway.tokens()
+    gateway.send(Drain("gateway", 30.0, exit_when_drained=False))
+    assert gateway.beat_after(time.time()).state == "draining"
+    loop.request_drain()  # what the SIGTERM handler does
+    assert gateway.collect({"old"})["old"][-1].finish_reason == "length"
+    thread.join(5)
+    assert not thread.is_alive() and loop.exit_code == 0
+
+
 def test_silent_gateway_is_a_pause_and_the_stream_continues(gateway):
     worker, engine, _ = start(gateway, gateway_timeout_s=0.3, gateway_grace_s=10.0)
     gateway.send(Submit("a", [1], {"max_tokens": 6}, 2))
