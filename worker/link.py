@@ -33,6 +33,7 @@ from zeroserve.common.protocol import (
     decode,
     encode,
 )
+from zeroserve.common.socket_liveness import set_liveness_options
 from zeroserve.worker.config import WorkerConfig
 
 log = logging.getLogger("zeroserve.worker")
@@ -84,6 +85,7 @@ class GatewayLink(threading.Thread):
         self._dealer.setsockopt(zmq.LINGER, LINGER_MS)
         self._dealer.setsockopt(zmq.SNDHWM, SNDHWM)
         self._dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MSG_BYTES)
+        set_liveness_options(self._dealer)
         if keys is not None:
             curve_client(self._dealer, keys)
         self._dealer.connect(router_address)
@@ -235,6 +237,7 @@ class GatewayPeer:
         tokens = ctx.socket(zmq.PUSH)
         tokens.setsockopt(zmq.LINGER, LINGER_MS)
         tokens.setsockopt(zmq.SNDHWM, SNDHWM)
+        set_liveness_options(tokens)
         if keys is not None:
             curve_client(tokens, keys)
         tokens.connect(tokens_address)

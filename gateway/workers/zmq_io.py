@@ -39,6 +39,7 @@ from zeroserve.common.protocol import (
     decode,
     encode,
 )
+from zeroserve.common.socket_liveness import set_liveness_options
 from zeroserve.gateway.config import prepare_ipc_endpoint
 from zeroserve.gateway.logging import get_logger
 from zeroserve.gateway.workers.zap import ZAP_DOMAIN, ZapHandler
@@ -118,6 +119,9 @@ class ZmqEdge:
             self._zap = ZapHandler(self._ctx, self.keys.workers)
             self._zap.start()
         self._router = self._ctx.socket(zmq.ROUTER)
+        # A worker reconnecting with its route (a half-open connection still holds it)
+        # takes the route over; without this libzmq ignores the new connection for good.
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._pull = self._ctx.socket(zmq.PULL)
         for sock, address in ((self._router, self.router_address),
                               (self._pull, self.tokens_address)):
@@ -125,6 +129,7 @@ class ZmqEdge:
             sock.setsockopt(zmq.MAXMSGSIZE, _MAX_MSG_BYTES)
             sock.setsockopt(zmq.RCVHWM, _RCVHWM)
             sock.setsockopt(zmq.SNDHWM, _SNDHWM)
+            set_liveness_options(sock)
             if self.keys is not None:
                 curve_server(sock, self.keys, ZAP_DOMAIN)
             prepare_ipc_endpoint(address)
