@@ -152,6 +152,9 @@ def curve_server(socket: zmq.Socket, keys: GatewayKeys, domain: bytes) -> None:
     socket.curve_secretkey = keys.own.secret
     socket.curve_publickey = keys.own.public
     socket.zap_domain = domain
+    # Fail closed: with no ZAP handler listening (it died, or never bound), libzmq would
+    # otherwise let any peer that knows our public key complete the handshake.
+    socket.zap_enforce_domain = True
 
 
 def curve_client(socket: zmq.Socket, keys: WorkerKeys) -> None:

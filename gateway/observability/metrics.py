@@ -385,6 +385,11 @@ class GatewayCollector(Collector):
                                       labels=["model_name"])
         dropped.add_metric([m], self.gateway.edge.num_dropped)
         yield dropped
+        restarts = CounterMetricFamily(PREFIX + "zmq_receive_loop_restarts",
+                                       "Times the ZeroMQ receive loop failed and was restarted.",
+                                       labels=["model_name"])
+        restarts.add_metric([m], self.gateway.edge.num_receive_restarts)
+        yield restarts
         monitor = self.loop_monitor()
         if monitor is not None:
             yield from _loop_lag(monitor, m)

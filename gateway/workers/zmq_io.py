@@ -16,6 +16,8 @@ claims. Without keys the sockets must be ipc:// in a private directory (or the o
 Every socket has a message size limit (a bigger frame drops the connection) and bounded
 queues. One receive loop polls both sockets, decodes and hands messages on; a malformed
 frame, or a handler that raises, is logged (rate-limited) and dropped, never ends the loop.
+Anything else that escapes the loop is logged and counted (`num_receive_restarts`) and the
+loop starts again.
 Sends never block: a ROUTER drops what it cannot route, and so do we.
 """
 
@@ -50,6 +52,7 @@ _MAX_BATCH = 256  # messages drained from one socket per wake-up, so neither sta
 _MAX_MSG_BYTES = MAX_FRAME_BYTES + 4096  # a bigger inbound message drops its connection
 _RCVHWM = 10_000  # messages queued per socket before ZeroMQ stops reading the peers
 _SNDHWM = 10_000  # messages queued per worker; beyond, sends to it are dropped
+_RECEIVE_RESTART_PAUSE_S = 0.1  # after the receive loop failed, before it starts again
 
 
 class ClientStream(Protocol):
@@ -112,6 +115,7 @@ class ZmqEdge:
         self._workers: dict[bytes, str] = {}  # route -> worker id
         self._warn = RateLimited()
         self.num_dropped = 0  # malformed or refused inbound messages
+        self.num_receive_restarts = 0  # the receive loop failed and was started again
 
     def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
@@ -134,7 +138,7 @@ class ZmqEdge:
                 curve_server(sock, self.keys, ZAP_DOMAIN)
             prepare_ipc_endpoint(address)
             sock.bind(address)
-        self._task = asyncio.create_task(self._receive_loop(), name="zmq-receive")
+        self._task = asyncio.create_task(self._supervise_receive(), name="zmq-receive")
         log.info("bound", extra={"router": self.router_address, "tokens": self.tokens_address,
                                  "curve": self.keys is not None})
 
@@ -189,6 +193,21 @@ class ZmqEdge:
         return True
 
     # -- receiving ------------------------------------------------------------------------
+
+    async def _supervise_receive(self) -> None:
+        """Run the receive loop; an unexpected exception in it (not a handler's: those are
+        caught per message) is logged, counted and the loop restarted, so the gateway never
+        goes on answering liveness while it has stopped hearing its workers."""
+        while True:
+            try:
+                await self._receive_loop()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.num_receive_restarts += 1
+                log.exception("the receive loop failed; restarting it",
+                              extra={"num_restarts": self.num_receive_restarts})
+                await asyncio.sleep(_RECEIVE_RESTART_PAUSE_S)  # no hot loop on a lasting fault
 
     async def _receive_loop(self) -> None:
         """The one receive loop: wait until either socket has input, drain both."""
