@@ -284,6 +284,27 @@ class Gateway:
             return f"bad worker id {msg.worker_id!r}"
         return None
 
+    def _is_duplicate(self, peer: Peer, msg: Hello) -> bool:
+        """A second live process with a worker's id (a copied key, a misconfiguration):
+        refused while the first lives, else the two would replace each other every second,
+        failing over every stream each time. The first is gone once its connection closed
+        (a process that exits or is killed closes it at once: a restart is taken at once)
+        or its heartbeats lapsed (expiry removes it); the second's next HELLO is taken then."""
+        old = self.registry.get(msg.worker_id)
+        if old is None or old.route == peer.route:
+            return False
+        probe = Heartbeat(worker_id=old.worker_id, time=time.time(), gateway_id=self.gateway_id)
+        if not self.edge.is_connected(old.route, probe):
+            return False
+        why = (f"worker id {msg.worker_id!r} is taken by a live process (pid {old.hello.pid}); "
+               "two processes must not share a worker id")
+        if self._warn.allow(f"duplicate {msg.worker_id}") is not None:
+            log.error("refused a second process with a live worker's id", extra={
+                "worker_id": printable(msg.worker_id), "pid": msg.pid,
+                "live_pid": old.hello.pid, "live_incarnation": old.incarnation})
+        self.edge.send_route(peer.route, Error(None, "duplicate_worker_id", why))
+        return True
+
     def _on_hello(self, peer: Peer, msg: Hello) -> None:
         assert peer.route is not None
         reason = self._hello_refusal(peer, msg)
@@ -293,6 +314,8 @@ class Gateway:
             self.edge.send_route(peer.route, Ready(False, reason,
                                                    self.config.heartbeat_interval_s,
                                                    self.gateway_id))
+            return
+        if self._is_duplicate(peer, msg):
             return
         worker_id = msg.worker_id
         old = self.registry.register(msg, peer.route, self.clock())

@@ -3,7 +3,8 @@
 A worker says HELLO once its model is loaded (and again after reconnecting); we answer
 READY and from then on expect a HEARTBEAT every interval. A worker silent for
 `worker_timeout_s` is lost. A HELLO from a known id replaces the old incarnation (its
-requests are gone with it). A worker that says DRAIN gets nothing new, and neither does
+requests are gone with it); the core first refuses one while the old incarnation's
+connection is still open (two live processes with one id). A worker that says DRAIN gets nothing new, and neither does
 one whose heartbeats say its engine made no progress for `stall_timeout_s` (UNHEALTHY:
 its I/O thread is alive, its engine thread is stuck); it is READY again once it moves.
 """

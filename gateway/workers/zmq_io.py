@@ -192,6 +192,28 @@ class ZmqEdge:
             return False
         return True
 
+    def is_connected(self, route: bytes, probe: Message) -> bool:
+        """Whether some peer holds a connection with `route` now, asked of libzmq by
+        sending it `probe` with ROUTER_MANDATORY (a route with no connection fails with
+        EHOSTUNREACH). A process that exits, or is killed, closes its connections, so this
+        tells a live worker from a dead one at once; a vanished host's half-open connection
+        counts as live until ZMTP heartbeats close it (common/socket_liveness.py). Socket
+        monitor events cannot tell: they name a connection's file descriptor, not its route.
+        """
+        if self._router is None:
+            return False
+        sock = zmq.Socket.shadow(self._router.underlying)  # a plain send: no future to await
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            sock.send_multipart([route, *encode(probe)], flags=zmq.DONTWAIT)
+            return True
+        except zmq.Again:  # connected, with a full queue
+            return True
+        except zmq.ZMQError:  # EHOSTUNREACH
+            return False
+        finally:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+
     # -- receiving ------------------------------------------------------------------------
 
     async def _supervise_receive(self) -> None:
