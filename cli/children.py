@@ -12,7 +12,10 @@ asks the gateway, on loopback:
   (a stale entry of an earlier incarnation does not count for a new one).
 
 The probe runs only until every child has been ready once (see cli/supervisor.py), so in
-steady state it costs nothing. With API keys on, the gateway shows pids and worker ids only
+steady state it costs nothing. A second probe (`GatewayWorkerWatch`) runs all along, every
+few seconds: it names the worker children that the gateway reports lost (in `/health`'s
+`lost_workers`) or stalled (`unhealthy`) with the pid we started, and the supervisor kills
+and restarts one that stays so past `--worker-replace-timeout`. With API keys on, the gateway shows pids and worker ids only
 to callers with a key, so the probe sends one (`serve` gives it the first key). It imports
 nothing from the CLI, so the dependency runs one way: cli/main.py -> cli/children.py,
 cli/main.py -> cli/supervisor.py.
@@ -98,3 +101,38 @@ class GatewayReadiness:
                         and entry.get("pid") == workers[name]):
                     ready.add(name)
         return ready
+
+
+# What /health says of a worker that the gateway holds but cannot use: "unhealthy" is a
+# worker whose engine made no progress for the gateway's stall timeout.
+_STALLED_STATUSES = ("unhealthy",)
+
+
+class GatewayWorkerWatch:
+    """An `UnresponsiveProbe` for `serve`: pids of the running worker children by name ->
+    the names the gateway reports lost (expired for silence: SIGSTOPped, hung with its I/O
+    thread, cut off) or stalled (its heartbeats say its engine makes no progress), each with
+    the very pid we started, so that an old incarnation's entry never condemns a new one.
+    Unlike readiness this runs for the supervisor's whole life."""
+
+    def __init__(self, base_url: str, api_key: str | None = None):
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+
+    def __call__(self, pids: dict[str, int]) -> set[str] | None:
+        """None when the gateway did not answer (nothing is known, nothing is condemned)."""
+        workers = {name: pid for name, pid in pids.items() if not is_gateway_child(name)}
+        if not workers:
+            return set()
+        health = _get_json(self.base_url + "/health", self.api_key)
+        if health is None or "workers" not in health:
+            return None
+        bad = set()
+        for entry in [*(health.get("lost_workers") or []), *(health.get("workers") or [])]:
+            if not isinstance(entry, dict):
+                continue
+            name = entry.get("worker_id")
+            is_bad = "lost_s" in entry or entry.get("status") in _STALLED_STATUSES
+            if is_bad and name in workers and entry.get("pid") == workers[name]:
+                bad.add(name)
+        return bad

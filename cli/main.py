@@ -638,6 +638,10 @@ def main() -> None:
              "them all, and one gateway's death ends only its own clients' streams.")
 @option("--drain-timeout", type=click.FloatRange(min=0), default=30.0,
         help="On SIGTERM, seconds workers get to finish in-flight requests.")
+@option("--worker-replace-timeout", type=click.FloatRange(min=0), default=30.0,
+        help="Seconds a local worker may stay lost (no heartbeat: e.g. SIGSTOPped) or stalled "
+             "(no engine progress) in the gateway's view before it is killed (SIGKILL) and "
+             "restarted; 0: never.")
 @_options(WORKER_RESILIENCE_OPTIONS)
 @_options(LOG_OPTIONS)
 def serve(**opts: Any) -> None:
@@ -646,7 +650,7 @@ def serve(**opts: Any) -> None:
     SIGTERM or Ctrl-C: workers drain (finish in-flight requests, up to --drain-timeout),
     then the gateway stops. Killing one worker's pid restarts just that worker.
     """
-    from zeroserve.cli.children import GatewayReadiness, local_url
+    from zeroserve.cli.children import GatewayReadiness, GatewayWorkerWatch, local_url
     from zeroserve.cli.supervisor import RestartPolicy, Supervisor
     from zeroserve.common.logging_setup import setup_logging
 
@@ -668,9 +672,11 @@ def serve(**opts: Any) -> None:
             for worker_id, device in zip(worker_ids, devices, strict=True)
         ]
         children = serve_children(gateways, workers, log_args=_log_args(opts))
-        readiness = GatewayReadiness(local_url(gateway.host, gateway.port),
-                                     gateway.api_keys[0] if gateway.api_keys else None)
-        code = Supervisor(children, RestartPolicy(), readiness=readiness).run()
+        url = local_url(gateway.host, gateway.port)
+        api_key = gateway.api_keys[0] if gateway.api_keys else None
+        policy = RestartPolicy(unresponsive_timeout_s=opts["worker_replace_timeout"] or None)
+        code = Supervisor(children, policy, readiness=GatewayReadiness(url, api_key),
+                          unresponsive=GatewayWorkerWatch(url, api_key)).run()
     finally:
         if ephemeral_keys is not None:
             from zeroserve.common.keys import remove

@@ -12,6 +12,11 @@ like anything else (its workers notice the silence and say HELLO to the new one)
   looping. That rule holds only until the child has been ready once: after that every exit
   is restarted (a worker that served and then crashed is a crash, not a bad flag). Death by
   a signal (an operator's kill, the OOM killer) is always restarted.
+- A child that is alive but useless (a SIGSTOPped or hung worker: the gateway marked it
+  lost, or stalled) would never exit by itself. An `unresponsive` probe, run on a thread of
+  its own every `watch_interval_s` for the supervisor's whole life, names such children
+  (`serve` asks the gateway's /health, cli/children.py); one named with the same pid
+  for `unresponsive_timeout_s` in a row is killed (SIGKILL) and so restarted.
 - Readiness comes from a `readiness` probe, if one is given: a callable, run on a thread of
   its own every `probe_interval_s` while some child has never been ready, that gets the
   pids of the running children and returns the names of those that are ready now. `serve`
@@ -57,6 +62,10 @@ class RestartPolicy:
     # error: stop everything rather than loop.
     startup_window_s: float = 60.0
     probe_interval_s: float = 0.5  # how often the readiness probe runs until all were ready
+    # A child the `unresponsive` probe names (the gateway sees it lost or stalled) for this
+    # long in a row is killed (SIGKILL) and so restarted. None: never.
+    unresponsive_timeout_s: float | None = 30.0
+    watch_interval_s: float = 1.0  # how often the unresponsive probe runs
 
 
 @dataclass(frozen=True)
@@ -79,17 +88,25 @@ class _Child:
     # Set (by the probe thread) once any incarnation of this child was seen ready; never
     # cleared. A plain bool written by one thread and read by another: no lock needed.
     has_been_ready: bool = False
+    # Set by the watch thread: the pid to kill (unresponsive too long); the main loop kills
+    # it if it is still this child's process, and clears it.
+    kill_pid: int | None = None
 
 
 # Pids of the running children by name -> names of those that are ready now.
 ReadinessProbe = Callable[[dict[str, int]], set[str]]
+# Pids of the running children by name -> names of those that are unresponsive now (lost or
+# stalled in the gateway's view), or None when that cannot be known now.
+UnresponsiveProbe = Callable[[dict[str, int]], set[str] | None]
 
 
 class Supervisor:
     def __init__(self, children: list[ChildSpec], policy: RestartPolicy | None = None,
-                 readiness: ReadinessProbe | None = None):
+                 readiness: ReadinessProbe | None = None,
+                 unresponsive: UnresponsiveProbe | None = None):
         self.policy = policy or RestartPolicy()
         self.readiness = readiness
+        self.unresponsive = unresponsive
         self.children = [_Child(spec, backoff_s=self.policy.initial_backoff_s)
                          for spec in children]
         self.exit_code = 0
@@ -114,6 +131,8 @@ class Supervisor:
                 self._start(child)
             if self.readiness is not None:
                 threading.Thread(target=self._probe_loop, daemon=True, name="readiness").start()
+            if self.unresponsive is not None and self.policy.unresponsive_timeout_s is not None:
+                threading.Thread(target=self._watch_loop, daemon=True, name="watch").start()
             while not self._num_signals and not self._is_fatal():
                 self._wait_for_wake(self._seconds_to_next_restart())
                 self._reap_and_restart()
@@ -170,6 +189,10 @@ class Supervisor:
         now = time.monotonic()
         for child in self.children:
             process = child.process
+            if child.kill_pid is not None:
+                if process is not None and process.pid == child.kill_pid:
+                    _send(child, signal.SIGKILL)  # its exit is reaped below or on SIGCHLD
+                child.kill_pid = None
             if process is not None and process.poll() is not None:
                 self._on_exit(child, process.returncode, now)
             if child.restart_at is not None and now >= child.restart_at:
@@ -232,6 +255,39 @@ class Supervisor:
                 pending[name].has_been_ready = True
                 log.info("%s is ready", name, extra={"child": name})
             self._stopping.wait(self.policy.probe_interval_s)
+
+    def _watch_loop(self) -> None:
+        """Kill a child that the unresponsive probe names with the same pid for longer than
+        `unresponsive_timeout_s` in a row (a SIGSTOPped or hung worker the gateway marked
+        lost or stalled: it would never exit by itself). The main loop sends the SIGKILL, so
+        a pid is never signalled after it was reaped; the exit restarts it as any other."""
+        limit = self.policy.unresponsive_timeout_s
+        assert self.unresponsive is not None and limit is not None
+        since: dict[str, tuple[int, float]] = {}  # name -> (pid, first seen unresponsive)
+        while not self._stopping.wait(self.policy.watch_interval_s):
+            children = {c.spec.name: c for c in self.children}
+            processes = {name: c.process for name, c in children.items()}
+            pids = {name: p.pid for name, p in processes.items() if p is not None}
+            try:
+                bad = self.unresponsive(pids) if pids else set()
+            except Exception:  # a probe's bug must not take the supervisor down
+                log.exception("unresponsive probe failed")
+                continue
+            if bad is None:
+                continue  # the gateway did not answer: nothing known, nothing counted
+            now = time.monotonic()
+            since = {name: (pid, at) for name, (pid, at) in since.items()
+                     if name in bad and pids.get(name) == pid}
+            for name in bad & pids.keys():
+                pid, first_at = since.setdefault(name, (pids[name], now))
+                if now - first_at < limit:
+                    continue
+                log.error("%s (pid %d) has been lost or stalled in the gateway's view for "
+                          "%.0fs; killing it so that it is restarted", name, pid, now - first_at,
+                          extra={"child": name, "pid": pid})
+                children[name].kill_pid = pid
+                del since[name]
+                self._wake()
 
     def _start(self, child: _Child) -> None:
         env = {**os.environ, **(child.spec.env or {}), PARENT_PID_ENV: str(os.getpid())}

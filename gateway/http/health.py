@@ -70,6 +70,9 @@ class HealthEndpoints:
         registry = self.gateway.registry
         body = {"status": "ok" if registry.has_ready else "unavailable",
                 "workers": [w.describe() for w in registry.workers.values()],
+                # Expired for silence and not back: `serve` replaces such a local process.
+                "lost_workers": [w.describe(self.gateway.clock())
+                                 for w in registry.lost.values()],
                 "num_requests": len(self.gateway.streams),
                 "num_queued": self.gateway.admission.num_queued,
                 "event_loop_lag": self.loop_monitor.describe()}

@@ -18,6 +18,23 @@ from zeroserve.gateway.workers.prefix import Prefix, PrefixIndex
 from zeroserve.gateway.workers.routing import Router
 
 
+@dataclass(frozen=True)
+class LostWorker:
+    """A worker expired for silence, remembered until its id says HELLO again, so that
+    `serve`'s supervisor can see which process went silent and replace it."""
+
+    worker_id: str
+    pid: int
+    lost_at: float
+
+    def describe(self, now: float) -> dict:
+        return {"worker_id": self.worker_id, "pid": self.pid,
+                "lost_s": round(max(0.0, now - self.lost_at), 3)}
+
+
+_MAX_LOST = 1024  # lost workers remembered (ids come from accepted HELLOs)
+
+
 class WorkerRegistry:
     def __init__(self, max_waiting_per_worker: int | None = None,
                  stall_timeout_s: float = 30.0,
@@ -26,6 +43,7 @@ class WorkerRegistry:
         self.stall_timeout_s = stall_timeout_s
         self.router = Router(routing)
         self.workers: dict[str, WorkerHandle] = {}
+        self.lost: dict[str, LostWorker] = {}  # expired, not back yet
         self.last_max_model_len: int | None = None
 
     def register(self, hello: Hello, route: bytes, now: float) -> WorkerHandle | None:
@@ -36,6 +54,7 @@ class WorkerRegistry:
         requests. Every process picks a new route, so a restart shows even where every
         worker is pid 1 (containers).
         """
+        self.lost.pop(hello.worker_id, None)
         old = self.workers.get(hello.worker_id)
         if old is not None and old.route == route:
             old.hello, old.last_seen = hello, now
@@ -100,6 +119,9 @@ class WorkerRegistry:
         lost = [w for w in self.workers.values() if now - w.last_seen > timeout_s]
         for w in lost:
             del self.workers[w.worker_id]
+            if len(self.lost) >= _MAX_LOST:
+                self.lost.clear()
+            self.lost[w.worker_id] = LostWorker(w.worker_id, w.hello.pid, now)
         return lost
 
     def remove(self, worker_id: str) -> WorkerHandle | None:

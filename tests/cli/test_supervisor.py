@@ -46,6 +46,9 @@ if mode == "orphan":  # a helper's helper outlives the helper: re-parented to th
             os._exit(0)
         os._exit(0)
     os.wait()
+if mode == "hang_once" and len(open(log).read().split(" start ")) == 2:  # the first start
+    note("hung")
+    os.kill(os.getpid(), signal.SIGSTOP)  # alive, but useless until someone acts
 def on_term(signum, frame):
     note("term")
     time.sleep(0.3)  # a drain that takes a moment
@@ -73,8 +76,16 @@ def readiness(pids):  # children that logged "ready" under the pid they run with
     return {{name for _, name, what, pid in rows
              if what == "ready" and pids.get(name) == int(pid)}}
 
+def unresponsive(pids):  # children that logged "hung" under the pid they run with now
+    with open(events) as f:
+        rows = [line.split() for line in f]
+    return {{name for _, name, what, pid in rows
+             if what == "hung" and pids.get(name) == int(pid)}}
+
 probe = readiness if events else None
-sys.exit(Supervisor(children, RestartPolicy(**policy), readiness=probe).run())
+watch = unresponsive if events else None
+sys.exit(Supervisor(children, RestartPolicy(**policy), readiness=probe,
+                    unresponsive=watch).run())
 """
 
 
@@ -156,6 +167,19 @@ def test_a_killed_worker_is_restarted_and_nothing_else_moves(harness):
     harness.wait_for(lambda: len(harness.pids("worker-0")) == 2)
     assert harness.pids("worker-0")[1] != first
     assert len(harness.pids("gateway")) == 1 and len(harness.pids("worker-1")) == 1
+    assert harness.process.poll() is None
+
+
+@pytest.mark.slow
+def test_a_stopped_child_that_the_probe_names_is_killed_and_restarted(harness):
+    """A SIGSTOPped worker never exits by itself: once the probe (serve: the gateway's
+    /health) has named it unresponsive for the bound, the supervisor kills and restarts it."""
+    harness.start([("worker-0", "hang_once", 0)], probe=True, unresponsive_timeout_s=0.5,
+                  watch_interval_s=0.1)
+    harness.wait_for(lambda: harness.pids("worker-0", "hung"))
+    hung = harness.pids("worker-0", "hung")[0]
+    harness.wait_for(lambda: len(harness.pids("worker-0")) == 2, timeout_s=5)
+    assert harness.pids("worker-0")[1] != hung and not _alive(hung)
     assert harness.process.poll() is None
 
 

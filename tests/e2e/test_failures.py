@@ -80,6 +80,29 @@ def test_sigkill_a_worker_under_load(zeroserve):
     assert "worker-0 exited with code -9" in server.log_tail(400)
 
 
+def test_a_sigstopped_worker_is_replaced_within_the_bound(zeroserve):
+    """A stopped worker never exits: the gateway marks it lost, and `serve` kills and
+    restarts it once it has been lost for --worker-replace-timeout; new requests succeed."""
+    server = zeroserve(args=("--backend", "fake", "--device", "cpu", "--workers", "1",
+                             "--worker-timeout", "1", "--worker-replace-timeout", "2"))
+    victim = server.ready_workers()[0]
+    os.kill(victim["pid"], signal.SIGSTOP)
+    try:
+        # Lost after 1 s, killed 2 s later (plus a probe round or two), restarted at once.
+        server.wait_for(lambda ws: any(w["status"] == "ready" and w["pid"] != victim["pid"]
+                                       for w in ws), timeout_s=60, what="worker-0 replaced")
+        assert "has been lost or stalled in the gateway's view" in server.log_tail(400)
+        assert "worker-0 exited with code -9" in server.log_tail(400)
+        response = _complete(server.url)
+        assert response.status_code == 200
+        assert response.json()["choices"][0]["finish_reason"] == "length"
+    finally:
+        try:
+            os.kill(victim["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_sigterm_finishes_in_flight_requests_then_exits_zero(zeroserve):
     server = zeroserve(args=("--backend", "fake", "--device", "cpu", "--num-kv-blocks", "512",
                              "--fake-forward-ms", "5", "--drain-timeout", "20"))

@@ -45,3 +45,26 @@ def test_health_reports_a_loop_stall():
             lag = httpx.get(gw.url + "/health").json()["event_loop_lag"]
             return lag["num_stalls"] == 1 and lag["max_ms"] >= 300
         assert wait_until(stalled, 5)
+
+
+def test_a_lost_worker_is_listed_with_its_pid_until_it_comes_back():
+    """`serve`'s supervisor learns from /health which local process went silent (its pid) so
+    it can replace it (cli/children.py GatewayWorkerWatch)."""
+    from zeroserve.cli.children import GatewayWorkerWatch
+
+    with GatewayServer() as gw:
+        worker = gw.worker(worker_id="w0").start()
+        assert worker.ready.wait(5)
+        watch = GatewayWorkerWatch(gw.url)
+        assert watch({"w0": worker.pid}) == set()
+        worker.is_heartbeating = False  # SIGSTOPped, as the gateway sees it
+        assert wait_until(lambda: httpx.get(gw.url + "/health").json()["lost_workers"], 5)
+        lost = httpx.get(gw.url + "/health").json()["lost_workers"]
+        assert [(w["worker_id"], w["pid"]) for w in lost] == [("w0", worker.pid)]
+        assert watch({"w0": worker.pid}) == {"w0"}
+        assert watch({"w0": worker.pid + 1}) == set()  # another incarnation: not condemned
+        worker.stop()
+        back = gw.worker(worker_id="w0").start()
+        assert back.ready.wait(5)
+        assert httpx.get(gw.url + "/health").json()["lost_workers"] == []
+        back.stop()
