@@ -12,11 +12,18 @@ from typing import Protocol
 from zeroserve.worker.block_manager import BlockManager
 from zeroserve.worker.config import EngineConfig
 from zeroserve.worker.grammar import GrammarCompiler, GrammarError, GrammarSpec, GrammarState
+from zeroserve.worker.grammar_pending import PendingGrammars
 from zeroserve.worker.model.info import ModelInfo
 from zeroserve.worker.outputs import EngineStats, RequestOutput, StepTiming
 from zeroserve.worker.plan import SampledToken, SchedulerOutput
 from zeroserve.worker.scheduler import Scheduler
-from zeroserve.worker.sequence import FinishReason, RequestError, SamplingParams, Sequence
+from zeroserve.worker.sequence import (
+    FinishReason,
+    RequestError,
+    SamplingParams,
+    Sequence,
+    SequenceStatus,
+)
 from zeroserve.worker.startup import StartupTimer, seconds_since_process_start
 
 logger = logging.getLogger(__name__)
@@ -88,6 +95,11 @@ class Engine:
         self._generate_ids = itertools.count()
         # Vocabulary and compiled-grammar cache for constrained decoding, made on first use.
         self.grammar_compiler: GrammarCompiler | None = None
+        # Requests waiting for their grammar to compile off this thread (made on first use).
+        self._grammars: PendingGrammars | None = None
+        # Called from another thread when a request waiting for its grammar can go on: the
+        # worker wakes its loop with it (None: whoever steps the engine polls).
+        self.wake: Callable[[], None] | None = None
         # Seconds per start-up phase (worker/startup.py), for the log and the HELLO.
         total_s = seconds_since_process_start()
         if total_s is not None:
@@ -114,21 +126,60 @@ class Engine:
             raise RequestError(f"Token ids must be in [0, {vocab_size}).")
         if len(output_token_ids) >= params.max_tokens:
             raise RequestError("The request has produced all of its max_tokens already.")
-        if grammar is not None:  # its matcher resumes over output_token_ids at the first mask
-            params = dataclasses.replace(params, grammar=self._attach_grammar(grammar))
         seq = Sequence(request_id, list(prompt_token_ids), params,
                        output_token_ids=list(output_token_ids),
                        num_emitted_tokens=len(output_token_ids))
+        if grammar is not None:  # its matcher resumes over output_token_ids at the first mask
+            state = self._cached_grammar(seq, grammar)
+            if state is None:  # compiling off this thread: it waits, unscheduled
+                self._pending_grammars().add(seq, grammar)
+                return
+            seq.params = dataclasses.replace(params, grammar=state)
         self.scheduler.add(seq)
 
-    def _attach_grammar(self, spec: GrammarSpec) -> GrammarState:
+    def _cached_grammar(self, seq: Sequence, spec: GrammarSpec) -> GrammarState | None:
+        """A state for `seq`'s grammar if it is compiled already, else None (compile it).
+        Raises RequestError for what the scheduler would refuse, or no vocabulary."""
+        if self.scheduler.get(seq.request_id) is not None or (
+                self._grammars is not None and seq.request_id in self._grammars):
+            raise RequestError(f"Request id {seq.request_id!r} is already in use.")
+        self.scheduler.check_request(seq.num_prompt_tokens, seq.params.max_tokens)
         if self.grammar_compiler is None:
             self.grammar_compiler = GrammarCompiler(self.info.path, self.info.vocab_size,
                                                     self.info.eos_token_ids)
         try:
-            return self.grammar_compiler.attach(spec)
+            self.grammar_compiler.check_vocabulary()
         except GrammarError as e:
             raise RequestError(str(e)) from None
+        template = self.grammar_compiler.cached(spec)
+        return None if template is None else GrammarState(spec, template.deep_copy())
+
+    def _pending_grammars(self) -> PendingGrammars:
+        if self._grammars is None:
+            assert self.grammar_compiler is not None
+            self._grammars = PendingGrammars(self.grammar_compiler, self._on_grammar_compiled)
+        return self._grammars
+
+    def _on_grammar_compiled(self) -> None:
+        wake = self.wake
+        if wake is not None:
+            wake()
+
+    def _admit_grammars(self) -> None:
+        """Requests whose grammar compiled join the scheduler; those whose grammar did not
+        compile fail with its error (a typed RequestOutput, as an invalid request would)."""
+        for seq, state, error in self._grammars.take_ready() if self._grammars else ():
+            if state is not None:
+                seq.params = dataclasses.replace(seq.params, grammar=state)
+                try:
+                    self.scheduler.add(seq)
+                    continue
+                except RequestError as e:
+                    error = e
+            message = str(error) if isinstance(error, (GrammarError, RequestError)) else \
+                f"internal error compiling the grammar: {error}"
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ERROR
+            self._pending.append(self._output(seq, None, message))
 
     def abort(self, request_id: str) -> bool:
         """Finish a request now, freeing its KV blocks; it is reported once by the next step.
@@ -137,6 +188,10 @@ class Engine:
         too: that finish is its one report (False only when nothing of it is still to come),
         so a new request of the same id never takes it for its own."""
         seq = self.scheduler.abort(request_id)
+        if seq is None and self._grammars is not None:
+            seq = self._grammars.abort(request_id)  # still compiling: nothing else to free
+            if seq is not None:
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
         if seq is None:
             return self._take_held_finish(request_id)
         self._pending.append(self._output(seq, None))
@@ -161,7 +216,10 @@ class Engine:
         return self.scheduler.resume(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending) or bool(self._changed)
+        """Something for the next step to do. A request whose grammar is still compiling
+        is not (`wake` tells when it is)."""
+        return (self.scheduler.has_unfinished() or bool(self._pending) or bool(self._changed)
+                or (self._grammars is not None and self._grammars.has_ready()))
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -196,6 +254,8 @@ class Engine:
 
     def _run_step(self, emit: Callable[[list[RequestOutput]], None] | None) -> None:
         t0 = time.perf_counter()
+        if self._grammars:
+            self._admit_grammars()
         plan = self.scheduler.schedule()
         t1 = time.perf_counter()
         if plan.is_empty:
@@ -245,7 +305,7 @@ class Engine:
         scheduler = self.scheduler
         return EngineStats(
             num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
+            num_waiting=len(scheduler.waiting) + (len(self._grammars) if self._grammars else 0),
             num_paused=len(scheduler.paused),
             num_free_blocks=self.block_manager.num_free_blocks,
             num_cached_blocks=self.block_manager.num_cached_blocks,

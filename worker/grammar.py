@@ -5,7 +5,8 @@ token mask per step, with llguidance (a Rust engine on the CPU; no torch of its 
 - `GrammarCompiler` owns the model's vocabulary as llguidance sees it (built once, lazily, from
   the model files: a GGUF file's `tokenizer.ggml.*` keys or a Hugging Face tokenizer.json) and
   a cache of compiled grammars keyed by (kind, source): a new request with a known grammar
-  costs a deep copy of a ready matcher, not a compilation.
+  costs a deep copy of a ready matcher, not a compilation. A compilation (milliseconds to
+  seconds) runs off the engine thread (worker/grammar_pending.py).
 - `GrammarState` is one sequence's matcher and how many of its output tokens it consumed. It
   rides on the request's SamplingParams (one object per request), so it lives and dies with
   the sequence. Before each mask the sampler `sync`s it to the sequence's output tokens: a
@@ -98,6 +99,9 @@ class GrammarCompiler:
         self.eos_token_ids = tuple(eos_token_ids)
         self._tokenizer = None
         self._lock = threading.Lock()
+        # Compilation runs on a thread of its own (worker/grammar_pending.py) while the engine
+        # thread looks grammars up: the cache is touched only under this lock.
+        self._cache_lock = threading.Lock()
         self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()  # spec -> fresh LLMatcher
 
     @property
@@ -111,25 +115,48 @@ class GrammarCompiler:
 
     def attach(self, spec: GrammarSpec) -> GrammarState:
         """A fresh state for one sequence. Raises GrammarError for an invalid grammar."""
+        return GrammarState(spec, self.compile(spec).deep_copy())
+
+    def check_vocabulary(self) -> None:
+        """Raise GrammarError at once where no grammar could ever apply (cheap: file checks;
+        the vocabulary itself is built with the first compilation)."""
+        if self.model_path.is_dir():
+            if not (self.model_path / "tokenizer.json").is_file():
+                raise GrammarError("the model directory has no tokenizer.json")
+        elif self.model_path.suffix != ".gguf":
+            raise GrammarError("constrained decoding needs the model's vocabulary (GGUF or "
+                               "tokenizer.json)")
+
+    def cached(self, spec: GrammarSpec) -> Any | None:
+        """The compiled template for `spec` if it is cached (copy it per sequence), else None."""
+        with self._cache_lock:
+            template = self._cache.get(spec)
+            if template is not None:
+                self._cache.move_to_end(spec)
+            return template
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        """The compiled template for `spec` (cached). Seconds for a large schema: call it off
+        the engine thread. Raises GrammarError for an invalid grammar."""
         import llguidance
 
-        template = self._cache.get(spec)
-        if template is None:
-            grammar = _ll_grammar(spec)
-            tokenizer = self.tokenizer
-            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-                grammar, tokenizer)
-            if is_error:
-                raise GrammarError(f"invalid grammar: {messages[0] if messages else ''}")
-            template = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-            if template.is_error():
-                raise GrammarError(f"invalid grammar: {template.get_error()}")
+        template = self.cached(spec)
+        if template is not None:
+            return template
+        grammar = _ll_grammar(spec)
+        tokenizer = self.tokenizer
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            grammar, tokenizer)
+        if is_error:
+            raise GrammarError(f"invalid grammar: {messages[0] if messages else ''}")
+        template = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if template.is_error():
+            raise GrammarError(f"invalid grammar: {template.get_error()}")
+        with self._cache_lock:
             self._cache[spec] = template
             if len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(spec)
-        return GrammarState(spec, template.deep_copy())
+        return template
 
 
 def _ll_grammar(spec: GrammarSpec) -> str:

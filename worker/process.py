@@ -120,6 +120,13 @@ def build_engine(config: WorkerConfig) -> Engine:
     return engine
 
 
+class _Wake:
+    """Put in the inbox by another thread (worker/grammar_pending.py): it only wakes us."""
+
+
+_WAKE = _Wake()
+
+
 @dataclass(slots=True)
 class _Stream:
     credit_limit: int  # output tokens we may have sent in all (a high-water mark)
@@ -161,7 +168,10 @@ class WorkerLoop:
             Ready: self._on_ready, Submit: self._on_submit, Abort: self._on_abort,
             Credit: self._on_credit, Drain: self._on_drain, Shutdown: self._on_shutdown,
             Heartbeat: self._on_heartbeat, Error: self._on_error, Undrain: self._on_undrain,
+            _Wake: lambda gw, msg: None,
         }
+        # A request's grammar compiled off this thread: end the loop's wait for messages.
+        engine.wake = lambda: self._inbox.put((0, _WAKE))
 
     # -- the loop ---------------------------------------------------------------------------
 

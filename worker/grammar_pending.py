@@ -1,0 +1,90 @@
+"""Requests waiting for their grammar: compilation runs off the engine thread.
+
+Compiling a grammar (a JSON schema into llguidance's lexer and parser) takes milliseconds to
+seconds. On the engine thread it would stall every stream of the worker for that long, once
+per distinct schema. So a request whose grammar is not in the compiler's cache waits here,
+not in the scheduler: it holds no KV block and no batch slot, and is not scheduled, while a
+thread of its own compiles the grammar. The engine takes the ready ones at its next step
+(`take_ready`): each gets a copy of the compiled matcher and joins the scheduler, or fails
+with the grammar's error. Requests that ask for one grammar at once (the n choices of one
+request) share its compilation.
+
+A request aborted while its grammar compiles is forgotten at once (`abort`); the compilation
+goes on and its result stays in the compiler's bounded cache for the next request with that
+grammar. `wake` is called (on the compiling thread) whenever a compilation ends, so an idle
+engine loop need not poll.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from zeroserve.worker.grammar import GrammarCompiler, GrammarSpec, GrammarState
+from zeroserve.worker.sequence import Sequence
+
+
+class PendingGrammars:
+    def __init__(self, compiler: GrammarCompiler, wake: Callable[[], None]):
+        self._compiler = compiler
+        self._wake = wake
+        self._waiting: dict[str, tuple[Sequence, GrammarSpec, Future]] = {}  # by request id
+        self._compiling: dict[GrammarSpec, Future] = {}  # shared by requests of one grammar
+        self._jobs: queue.SimpleQueue[tuple[GrammarSpec, Future]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._waiting
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def add(self, seq: Sequence, spec: GrammarSpec) -> None:
+        """Hold `seq` until `spec` is compiled."""
+        future = self._compiling.get(spec)
+        if future is None:
+            future = self._compiling[spec] = Future()
+            future.add_done_callback(lambda _: self._wake())
+            self._jobs.put((spec, future))
+            if self._thread is None:  # a daemon: a compilation never holds up an exit
+                self._thread = threading.Thread(target=self._run, name="grammar-compile",
+                                                daemon=True)
+                self._thread.start()
+        self._waiting[seq.request_id] = (seq, spec, future)
+
+    def has_ready(self) -> bool:
+        return any(future.done() for _, _, future in self._waiting.values())
+
+    def take_ready(self) -> list[tuple[Sequence, GrammarState | None, Exception | None]]:
+        """The requests whose grammar is compiled, each with a fresh state for it, or with
+        the exception that compiling it raised; they leave this table."""
+        ready = []
+        for request_id, (seq, spec, future) in list(self._waiting.items()):
+            if not future.done():
+                continue
+            del self._waiting[request_id]
+            error = future.exception()
+            state = None if error is not None else GrammarState(spec, future.result().deep_copy())
+            ready.append((seq, state, error))
+        for spec, future in list(self._compiling.items()):
+            if future.done():  # cached by the compiler from now on (or refused)
+                del self._compiling[spec]
+        return ready
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Forget a waiting request; None if it is not waiting here."""
+        entry = self._waiting.pop(request_id, None)
+        return None if entry is None else entry[0]
+
+    def _run(self) -> None:
+        while True:
+            spec, future = self._jobs.get()
+            try:
+                result: Any = self._compiler.compile(spec)
+            except Exception as e:  # GrammarError, or a bug: either fails its requests
+                future.set_exception(e)
+            else:
+                future.set_result(result)
