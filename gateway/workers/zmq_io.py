@@ -24,6 +24,7 @@ Sends never block: a ROUTER drops what it cannot route, and so do we.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -53,6 +54,8 @@ _MAX_MSG_BYTES = MAX_FRAME_BYTES + 4096  # a bigger inbound message drops its co
 _RCVHWM = 10_000  # messages queued per socket before ZeroMQ stops reading the peers
 _SNDHWM = 10_000  # messages queued per worker; beyond, sends to it are dropped
 _RECEIVE_RESTART_PAUSE_S = 0.1  # after the receive loop failed, before it starts again
+_RECEIVE_MAX_PAUSE_S = 5.0  # the pause doubles while it keeps failing at once
+_RECEIVE_STABLE_S = 10.0  # a loop that ran this long before failing restarts after the least
 
 
 class ClientStream(Protocol):
@@ -220,7 +223,9 @@ class ZmqEdge:
         """Run the receive loop; an unexpected exception in it (not a handler's: those are
         caught per message) is logged, counted and the loop restarted, so the gateway never
         goes on answering liveness while it has stopped hearing its workers."""
+        pause_s = _RECEIVE_RESTART_PAUSE_S
         while True:
+            started = time.monotonic()
             try:
                 await self._receive_loop()
             except asyncio.CancelledError:
@@ -229,7 +234,10 @@ class ZmqEdge:
                 self.num_receive_restarts += 1
                 log.exception("the receive loop failed; restarting it",
                               extra={"num_restarts": self.num_receive_restarts})
-                await asyncio.sleep(_RECEIVE_RESTART_PAUSE_S)  # no hot loop on a lasting fault
+                if time.monotonic() - started > _RECEIVE_STABLE_S:
+                    pause_s = _RECEIVE_RESTART_PAUSE_S
+                await asyncio.sleep(pause_s)  # a lasting fault: no hot loop, no log flood
+                pause_s = min(2 * pause_s, _RECEIVE_MAX_PAUSE_S)
 
     async def _receive_loop(self) -> None:
         """The one receive loop: wait until either socket has input, drain both."""

@@ -3,10 +3,15 @@ keeps the first and refuses the second until the first is gone, on real sockets.
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import threading
+import time
 
 import httpx
+import pytest
 
+from tests.conftest import REPO_ROOT, child_env, zeroserve_argv
 from tests.gateway.helpers import GatewayServer, cyclic_reply, wait_until
 
 
@@ -36,3 +41,50 @@ def test_a_second_live_process_with_the_same_id_is_refused_until_the_first_is_go
         assert r.json()["choices"][0]["text"] == "abab"
         assert gw.gateway.registry.get("w0").hello.pid == second.pid
         second.stop()
+
+
+@pytest.mark.slow
+def test_real_workers_sharing_an_id_take_turns_only_when_one_dies():
+    """Two real worker processes with one id: the second is refused (it keeps running and
+    saying HELLO) while the first lives, and is taken within seconds once the first is
+    killed; meanwhile the first's requests are never failed over."""
+    with GatewayServer(worker_timeout_s=1.0) as gw:
+        first = _start_worker(gw, "w0")
+        second = None
+        try:
+            assert wait_until(lambda: _pid_of(gw, "w0") == first.pid, 60)
+            second = _start_worker(gw, "w0")
+            time.sleep(8)  # its start-up, and several HELLOs
+            assert second.poll() is None  # refused, not ended
+            assert _pid_of(gw, "w0") == first.pid
+            # No incarnation replaced another (each replacement fails over every stream).
+            assert 'event="restarted"' not in httpx.get(gw.url + "/metrics").text
+            r = httpx.post(gw.url + "/v1/completions", timeout=30,
+                           json={"prompt": "x", "max_tokens": 5, "ignore_eos": True})
+            assert r.status_code == 200
+            first.send_signal(signal.SIGKILL)
+            first.wait(10)
+            assert wait_until(lambda: _pid_of(gw, "w0") == second.pid, 15)
+            r = httpx.post(gw.url + "/v1/completions", timeout=30,
+                           json={"prompt": "x", "max_tokens": 5, "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        finally:
+            for proc in (first, second):
+                if proc is not None and proc.poll() is None:
+                    proc.send_signal(signal.SIGKILL)
+                    proc.wait(10)
+
+
+def _start_worker(gw: GatewayServer, worker_id: str) -> subprocess.Popen:
+    router, tokens = gw.config.endpoints
+    return subprocess.Popen(
+        zeroserve_argv("worker", "--worker-id", worker_id, "--router-address", router,
+                       "--tokens-address", tokens, "--backend", "fake", "--device", "cpu",
+                       "--fake-forward-ms", "5", "--heartbeat-interval", "0.1",
+                       "--gateway-timeout", "1", "--log-level", "warning"),
+        cwd=REPO_ROOT, env=child_env())
+
+
+def _pid_of(gw: GatewayServer, worker_id: str) -> int | None:
+    worker = gw.gateway.registry.get(worker_id)
+    return None if worker is None else worker.hello.pid
