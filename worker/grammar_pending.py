@@ -13,6 +13,9 @@ A request aborted while its grammar compiles is forgotten at once (`abort`); the
 goes on and its result stays in the compiler's bounded cache for the next request with that
 grammar. `wake` is called (on the compiling thread) whenever a compilation ends, so an idle
 engine loop need not poll.
+
+llguidance releases the GIL for most of a compilation: a 0.22 s JSON-schema compilation on
+this thread held a 1 ms Python loop back by 20 ms at most (on the engine thread: 0.22 s).
 """
 
 from __future__ import annotations
