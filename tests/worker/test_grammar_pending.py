@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from tests.worker.factories import make_engine
+from tests.worker.factories import make_engine, run_to_completion
 from tests.worker.test_process import FakeGateway, RunningWorker
-from zeroserve.common.protocol import Abort, Hello, Ready, Submit
+from zeroserve.common.protocol import Abort, Hello, Ready, Shutdown, Submit
 from zeroserve.worker.grammar import GrammarCompiler, GrammarError, GrammarSpec
 from zeroserve.worker.process import WorkerConfig
 from zeroserve.worker.sequence import SamplingParams
@@ -77,8 +77,6 @@ def test_other_streams_keep_producing_tokens_while_a_grammar_compiles(tmp_path,
         assert len(during) > 20 and max(gaps) < 0.5, max(gaps)
     finally:
         gateway.send(Abort(["plain", "json"]))
-        from zeroserve.common.protocol import Shutdown
-
         gateway.send(Shutdown("test over"))
         worker.wait()
         gateway.close()
@@ -121,4 +119,4 @@ def test_a_request_aborted_while_its_grammar_compiles_leaves_nothing(slow_compil
     assert stats.num_free_blocks == num_free
     # The id is free again: a new request of it runs.
     engine.add_request("r", [1, 2], SamplingParams(max_tokens=2, ignore_eos=True))
-    assert engine.generate([[1, 2]], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(run_to_completion(engine)["tokens"]["r"]) == 2
