@@ -168,7 +168,8 @@ class Engine:
     def _admit_grammars(self) -> None:
         """Requests whose grammar compiled join the scheduler; those whose grammar did not
         compile fail with its error (a typed RequestOutput, as an invalid request would)."""
-        for seq, state, error in self._grammars.take_ready() if self._grammars else ():
+        assert self._grammars is not None
+        for seq, state, error in self._grammars.take_ready():
             if state is not None:
                 seq.params = dataclasses.replace(seq.params, grammar=state)
                 try:
@@ -254,7 +255,7 @@ class Engine:
 
     def _run_step(self, emit: Callable[[list[RequestOutput]], None] | None) -> None:
         t0 = time.perf_counter()
-        if self._grammars:
+        if self._grammars is not None:
             self._admit_grammars()
         plan = self.scheduler.schedule()
         t1 = time.perf_counter()
@@ -305,7 +306,7 @@ class Engine:
         scheduler = self.scheduler
         return EngineStats(
             num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting) + (len(self._grammars) if self._grammars else 0),
+            num_waiting=len(scheduler.waiting) + len(self._grammars or ()),
             num_paused=len(scheduler.paused),
             num_free_blocks=self.block_manager.num_free_blocks,
             num_cached_blocks=self.block_manager.num_cached_blocks,
