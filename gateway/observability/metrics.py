@@ -56,6 +56,7 @@ class _Queue(Protocol):
 
 class _Edge(Protocol):
     num_dropped: int
+    num_receive_restarts: int
 
 
 class GatewayState(Protocol):

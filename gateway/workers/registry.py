@@ -11,6 +11,8 @@ its I/O thread is alive, its engine thread is stuck); it is READY again once it 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from zeroserve.common.protocol import Heartbeat, Hello, WorkerState
 from zeroserve.gateway.config import RoutingPolicy
 from zeroserve.gateway.workers.handle import WorkerHandle, WorkerStatus

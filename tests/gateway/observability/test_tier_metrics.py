@@ -27,7 +27,7 @@ class _Gateway:
         self.registry = WorkerRegistry()
         self.registry.register(hello("w"), b"w.1", 0.0)
         self.admission = type("A", (), {"num_queued": 0})()
-        self.edge = type("E", (), {"num_dropped": 0})()
+        self.edge = type("E", (), {"num_dropped": 0, "num_receive_restarts": 0})()
 
 
 def test_each_gateways_own_figures_are_labelled_and_worker_figures_come_once(tmp_path):
