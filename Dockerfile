@@ -17,6 +17,7 @@ RUN pip install "torch>=2.3" --index-url "${TORCH_INDEX}"
 
 WORKDIR /opt/zeroserve
 COPY pyproject.toml README.md ./
+COPY cli ./cli
 COPY common ./common
 COPY worker ./worker
 COPY gateway ./gateway

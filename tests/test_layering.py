@@ -21,7 +21,7 @@ import ast
 import tomllib
 from pathlib import Path
 
-from tests.conftest import REPO_ROOT
+from zeroserve.cli.harness import REPO_ROOT
 
 LAYERS = ("common", "worker", "gateway", "cli")
 MAY_IMPORT = {

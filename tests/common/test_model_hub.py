@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.common.hub_stand_in import COMMIT, HubStandIn
-from tests.conftest import REPO_ROOT, child_env
+from zeroserve.cli.harness import REPO_ROOT, child_env
 from zeroserve.common.model_files import hub_repo, model_display_name
 
 REPO = "tiny-org/tiny-qwen2"

@@ -12,15 +12,14 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
-from tests.conftest import REPO_ROOT, ServerProcess, child_env, free_port
 from tests.e2e.helpers import MODEL
+from zeroserve.cli.harness import REPO_ROOT, ServerProcess, child_env, free_port, zeroserve_argv
 
 COMPOSE = REPO_ROOT / "docker-compose.yml"
 DOCKERFILE = REPO_ROOT / "Dockerfile"
@@ -174,7 +173,7 @@ class Localizer:
             i = out.index("--port") + 1
             out[i] = str(self.port(out[i]))
         if out[0] == "zeroserve":  # run from this checkout, whatever is installed
-            out = [sys.executable, "-m", "zeroserve.cli", *out[1:]]
+            out = zeroserve_argv(*out[1:])
         return out
 
     def env(self, service: dict) -> dict[str, str]:
@@ -242,7 +241,7 @@ def test_localizer_rewrites_hosts_ports_and_devices():
     local = Localizer()
     command = local.command(["zeroserve", "worker", "--device", "cuda:1", "--router-address",
                              "tcp://gateway:5555", "--port", "8000"])
-    assert command[:4] == [sys.executable, "-m", "zeroserve.cli", "worker"]
+    assert command[:4] == zeroserve_argv("worker")
     assert flag(command, "--device") == "cpu"
     assert flag(command, "--router-address") == f"tcp://127.0.0.1:{local.ports['5555']}"
     assert flag(command, "--port") == str(local.ports["8000"])

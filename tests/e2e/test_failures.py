@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from tests.e2e.helpers import MODEL, stream_in_thread
+from zeroserve.cli.harness import start_server
 
 pytestmark = pytest.mark.slow
 
@@ -123,8 +124,6 @@ def test_sigterm_finishes_in_flight_requests_then_exits_zero(zeroserve):
 
 
 def test_first_start_failure_exits_instead_of_looping(tmp_path):
-    from tests.conftest import start_server
-
     server = start_server(tmp_path, args=("--model", str(tmp_path / "missing.gguf"),
                                           "--device", "cpu"), wait=False)
     try:

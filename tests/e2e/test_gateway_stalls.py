@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from tests.conftest import free_port, start_server
 from tests.e2e.helpers import stream_in_thread
+from zeroserve.cli.harness import free_port, start_server
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,8 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import REPO_ROOT, child_env
 from tests.e2e.helpers import StreamResult, stream_completion
+from zeroserve.cli.harness import REPO_ROOT, child_env, zeroserve_argv
 
 pytestmark = pytest.mark.slow
 
@@ -128,7 +127,7 @@ def hosts():
 
 
 def zeroserve(*args: str) -> list[str]:
-    return [sys.executable, "-m", "zeroserve.cli", *args]
+    return zeroserve_argv(*args)
 
 
 def health(url: str) -> dict:

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from tests.conftest import REPO_ROOT, child_env, zeroserve_argv
 from tests.e2e.helpers import stream_completion
+from zeroserve.cli.harness import REPO_ROOT, child_env, zeroserve_argv
 
 pytestmark = pytest.mark.slow
 

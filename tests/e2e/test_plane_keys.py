@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import REPO_ROOT, child_env, free_port, zeroserve_argv
 from tests.e2e.helpers import MODEL
+from zeroserve.cli.harness import REPO_ROOT, child_env, free_port, zeroserve_argv
 
 pytestmark = pytest.mark.slow
 

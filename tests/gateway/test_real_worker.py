@@ -7,13 +7,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.gateway.helpers import GatewayServer, wait_until
+from zeroserve.cli.harness import zeroserve_argv
 from zeroserve.gateway.text.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,9 +27,9 @@ def tokenizer():
 def start_worker(gw: GatewayServer, worker_id: str) -> subprocess.Popen:
     router, tokens = gw.config.endpoints
     return subprocess.Popen(
-        [sys.executable, "-m", "zeroserve.cli", "worker", "--worker-id", worker_id,
-         "--router-address", router, "--tokens-address", tokens, "--backend", "fake",
-         "--fake-forward-ms", "5", "--heartbeat-interval", "0.1", "--log-level", "warning"],
+        zeroserve_argv("worker", "--worker-id", worker_id, "--router-address", router,
+                       "--tokens-address", tokens, "--backend", "fake", "--fake-forward-ms", "5",
+                       "--heartbeat-interval", "0.1", "--log-level", "warning"),
         cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
 
 
