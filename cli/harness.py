@@ -95,6 +95,7 @@ class ServerProcess:
         self.process = subprocess.Popen(argv, cwd=REPO_ROOT, env=child_env(env),
                                         stdout=self._log, stderr=stderr, start_new_session=True)
         self.seen_worker_pids: set[int] = set()
+        self._is_terminated = False
 
     # -- state ------------------------------------------------------------------------------
 
@@ -173,8 +174,10 @@ class ServerProcess:
     # -- teardown ---------------------------------------------------------------------------
 
     def terminate(self) -> None:
-        if self.process.poll() is None:
+        """SIGTERM, once: a second one would tell a worker or `serve` to stop at once."""
+        if self.process.poll() is None and not self._is_terminated:
             self.process.send_signal(signal.SIGTERM)
+            self._is_terminated = True
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """SIGTERM and wait; then SIGKILL whatever is left. Returns the exit code."""

@@ -71,6 +71,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+from zeroserve.cli.harness import start_server  # noqa: E402
 
 PROMPT_BASE_ID = 1000  # stream k sends the one-token prompt [PROMPT_BASE_ID + k]
 
@@ -248,25 +249,6 @@ def run_c_client(exe: str, port: int, num_streams: int, max_tokens: int, out_pat
 
 # --- orchestration ----------------------------------------------------------------------
 
-def wait_healthy(port: int, timeout_s: float = 120, num_in_a_row: int = 1) -> None:
-    """Until /health answers 200 `num_in_a_row` times running (each on a new connection,
-    which the kernel may give any gateway sharing the port)."""
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    num_ok = 0
-    while time.monotonic() < deadline:
-        try:
-            is_ok = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            is_ok = False
-        num_ok = num_ok + 1 if is_ok else 0
-        if num_ok >= num_in_a_row:
-            return
-        time.sleep(0.2 if not is_ok else 0.02)
-    raise RuntimeError("gateway did not become healthy")
-
-
 def cpu_seconds(pid: int) -> float | None:
     """user + system CPU time a process used so far (Linux /proc)."""
     try:
@@ -366,18 +348,15 @@ def main() -> None:
     router, tokens = default_endpoints(args.port)
     tmp = tempfile.mkdtemp(prefix="relay-bench-")
     client_exe = build_c_client(tmp) if args.client == "c" else None
-    py = sys.executable
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    # The servers' output is ours (no log file): a warning shows beside the result.
     gateways = []
     for index in range(args.gateways if args.worker != "serve" else 0):
         shared = ["--reuse-port", *default_endpoint_args(args.port, index)] \
             if args.gateways > 1 else []
-        gateways.append(subprocess.Popen(
-            [py, "-m", "zeroserve.cli", "gateway", "--port", str(args.port), "--log-level",
-             "warning", "--max-queued-requests", str(args.streams * 2),
-             "--credit-window", str(args.credit_window), *shared, *args.gateway_arg],
-            env=env, cwd=ROOT))
+        gateways.append(start_server(command="gateway", args=(
+            "--port", str(args.port), "--log-level", "warning", "--max-queued-requests",
+            str(args.streams * 2), "--credit-window", str(args.credit_window), *shared,
+            *args.gateway_arg), port=args.port, wait=False))
     procs = list(gateways)
     stamps_path, stop_path = os.path.join(tmp, "stamps.json"), os.path.join(tmp, "stop")
     stamped = None
@@ -391,27 +370,27 @@ def main() -> None:
                 router, tokens, args.step_ms / 1000, word_id, stamps_path, stop_path))
             stamped.start()
         elif args.worker == "serve":
-            procs.append(subprocess.Popen(
-                [py, "-m", "zeroserve.cli", "serve", "--port", str(args.port),
-                 "--gateways", str(args.gateways), "--backend", "fake", "--fake-forward-ms",
-                 str(args.step_ms), "--max-num-seqs", str(args.streams), "--credit-window",
-                 str(args.credit_window), "--log-level", "warning", *args.gateway_arg],
-                env=env, cwd=ROOT))
+            procs.append(start_server(command="serve", args=(
+                "--port", str(args.port), "--gateways", str(args.gateways), "--backend",
+                "fake", "--fake-forward-ms", str(args.step_ms), "--max-num-seqs",
+                str(args.streams), "--credit-window", str(args.credit_window), "--log-level",
+                "warning", *args.gateway_arg), port=args.port, wait=False))
         else:
-            procs.append(subprocess.Popen(
-                [py, "-m", "zeroserve.cli", "worker", "--port", str(args.port),
-                 "--gateways", str(args.gateways), "--backend", "fake",
-                 "--fake-forward-ms", str(args.step_ms), "--max-num-seqs",
-                 str(max(args.streams, 64)), "--max-num-batched-tokens",
-                 str(max(args.streams, 512)), "--num-kv-blocks",
-                 str(args.streams * (args.tokens // 16 + 3)), "--log-level", "warning",
-                 *([] if args.no_stamps else ["--fake-stamps", stamps_path])],
-                env=env, cwd=ROOT))
-        wait_healthy(args.port, num_in_a_row=1 if args.gateways == 1 else 10 * args.gateways)
-        worker_pid = stamped.pid if stamped is not None else procs[-1].pid
-        gateway_pids = [g.pid for g in gateways]
+            procs.append(start_server(command="worker", args=(
+                "--port", str(args.port), "--gateways", str(args.gateways), "--backend",
+                "fake", "--fake-forward-ms", str(args.step_ms), "--max-num-seqs",
+                str(max(args.streams, 64)), "--max-num-batched-tokens",
+                str(max(args.streams, 512)), "--num-kv-blocks",
+                str(args.streams * (args.tokens // 16 + 3)), "--log-level", "warning",
+                *([] if args.no_stamps else ["--fake-stamps", stamps_path])),
+                port=args.port, wait=False))
+        # Every process in procs that speaks HTTP (the gateways, serve) answers on args.port.
+        procs[0].wait_answering(
+            num_in_a_row=1 if args.gateways == 1 else 10 * args.gateways)
+        worker_pid = stamped.pid if stamped is not None else procs[-1].process.pid
+        gateway_pids = [g.process.pid for g in gateways]
         if args.worker == "serve":
-            children = child_processes(procs[-1].pid)
+            children = child_processes(procs[-1].process.pid)
             gateway_pids = [pid for pid, cmd in children.items() if " gateway " in cmd]
             (worker_pid,) = [pid for pid, cmd in children.items() if "zeroserve.cli worker" in cmd]
         cpu_before = {"gateway": gateways_cpu_seconds(gateway_pids),
@@ -439,10 +418,7 @@ def main() -> None:
         for p in reversed(procs):  # the worker first, so it does not miss its gateway
             p.terminate()
         for p in reversed(procs):
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            p.stop(timeout_s=10)
 
     wall = end - start
     num_tokens = sum(usage)

@@ -30,10 +30,8 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import socket
 import statistics
-import subprocess
 import sys
 import time
 import urllib.error
@@ -44,7 +42,7 @@ from pathlib import Path
 
 import aiohttp
 
-REPO = Path(__file__).resolve().parent.parent
+from zeroserve.cli.harness import start_server
 
 
 @dataclass
@@ -292,32 +290,14 @@ async def run_phase(name: str, url: str, port: int, model: str, args: argparse.N
     return phase
 
 
-def start_server(args: argparse.Namespace, log_path: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "zeroserve.cli", "serve", "--port", str(args.port),
-            "--device", "cpu", "--slow-client-timeout", str(args.slow_client_timeout),
-            *args.server_args]
+def serve_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The `zeroserve serve` flags of this run but --port."""
+    flags = ["--device", "cpu", "--slow-client-timeout", str(args.slow_client_timeout),
+             *args.server_args]
     if args.quick:
-        argv += ["--backend", "fake", "--fake-forward-ms", "20", "--num-kv-blocks", "8192",
-                 "--max-num-seqs", "64"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROSERVE_")}
-    env["PYTHONPATH"] = str(REPO)
-    return subprocess.Popen(argv, cwd=REPO, env=env, stdout=open(log_path, "wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"server exited with {process.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health/ready", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("server not ready in time")
+        flags += ["--backend", "fake", "--fake-forward-ms", "20", "--num-kv-blocks", "8192",
+                  "--max-num-seqs", "64"]
+    return tuple(flags)
 
 
 def max_prompt_chars_default() -> int:
@@ -383,16 +363,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     url = f"http://127.0.0.1:{args.port}"
     log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_hostile-{args.port}.log"
-    process = start_server(args, log_path)
+    server = start_server(args=serve_args(args), port=args.port, log_path=log_path,
+                          timeout_s=300)
     try:
-        wait_ready(url, process)
         phases = asyncio.run(main_async(args, url))
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+        server.stop(timeout_s=30)
     print(table(phases))
     quiet = [p for p in phases if p.name.startswith("quiet")]
     hostile = [p for p in phases if p.name.startswith("hostile")]

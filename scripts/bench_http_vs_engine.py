@@ -24,7 +24,8 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 from bench_data import load_chat_samples  # noqa: E402
 from bench_serving import BenchConfig, run  # noqa: E402
-from compare import Server, free_port  # noqa: E402
+
+from zeroserve.cli.harness import ServerError, start_server  # noqa: E402
 
 
 def in_process(prompts: list[list[int]], args: argparse.Namespace) -> float:
@@ -47,16 +48,14 @@ def in_process(prompts: list[list[int]], args: argparse.Namespace) -> float:
 
 
 def over_http(samples, args: argparse.Namespace) -> float:
-    port = free_port()
-    cmd = [sys.executable, "-m", "zeroserve.cli", "serve", "--port", str(port),
-           "--max-num-seqs", str(args.concurrency), "--num-threads", str(args.threads)]
-    server = Server("zeroserve", cmd, port, args.concurrency,
-                    REPO_ROOT / ".bench" / "logs" / "http_vs_engine.log")
     try:
-        why = server.wait_ready(300)
-        if why is not None:
-            raise SystemExit(f"zeroserve did not start: {why}")
-        cfg = BenchConfig(base_url=server.base_url, num_prompts=len(samples),
+        server = start_server(args=("--max-num-seqs", str(args.concurrency), "--num-threads",
+                                    str(args.threads)), timeout_s=300,
+                              log_path=REPO_ROOT / ".bench" / "logs" / "http_vs_engine.log")
+    except ServerError as e:
+        raise SystemExit(f"zeroserve did not start: {e.why}") from None
+    try:
+        cfg = BenchConfig(base_url=server.url, num_prompts=len(samples),
                           concurrency=args.concurrency, output_len=args.output_len,
                           num_warmup=2, show_progress=False)
         summary = run(cfg, samples)
@@ -64,7 +63,7 @@ def over_http(samples, args: argparse.Namespace) -> float:
             print(f"warning: HTTP run had failures or mismatches: {summary}", file=sys.stderr)
         return summary["output_throughput"]
     finally:
-        server.stop()
+        server.stop(timeout_s=10)
 
 
 def main() -> int:

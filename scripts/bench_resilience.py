@@ -39,19 +39,17 @@ REPO = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):
     sys.path.insert(0, str(REPO))
 from scripts.bench_serving import RequestResult, send_request  # noqa: E402
+from zeroserve.cli.harness import start_server, zeroserve_argv  # noqa: E402
 
 PHASES = ("steady", "kill -9 worker-0", "rolling restart")
 
 
-def start_server(args: argparse.Namespace, log_path: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "zeroserve.cli", "serve", "--port", str(args.port),
-            "--device", "cpu", "--workers", "2", *args.server_args]
+def serve_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The `zeroserve serve` flags of this run but --port."""
+    flags = ["--device", "cpu", "--workers", "2", *args.server_args]
     if args.quick:
-        argv += ["--backend", "fake", "--fake-forward-ms", "20", "--num-kv-blocks", "4096"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROSERVE_")}
-    env["PYTHONPATH"] = str(REPO)
-    return subprocess.Popen(argv, cwd=REPO, env=env, stdout=open(log_path, "wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+        flags += ["--backend", "fake", "--fake-forward-ms", "20", "--num-kv-blocks", "4096"]
+    return tuple(flags)
 
 
 def health(url: str) -> dict:
@@ -60,18 +58,6 @@ def health(url: str) -> dict:
             return json.loads(r.read())
     except OSError as e:
         return json.loads(e.read()) if hasattr(e, "read") else {}
-
-
-def wait_workers(url: str, process: subprocess.Popen, num: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"server exited with {process.returncode}")
-        ready = [w for w in health(url).get("workers", []) if w.get("status") == "ready"]
-        if len(ready) >= num:
-            return
-        time.sleep(0.5)
-    raise SystemExit("workers not ready in time")
 
 
 async def client(session: aiohttp.ClientSession, url: str, body: dict, t0: float,
@@ -126,8 +112,8 @@ def run_events(args: argparse.Namespace, url: str, t0: float, events: list) -> N
     events.append((time.perf_counter() - t0, "kill -9 worker-0"))
     time.sleep(max(0.0, t0 + 2 * args.phase_s - time.perf_counter()))
     events.append((time.perf_counter() - t0, "rolling restart begins"))
-    done = subprocess.run([sys.executable, "-m", "zeroserve.cli", "workers", "restart", "--all",
-                           "--deadline", str(args.drain_deadline), "--url", url],
+    done = subprocess.run(zeroserve_argv("workers", "restart", "--all", "--deadline",
+                                         str(args.drain_deadline), "--url", url),
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     events.append((time.perf_counter() - t0,
                    f"rolling restart ends (exit {done.returncode}): "
@@ -193,19 +179,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     url = f"http://127.0.0.1:{args.port}"
-    log_path = REPO / ".bench" / "resilience-server.log"
-    log_path.parent.mkdir(exist_ok=True)
-    process = start_server(args, log_path)
+    server = start_server(args=serve_args(args), num_workers=2, port=args.port,
+                          log_path=REPO / ".bench" / "resilience-server.log", timeout_s=600)
     try:
-        wait_workers(url, process, 2, timeout_s=600)
         results, events, wall_s = asyncio.run(main_async(args, url))
         print(report(args, results, events, wall_s))
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+        server.stop(timeout_s=60)
     return 0
 
 

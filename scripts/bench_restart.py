@@ -32,10 +32,7 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -43,27 +40,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from zeroserve.cli.harness import ServerProcess, free_port, start_server
+
 WORKER = "worker-0"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get_json(url: str, timeout_s: float = 2.0) -> dict | None:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as e:  # 503 while no worker is ready still has a body
-        try:
-            return json.loads(e.read())
-        except ValueError:
-            return None
-    except (OSError, ValueError):
-        return None
 
 
 def boot_clock() -> float:
@@ -81,45 +60,33 @@ def process_start(pid: int) -> float | None:
     return int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime in ticks
 
 
-class Server:
-    def __init__(self, args: argparse.Namespace, num_workers: int, cache_dir: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROSERVE_")}
-        env["ZEROSERVE_CACHE_DIR"] = str(cache_dir)
-        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-        argv = [sys.executable, "-m", "zeroserve.cli", "serve", "--port", str(self.port),
-                "--workers", str(num_workers), "--model", args.model, "--device", "cpu",
-                *args.serve_args]
-        self.log = open(Path(tempfile.gettempdir()) / f"bench_restart_{self.port}.log", "w")  # noqa: SIM115
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+def start_serve(args: argparse.Namespace, num_workers: int, cache_dir: Path) -> ServerProcess:
+    """`zeroserve serve` with a weight cache of its own; not waited for."""
+    port = free_port()
+    return start_server(args=("--workers", str(num_workers), "--model", args.model,
+                              "--device", "cpu", *args.serve_args), port=port, wait=False,
+                        env={"ZEROSERVE_CACHE_DIR": str(cache_dir)},
+                        log_path=Path(tempfile.gettempdir()) / f"bench_restart_{port}.log")
 
-    def workers(self) -> dict[str, dict]:
-        health = get_json(self.url + "/health") or {}
-        return {w["worker_id"]: w for w in health.get("workers", [])}
 
-    def wait_ready(self, worker_id: str, not_pid: int | None, timeout_s: float) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            w = self.workers().get(worker_id)
-            if w is not None and w["status"] == "ready" and w["pid"] != not_pid:
-                return w
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"serve exited with {self.proc.returncode}; see {self.log.name}")
-            time.sleep(0.02)
-        raise TimeoutError(f"{worker_id} not ready within {timeout_s} s; see {self.log.name}")
+def workers_by_id(server: ServerProcess) -> dict[str, dict]:
+    return {w["worker_id"]: w for w in server.workers()}
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
+
+def wait_worker_ready(server: ServerProcess, worker_id: str, not_pid: int | None,
+                      timeout_s: float) -> dict:
+    """Polls /health every 20 ms until `worker_id` is ready with a pid other than
+    `not_pid`; its /health entry."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        w = workers_by_id(server).get(worker_id)
+        if w is not None and w["status"] == "ready" and w["pid"] != not_pid:
+            return w
+        if server.process.poll() is not None:
+            raise RuntimeError(f"serve exited with {server.process.returncode}; "
+                               f"see {server.log_path}")
+        time.sleep(0.02)
+    raise TimeoutError(f"{worker_id} not ready within {timeout_s} s; see {server.log_path}")
 
 
 class BusyLoad:
@@ -156,11 +123,11 @@ class BusyLoad:
             t.join(timeout=310)
 
 
-def restart_once(server: Server, timeout_s: float) -> dict:
-    old = server.workers()[WORKER]
+def restart_once(server: ServerProcess, timeout_s: float) -> dict:
+    old = workers_by_id(server)[WORKER]
     killed = time.monotonic()
     os.kill(old["pid"], signal.SIGKILL)
-    ready = server.wait_ready(WORKER, not_pid=old["pid"], timeout_s=timeout_s)
+    ready = wait_worker_ready(server, WORKER, not_pid=old["pid"], timeout_s=timeout_s)
     ready_at, ready_boot = time.monotonic(), boot_clock()
     start = process_start(ready["pid"])
     return {
@@ -172,19 +139,20 @@ def restart_once(server: Server, timeout_s: float) -> dict:
 
 def run_scenario(args: argparse.Namespace, name: str) -> dict:
     cache_dir = Path(tempfile.mkdtemp(prefix="zeroserve-bench-cache-"))
-    server = Server(args, 2 if name == "busy" else 1, cache_dir)
+    started = time.monotonic()
+    server = start_serve(args, 2 if name == "busy" else 1, cache_dir)
     load = None
     results: dict = {"scenario": name, "cold": [], "warm": []}
     try:
-        first = server.wait_ready(WORKER, None, args.timeout_s)
+        first = wait_worker_ready(server, WORKER, None, args.timeout_s)
         start = process_start(first["pid"])
         results["first_start"] = {
-            "serve_to_ready_s": round(time.monotonic() - server.started, 3),
+            "serve_to_ready_s": round(time.monotonic() - started, 3),
             "start_to_ready_s": None if start is None else round(boot_clock() - start, 3),
             "phases_s": first.get("startup_phases_s", {}),
         }
         if name == "busy":
-            server.wait_ready("worker-1", None, args.timeout_s)
+            wait_worker_ready(server, "worker-1", None, args.timeout_s)
             load = BusyLoad(server.url, args.busy_clients, args.busy_tokens)
         for kind, repeats in (("cold", args.cold_repeats), ("warm", args.repeats)):
             for i in range(repeats):
@@ -201,7 +169,7 @@ def run_scenario(args: argparse.Namespace, name: str) -> dict:
     finally:
         if load is not None:
             load.stop()
-        server.stop()
+        server.stop(timeout_s=30)
         shutil.rmtree(cache_dir, ignore_errors=True)
     for kind in ("cold", "warm"):
         results[f"{kind}_median"] = summarize(results[kind])

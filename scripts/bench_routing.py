@@ -21,14 +21,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 from scripts.bench_data import dataset_file, iter_conversations  # noqa: E402
+from zeroserve.cli.harness import start_server  # noqa: E402
 
 MODES = ("cache_aware", "least_loaded")
 
@@ -142,51 +139,21 @@ async def run_chats(url: str, chats: list[list[str]], concurrency: int,
     return results
 
 
-def start_server(mode: str, port: int, args: argparse.Namespace,
-                 log_path: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "zeroserve.cli", "serve", "--port", str(port), "--device",
-            "cpu", "--workers", "2", "--routing", mode, *args.server_args]
+def serve_args(mode: str, args: argparse.Namespace) -> tuple[str, ...]:
+    """The `zeroserve serve` flags of one mode's server but --port."""
+    flags = ["--device", "cpu", "--workers", "2", "--routing", mode, *args.server_args]
     if args.fake:
-        argv += ["--backend", "fake", "--fake-forward-ms", "20"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROSERVE_")}
-    env["PYTHONPATH"] = str(REPO)
-    return subprocess.Popen(argv, cwd=REPO, env=env, stdout=open(log_path, "wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def wait_workers(url: str, proc: subprocess.Popen, num: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                workers = json.loads(r.read()).get("workers", [])
-        except OSError:
-            workers = []
-        if sum(1 for w in workers if w.get("status") == "ready") >= num:
-            return
-        time.sleep(0.5)
-    raise SystemExit("workers not ready in time")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        flags += ["--backend", "fake", "--fake-forward-ms", "20"]
+    return tuple(flags)
 
 
 def run_mode(mode: str, chats: list[list[str]], args: argparse.Namespace,
              log_dir: Path) -> ModeResult:
-    port = args.port
-    url = f"http://127.0.0.1:{port}"
-    proc = start_server(mode, port, args, log_dir / f"serve-{mode}-{time.time():.0f}.log")
+    server = start_server(args=serve_args(mode, args), num_workers=2, port=args.port,
+                          log_path=log_dir / f"serve-{mode}-{time.time():.0f}.log",
+                          timeout_s=args.ready_timeout)
+    url = server.url
     try:
-        wait_workers(url, proc, 2, args.ready_timeout)
         # Warm both workers up (first forward passes are slow) on a prompt no chat shares.
         warm = [[f"Warm-up {i}: count from one to ten."] for i in range(4)]
         asyncio.run(run_chats(url, warm, 4, 4))
@@ -194,7 +161,7 @@ def run_mode(mode: str, chats: list[list[str]], args: argparse.Namespace,
         turns = asyncio.run(run_chats(url, chats, args.concurrency, args.max_tokens))
         return ModeResult(mode, turns, time.perf_counter() - start)
     finally:
-        stop_server(proc)
+        server.stop(timeout_s=60)
 
 
 def pct(values: list[float], q: float) -> float | None:

@@ -25,12 +25,8 @@ import json
 import os
 import shlex
 import signal
-import socket
 import statistics
-import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -39,6 +35,12 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from scripts.bench_data import load_chat_samples  # noqa: E402
 from scripts.bench_serving import BenchConfig, format_summary, run  # noqa: E402
+from zeroserve.cli.harness import (  # noqa: E402
+    ServerError,
+    ServerProcess,
+    free_port,
+    zeroserve_argv,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = REPO_ROOT / ".bench"
@@ -97,22 +99,16 @@ class Plan:
 # -- starting and stopping servers ------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def server_command(system: str, plan: Plan, port: int, slots: int) -> list[str] | None:
     """The command line that starts `system`, or None when it is not available here."""
     py = sys.executable
     if system.startswith("zeroserve"):
         mode = {"zeroserve": "continuous", "zeroserve-static": "static",
                 "zeroserve-dynamic": "dynamic"}[system]
-        return [py, "-c", "from zeroserve.cli.main import main; main()", "serve", "--port", str(port),
-                "--max-num-seqs", str(slots), "--batching-mode", mode,
-                "--num-threads", str(plan.threads), "--drain-timeout", "1",
-                "--log-level", "warning", *plan.zeroserve_args]
+        return zeroserve_argv("serve", "--port", str(port), "--max-num-seqs", str(slots),
+                              "--batching-mode", mode, "--num-threads", str(plan.threads),
+                              "--drain-timeout", "1", "--log-level", "warning",
+                              *plan.zeroserve_args)
     if system == "llama-server":
         if not LLAMA_SERVER.is_file():
             return None
@@ -139,64 +135,6 @@ def slots_for(plan: Plan) -> int:
     return plan.max_concurrency
 
 
-class Server:
-    """One started server process group; `stop()` ends exactly that group."""
-
-    def __init__(self, system: str, cmd: list[str], port: int, slots: int, log_path: Path):
-        self.system, self.cmd, self.port, self.log_path = system, cmd, port, log_path
-        self.slots = slots
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.log = open(log_path, "ab")  # closed in stop()
-        self.log.write(f"\n$ {shlex.join(cmd)}\n".encode())
-        self.log.flush()
-        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        _RUNNING.append(self)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def wait_ready(self, timeout_s: float) -> str | None:
-        """None once /health and /v1/models answer 200; else why not."""
-        deadline = time.time() + timeout_s
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                return f"exited with code {self.proc.returncode}; log: {self.log_path}"
-            if _get_ok(f"{self.base_url}/health") and _get_ok(f"{self.base_url}/v1/models"):
-                return None
-            time.sleep(0.5)
-        return f"not ready after {timeout_s:.0f} s; log: {self.log_path}"
-
-    def stop(self) -> None:
-        if self in _RUNNING:
-            _RUNNING.remove(self)
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-            except ProcessLookupError:
-                pass
-        # Children that outlived the leader (same session) still belong to us.
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if not self.log.closed:
-            self.log.close()
-
-
-def _get_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
-
-
 # -- running ----------------------------------------------------------------------------------
 
 
@@ -211,17 +149,20 @@ def run_system(system: str, plan: Plan, samples, log_dir: Path) -> list[dict]:
               "(run scripts/build_llama_server.sh)", flush=True)
         return []
     print(f"[{system}] starting: {shlex.join(cmd)}", flush=True)
-    server = Server(system, cmd, port, slots, log_dir / f"{system}.log")
+    server = ServerProcess(cmd, port, log_dir / f"{system}.log")
+    _RUNNING.append(server)
     try:
-        why = server.wait_ready(plan.startup_timeout_s)
-        if why is not None:
-            print(f"[{system}] failed to start: {why}", flush=True)
+        try:
+            # /v1/models too: every system is taken as ready by the same test.
+            server.wait_answering(("/health", "/v1/models"), plan.startup_timeout_s)
+        except ServerError as e:
+            print(f"[{system}] failed to start: {e.why}; log: {server.log_path}", flush=True)
             _print_log_tail(server.log_path)
             return runs
         for level in plan.levels:
             n = plan.num_prompts(level)
             cfg = BenchConfig(
-                base_url=server.base_url, num_prompts=n, concurrency=level.concurrency,
+                base_url=server.url, num_prompts=n, concurrency=level.concurrency,
                 request_rate=level.request_rate,
                 max_concurrency=plan.max_concurrency if level.request_rate else None,
                 output_len=plan.output_len, output_len_mode=plan.output_len_mode,
@@ -234,12 +175,12 @@ def run_system(system: str, plan: Plan, samples, log_dir: Path) -> list[dict]:
             # previous level's prompts in its prefix cache.
             summary = run(cfg, samples[level.key])
             summary["system"], summary["level"] = system, level.key
-            summary["server_command"] = shlex.join(server.cmd)
+            summary["server_command"] = shlex.join(cmd)
             summary["loadavg"] = os.getloadavg()
             print(format_summary(summary), flush=True)
             runs.append(summary)
     finally:
-        server.stop()
+        _stop(server)
     return runs
 
 
@@ -525,14 +466,20 @@ def parse_args(argv: list[str] | None = None) -> tuple[Plan, argparse.Namespace]
     return plan, a
 
 
-_RUNNING: list[Server] = []
+_RUNNING: list[ServerProcess] = []
+
+
+def _stop(server: ServerProcess) -> None:
+    if server in _RUNNING:
+        _RUNNING.remove(server)
+    server.stop(timeout_s=10)
 
 
 def _exit_on_sigterm(signum, frame) -> None:
     # Stop the server we started, then leave at once: unwinding through asyncio.run is not
     # guaranteed to reach run_system's `finally` promptly.
     for server in list(_RUNNING):
-        server.stop()
+        _stop(server)
     os._exit(128 + signum)
 
 

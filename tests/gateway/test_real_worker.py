@@ -7,16 +7,13 @@ import json
 import os
 import signal
 import subprocess
-from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.gateway.helpers import GatewayServer, wait_until
-from zeroserve.cli.harness import zeroserve_argv
+from zeroserve.cli.harness import REPO_ROOT, child_env, zeroserve_argv
 from zeroserve.gateway.text.tokenizer import load_tokenizer
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +27,7 @@ def start_worker(gw: GatewayServer, worker_id: str) -> subprocess.Popen:
         zeroserve_argv("worker", "--worker-id", worker_id, "--router-address", router,
                        "--tokens-address", tokens, "--backend", "fake", "--fake-forward-ms", "5",
                        "--heartbeat-interval", "0.1", "--log-level", "warning"),
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        cwd=REPO_ROOT, env=child_env())
 
 
 def healthy(gw: GatewayServer) -> bool:
