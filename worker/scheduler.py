@@ -390,44 +390,17 @@ class Scheduler:
         plan_seqs = self._last_plan_seqs
         if len(plan_seqs) != len(plan.chunks):
             raise ValueError("the plan and its sequences differ")
-        # 1. The decodes (the plan's first chunks: one token each, sampled): every stream
-        # every step, read after a forward that left the CPU caches cold, so this loop
-        # reads only the sequence, its sampled token, its output list and its params (no
-        # chunk, no prompt list; the block table only at a block boundary).
         num_decodes = self._num_decodes
         if num_sampled < num_decodes:
             raise ValueError("sampled tokens must match the plan's do_sample chunks")
-        for seq, token in zip(plan_seqs[:num_decodes], sampled[:num_decodes], strict=True):
-            if token.request_id != seq.request_id:
-                raise ValueError("sampled tokens must match the plan's do_sample chunks")
-            if seq.status is not running:
-                continue  # paused while its token was being computed: it computes it again
-            num_computed = seq.num_computed_tokens = seq.num_computed_tokens + 1
-            at_boundary = num_computed % block_size == 0
-            if at_boundary:  # a block just filled up
-                cache_full_blocks(seq)
-            token_id = token.token_id
-            outputs = seq.output_token_ids
-            outputs.append(token_id)
-            num_output = len(outputs)
-            params = seq.params
-            changed.append(seq)
-            # A decode's tokens are the computed ones plus the new one.
-            if (num_output >= params.max_tokens or token_id in eos_token_ids
-                    or token_id in params.stop_token_ids
-                    or num_computed + 1 >= max_model_len):
-                reason = self._finish_reason(seq, token_id)
-                if reason is not None:
-                    self._remove_from_queues(seq)
-                    self._finish(seq, reason)
-                    continue
-            if at_boundary and num_computed >= len(seq.block_table) * block_size:
-                needing_block.append(seq)
-            next_chunks.append(ScheduledChunk(
-                seq.request_id, [token_id], num_computed, seq.block_table, True, params,
-                seq.prompt_token_ids, outputs))
-            next_seqs.append(seq)
-        # 2. The rest (prefill chunks, and every chunk of the batch modes).
+        # The sequences that sampled a token, with it and the number of tokens their chunk
+        # computed: the decodes (the plan's first chunks: one token each), then those of
+        # the other chunks, in plan order.
+        sampling_seqs = plan_seqs[:num_decodes]
+        tokens = sampled[:num_decodes]
+        nums_new = [1] * num_decodes
+        # 1. The other chunks (prefill chunks, and every chunk of the batch modes): those
+        # that sample go to step 2; the others are prompts still being prefilled.
         i = num_decodes
         for chunk, seq in zip(plan.chunks[num_decodes:], plan_seqs[num_decodes:],
                               strict=True):
@@ -441,27 +414,50 @@ class Scheduler:
             if seq is None or seq.status is not running:
                 continue  # a padding row: its output is discarded
             num_new = len(chunk.token_ids)
+            if token is not None:
+                sampling_seqs.append(seq)
+                tokens.append(token)
+                nums_new.append(num_new)
+                continue
             num_computed = seq.num_computed_tokens = seq.num_computed_tokens + num_new
             if num_computed % block_size < num_new:  # a block just filled up
                 cache_full_blocks(seq)
-            if token is None:
-                under_way.append(seq)  # a prompt still being prefilled
-                continue
+            under_way.append(seq)
+        # 2. Every sampled token, the decodes' first: every stream every step, read after a
+        # forward that left the CPU caches cold, so this loop reads only the sequence, its
+        # sampled token, its output list and its params (no chunk, no prompt list; the
+        # block table only at a block boundary).
+        for seq, token, num_new in zip(sampling_seqs, tokens, nums_new, strict=True):
+            if token.request_id != seq.request_id:
+                raise ValueError("sampled tokens must match the plan's do_sample chunks")
+            if seq.status is not running:
+                continue  # paused while its token was being computed: it computes it again
+            num_computed = seq.num_computed_tokens = seq.num_computed_tokens + num_new
+            is_block_filled = num_computed % block_size < num_new
+            if is_block_filled:
+                cache_full_blocks(seq)
             token_id = token.token_id
             outputs = seq.output_token_ids
             outputs.append(token_id)
             num_output = len(outputs)
             params = seq.params
             changed.append(seq)
+            # Its tokens are the computed ones plus the new one.
             if (num_output >= params.max_tokens or token_id in eos_token_ids
                     or token_id in params.stop_token_ids
-                    or num_output + len(seq.prompt_token_ids) >= max_model_len):
+                    or num_computed + 1 >= max_model_len):
                 reason = self._finish_reason(seq, token_id)
                 if reason is not None:
                     self._remove_from_queues(seq)
                     self._finish(seq, reason)
                     continue
-            self._plan_next(seq, next_chunks, next_seqs, needing_block, under_way)
+            # The next step's decode, as _plan_next (and _decode_chunk) would make it.
+            if is_block_filled and num_computed >= len(seq.block_table) * block_size:
+                needing_block.append(seq)
+            next_chunks.append(ScheduledChunk(
+                seq.request_id, [token_id], num_computed, seq.block_table, True, params,
+                seq.prompt_token_ids, outputs))
+            next_seqs.append(seq)
         self._last_plan_seqs = []
         if is_continuous:
             self._next_chunks, self._next_seqs = next_chunks, next_seqs
