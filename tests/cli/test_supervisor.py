@@ -322,7 +322,7 @@ class SilentHub:
 def test_children_die_with_a_killed_supervisor_during_a_hub_download(tmp_path, command):
     """Under `serve`, a child dies with it (PR_SET_PDEATHSIG) from its very start: it was set
     only after the model download, so a child killed with its parent during one lingered."""
-    from tests.conftest import child_env
+    from zeroserve.cli.harness import child_env
 
     hub = SilentHub()
     argv = [sys.executable, "-m", "zeroserve.cli", command,

@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import REPO_ROOT, child_env, zeroserve_argv
 from tests.gateway.helpers import GatewayServer, cyclic_reply, wait_until
+from zeroserve.cli.harness import REPO_ROOT, child_env, zeroserve_argv
 
 
 def test_a_second_live_process_with_the_same_id_is_refused_until_the_first_is_gone():
