@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: attempt-tagged SUBMIT/ABORT/CREDIT/TokenOutput, TOKENS seq
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # a 1M-token prompt still fits; anything bigger is garbage
 MAX_LIST_ITEMS = 2_000_000
 MAX_OUTPUTS_PER_STEP = 65_536  # streams one TOKENS message may carry
@@ -152,7 +152,7 @@ class Submit(Message):
     TYPE: ClassVar[MsgType] = MsgType.SUBMIT
     SCHEMA: ClassVar = {"request_id": _STR, "prompt_token_ids": _LIST, "params": _DICT,
                         "credit": _INT, "output_token_ids": _LIST,
-                        "grammar": (list, type(None))}
+                        "grammar": (list, type(None)), "attempt": _INT}
     request_id: str
     prompt_token_ids: list[int]
     params: dict[str, Any]
@@ -164,8 +164,13 @@ class Submit(Message):
     # Constrained decoding: [kind, source] with kind one of GRAMMAR_KINDS (a JSON schema as
     # JSON text, a Lark grammar in llguidance's dialect, or a regex); None: unconstrained.
     grammar: list[str] | None = None
+    # Which submission of this request this is (1, 2, ... per gateway request id): every
+    # output of it echoes the number, and only the stream's current attempt counts.
+    attempt: int = 1
 
     def validate(self) -> None:
+        if not 1 <= self.attempt < _MAX_U32:
+            raise ProtocolError("attempt must be in [1, 2^32)")
         for ids in (self.prompt_token_ids, self.output_token_ids):
             if not all(type(t) is int and 0 <= t < _MAX_U32 for t in ids):
                 raise ProtocolError("token ids must be non-negative 32-bit ints")
@@ -181,15 +186,21 @@ class Submit(Message):
 
 @dataclass
 class Abort(Message):
-    """Gateway -> worker: drop these requests now and free their KV blocks."""
+    """Gateway -> worker: drop these requests now and free their KV blocks. `attempts`, when
+    given, names each one's attempt (same order): the worker ignores an abort of an attempt
+    it no longer runs, so a late ABORT of attempt 1 never ends attempt 2."""
 
     TYPE: ClassVar[MsgType] = MsgType.ABORT
-    SCHEMA: ClassVar = {"request_ids": _LIST}
+    SCHEMA: ClassVar = {"request_ids": _LIST, "attempts": _LIST}
     request_ids: list[str]
+    attempts: list[int] = field(default_factory=list)  # [] or 0: whatever attempt it runs
 
     def validate(self) -> None:
         if not all(isinstance(r, str) for r in self.request_ids):
             raise ProtocolError("request_ids must be strings")
+        if self.attempts and (len(self.attempts) != len(self.request_ids) or not all(
+                type(a) is int and 0 <= a < _MAX_U32 for a in self.attempts)):
+            raise ProtocolError("attempts must be one attempt in [0, 2^32) per request id")
 
 
 @dataclass
@@ -200,13 +211,14 @@ class Credit(Message):
 
     TYPE: ClassVar[MsgType] = MsgType.CREDIT
     SCHEMA: ClassVar = {"grants": _LIST}
-    grants: list[list]  # [[request_id, limit], ...]
+    grants: list[list]  # [[request_id, limit, attempt], ...] (attempt optional: any)
 
     def validate(self) -> None:
         for g in self.grants:
-            if not (isinstance(g, list) and len(g) == 2 and isinstance(g[0], str)
-                    and type(g[1]) is int and 0 < g[1] < _MAX_U32):
-                raise ProtocolError("grants must be [request_id, 0 < limit < 2^32] pairs")
+            if not (isinstance(g, list) and len(g) in (2, 3) and isinstance(g[0], str)
+                    and type(g[1]) is int and 0 < g[1] < _MAX_U32
+                    and (len(g) == 2 or (type(g[2]) is int and 0 < g[2] < _MAX_U32))):
+                raise ProtocolError("grants must be [request_id, 0 < limit < 2^32, attempt]")
 
 
 @dataclass
@@ -229,28 +241,32 @@ class TokenOutput:
     # Once, on a stream's first output, when SamplingParams.prompt_logprobs was set: per
     # prompt token after the first, [logprob, [[token_id, logprob], ...]] as in `logprobs`.
     prompt_logprobs: list | None = None
+    # The SUBMIT attempt this output belongs to (Submit.attempt); 0: none named, which the
+    # gateway never takes for a stream's current attempt.
+    attempt: int = 0
 
     def to_wire(self) -> list:
         return [
             self.request_id, self.new_token_ids, self.finish_reason, self.num_prompt_tokens,
             self.num_output_tokens, self.num_cached_tokens, self.logprobs, self.error,
-            self.timings, self.prompt_logprobs,
+            self.timings, self.prompt_logprobs, self.attempt,
         ]
 
     @staticmethod
     def wire_row(request_id: str, new_token_ids: list[int], finish_reason: str | None,
                  num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int = 0,
                  logprobs: list | None = None, error: str | None = None,
-                 timings: list | None = None, prompt_logprobs: list | None = None) -> list:
+                 timings: list | None = None, prompt_logprobs: list | None = None,
+                 attempt: int = 0) -> list:
         """What to_wire() gives, without the object: a worker emits one per stream per step,
         and the dataclass cost ~1.6 us of each (Tokens takes either form)."""
         return [request_id, new_token_ids, finish_reason, num_prompt_tokens, num_output_tokens,
-                num_cached_tokens, logprobs, error, timings, prompt_logprobs]
+                num_cached_tokens, logprobs, error, timings, prompt_logprobs, attempt]
 
     @classmethod
     def from_wire(cls, item: Any) -> TokenOutput:
-        if not isinstance(item, list) or len(item) not in (8, 9, 10):
-            raise ProtocolError("token output must be an 8- to 10-item array")
+        if not isinstance(item, list) or len(item) not in (8, 9, 10, 11):
+            raise ProtocolError("token output must be an 8- to 11-item array")
         out = cls(*item)
         if not isinstance(out.request_id, str) or not isinstance(out.new_token_ids, list):
             raise ProtocolError("bad token output")
@@ -268,6 +284,8 @@ class TokenOutput:
         if not (type(num_prompt) is int and type(num_output) is int and type(num_cached) is int
                 and num_prompt >= 0 and num_output >= 0 and num_cached >= 0):
             raise ProtocolError("token counts must be non-negative ints")
+        if type(out.attempt) is not int or not 0 <= out.attempt < _MAX_U32:
+            raise ProtocolError("attempt must be an int in [0, 2^32)")
         if not isinstance(out.logprobs, (list, type(None))) or not isinstance(
                 out.prompt_logprobs, (list, type(None))):
             raise ProtocolError("logprobs and prompt_logprobs must be arrays or nil")
@@ -285,16 +303,20 @@ class Tokens(Message):
     """Worker -> gateway over PUSH: every stream's new tokens from one engine step."""
 
     TYPE: ClassVar[MsgType] = MsgType.TOKENS
-    SCHEMA: ClassVar = {"worker_id": _STR, "step": _INT, "outputs": _LIST}
+    SCHEMA: ClassVar = {"worker_id": _STR, "step": _INT, "outputs": _LIST, "seq": _INT}
     worker_id: str
     step: int
     outputs: list[TokenOutput] = field(default_factory=list)
+    # TOKENS messages this worker process has sent this gateway, this one included (1, 2,
+    # ...): heartbeats name the last one (Heartbeat.tokens_seq), so the gateway can tell a
+    # final output still queued on its PULL socket from one that was lost. 0: not counted.
+    seq: int = 0
 
     def to_wire(self) -> list:
         # Built by hand: astuple deep-copies, which costs ~25 us a stream at every step.
         # Outputs already in wire form (TokenOutput.wire_row) go as they are.
         return [self.worker_id, self.step,
-                [o if type(o) is list else o.to_wire() for o in self.outputs]]
+                [o if type(o) is list else o.to_wire() for o in self.outputs], self.seq]
 
     def validate(self) -> None:
         if len(self.outputs) > MAX_OUTPUTS_PER_STEP:
@@ -314,6 +336,7 @@ class Heartbeat(Message):
         "num_paused": _INT, "num_free_blocks": _INT, "num_total_blocks": _INT,
         "time": _FLOAT, "gateway_id": _STR, "num_steps": _INT, "progress_age_s": _FLOAT,
         "request_ids": _LIST, "request_ids_age_s": _FLOAT, "counters": _DICT,
+        "request_attempts": _LIST, "tokens_seq": _INT,
     }
     worker_id: str
     state: str = WorkerState.READY.value
@@ -336,16 +359,25 @@ class Heartbeat(Message):
     # COUNTER_NAMES); they start again from 0 in a new process, which the gateway sees by the
     # new route and so keeps its own totals monotonic.
     counters: dict[str, int] = field(default_factory=dict)
+    # The attempt of each of `request_ids` (same order; [] : not named), and the seq of the
+    # last TOKENS message sent to this gateway when the snapshot was taken: every output of
+    # a request missing from the snapshot left in that message or an earlier one.
+    request_attempts: list[int] = field(default_factory=list)
+    tokens_seq: int = 0
 
     def validate(self) -> None:
         if not all(isinstance(r, str) for r in self.request_ids):
             raise ProtocolError("request_ids must be strings")
+        if self.request_attempts and (
+                len(self.request_attempts) != len(self.request_ids) or not all(
+                    type(a) is int and 0 < a < _MAX_U32 for a in self.request_attempts)):
+            raise ProtocolError("request_attempts must be one attempt per request id")
         if len(self.counters) > MAX_COUNTERS or not all(
                 isinstance(k, str) and len(k) <= 64 and type(v) is int and 0 <= v < 2**63
                 for k, v in self.counters.items()):
             raise ProtocolError(f"counters must map up to {MAX_COUNTERS} names to counts")
         counts = (self.num_running, self.num_waiting, self.num_paused, self.num_free_blocks,
-                  self.num_total_blocks, self.num_steps)
+                  self.num_total_blocks, self.num_steps, self.tokens_seq)
         if not all(0 <= n < 2**63 for n in counts):
             raise ProtocolError("heartbeat counts must be non-negative 64-bit ints")
         ages = (self.progress_age_s, self.request_ids_age_s)
@@ -385,10 +417,12 @@ class Error(Message):
     """Either way: a failure not tied to one stream's tokens (those travel in TOKENS)."""
 
     TYPE: ClassVar[MsgType] = MsgType.ERROR
-    SCHEMA: ClassVar = {"request_id": _OPT_STR, "code": _STR, "message": _STR}
+    SCHEMA: ClassVar = {"request_id": _OPT_STR, "code": _STR, "message": _STR,
+                        "attempt": _INT}
     request_id: str | None
     code: str
     message: str
+    attempt: int = 0  # the request's attempt, when it names one (0: none)
 
 
 @dataclass

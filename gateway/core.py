@@ -34,6 +34,7 @@ from zeroserve.common.protocol import (
     MsgType,
     Ready,
     Submit,
+    TokenOutput,
     Tokens,
     Undrain,
 )
@@ -91,7 +92,8 @@ class Gateway:
         self.edge = ZmqEdge(router, tokens, self._on_message, keys)
         self.outbox = WorkerOutbox(
             send_credit=lambda worker_id, grants: self.edge.send(worker_id, Credit(grants)),
-            send_abort=lambda worker_id, rids: self.edge.send(worker_id, Abort(rids)))
+            send_abort=lambda worker_id, rids, attempts: self.edge.send(
+                worker_id, Abort(rids, attempts)))
         self._handlers = {
             MsgType.HELLO: self._on_hello,
             MsgType.HEARTBEAT: self._on_heartbeat,
@@ -136,7 +138,7 @@ class Gateway:
         for state in list(self.streams.states.values()):
             self._fail(state, shutting_down())
             if state.worker_id is not None:
-                self.edge.send(state.worker_id, Abort([state.request_id]))
+                self.edge.send(state.worker_id, Abort([state.request_id], [state.attempt]))
         self.outbox.flush()
 
     # --- requests (called by HTTP handlers) -------------------------------------------
@@ -167,9 +169,9 @@ class Gateway:
         state.num_credited = state.num_delivered  # a new worker gets the whole window
         sent = self.edge.send(worker.worker_id, Submit(
             state.request_id, state.prompt_token_ids, sampling, state.credit_limit,
-            state.output_token_ids, params.get("grammar")))
+            state.output_token_ids, params.get("grammar"), state.attempt))
         log.debug("submitted", extra={"request_id": state.request_id,
-                                      "worker_id": worker.worker_id})
+                                      "worker_id": worker.worker_id, "attempt": state.attempt})
         if not sent:
             self._fail(state, worker_failed(f"Could not reach worker {worker.worker_id}."))
 
@@ -185,7 +187,7 @@ class Gateway:
             state.resubmit_task.cancel()  # it may be holding a queue slot
         if state.worker_id is not None:
             if abort:
-                self.outbox.abort(state.worker_id, state.request_id)
+                self.outbox.abort(state.worker_id, state.request_id, state.attempt)
             self.registry.release(state.worker_id, state.request_id)
             self.admission.wake()
 
@@ -338,8 +340,7 @@ class Gateway:
         worker = self.registry.on_heartbeat(msg, now)
         if worker is not None:
             self.metrics.on_worker_counters(worker_id, worker.route, msg.counters)
-            self.reconciler.on_worker_report(worker, msg.request_ids, msg.request_ids_age_s,
-                                             now)
+            self.reconciler.on_worker_report(worker, msg, now)
             self.admission.wake()
 
     def _hail(self, route: bytes) -> None:
@@ -362,17 +363,21 @@ class Gateway:
         log.error("worker error", extra={"worker_id": identity, "request_id": msg.request_id,
                                          "code": msg.code, "error": msg.message})
         state = self.streams.get(msg.request_id) if msg.request_id else None
-        if state is not None and state.worker_id == identity:
+        if state is not None and state.worker_id == identity and msg.attempt in (
+                0, state.attempt):
             self._fail(state, server_error(f"The worker failed the request: {msg.message}"))
 
     def _on_tokens(self, worker_id: str, msg: Tokens) -> None:
         now = self.clock()
-        self.registry.touch(msg.worker_id, now)
+        self.registry.on_tokens(msg.worker_id, msg.seq, now)
         is_capacity_freed = False
         for out in msg.outputs:
             state = self.streams.get(out.request_id)
-            if state is None or state.worker_id != msg.worker_id:
+            if state is None:
                 continue  # ended here already (aborted, stop string, lost worker)
+            if out.attempt != state.attempt or state.worker_id != msg.worker_id:
+                self._drop_stale(state, out, msg.worker_id)
+                continue
             state.last_activity = now
             check = check_token_counts(state, out)
             if check is TokenCheck.DUPLICATE:
@@ -406,6 +411,15 @@ class Gateway:
             state.deliver(out)
         if is_capacity_freed:
             self.admission.wake()
+
+    def _drop_stale(self, state: RequestState, out: TokenOutput, worker_id: str) -> None:
+        """An output of an attempt the stream has left behind (still in flight when it moved,
+        from this worker or another, or from a dead process of the same worker id): it
+        counts for nothing, however late it comes."""
+        self.metrics.on_stale_output()
+        log.debug("stale output dropped", extra={
+            "request_id": state.request_id, "worker_id": worker_id, "attempt": out.attempt,
+            "current_attempt": state.attempt, "num_output_tokens": out.num_output_tokens})
 
     # --- liveness ---------------------------------------------------------------------
 
@@ -445,7 +459,7 @@ class Gateway:
         log.warning("request lost: %s", why, extra={"request_id": state.request_id,
                                                      "worker_id": state.worker_id})
         if state.worker_id is not None:
-            self.outbox.abort(state.worker_id, state.request_id)
+            self.outbox.abort(state.worker_id, state.request_id, state.attempt)
         self._resubmit_or_fail(state, worker_failed(f"The request was lost: {why}; please "
                                                     "retry."))
 
@@ -453,7 +467,7 @@ class Gateway:
         log.warning("request idle: no output for %.0fs", idle_s,
                     extra={"request_id": state.request_id, "worker_id": state.worker_id})
         if state.worker_id is not None:
-            self.outbox.abort(state.worker_id, state.request_id)
+            self.outbox.abort(state.worker_id, state.request_id, state.attempt)
         self._fail(state, request_timeout(
             f"The worker produced no output for {idle_s:.0f}s; the request was aborted."))
 

@@ -3,13 +3,19 @@
 Any SUBMIT, ABORT, CREDIT or TOKENS message may be lost (a peer that stalled past a queue
 limit, a connection that broke and came back). Each loss shows in one of three ways:
 
-- A worker's heartbeat lists the requests it holds (`Heartbeat.request_ids`, a snapshot
-  `request_ids_age_s` old). One it holds that we did not route to it (a lost ABORT, an old
-  gateway's stream) is aborted again. One we routed to it that it does not list, although
-  the SUBMIT left before the snapshot was taken (a lost SUBMIT, a lost final TOKENS), is
-  lost: retried if the client saw nothing yet, else failed. It must be missing from the
-  reports for `MISSING_GRACE_S`, so a final TOKENS message still on its way (tokens travel
-  on another socket than heartbeats) is not mistaken for a loss.
+- A worker's heartbeat lists the requests it holds with their attempts
+  (`Heartbeat.request_ids`, `request_attempts`, a snapshot `request_ids_age_s` old). One it
+  holds that we did not route to it, or in another attempt than the stream's current one
+  (a lost ABORT, an old gateway's stream) is aborted again, that attempt only. One we
+  routed to it that it does not list, although the SUBMIT left before the snapshot was
+  taken (a lost SUBMIT, a lost final TOKENS), is lost: it continues on a worker (the
+  gateway's failover). "Missing" is judged only against outputs we have processed: tokens
+  travel on another socket than heartbeats, so a heartbeat can overtake a backlog of
+  TOKENS. The snapshot names the last TOKENS message sent before it
+  (`Heartbeat.tokens_seq`); until we have processed that one (`WorkerHandle.tokens_seq`),
+  a missing request's final output may still be queued here and we wait, unless nothing
+  from the worker has arrived for `MISSING_GRACE_S` (then what it names was lost). Even
+  then it must be missing for `MISSING_GRACE_S` before it counts as lost.
 - Every TokenOutput carries the stream's total output count, so a gap (lost TOKENS) or a
   repeat shows: `check_token_counts`.
 - A stream that has credit but receives nothing for a while gets its credit limit sent
@@ -20,9 +26,9 @@ limit, a connection that broke and came back). Each loss shows in one of three w
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
-from zeroserve.common.protocol import TokenOutput
+from zeroserve.common.protocol import Heartbeat, TokenOutput
 from zeroserve.gateway.streams import RequestPhase, RequestState, StreamTable, WorkerOutbox
 from zeroserve.gateway.workers.handle import WorkerHandle
 
@@ -76,20 +82,28 @@ class Reconciler:
         self.on_idle = on_idle  # no output for idle_timeout_s: fail it
         self.idle_timeout_s = idle_timeout_s
 
-    def on_worker_report(self, worker: WorkerHandle, held_ids: Iterable[str],
-                         snapshot_age_s: float, now: float) -> None:
-        """A heartbeat from `worker` says it holds `held_ids` (as of snapshot_age_s ago)."""
-        held = set(held_ids)
-        for request_id in held:
+    def on_worker_report(self, worker: WorkerHandle, report: Heartbeat, now: float) -> None:
+        """A heartbeat from `worker` lists the requests it holds (a snapshot)."""
+        # request id -> its attempt there (0: not named, taken as the current one)
+        held = dict(zip(report.request_ids, report.request_attempts or
+                        [0] * len(report.request_ids), strict=True))
+        for request_id, attempt in held.items():
             state = self.streams.get(request_id)
-            if state is None or state.worker_id != worker.worker_id:
-                self.outbox.abort(worker.worker_id, request_id)  # nobody here reads it
-        submitted_before = now - snapshot_age_s - MISSING_GRACE_S
+            if state is None or state.worker_id != worker.worker_id or (
+                    attempt and attempt != state.attempt):
+                self.outbox.abort(worker.worker_id, request_id, attempt)  # nobody reads it
+        submitted_before = now - report.request_ids_age_s - MISSING_GRACE_S
+        # Outputs the worker had sent when it took the snapshot and we have not processed
+        # (a backlog on our TOKENS socket), unless they stopped coming a while ago (lost).
+        is_behind = (report.tokens_seq > worker.tokens_seq
+                     and now - worker.tokens_seq_at < MISSING_GRACE_S)
         for request_id in list(worker.request_ids):
             state = self.streams.get(request_id)
             if state is None or state.phase is not RequestPhase.RUNNING:
                 continue
-            if request_id in held or state.submitted_at > submitted_before:
+            attempt = held.get(request_id)
+            if attempt in (0, state.attempt) or state.submitted_at > submitted_before \
+                    or is_behind:
                 state.missing_since = None
             elif state.missing_since is None:
                 state.missing_since = now

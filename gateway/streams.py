@@ -110,6 +110,12 @@ class RequestState:
     credit_resent_at: float = 0.0
     missing_since: float | None = None
 
+    @property
+    def attempt(self) -> int:
+        """The current submission's number (Submit.attempt): every output of the stream
+        names its attempt, and those of any other are stale (dropped and counted)."""
+        return self.num_submits
+
     def deliver(self, item: TokenOutput | APIError) -> None:
         self.sink.put_nowait((self, item))
 
@@ -171,11 +177,12 @@ class WorkerOutbox:
     same batch are dropped."""
 
     def __init__(self, send_credit: Callable[[str, list[list]], None],
-                 send_abort: Callable[[str, list[str]], None]):
-        self._send_credit = send_credit  # (worker_id, [[request_id, limit], ...])
-        self._send_abort = send_abort  # (worker_id, [request_id, ...])
-        self._grants: dict[str, dict[str, int]] = {}
-        self._aborts: dict[str, list[str]] = {}
+                 send_abort: Callable[[str, list[str], list[int]], None]):
+        self._send_credit = send_credit  # (worker_id, [[request_id, limit, attempt], ...])
+        self._send_abort = send_abort  # (worker_id, [request_id, ...], [attempt, ...])
+        # worker id -> request id -> [limit, attempt]; worker id -> [(request id, attempt)]
+        self._grants: dict[str, dict[str, list[int]]] = {}
+        self._aborts: dict[str, list[tuple[str, int]]] = {}
         self._flush_soon: asyncio.Handle | None = None
         self._flush_later: asyncio.TimerHandle | None = None
 
@@ -197,12 +204,14 @@ class WorkerOutbox:
         if state.worker_id is None or state.phase is not RequestPhase.RUNNING:
             return
         state.num_credited = state.num_delivered
-        self._grants.setdefault(state.worker_id, {})[state.request_id] = state.credit_limit
+        self._grants.setdefault(state.worker_id, {})[state.request_id] = [
+            state.credit_limit, state.attempt]
         if self._flush_later is None and self._flush_soon is None:
             self._flush_later = asyncio.get_running_loop().call_later(CREDIT_DELAY_S, self.flush)
 
-    def abort(self, worker_id: str, request_id: str) -> None:
-        self._aborts.setdefault(worker_id, []).append(request_id)
+    def abort(self, worker_id: str, request_id: str, attempt: int) -> None:
+        """End attempt `attempt` of the request on the worker (0: whichever it runs)."""
+        self._aborts.setdefault(worker_id, []).append((request_id, attempt))
         if self._flush_soon is None:
             self._flush_soon = asyncio.get_running_loop().call_soon(self.flush)
 
@@ -215,8 +224,10 @@ class WorkerOutbox:
         aborts, self._aborts = self._aborts, {}
         for worker_id, per_request in grants.items():
             dropped = set(aborts.get(worker_id, ()))
-            pairs = [[rid, n] for rid, n in per_request.items() if rid not in dropped]
-            if pairs:
-                self._send_credit(worker_id, pairs)
-        for worker_id, request_ids in aborts.items():
-            self._send_abort(worker_id, request_ids)
+            triples = [[rid, limit, attempt] for rid, (limit, attempt) in per_request.items()
+                       if (rid, attempt) not in dropped]
+            if triples:
+                self._send_credit(worker_id, triples)
+        for worker_id, pairs in aborts.items():
+            self._send_abort(worker_id, [rid for rid, _ in pairs],
+                             [attempt for _, attempt in pairs])

@@ -131,6 +131,7 @@ _WAKE = _Wake()
 class _Stream:
     credit_limit: int  # output tokens we may have sent in all (a high-water mark)
     gateway: int = 0  # the index of the gateway (GatewayPeer) whose client reads it
+    attempt: int = 1  # the SUBMIT's attempt, echoed by every output (Submit.attempt)
     num_sent: int = 0
     is_paused: bool = False  # paused in the engine by us for lack of credit
 
@@ -290,7 +291,7 @@ class WorkerLoop:
             stream = streams.get(rid)
             if stream is None:
                 continue  # the gateway aborted it already and forgot it
-            wire[stream.gateway].append(_to_wire(out))
+            wire[stream.gateway].append(_to_wire(out, stream.attempt))
             num_sent = stream.num_sent = stream.num_sent + len(out.new_token_ids)
             if is_finished:
                 del streams[rid]
@@ -298,7 +299,9 @@ class WorkerLoop:
                 stream.is_paused = self.engine.pause(rid)
         for gw, rows in zip(self.gateways, wire, strict=True):
             if rows:
-                gw.send_tokens(Tokens(self.config.worker_id, self.num_steps, rows))
+                gw.tokens_seq += 1
+                gw.send_tokens(Tokens(self.config.worker_id, self.num_steps, rows,
+                                      gw.tokens_seq))
 
     # -- message handlers -------------------------------------------------------------------
 
@@ -326,7 +329,7 @@ class WorkerLoop:
             return
         if self.state is WorkerState.DRAINING:
             self._reject(gw.index, rid, "worker is draining; retry on another worker",
-                         retryable=True)
+                         msg.attempt, retryable=True)
             return
         try:
             params = _sampling_params(msg.params)
@@ -334,15 +337,22 @@ class WorkerLoop:
             self.engine.add_request(rid, msg.prompt_token_ids, params, msg.output_token_ids,
                                     grammar=grammar)
         except (RequestError, TypeError, ValueError) as e:
-            self._reject(gw.index, rid, str(e), num_prompt_tokens=len(msg.prompt_token_ids))
+            self._reject(gw.index, rid, str(e), msg.attempt,
+                         num_prompt_tokens=len(msg.prompt_token_ids))
             return
         except Exception as e:  # an engine bug must not take the other streams down
             log.exception("add_request failed", extra={**self._log_extra, "request_id": rid})
-            self._reject(gw.index, rid, f"internal error: {e}",
+            self._reject(gw.index, rid, f"internal error: {e}", msg.attempt,
                          num_prompt_tokens=len(msg.prompt_token_ids))
             return
-        self.streams[rid] = _Stream(credit_limit=msg.credit, gateway=gw.index,
-                                    num_sent=len(msg.output_token_ids))
+        stream = self.streams[rid] = _Stream(credit_limit=msg.credit, gateway=gw.index,
+                                             attempt=msg.attempt,
+                                             num_sent=len(msg.output_token_ids))
+        if not stream.has_credit:
+            # A failover of a stream whose client read nothing of its last window: the
+            # gateway holds a window already. Paused before its first step, or that step's
+            # token would go out past the limit (and be dropped there, a gap).
+            stream.is_paused = self.engine.pause(rid)
         log.debug("request added", extra={**self._log_extra, "request_id": rid,
                                           "num_prompt_tokens": len(msg.prompt_token_ids)})
 
@@ -353,7 +363,9 @@ class WorkerLoop:
         drop ours and start over from what it has (the caller adds it anew)."""
         rid = msg.request_id
         if stream.num_sent == len(msg.output_token_ids):
-            log.info("repeated SUBMIT: continuing", extra={**self._log_extra, "request_id": rid})
+            log.info("repeated SUBMIT: continuing", extra={**self._log_extra, "request_id": rid,
+                                                           "attempt": msg.attempt})
+            stream.attempt = msg.attempt  # what it sends from now on is the new attempt's
             self._on_credit(gw, Credit([[rid, msg.credit]]))
             return True
         log.info("repeated SUBMIT: restarting from the gateway's %d tokens (we sent %d)",
@@ -374,18 +386,23 @@ class WorkerLoop:
             self._stale_aborts[rid] = num_left
 
     def _on_abort(self, gw: GatewayPeer, msg: Abort) -> None:
-        for rid in msg.request_ids:
+        attempts = msg.attempts or [0] * len(msg.request_ids)
+        for rid, attempt in zip(msg.request_ids, attempts, strict=True):
             stream = self.streams.get(rid)
             if stream is not None:
                 if stream.gateway != gw.index:
                     continue  # another gateway's stream: only its own gateway ends it
+                if attempt and attempt != stream.attempt:
+                    continue  # a late ABORT of an attempt this stream has left behind
                 log.debug("request aborted", extra={**self._log_extra, "request_id": rid})
             self._drop(rid)
 
     def _on_credit(self, gw: GatewayPeer, msg: Credit) -> None:
-        for rid, limit in msg.grants:
+        for grant in msg.grants:
+            rid, limit = grant[0], grant[1]
             stream = self.streams.get(rid)
-            if stream is None or stream.gateway != gw.index:
+            if stream is None or stream.gateway != gw.index or (
+                    len(grant) == 3 and grant[2] != stream.attempt):
                 continue  # finished while the credit was on its way (or not this gateway's)
             stream.credit_limit = max(stream.credit_limit, limit)  # old or repeated: no-op
             if stream.is_paused and stream.has_credit:
@@ -524,15 +541,16 @@ class WorkerLoop:
         for rid, stream in list(self.streams.items()):
             if gw is None or stream.gateway == gw.index:
                 self._drop(rid)
-                self._reject(stream.gateway, rid, message, retryable=True)
+                self._reject(stream.gateway, rid, message, stream.attempt, retryable=True)
 
-    def _reject(self, gateway: int, request_id: str, message: str, num_prompt_tokens: int = 0,
-                retryable: bool = False) -> None:
-        """Tell gateway number `gateway` a request ended here: "abort" if another worker may
-        take it on (draining, shutting down), "error" if the request itself failed."""
+    def _reject(self, gateway: int, request_id: str, message: str, attempt: int,
+                num_prompt_tokens: int = 0, retryable: bool = False) -> None:
+        """Tell gateway number `gateway` that attempt `attempt` of a request ended here:
+        "abort" if another worker may take it on (draining, shutting down), "error" if the
+        request itself failed."""
         reason = "abort" if retryable else "error"
         self._pending.append((gateway, TokenOutput(request_id, [], reason, num_prompt_tokens,
-                                                   0, error=message)))
+                                                   0, error=message, attempt=attempt)))
         log.info("request failed: %s", message,
                  extra={**self._log_extra, "request_id": request_id})
 
@@ -542,20 +560,25 @@ class WorkerLoop:
         stats = self.engine.stats()
         if len(self.gateways) == 1:
             ids_by_gateway = [list(self.streams)]
+            attempts_by_gateway = [[s.attempt for s in self.streams.values()]]
         else:
             ids_by_gateway = [[] for _ in self.gateways]
+            attempts_by_gateway = [[] for _ in self.gateways]
             for rid, stream in self.streams.items():
                 ids_by_gateway[stream.gateway].append(rid)
+                attempts_by_gateway[stream.gateway].append(stream.attempt)
         counters = {"prefix_cache_queries": stats.num_prefix_queries,
                     "prefix_cache_hits": stats.num_prefix_hits,
                     "num_preemptions": stats.num_preemptions}
-        for gw, request_ids in zip(self.gateways, ids_by_gateway, strict=True):
+        for gw, request_ids, attempts in zip(self.gateways, ids_by_gateway, attempts_by_gateway,
+                                             strict=True):
             gw.link.load = (Heartbeat(
                 worker_id=self.config.worker_id, state=self.state.value,
                 num_running=stats.num_running, num_waiting=stats.num_waiting,
                 num_paused=stats.num_paused, num_free_blocks=stats.num_free_blocks,
                 num_total_blocks=stats.num_total_blocks, num_steps=self.num_steps,
-                request_ids=request_ids, counters=counters,
+                request_ids=request_ids, counters=counters, request_attempts=attempts,
+                tokens_seq=gw.tokens_seq,
             ), self._ids_at)
 
     # -- signals ----------------------------------------------------------------------------
@@ -604,7 +627,7 @@ def _sampling_params(params: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**params)
 
 
-def _to_wire(out: RequestOutput) -> list:
+def _to_wire(out: RequestOutput, attempt: int) -> list:
     """A TokenOutput in wire form (TokenOutput.wire_row): one per stream per step."""
     logprobs = out.logprobs
     if logprobs is not None:
@@ -617,7 +640,7 @@ def _to_wire(out: RequestOutput) -> list:
     return _wire_row(
         out.request_id, out.new_token_ids, None if reason is None else reason.value,
         out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens, logprobs,
-        out.error, None if timings is None else list(timings), prompt_logprobs)
+        out.error, None if timings is None else list(timings), prompt_logprobs, attempt)
 
 
 _wire_row = TokenOutput.wire_row

@@ -181,6 +181,9 @@ class RequestMetrics:
                                       ["model_name", "worker_id", "event"])
         self.failovers = counter("failovers", "Streams with output moved to another "
                                  "worker.").labels(m)
+        self.stale_outputs = counter(
+            "stale_outputs_dropped", "Worker outputs dropped because they belong to an "
+            "attempt of a stream other than its current one (sent before it moved).").labels(m)
         self.e2e = histogram("e2e_request_latency_seconds", "From arrival to the finish.",
                              REQUEST_LATENCY_BUCKETS)
         self.queue_time = histogram(
@@ -275,6 +278,9 @@ class RequestMetrics:
     def on_failover(self) -> None:
         self.failovers.inc()
 
+    def on_stale_output(self) -> None:
+        self.stale_outputs.inc()
+
     def on_aborted(self, reason: str) -> None:
         """The client's side ended an HTTP request: "disconnect" or "slow_client"."""
         self._aborted_by_reason[reason].inc()
@@ -322,6 +328,9 @@ class NoRequestMetrics(RequestMetrics):
         pass
 
     def on_failover(self) -> None:
+        pass
+
+    def on_stale_output(self) -> None:
         pass
 
     def on_aborted(self, reason: str) -> None:

@@ -42,6 +42,10 @@ class WorkerHandle:
     # Requests routed here since its last heartbeat (not yet in the reported counts).
     num_sent_since_heartbeat: int = 0
     request_ids: set[str] = field(default_factory=set)  # in flight here, as we see it
+    # The highest TOKENS seq processed from this process, and when it last grew: a
+    # heartbeat naming a higher one was sent while its outputs were still on their way.
+    tokens_seq: int = 0
+    tokens_seq_at: float = 0.0
     # The prompt blocks routed here, which its prefix cache likely holds (gateway/workers/routing.py).
     prefix_index: PrefixIndex = field(default_factory=lambda: PrefixIndex(1))
 

@@ -67,7 +67,7 @@ class WorkerRegistry:
         max_waiting = (hello.max_num_seqs if self.max_waiting_per_worker is None
                        else self.max_waiting_per_worker)
         self.workers[hello.worker_id] = WorkerHandle(
-            hello=hello, route=route, last_seen=now, max_waiting=max_waiting,
+            hello=hello, route=route, last_seen=now, tokens_seq_at=now, max_waiting=max_waiting,
             num_free_blocks=hello.num_kv_blocks, num_total_blocks=hello.num_kv_blocks,
             prefix_index=PrefixIndex(hello.num_kv_blocks))
         self.last_max_model_len = hello.max_model_len
@@ -104,11 +104,14 @@ class WorkerRegistry:
             worker.status = WorkerStatus.UNHEALTHY if is_stalled else WorkerStatus.READY
         return worker
 
-    def touch(self, worker_id: str, now: float) -> None:
-        """Any message from a worker proves it alive."""
+    def on_tokens(self, worker_id: str, seq: int, now: float) -> None:
+        """A TOKENS message (number `seq` of its process) was processed: any message from a
+        worker proves it alive."""
         worker = self.workers.get(worker_id)
         if worker is not None:
             worker.last_seen = now
+            if seq > worker.tokens_seq:
+                worker.tokens_seq, worker.tokens_seq_at = seq, now
 
     def mark_draining(self, worker_id: str) -> WorkerHandle | None:
         worker = self.workers.get(worker_id)

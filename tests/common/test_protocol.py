@@ -43,27 +43,33 @@ def sample_messages() -> list[Message]:
         Submit("req-1", [1, 2, 3, 65535], {"max_tokens": 8, "temperature": 0.0,
                                            "stop_token_ids": [2], "seed": None}, 32),
         Submit("req-ü", [], {}, 1),
+        Submit("req-1", [1], {}, 4, [5, 6], None, 3),
         Abort(["req-1", "req-2"]),
+        Abort(["req-1", "req-2"], [2, 0]),
         Abort([]),
         Credit([["req-1", 4], ["req-2", 1]]),
+        Credit([["req-1", 4, 2], ["req-2", 1]]),
         Tokens("worker-0", 7, [
             TokenOutput("req-1", [42, 43], None, 5, 2, 0),
             TokenOutput("req-2", [], "stop", 3, 9, 2),
             TokenOutput("req-3", [7], "length", 3, 1, 0, [[-0.5, [[7, -0.5], [8, -1.25]]]]),
             TokenOutput("req-4", [], "error", 3, 0, 0, None, "prompt is too long"),
-        ]),
+            TokenOutput("req-5", [9], None, 3, 4, 0, attempt=2),
+        ], seq=12),
         Tokens("worker-1", 0, []),
         Heartbeat("worker-0", WorkerState.DRAINING.value, 3, 2, 1, 100, 1024, 1234.5),
         Heartbeat("gateway"),
         Heartbeat("worker-1", "ready", 1, 0, 0, 10, 10, 1.5, "", 7, 0.25, ["req-1", "req-2"],
                   0.5),
         Heartbeat("gateway", "unknown", gateway_id="4f2a"),
+        Heartbeat("worker-1", request_ids=["req-1"], request_attempts=[3], tokens_seq=40),
         Ready(True, "", 0.5, "4f2a"),
         Drain("worker-0", 12.5),
         Drain("worker-0", 0.0, False),
         Undrain("worker-0"),
         Error(None, "overloaded", "no KV blocks"),
         Error("req-9", "internal", "boom"),
+        Error("req-9", "internal", "boom", 2),
         Shutdown("operator asked"),
     ]
 
@@ -123,7 +129,15 @@ BAD_FRAMES = {
     "zero credit": _frames(MsgType.SUBMIT, ["r", [1], {}, 0]),
     "non-str param key": _frames(MsgType.SUBMIT, ["r", [1], {1: 2}, 4]),
     "non-str abort id": _frames(MsgType.ABORT, [["a", 3]]),
-    "credit grant not a pair": _frames(MsgType.CREDIT, [[["r", 1, 2]]]),
+    "credit grant too long": _frames(MsgType.CREDIT, [[["r", 1, 2, 3]]]),
+    "credit grant attempt 0": _frames(MsgType.CREDIT, [[["r", 1, 0]]]),
+    "submit attempt 0": _frames(MsgType.SUBMIT, ["r", [1], {}, 4, [], None, 0]),
+    "abort attempts not one per id": _frames(MsgType.ABORT, [["a", "b"], [1]]),
+    "abort attempt negative": _frames(MsgType.ABORT, [["a"], [-1]]),
+    "heartbeat attempts not one per id": _frames(MsgType.HEARTBEAT, [
+        "w", "ready", 0, 0, 0, 0, 0, 0.0, "", 0, 0.0, ["a"], 0.0, {}, [1, 2]]),
+    "token output attempt negative": _frames(MsgType.TOKENS, ["w", 1, [
+        ["r", [1], None, 1, 1, 0, None, None, None, None, -1]]]),
     "credit grant of zero": _frames(MsgType.CREDIT, [[["r", 0]]]),
     "credit grant negative": _frames(MsgType.CREDIT, [[["r", -3]]]),
     "credit grant bool": _frames(MsgType.CREDIT, [[["r", True]]]),
@@ -225,7 +239,19 @@ def test_fields_travel_in_declaration_order():
         "worker_id", "state", "num_running", "num_waiting", "num_paused",
         "num_free_blocks", "num_total_blocks", "time", "gateway_id", "num_steps",
         "progress_age_s", "request_ids", "request_ids_age_s", "counters",
+        "request_attempts", "tokens_seq",
     ]
+
+
+def test_every_output_names_its_attempt_and_tokens_their_seq():
+    """Attempts travel in the TokenOutput's last place; an output without one (a 10-item
+    row) decodes as attempt 0, which no stream's current attempt ever is."""
+    row = TokenOutput.wire_row("r", [5], None, 3, 2, 0, None, None, None, None, 4)
+    msg = decode(encode(Tokens("w", 9, [row], seq=31)))
+    assert msg.seq == 31 and msg.outputs[0].attempt == 4
+    old = decode([bytes([MsgType.TOKENS]), msgpack.packb(["w", 9, [row[:10]]])])
+    assert old.seq == 0 and old.outputs[0].attempt == 0
+    assert decode(encode(Submit("r", [1], {}, 4))).attempt == 1
 
 
 def test_heartbeat_counters_and_output_timings_are_checked():

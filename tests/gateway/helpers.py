@@ -88,9 +88,8 @@ class FakeStream:
     num_sent: int = 0
     credit_limit: int = 0  # the highest CREDIT limit (cumulative), at least the window
     num_cached_tokens: int = 0
-    # SamplingParams.prompt_logprobs: made-up entries for the prompt's tokens after the
-    # first, sent once with the first output (as the real worker does).
     prompt_logprobs: list | None = None
+    attempt: int = 1  # the SUBMIT's, echoed by every output
 
     @property
     def credit(self) -> int:
@@ -105,7 +104,15 @@ class FakeStream:
 @dataclass
 class FakeWorker:
     """A worker thread speaking common.protocol over DEALER/PUSH. One 'engine step' every
-    step_s emits up to tokens_per_step tokens per stream that has credit, in one TOKENS."""
+    step_s emits up to tokens_per_step tokens per stream that has credit, in one TOKENS.
+
+    Like the real worker it tags every output with its SUBMIT's attempt, honours attempts in
+    ABORT and CREDIT, takes a SUBMIT of a request it holds as the gateway's word (goes on
+    where both agree, else starts over from the gateway's tokens), says HELLO again when the
+    gateway does not know it, and names in heartbeats the attempts it holds and its last
+    TOKENS seq. `command_lag_steps` > 0 handles what the gateway sends that many steps
+    late, as a worker busy in a step does: outputs already in flight keep coming after an
+    ABORT."""
 
     router_address: str
     tokens_address: str
@@ -136,6 +143,13 @@ class FakeWorker:
     # (incoming: gateway -> worker, before the worker sees them; outgoing: TOKENS).
     drop_incoming: Callable[[object], bool] = field(default=lambda msg: False)
     drop_outgoing: Callable[[Tokens], bool] = field(default=lambda msg: False)
+    # Fault injection on what the worker sends: each TOKENS (or HEARTBEAT) goes through this,
+    # which returns what to send now (lose: [], duplicate: [m, m], delay or reorder: hold
+    # it and return it with a later one). Called with None once a step to release held ones.
+    tokens_faults: Callable[[Tokens | None], list[Tokens]] | None = None
+    heartbeat_faults: Callable[[Heartbeat | None], list[Heartbeat]] | None = None
+    command_lag_steps: int = 0
+    num_tokens_sent: int = 0  # TOKENS messages sent (Tokens.seq of the last), lost ones too
     progress_age_s: float = 0.0  # what heartbeats report (a large value: engine stuck)
     # As a prefix cache would: a prompt seen before is reported cached whole.
     is_prefix_caching: bool = False
@@ -155,6 +169,8 @@ class FakeWorker:
         self._lock = threading.Lock()
         self._outbox: list[list[bytes]] = []
         self._refused: list[TokenOutput] = []
+        self._lagged: list[tuple[int, object]] = []  # (step to handle it at, message)
+        self._num_steps = 0
 
     def start(self) -> FakeWorker:
         self._thread.start()
@@ -202,7 +218,7 @@ class FakeWorker:
                             frames = dealer.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._handle(decode(frames))
+                        self._receive(decode(frames))
                 with self._lock:
                     outbox, self._outbox = self._outbox, []
                 for frames in outbox:
@@ -210,30 +226,55 @@ class FakeWorker:
                 now = time.monotonic()
                 if now >= next_step and self.is_stepping:
                     next_step = now + self.step_s
+                    self._num_steps += 1
+                    self._handle_lagged()
                     outputs = self._step()
+                    msg = None
                     if outputs:
                         step += 1
-                        msg = Tokens(self.claimed_id or self.worker_id, step, outputs)
+                        self.num_tokens_sent += 1
+                        msg = Tokens(self.claimed_id or self.worker_id, step, outputs,
+                                     self.num_tokens_sent)
                         if self.drop_outgoing(msg):
                             self.num_dropped += 1
-                        else:
-                            push.send_multipart(encode(msg))
-                if now >= next_beat and self.is_heartbeating and self.ready.is_set():
-                    next_beat = now + self.heartbeat_s
-                    dealer.send_multipart(encode(Heartbeat(
-                        self.worker_id, self.state, len(self.streams), 0, 0,
-                        self.num_free_blocks, 1000,
-                        time.time(), request_ids=list(self.streams),
-                        progress_age_s=self.progress_age_s, counters=dict(self.counters))))
+                            msg = None
+                    for m in ([msg] if self.tokens_faults is None and msg is not None
+                              else [] if self.tokens_faults is None
+                              else self.tokens_faults(msg)):
+                        push.send_multipart(encode(m))
+                if self.is_heartbeating and self.ready.is_set() and (
+                        now >= next_beat or self.heartbeat_faults is not None):
+                    beat = None
+                    if now >= next_beat:
+                        next_beat = now + self.heartbeat_s
+                        beat = Heartbeat(
+                            self.worker_id, self.state, len(self.streams), 0, 0,
+                            self.num_free_blocks, 1000,
+                            time.time(), request_ids=list(self.streams),
+                            progress_age_s=self.progress_age_s, counters=dict(self.counters),
+                            request_attempts=[s.attempt for s in self.streams.values()],
+                            tokens_seq=self.num_tokens_sent)
+                    for m in ([beat] if self.heartbeat_faults is None
+                              else self.heartbeat_faults(beat)):
+                        dealer.send_multipart(encode(m))
         finally:
             dealer.close(0)
             push.close(0)
             ctx.term()
 
-    def _handle(self, msg) -> None:
+    def _receive(self, msg) -> None:
         if self.drop_incoming(msg):
             self.num_dropped += 1
-            return
+        elif self.command_lag_steps and not isinstance(msg, (Ready, Heartbeat)):
+            self._lagged.append((self._num_steps + self.command_lag_steps, msg))
+        else:
+            self._handle(msg)
+
+    def _handle_lagged(self) -> None:
+        while self._lagged and self._lagged[0][0] <= self._num_steps:
+            self._handle(self._lagged.pop(0)[1])
+
+    def _handle(self, msg) -> None:
         if isinstance(msg, Ready):
             if msg.accepted:
                 self.ready.set()
@@ -245,7 +286,12 @@ class FakeWorker:
                 self.num_submits_to_refuse -= 1
                 self._refused.append(TokenOutput(msg.request_id, [], "error",
                                                  len(msg.prompt_token_ids), 0, 0, None,
-                                                 "worker is draining"))
+                                                 "worker is draining", attempt=msg.attempt))
+                return
+            held = self.streams.get(msg.request_id)
+            if held is not None and held.num_sent == len(msg.output_token_ids):
+                held.attempt = msg.attempt  # the gateway's word: go on under its attempt
+                held.credit_limit = max(held.credit_limit, msg.credit)
                 return
             tokens = self.reply(msg.prompt_token_ids, msg.params)[:msg.params["max_tokens"]]
             # A stream moved here from another worker goes on after what it produced there.
@@ -256,21 +302,29 @@ class FakeWorker:
                 msg.request_id, tokens, msg.params["max_tokens"], len(msg.prompt_token_ids),
                 msg.credit, msg.params.get("logprobs"), num_sent=len(msg.output_token_ids),
                 num_cached_tokens=len(prompt) if is_cached else 0,
-                prompt_logprobs=_prompt_logprobs(prompt, msg.params.get("prompt_logprobs")))
+                prompt_logprobs=_prompt_logprobs(prompt, msg.params.get("prompt_logprobs")),
+                attempt=msg.attempt)
         elif isinstance(msg, Abort):
             self.aborts.extend(msg.request_ids)
-            for rid in msg.request_ids:
-                self.streams.pop(rid, None)
+            attempts = msg.attempts or [0] * len(msg.request_ids)
+            for rid, attempt in zip(msg.request_ids, attempts, strict=True):
+                s = self.streams.get(rid)
+                if s is not None and attempt in (0, s.attempt):
+                    del self.streams[rid]
         elif isinstance(msg, Credit):
             self.credits.extend(msg.grants)
-            for rid, limit in msg.grants:
+            for rid, limit, *attempt in msg.grants:
                 s = self.streams.get(rid)
-                if s is not None:
+                if s is not None and attempt in ([], [s.attempt]):
                     s.credit_limit = max(s.credit_limit, limit)
         elif isinstance(msg, Shutdown):
             self.got_shutdown = True
         elif isinstance(msg, Heartbeat):
             self.gateway_heartbeats.append(msg)
+            if msg.state == "unknown" and self.ready.is_set():
+                # The gateway expired or forgot us: say HELLO again, keep the streams.
+                with self._lock:
+                    self._outbox.append(encode(self.hello()))
         elif isinstance(msg, Drain):
             pass
 
@@ -294,7 +348,7 @@ class FakeWorker:
                                                for j in range(1, s.logprobs)]] for t in new]
             outputs.append(TokenOutput(rid, new, finish, s.num_prompt_tokens, s.num_sent,
                                        s.num_cached_tokens, lps, None,
-                                       prompt_logprobs=s.prompt_logprobs))
+                                       prompt_logprobs=s.prompt_logprobs, attempt=s.attempt))
             s.prompt_logprobs = None
         return outputs
 

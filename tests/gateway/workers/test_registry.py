@@ -224,9 +224,9 @@ def make_outbox(worker_ids: list[str]):
 
     sent = []
     outbox = WorkerOutbox(lambda w, g: sent.append(("credit", w, g)),
-                          lambda w, r: sent.append(("abort", w, r)))
+                          lambda w, r, a: sent.append(("abort", w, r, a)))
     states = [RequestState(f"r{i}", 0, [1], asyncio.Queue(), RequestPhase.RUNNING, worker_id=w,
-                           credit_window=8)
+                           credit_window=8, num_submits=1)
               for i, w in enumerate(worker_ids)]
     return outbox, sent, states
 
@@ -240,12 +240,12 @@ def test_outbox_batches_per_worker_and_drops_credit_for_aborted():
         outbox.grant(states[0], 2)
         outbox.grant(states[1], 1)
         outbox.grant(states[2], 4)
-        outbox.abort("a", "r1")
+        outbox.abort("a", "r1", 1)
         assert sent == []  # nothing until the loop turns
         await asyncio.sleep(0)
         # Grants are cumulative limits: tokens credited so far + the window (8).
-        assert sorted(sent) == [("abort", "a", ["r1"]), ("credit", "a", [["r0", 13]]),
-                                ("credit", "b", [["r2", 12]])]
+        assert sorted(sent) == [("abort", "a", ["r1"], [1]), ("credit", "a", [["r0", 13, 1]]),
+                                ("credit", "b", [["r2", 12, 1]])]
         assert states[0].num_credited == 5
         queued = RequestState("r9", 0, [1], asyncio.Queue())  # not at a worker: no credit
         outbox.grant(queued, 3)
@@ -263,11 +263,11 @@ def test_credit_goes_back_in_half_window_steps_and_a_resend_gives_back_all():
         assert sent == [] and state.num_delivered == 3 and state.credit_limit == 8
         outbox.grant(state, 1)
         outbox.flush()
-        assert sent == [("credit", "a", [["r0", 12]])]
+        assert sent == [("credit", "a", [["r0", 12, 1]])]
         outbox.grant(state, 2)  # below a step: held back
         outbox.resend(state)  # an idle stream's credit, re-sent: everything delivered
         outbox.flush()
-        assert sent[1:] == [("credit", "a", [["r0", 14]])]
+        assert sent[1:] == [("credit", "a", [["r0", 14, 1]])]
         assert state.num_undelivered == state.num_received - 6
     run(main())
 
@@ -282,12 +282,12 @@ def test_outbox_gathers_grants_over_a_short_window_into_one_credit():
             await asyncio.sleep(0)
         assert sent == []
         await asyncio.sleep(CREDIT_DELAY_S * 5)
-        assert sent == [("credit", "a", [["r0", 12], ["r1", 12], ["r2", 12]])]
+        assert sent == [("credit", "a", [["r0", 12, 1], ["r1", 12, 1], ["r2", 12, 1]])]
         # An abort does not wait: it leaves on the next iteration with the pending grants.
         outbox.grant(states[0], 5)
-        outbox.abort("a", "r2")
+        outbox.abort("a", "r2", 1)
         await asyncio.sleep(0)
-        assert sent[1:] == [("credit", "a", [["r0", 17]]), ("abort", "a", ["r2"])]
+        assert sent[1:] == [("credit", "a", [["r0", 17, 1]]), ("abort", "a", ["r2"], [1])]
         await asyncio.sleep(CREDIT_DELAY_S * 5)
         assert len(sent) == 3  # nothing left behind to send twice
     run(main())
