@@ -10,7 +10,7 @@ import time
 from tests.worker.factories import make_engine
 from tests.worker.test_process import ScriptedEngine, start, stop
 from tests.worker.test_process import gateway as gateway  # noqa: F401 (fixture)
-from zeroserve.common.protocol import Abort, Submit
+from zeroserve.common.protocol import Abort, Credit, Submit
 from zeroserve.worker.sequence import SamplingParams
 
 
@@ -93,4 +93,39 @@ def test_abort_then_submit_of_a_request_that_just_finished_runs_the_new_one(gate
     outs = gateway.collect({"s"})["s"]
     assert tokens_of(outs) == reference[1:]
     assert outs[0].num_output_tokens == 2 and outs[-1].finish_reason == "length"
+    stop(gateway, worker)
+
+
+def test_a_failover_with_its_window_full_waits_for_credit_before_its_first_token(gateway):  # noqa: F811
+    """The client read nothing of its last window: the gateway holds a window of tokens,
+    and the new worker's limit equals the tokens it is given. Its first step must not run
+    (that token would go out past the limit, be dropped, and the next look like a gap; when
+    it was the last one, the stream ended `length` one token short)."""
+    worker, engine, _ = start(gateway, Engine())
+    gateway.send(Submit("s", [1], {"max_tokens": 4}, 3, [101, 102, 103], None, 2))
+    assert gateway.tokens(timeout_s=0.3) is None  # nothing past the limit of 3
+    gateway.send(Credit([["s", 5, 2]]))  # the client read its window
+    outs = gateway.collect({"s"})["s"]
+    assert tokens_of(outs) == [104] and outs[-1].finish_reason == "length"
+    assert outs[-1].num_output_tokens == 4 and outs[-1].attempt == 2
+    stop(gateway, worker)
+
+
+def test_a_late_abort_or_credit_of_an_earlier_attempt_leaves_the_current_one_alone(gateway):  # noqa: F811
+    worker, engine, _ = start(gateway, Engine())
+    gateway.send(Submit("s", [1], {"max_tokens": 8}, 2))
+    assert tokens_of(gateway.collect_n("s", 2)) == [101, 102]
+    # The gateway found attempt 1 lost and moved it here again as attempt 2; attempt 1's
+    # ABORT and a CREDIT of it arrive late.
+    gateway.send(Submit("s", [1], {"max_tokens": 8}, 4, [101, 102], None, 2))
+    gateway.send(Abort(["s"], [1]))
+    gateway.send(Credit([["s", 8, 1]]))
+    outs = gateway.collect_n("s", 2)
+    assert tokens_of(outs) == [103, 104] and {o.attempt for o in outs} == {2}
+    assert gateway.tokens(timeout_s=0.3) is None  # attempt 1's credit granted nothing
+    gateway.send(Abort(["s"], [2]))
+    deadline = time.monotonic() + 5
+    while engine.reqs and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not engine.reqs  # the current attempt's ABORT ends it
     stop(gateway, worker)
