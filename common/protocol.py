@@ -61,6 +61,11 @@ UNKNOWN_WORKER = "unknown"
 # Finish reasons on the wire are the strings of worker.sequence.FinishReason.
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
+# TokenOutput.error_code of a request that made the engine's step fail when it ran alone
+# (its batch was retried one request at a time): it would fail any worker's batch, so the
+# gateway fails it instead of moving it.
+POISON_REQUEST = "poison_request"
+
 # Heartbeat.counters a worker reports (others are ignored): prompt tokens looked up in the
 # prefix cache and found there (at each request's first admission), and sequences preempted.
 COUNTER_NAMES = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
@@ -244,29 +249,39 @@ class TokenOutput:
     # The SUBMIT attempt this output belongs to (Submit.attempt); 0: none named, which the
     # gateway never takes for a stream's current attempt.
     attempt: int = 0
+    # With finish "error": a machine-readable reason (POISON_REQUEST), or None. Sent only
+    # when set (an 11-item row otherwise).
+    error_code: str | None = None
 
     def to_wire(self) -> list:
-        return [
+        row = [
             self.request_id, self.new_token_ids, self.finish_reason, self.num_prompt_tokens,
             self.num_output_tokens, self.num_cached_tokens, self.logprobs, self.error,
             self.timings, self.prompt_logprobs, self.attempt,
         ]
+        if self.error_code is not None:
+            row.append(self.error_code)
+        return row
 
     @staticmethod
     def wire_row(request_id: str, new_token_ids: list[int], finish_reason: str | None,
                  num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int = 0,
                  logprobs: list | None = None, error: str | None = None,
                  timings: list | None = None, prompt_logprobs: list | None = None,
-                 attempt: int = 0) -> list:
+                 attempt: int = 0, error_code: str | None = None) -> list:
         """What to_wire() gives, without the object: a worker emits one per stream per step,
         and the dataclass cost ~1.6 us of each (Tokens takes either form)."""
+        if error_code is not None:
+            return [request_id, new_token_ids, finish_reason, num_prompt_tokens,
+                    num_output_tokens, num_cached_tokens, logprobs, error, timings,
+                    prompt_logprobs, attempt, error_code]
         return [request_id, new_token_ids, finish_reason, num_prompt_tokens, num_output_tokens,
                 num_cached_tokens, logprobs, error, timings, prompt_logprobs, attempt]
 
     @classmethod
     def from_wire(cls, item: Any) -> TokenOutput:
-        if not isinstance(item, list) or len(item) not in (8, 9, 10, 11):
-            raise ProtocolError("token output must be an 8- to 11-item array")
+        if not isinstance(item, list) or not 8 <= len(item) <= 12:
+            raise ProtocolError("token output must be an 8- to 12-item array")
         out = cls(*item)
         if not isinstance(out.request_id, str) or not isinstance(out.new_token_ids, list):
             raise ProtocolError("bad token output")
@@ -289,8 +304,10 @@ class TokenOutput:
         if not isinstance(out.logprobs, (list, type(None))) or not isinstance(
                 out.prompt_logprobs, (list, type(None))):
             raise ProtocolError("logprobs and prompt_logprobs must be arrays or nil")
-        if not isinstance(out.error, (str, type(None))):
-            raise ProtocolError("error must be a string or nil")
+        if not isinstance(out.error, (str, type(None))) or not (
+                out.error_code is None
+                or (isinstance(out.error_code, str) and len(out.error_code) <= 64)):
+            raise ProtocolError("error and error_code must be strings or nil")
         if out.timings is not None and not (
                 isinstance(out.timings, list) and len(out.timings) == 2
                 and all(_is_duration(t) for t in out.timings)):

@@ -22,6 +22,7 @@ from typing import Any
 from zeroserve.common.keys import is_worker_id_valid, load_gateway_keys
 from zeroserve.common.logging_setup import RateLimited, printable
 from zeroserve.common.protocol import (
+    POISON_REQUEST,
     PROTOCOL_VERSION,
     UNKNOWN_WORKER,
     Abort,
@@ -399,7 +400,7 @@ class Gateway:
                         f"The worker stopped the request: {out.error or 'aborted'}"))
                     continue
                 if out.finish_reason == "error" and state.num_received == 0 and \
-                        not out.new_token_ids:
+                        not out.new_token_ids and out.error_code != POISON_REQUEST:
                     # Refused before any output (a worker-side failure): worth one more
                     # try, likely on another worker.
                     self._resubmit_or_fail(state, server_error(

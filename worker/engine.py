@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from zeroserve.common.protocol import POISON_REQUEST
 from zeroserve.worker.block_manager import BlockManager
 from zeroserve.worker.config import EngineConfig
 from zeroserve.worker.grammar import GrammarCompiler, GrammarError, GrammarSpec, GrammarState
@@ -52,7 +53,7 @@ class Runner(Protocol):
 # (keywords cost ~0.25 us more each); the fields must stay in this order.
 _OUTPUT_FIELDS = ("request_id", "new_token_ids", "finish_reason", "num_prompt_tokens",
                   "num_output_tokens", "num_cached_tokens", "logprobs", "prompt_logprobs",
-                  "error", "timings")
+                  "error", "timings", "error_code")
 if tuple(f.name for f in dataclasses.fields(RequestOutput)) != _OUTPUT_FIELDS:
     raise TypeError("RequestOutput's fields changed: update Engine._output and _OUTPUT_FIELDS")
 
@@ -266,24 +267,23 @@ class Engine:
             return
         runner = self.runner
         launch = getattr(runner, "launch", None)
+        sampled = None
         try:
             if launch is not None:
                 launch(plan)  # the device computes from here until collect() returns
-        except RuntimeError as exc:
-            self._fail(plan, exc)
-            return
+        except Exception as exc:
+            sampled = self._isolate(plan, exc)
         if emit is not None:
             emit(self.take_outputs())
-        try:
-            sampled = runner.collect() if launch is not None else runner.execute(plan)
-        except RuntimeError as exc:
-            self._fail(plan, exc)
-            return
+        if sampled is None:
+            try:
+                sampled = runner.collect() if launch is not None else runner.execute(plan)
+            except Exception as exc:
+                sampled = self._isolate(plan, exc)
+            else:
+                self._take_runner_prompt_logprobs()
         runner_timing = runner.last_timing
         t2 = time.perf_counter()
-        prompt_logprobs = getattr(runner, "last_prompt_logprobs", None)
-        if prompt_logprobs:  # before update(): a request may finish in this step
-            self._take_prompt_logprobs(prompt_logprobs)
         self._changed = self.scheduler.update(plan, sampled)
         self._sampled = sampled
         t3 = time.perf_counter()
@@ -367,7 +367,8 @@ class Engine:
         return outputs
 
     def _output(
-        self, seq: Sequence, token: SampledToken | None, error: str | None = None
+        self, seq: Sequence, token: SampledToken | None, error: str | None = None,
+        error_code: str | None = None,
     ) -> RequestOutput:
         # Once per stream per step: plain attribute reads, no properties.
         output_token_ids = seq.output_token_ids
@@ -389,7 +390,8 @@ class Engine:
             prompt_logprobs, seq.is_prompt_logprobs_sent = seq.prompt_logprobs, True
         return RequestOutput(seq.request_id, new_token_ids, seq.finish_reason,
                              len(seq.prompt_token_ids), num_output_tokens,
-                             seq.num_cached_tokens, logprobs, prompt_logprobs, error, timings)
+                             seq.num_cached_tokens, logprobs, prompt_logprobs, error, timings,
+                             error_code)
 
     def _take_prompt_logprobs(self, computed: dict[str, tuple[int, list]]) -> None:
         """Append what the runner computed to each sequence's prompt logprobs, in order (a
@@ -403,13 +405,33 @@ class Engine:
                 have += entries[len(have) + 1 - first:]
             seq.prompt_logprobs = have
 
-    def _fail(self, plan: SchedulerOutput, exc: Exception) -> None:
-        """Finish every sequence of a batch the runner could not compute, with ERROR (device
-        OOM and the like: the batch fails, the worker keeps serving)."""
-        logger.exception("runner failed on a batch of %d sequences", len(plan.chunks))
-        message = f"The worker failed to run this request: {type(exc).__name__}"
+    def _take_runner_prompt_logprobs(self) -> None:
+        prompt_logprobs = getattr(self.runner, "last_prompt_logprobs", None)
+        if prompt_logprobs:  # before update(): a request may finish in this step
+            self._take_prompt_logprobs(prompt_logprobs)
+
+    def _isolate(self, plan: SchedulerOutput, exc: Exception) -> list[SampledToken]:
+        """The runner failed on a batch: run each of its chunks alone, so that only a request
+        that fails by itself (the poison) fails, with ERROR and the code "poison_request"
+        (the gateway does not move it to another worker, where it would fail that batch);
+        the others' tokens stand as the batch's would have. A device that fails every
+        request fails them all. Returns the batch's sampled tokens for update()."""
+        logger.warning("runner failed on a batch of %d sequences (%s: %s); running them one "
+                       "by one", len(plan.chunks), type(exc).__name__, exc)
+        sampled: list[SampledToken] = []
         for chunk in plan.chunks:
-            seq = self.scheduler.finish_with_error(chunk.request_id)
-            if seq is not None:
-                self._pending.append(self._output(seq, None, message))
-        self._num_steps += 1
+            try:
+                tokens = self.runner.execute(SchedulerOutput([chunk]))
+            except Exception as alone_exc:
+                logger.exception("request %s fails alone: failing it", chunk.request_id)
+                seq = self.scheduler.finish_with_error(chunk.request_id)
+                if seq is not None:
+                    self._pending.append(self._output(
+                        seq, None, "The worker failed to run this request: "
+                                   f"{type(alone_exc).__name__}", POISON_REQUEST))
+                if chunk.do_sample:  # a stand-in: update() skips a finished sequence
+                    sampled.append(SampledToken(chunk.request_id, 0))
+                continue
+            self._take_runner_prompt_logprobs()
+            sampled += tokens
+        return sampled

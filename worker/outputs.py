@@ -25,6 +25,8 @@ class RequestOutput:
     error: str | None = None  # user-facing message when finish_reason is ERROR
     # With this request's first token here: (seconds queued, seconds from scheduled to it).
     timings: tuple[float, float] | None = None
+    # With ERROR: why, for the gateway (common.protocol.POISON_REQUEST: it failed alone).
+    error_code: str | None = None
 
     @property
     def is_finished(self) -> bool:

@@ -640,7 +640,8 @@ def _to_wire(out: RequestOutput, attempt: int) -> list:
     return _wire_row(
         out.request_id, out.new_token_ids, None if reason is None else reason.value,
         out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens, logprobs,
-        out.error, None if timings is None else list(timings), prompt_logprobs, attempt)
+        out.error, None if timings is None else list(timings), prompt_logprobs, attempt,
+        out.error_code)
 
 
 _wire_row = TokenOutput.wire_row

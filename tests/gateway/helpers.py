@@ -139,6 +139,7 @@ class FakeWorker:
     is_heartbeating: bool = True  # set False to play dead
     is_stepping: bool = True
     num_submits_to_refuse: int = 0  # answer these many SUBMITs with an error, no tokens
+    refusal_code: str | None = None  # those errors' TokenOutput.error_code
     # Fault injection at the ZeroMQ edge: messages for which these return True are lost
     # (incoming: gateway -> worker, before the worker sees them; outgoing: TOKENS).
     drop_incoming: Callable[[object], bool] = field(default=lambda msg: False)
@@ -286,7 +287,8 @@ class FakeWorker:
                 self.num_submits_to_refuse -= 1
                 self._refused.append(TokenOutput(msg.request_id, [], "error",
                                                  len(msg.prompt_token_ids), 0, 0, None,
-                                                 "worker is draining", attempt=msg.attempt))
+                                                 "worker is draining", attempt=msg.attempt,
+                                                 error_code=self.refusal_code))
                 return
             held = self.streams.get(msg.request_id)
             if held is not None and held.num_sent == len(msg.output_token_ids):

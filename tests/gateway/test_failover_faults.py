@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 from tests.gateway.helpers import FakeWorker, GatewayServer, wait_until
-from zeroserve.common.protocol import Tokens, encode
+from zeroserve.common.protocol import POISON_REQUEST, Tokens, encode
 
 MAX_TOKENS = 40
 NUM_STREAMS = 4
@@ -292,3 +292,16 @@ def test_streams_end_with_a_clear_error_when_no_worker_can_take_them():
             assert error is not None and error["code"] in ("no_worker", "worker_lost"), error
             assert finish is None
         assert_no_state_left(gw)
+
+
+def test_a_poison_request_is_failed_not_moved_to_another_worker():
+    """A request that made its worker's step fail even when run alone would fail the batch
+    of every worker it moved to: the gateway fails it at once (before, it was tried on a
+    second worker)."""
+    with GatewayServer() as gw:
+        workers = start_workers(gw, 2, num_submits_to_refuse=1, refusal_code=POISON_REQUEST)
+        r = httpx.post(gw.url + "/v1/completions", json={"prompt": "x", "max_tokens": 5})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert sum(len(w.submits) for w in workers) == 1
+        assert_no_state_left(gw, *workers)
+        stop_all(workers)

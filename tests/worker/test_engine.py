@@ -5,6 +5,7 @@ import random
 import pytest
 
 from tests.worker.factories import make_engine, make_params, prompt, run_to_completion
+from zeroserve.common.protocol import POISON_REQUEST
 from zeroserve.worker.config import BatchingMode
 from zeroserve.worker.sequence import FinishReason, RequestError
 
@@ -151,6 +152,44 @@ def test_runner_failure_fails_the_batch_and_the_engine_keeps_serving(failing):
     setattr(engine.runner, failing, real)
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
     assert engine.generate([prompt(4)], make_params(max_tokens=3))[0]
+
+
+@pytest.mark.parametrize("failing", ["launch", "collect"])
+def test_a_request_that_fails_the_runner_fails_alone_and_its_batch_goes_on(failing):
+    """A request that makes every batch holding it raise (a poison request) is found by
+    running the failed batch one request at a time: it alone ends with ERROR and the
+    code that tells the gateway not to move it; the others' tokens are an undisturbed run's."""
+    reference = make_engine().generate([prompt(4, start=10), prompt(6, start=20)],
+                                       make_params(max_tokens=6))
+    engine = make_engine()
+    engine.add_request("a", prompt(4, start=10), make_params(max_tokens=6))
+    engine.add_request("poison", prompt(5, start=30), make_params(max_tokens=6))
+    engine.add_request("b", prompt(6, start=20), make_params(max_tokens=6))
+    runner = engine.runner
+    real_launch, real_collect = runner.launch, runner.collect
+    planned: list[list[str]] = []
+
+    def launch(plan):
+        planned.append([c.request_id for c in plan.chunks])
+        if failing == "launch" and "poison" in planned[-1]:
+            raise RuntimeError("device assert")
+        real_launch(plan)
+
+    def collect():
+        sampled = real_collect()
+        if failing == "collect" and "poison" in planned[-1]:
+            raise RuntimeError("device assert")
+        return sampled
+
+    runner.launch, runner.collect = launch, collect
+    result = run_to_completion(engine)
+    poison = result["finished"]["poison"]
+    assert [o.finish_reason for o in poison] == [FinishReason.ERROR]
+    assert poison[0].error_code == POISON_REQUEST and not result["tokens"].get("poison")
+    assert result["tokens"]["a"] == reference[0] and result["tokens"]["b"] == reference[1]
+    assert [o.finish_reason for o in result["finished"]["a"] + result["finished"]["b"]] == [
+        FinishReason.LENGTH, FinishReason.LENGTH]
+    assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
 
 
 def test_random_stress_keeps_the_pool_consistent_and_finishes_everything():
