@@ -294,19 +294,19 @@ class TokenOutput:
             not isinstance(out.finish_reason, str) or out.finish_reason not in FINISH_REASONS
         ):
             raise ProtocolError(f"unknown finish reason {out.finish_reason!r}")
-        num_prompt, num_output, num_cached = (out.num_prompt_tokens, out.num_output_tokens,
-                                              out.num_cached_tokens)
+        num_prompt, num_output, num_cached, attempt = (
+            out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens, out.attempt)
         if not (type(num_prompt) is int and type(num_output) is int and type(num_cached) is int
-                and num_prompt >= 0 and num_output >= 0 and num_cached >= 0):
-            raise ProtocolError("token counts must be non-negative ints")
-        if type(out.attempt) is not int or not 0 <= out.attempt < _MAX_U32:
-            raise ProtocolError("attempt must be an int in [0, 2^32)")
+                and type(attempt) is int and num_prompt >= 0 and num_output >= 0
+                and num_cached >= 0 and 0 <= attempt < _MAX_U32):
+            raise ProtocolError("token counts and the attempt must be non-negative ints")
         if not isinstance(out.logprobs, (list, type(None))) or not isinstance(
                 out.prompt_logprobs, (list, type(None))):
             raise ProtocolError("logprobs and prompt_logprobs must be arrays or nil")
-        if not isinstance(out.error, (str, type(None))) or not (
-                out.error_code is None
-                or (isinstance(out.error_code, str) and len(out.error_code) <= 64)):
+        if (out.error is not None or out.error_code is not None) and not (
+                isinstance(out.error, (str, type(None)))
+                and (out.error_code is None
+                     or (isinstance(out.error_code, str) and len(out.error_code) <= 64))):
             raise ProtocolError("error and error_code must be strings or nil")
         if out.timings is not None and not (
                 isinstance(out.timings, list) and len(out.timings) == 2

@@ -376,7 +376,8 @@ class Gateway:
             state = self.streams.get(out.request_id)
             if state is None:
                 continue  # ended here already (aborted, stop string, lost worker)
-            if out.attempt != state.attempt or state.worker_id != msg.worker_id:
+            # (num_submits is state.attempt, read without the property: once per output.)
+            if out.attempt != state.num_submits or state.worker_id != msg.worker_id:
                 self._drop_stale(state, out, msg.worker_id)
                 continue
             state.last_activity = now

@@ -267,7 +267,8 @@ class FakeWorker:
         if self.drop_incoming(msg):
             self.num_dropped += 1
         elif self.command_lag_steps and not isinstance(msg, (Ready, Heartbeat)):
-            self._lagged.append((self._num_steps + self.command_lag_steps, msg))
+            # Handled before the step after `command_lag_steps` more steps ran.
+            self._lagged.append((self._num_steps + self.command_lag_steps + 1, msg))
         else:
             self._handle(msg)
 

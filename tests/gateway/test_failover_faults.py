@@ -305,3 +305,22 @@ def test_a_poison_request_is_failed_not_moved_to_another_worker():
         assert sum(len(w.submits) for w in workers) == 1
         assert_no_state_left(gw, *workers)
         stop_all(workers)
+
+
+def test_the_fake_worker_sends_what_is_in_flight_after_an_abort_as_a_real_one_does():
+    """The test worker handles the gateway's commands `command_lag_steps` late, as a real
+    worker busy in a step: outputs it made before it read an ABORT still go out (and the
+    gateway drops them), where before it handled an ABORT before its next step."""
+    with GatewayServer(credit_window=64) as gw:
+        (worker,) = start_workers(gw, 1)
+        full = expected_text("p")
+        stop_at = 6
+        r = httpx.post(gw.url + "/v1/completions", json={
+            "prompt": "p", "max_tokens": MAX_TOKENS, "stop": [full[stop_at]]})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == full[:stop_at]
+        assert wait_until(lambda: worker.aborts, 5)
+        (rid,) = worker.aborts
+        # The gateway saw token stop_at and aborted; the worker made two more steps' tokens.
+        assert worker.num_sent[rid] >= stop_at + 1 + worker.command_lag_steps
+        assert_no_state_left(gw, worker)
+        worker.stop()
