@@ -123,6 +123,10 @@ def test_a_late_abort_or_credit_of_an_earlier_attempt_leaves_the_current_one_alo
     outs = gateway.collect_n("s", 2)
     assert tokens_of(outs) == [103, 104] and {o.attempt for o in outs} == {2}
     assert gateway.tokens(timeout_s=0.3) is None  # attempt 1's credit granted nothing
+    # Heartbeats name the attempt held and the last TOKENS sent (reconciliation's inputs).
+    beat = gateway.beat_after(time.time())
+    assert beat.request_ids == ["s"] and beat.request_attempts == [2]
+    assert beat.tokens_seq == outs[-1].num_output_tokens  # one TOKENS per token here
     gateway.send(Abort(["s"], [2]))
     deadline = time.monotonic() + 5
     while engine.reqs and time.monotonic() < deadline:
