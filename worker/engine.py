@@ -414,24 +414,30 @@ class Engine:
         """The runner failed on a batch: run each of its chunks alone, so that only a request
         that fails by itself (the poison) fails, with ERROR and the code "poison_request"
         (the gateway does not move it to another worker, where it would fail that batch);
-        the others' tokens stand as the batch's would have. A device that fails every
-        request fails them all. Returns the batch's sampled tokens for update()."""
+        the others' tokens stand as the batch's would have. Where every request of a batch
+        of several fails alone, the device is at fault, not a request: they fail with ERROR
+        and no code. Returns the batch's sampled tokens for update()."""
         logger.warning("runner failed on a batch of %d sequences (%s: %s); running them one "
                        "by one", len(plan.chunks), type(exc).__name__, exc)
         sampled: list[SampledToken] = []
+        failed: list[tuple[str, Exception]] = []
         for chunk in plan.chunks:
             try:
                 tokens = self.runner.execute(SchedulerOutput([chunk]))
             except Exception as alone_exc:
-                logger.exception("request %s fails alone: failing it", chunk.request_id)
-                seq = self.scheduler.finish_with_error(chunk.request_id)
-                if seq is not None:
-                    self._pending.append(self._output(
-                        seq, None, "The worker failed to run this request: "
-                                   f"{type(alone_exc).__name__}", POISON_REQUEST))
+                logger.exception("request %s fails alone", chunk.request_id)
+                failed.append((chunk.request_id, alone_exc))
                 if chunk.do_sample:  # a stand-in: update() skips a finished sequence
                     sampled.append(SampledToken(chunk.request_id, 0))
                 continue
             self._take_runner_prompt_logprobs()
             sampled += tokens
+        is_device_at_fault = len(plan.chunks) > 1 and len(failed) == len(plan.chunks)
+        for request_id, alone_exc in failed:
+            seq = self.scheduler.finish_with_error(request_id)
+            if seq is not None:
+                self._pending.append(self._output(
+                    seq, None, "The worker failed to run this request: "
+                               f"{type(alone_exc).__name__}",
+                    None if is_device_at_fault else POISON_REQUEST))
         return sampled

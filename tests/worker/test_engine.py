@@ -192,6 +192,21 @@ def test_a_request_that_fails_the_runner_fails_alone_and_its_batch_goes_on(faili
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
 
 
+def test_a_device_that_fails_every_request_fails_them_without_calling_them_poison():
+    engine = make_engine()
+    engine.add_request("a", prompt(4, start=10), make_params(max_tokens=6))
+    engine.add_request("b", prompt(6, start=20), make_params(max_tokens=6))
+
+    def broken(plan):
+        raise RuntimeError("device lost")
+
+    engine.runner.launch = broken
+    outputs = engine.step()
+    assert sorted((o.request_id, o.finish_reason, o.error_code) for o in outputs) == [
+        ("a", FinishReason.ERROR, None), ("b", FinishReason.ERROR, None)]
+    assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+
+
 def test_random_stress_keeps_the_pool_consistent_and_finishes_everything():
     rng = random.Random(1234)
     engine = make_engine(
