@@ -110,9 +110,10 @@ class FakeWorker:
     ABORT and CREDIT, takes a SUBMIT of a request it holds as the gateway's word (goes on
     where both agree, else starts over from the gateway's tokens), says HELLO again when the
     gateway does not know it, and names in heartbeats the attempts it holds and its last
-    TOKENS seq. `command_lag_steps` > 0 handles what the gateway sends that many steps
-    late, as a worker busy in a step does: outputs already in flight keep coming after an
-    ABORT."""
+    TOKENS seq. It handles what the gateway sends `command_lag_steps` (default 1) steps
+    late, as a real worker busy in a step does: outputs already in flight keep coming after
+    an ABORT (0: at once, before its next step). While not stepping it handles them at
+    once. What arrived is in `submits`, `aborts` and `credits` when it arrives."""
 
     router_address: str
     tokens_address: str
@@ -149,7 +150,7 @@ class FakeWorker:
     # it and return it with a later one). Called with None once a step to release held ones.
     tokens_faults: Callable[[Tokens | None], list[Tokens]] | None = None
     heartbeat_faults: Callable[[Heartbeat | None], list[Heartbeat]] | None = None
-    command_lag_steps: int = 0
+    command_lag_steps: int = 1
     num_tokens_sent: int = 0  # TOKENS messages sent (Tokens.seq of the last), lost ones too
     progress_age_s: float = 0.0  # what heartbeats report (a large value: engine stuck)
     # As a prefix cache would: a prompt seen before is reported cached whole.
@@ -225,6 +226,8 @@ class FakeWorker:
                 for frames in outbox:
                     dealer.send_multipart(frames)
                 now = time.monotonic()
+                if not self.is_stepping:
+                    self._handle_lagged()
                 if now >= next_step and self.is_stepping:
                     next_step = now + self.step_s
                     self._num_steps += 1
@@ -266,14 +269,24 @@ class FakeWorker:
     def _receive(self, msg) -> None:
         if self.drop_incoming(msg):
             self.num_dropped += 1
-        elif self.command_lag_steps and not isinstance(msg, (Ready, Heartbeat)):
+            return
+        # Observed as they arrive (the I/O thread has them), handled maybe steps later.
+        if isinstance(msg, Submit):
+            self.submits.append(msg)
+        elif isinstance(msg, Abort):
+            self.aborts.extend(msg.request_ids)
+        elif isinstance(msg, Credit):
+            self.credits.extend(msg.grants)
+        if self.command_lag_steps and self.is_stepping and not isinstance(
+                msg, (Ready, Heartbeat)):
             # Handled before the step after `command_lag_steps` more steps ran.
             self._lagged.append((self._num_steps + self.command_lag_steps + 1, msg))
         else:
             self._handle(msg)
 
     def _handle_lagged(self) -> None:
-        while self._lagged and self._lagged[0][0] <= self._num_steps:
+        """What is due; everything while not stepping (no step is under way to wait for)."""
+        while self._lagged and (self._lagged[0][0] <= self._num_steps or not self.is_stepping):
             self._handle(self._lagged.pop(0)[1])
 
     def _handle(self, msg) -> None:
@@ -283,7 +296,6 @@ class FakeWorker:
             else:
                 self.refused_reason = msg.reason
         elif isinstance(msg, Submit):
-            self.submits.append(msg)
             if self.num_submits_to_refuse > 0:
                 self.num_submits_to_refuse -= 1
                 self._refused.append(TokenOutput(msg.request_id, [], "error",
@@ -308,14 +320,12 @@ class FakeWorker:
                 prompt_logprobs=_prompt_logprobs(prompt, msg.params.get("prompt_logprobs")),
                 attempt=msg.attempt)
         elif isinstance(msg, Abort):
-            self.aborts.extend(msg.request_ids)
             attempts = msg.attempts or [0] * len(msg.request_ids)
             for rid, attempt in zip(msg.request_ids, attempts, strict=True):
                 s = self.streams.get(rid)
                 if s is not None and attempt in (0, s.attempt):
                     del self.streams[rid]
         elif isinstance(msg, Credit):
-            self.credits.extend(msg.grants)
             for rid, limit, *attempt in msg.grants:
                 s = self.streams.get(rid)
                 if s is not None and attempt in ([], [s.attempt]):

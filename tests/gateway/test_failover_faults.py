@@ -326,6 +326,7 @@ def test_the_fake_worker_sends_what_is_in_flight_after_an_abort_as_a_real_one_do
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == full[:stop_at]
         assert wait_until(lambda: worker.aborts, 5)
         (rid,) = worker.aborts
+        assert wait_until(lambda: rid not in worker.streams, 5)  # the ABORT handled
         # The gateway saw token stop_at and aborted; the worker made two more steps' tokens.
         assert worker.num_sent[rid] >= stop_at + 1 + worker.command_lag_steps
         assert_no_state_left(gw, worker)
