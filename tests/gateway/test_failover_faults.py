@@ -22,7 +22,7 @@ import zmq
 
 from tests.gateway.helpers import FakeWorker, GatewayServer, wait_until
 from zeroserve.common.protocol import POISON_REQUEST, MsgType, Tokens, encode
-from zeroserve.gateway import zmq_io
+from zeroserve.gateway.workers import zmq_io
 
 MAX_TOKENS = 40
 NUM_STREAMS = 4
