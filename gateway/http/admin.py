@@ -16,9 +16,12 @@ X-Real-IP) is not a loopback client, wherever the proxy runs.
 
 And never a web page, which a browser on this machine would send from loopback:
 - a request with an `Origin` header is refused (403) unless that origin is named in
-  `--allowed-origins` (`*` does not count: it is for the serving API). Browsers send Origin
-  with every cross-site POST and fetch(); what goes without one (a link, an image) is a GET
-  whose reply the page cannot read;
+  `--allowed-origins` (`*` does not count: it is for the serving API) or is the gateway's
+  own: the console at /ui, served by this gateway, when its Host is a loopback name (a
+  rebound page's Host is its own name) or when admin keys are set (then the caller needs
+  one, which another site's page does not have). Browsers send Origin with every
+  cross-site POST and fetch(); what goes without one (a link, an image) is a GET whose
+  reply the page cannot read;
 - a POST must say `Content-Type: application/json` or carry `Authorization` (415 otherwise):
   a browser sends neither cross-site without a CORS preflight, so an HTML form or a "simple"
   fetch() cannot reach an operation, whatever the browser does about Origin;
@@ -41,6 +44,7 @@ from zeroserve.gateway.core import Gateway
 from zeroserve.gateway.errors import APIError, invalid_request
 from zeroserve.gateway.http.auth import ApiKeys, is_loopback_host
 from zeroserve.gateway.http.error_response import error_response
+from zeroserve.gateway.http.host_check import host_name
 from zeroserve.gateway.logging import get_logger
 
 log = get_logger("admin")
@@ -107,7 +111,8 @@ class AdminApi:
     # --- who may call --------------------------------------------------------------------
 
     def _refusal(self, request: Request) -> APIError | None:
-        refusal = self._caller_refusal(request) or _cross_site_refusal(request, self.origins)
+        refusal = self._caller_refusal(request) or _cross_site_refusal(
+            request, self.origins, self.keys.is_enabled)
         num_held = None if refusal is None else self._warn.allow(refusal.code or "")
         if num_held is not None:  # a flood of refusals must not flood the log
             log.warning("refused an admin call (%s)", refusal.code, extra={
@@ -139,10 +144,21 @@ def _is_local_client(request: Request) -> bool:
             and not any(name in request.headers for name in _PROXY_HEADERS))
 
 
-def _cross_site_refusal(request: Request, origins: frozenset[str]) -> APIError | None:
+def _is_own_origin(request: Request, origin: str, has_admin_keys: bool) -> bool:
+    """The page making the call was served by this gateway (the console), under a name no
+    other site's page can have: a loopback name, or any name when a key is required."""
+    host = request.headers.get("host")
+    if host is None or origin != f"{request.url.scheme}://{host}":
+        return False
+    return has_admin_keys or is_loopback_host(host_name(host))
+
+
+def _cross_site_refusal(request: Request, origins: frozenset[str],
+                        has_admin_keys: bool) -> APIError | None:
     """What a browser could send on a web page's behalf is refused (the module's docstring)."""
     origin = request.headers.get("origin")
-    if origin is not None and origin not in origins:
+    if (origin is not None and origin not in origins
+            and not _is_own_origin(request, origin, has_admin_keys)):
         return APIError(403, f"The admin API does not answer web pages (Origin "
                              f"{origin[:100]!r}); call it with `zeroserve workers` or curl, or "
                              "name the origin in --allowed-origins.", type="permission_error",

@@ -173,3 +173,32 @@ def test_dns_rebinding_reaches_no_route_of_a_loopback_gateway():
             r = httpx.request(method, server.local_url + path, headers=rebound, json={})
             assert_error(r, 421, "host_not_allowed")
         assert server.status() == "ready"
+
+
+def test_the_console_this_gateway_served_may_operate_it():
+    """/ui's own calls carry the gateway's origin: that passes under a loopback name, or under
+    any name when admin keys are set (the key is then what a foreign page lacks)."""
+    with Server() as server:
+        own = {"Origin": server.local_url, "Content-Type": "application/json"}
+        r = httpx.post(server.local_url + DRAIN, headers=own, content=b"{}")
+        assert r.status_code == 200 and server.status() == "draining"
+        r = httpx.get(server.local_url + "/admin/workers", headers=own)
+        assert r.status_code == 200
+        # A rebound page: its own name, its own origin (the Host check or the origin rule).
+        name = f"rebound.attacker.example:{server.gw.port}"
+        rebound = {"Host": name, "Origin": f"http://{name}", "Content-Type": "application/json"}
+        r = httpx.post(server.local_url + "/admin/workers/fake-0/undrain", headers=rebound)
+        assert r.status_code in (403, 421) and server.status() == "draining"
+    with Server(allowed_hosts=("*",)) as server:  # a gateway that answers any name
+        name = f"rebound.attacker.example:{server.gw.port}"
+        rebound = {"Host": name, "Origin": f"http://{name}", "Content-Type": "application/json"}
+        r = httpx.post(server.local_url + DRAIN, headers=rebound)
+        assert_error(r, 403, "cross_origin_forbidden")
+        assert server.status() == "ready"
+    with Server(admin_keys=(ADMIN_KEY,), allowed_hosts=("console.example",)) as server:
+        name = f"console.example:{server.gw.port}"
+        page = {"Host": name, "Origin": f"http://{name}", "Content-Type": "application/json"}
+        r = httpx.post(server.local_url + DRAIN, headers=page)
+        assert_error(r, 401, "invalid_admin_key")
+        r = httpx.post(server.local_url + DRAIN, headers={**page, **bearer(ADMIN_KEY)})
+        assert r.status_code == 200 and server.status() == "draining"
