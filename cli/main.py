@@ -278,6 +278,8 @@ GATEWAY_OPTIONS = [
     option("--disable-metrics", is_flag=True, default=False,
            help="No Prometheus metrics: GET /metrics answers 404 and requests record "
                 "nothing."),
+    option("--disable-ui", is_flag=True, default=False,
+           help="No web console: GET /ui answers 404."),
     # HTTP input limits (gateway/http/request_body.py, gateway/api/limits.py, gateway/http/http_protocol.py)
     option("--max-request-body", type=ByteSize(), default=8 * 1024 * 1024,
            help="Largest request body in bytes (e.g. 8MiB); beyond: 413."),
@@ -398,7 +400,7 @@ def gateway_config(opts: dict[str, Any]):
         keys_dir=opts["keys_dir"], insecure=opts["insecure"],
         admin_keys=(opts["admin_key"],) if opts["admin_key"] else (),
         otlp_traces_endpoint=opts["otlp_traces_endpoint"],
-        disable_metrics=opts["disable_metrics"],
+        disable_metrics=opts["disable_metrics"], disable_ui=opts["disable_ui"],
         metrics_dir=opts.get("metrics_dir"), gateway_index=opts.get("gateway_index", 0),
         **_input_limits(opts),
         **_http_access(opts),
@@ -519,6 +521,8 @@ def gateway_args(config: Any) -> list[str]:
         args += ["--otlp-traces-endpoint", config.otlp_traces_endpoint]
     if config.disable_metrics:
         args.append("--disable-metrics")
+    if config.disable_ui:
+        args.append("--disable-ui")
     if config.metrics_dir is not None:
         args += ["--metrics-dir", config.metrics_dir,
                  "--gateway-index", str(config.gateway_index)]

@@ -25,6 +25,7 @@ from zeroserve.gateway.http.health import HealthEndpoints
 from zeroserve.gateway.http.host_check import AllowedHosts, HostCheckMiddleware
 from zeroserve.gateway.http.rate_limit import RateLimiter, RateLimitMiddleware
 from zeroserve.gateway.http.routes import Api
+from zeroserve.gateway.http.ui import ConsolePages
 from zeroserve.gateway.key_limits import default_limits, load_key_limits
 from zeroserve.gateway.logging import get_logger
 from zeroserve.gateway.observability.loop_monitor import LoopLagMonitor
@@ -106,6 +107,7 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None) -> 
         *([] if metrics is None else [
             Route("/metrics", metrics_endpoint(metrics, keys), methods=["GET"])]),
         *AdminApi(config, gateway).routes(),
+        *([] if config.disable_ui else ConsolePages().routes()),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     middleware=http_middleware(config, keys, metrics),

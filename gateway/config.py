@@ -78,6 +78,8 @@ class GatewayConfig:
     # traces (None: no tracing), and whether to skip Prometheus metrics altogether.
     otlp_traces_endpoint: str | None = None
     disable_metrics: bool = False
+    # The web console at /ui (gateway/http/ui.py): off -> /ui answers 404.
+    disable_ui: bool = False
     # HTTP access (gateway/http/auth.py, gateway/http/rate_limit.py; CORS and hosts in gateway/app.py):
     # bearer keys for /v1/*, /tokenize and /detokenize; never logged or shown in repr.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
