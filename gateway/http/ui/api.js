@@ -25,10 +25,11 @@ export const keys = {
 };
 
 export class ApiError extends Error {
-  constructor(status, message, { code = null, retryAfter = null } = {}) {
+  constructor(status, message, { code = null, retryAfter = null, detail = "" } = {}) {
     super(message);
     this.status = status; // 0: no answer at all
     this.code = code;
+    this.detail = detail; // the server's own message
     this.retryAfter = retryAfter; // seconds, from Retry-After
   }
 }
@@ -94,7 +95,7 @@ export async function call(path, { method = "GET", body = undefined, key = "api"
     }
     const retryAfter = retryAfterSeconds(response);
     throw new ApiError(response.status, explain(response.status, message, retryAfter, key),
-      { code, retryAfter });
+      { code, retryAfter, detail: message });
   }
   return response;
 }

@@ -126,7 +126,9 @@ export class LineChart {
       g.stroke();
       g.setLineDash([]);
       g.fillStyle = m.color;
-      g.fillText(m.label, xx + 3, pad.top + 2);
+      const fitsRight = xx + 3 + g.measureText(m.label).width < width - pad.right;
+      g.textAlign = fitsRight ? "left" : "right";
+      g.fillText(m.label, fitsRight ? xx + 3 : xx - 3, pad.top + 2);
     }
 
     // lines (a null value breaks a line)

@@ -89,7 +89,7 @@ export class OpsView {
         if (!(err instanceof ApiError) || ![401, 403, 404].includes(err.status)) throw err;
         this.isAdmin = false;
         this.adminRefusedAt = Date.now();
-        this.adminRefusal = err.message;
+        this.adminRefusal = `${err.status}: ${err.detail || "refused"}`;
       }
     }
     return this.fetchHealthWorkers();
@@ -222,7 +222,7 @@ export class OpsView {
   renderNotes(now) {
     const notes = [];
     if (this.isAdmin === false) {
-      notes.push(`Read-only: the admin API refused this console (${this.adminRefusal}) Drain and restart need an admin key (Keys).`);
+      notes.push(`Read-only: the admin API refused this console (${this.adminRefusal}). Enter an admin key under Keys to drain and restart workers.`);
     }
     if (this.workersNote) notes.push(this.workersNote);
     if (this.metricsNote) notes.push(this.metricsNote);
