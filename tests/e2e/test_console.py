@@ -206,6 +206,55 @@ def test_a_chat_reply_streams_in_with_its_stats(console):
     c.screenshot("chat.png")
 
 
+def sse(*events: dict) -> str:
+    return "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+
+
+def test_reasoning_and_refusals_are_shown_as_such(console):
+    """What the fake backend never sends, played by the browser's network layer: a reasoning
+    model's deltas, and the refusals a busy or keyed server gives."""
+    c = console()
+    c.settings(max_tokens=50)
+    answers = [
+        dict(status=200, content_type="text/event-stream", body=sse(
+            {"choices": [{"index": 0, "delta": {"role": "assistant", "reasoning_content": "The user "}}]},
+            {"choices": [{"index": 0, "delta": {"reasoning_content": "wants a number."}}]},
+            {"choices": [{"index": 0, "delta": {"content": "Forty-two."}, "finish_reason": "stop"}]},
+            {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 9,
+                                      "prompt_tokens_details": {"cached_tokens": 8}}})),
+        dict(status=429, headers={"Retry-After": "7"}, content_type="application/json",
+             body=json.dumps({"error": {"message": "Too many requests are waiting.",
+                                        "type": "rate_limit_error", "code": "queue_full"}})),
+        dict(status=503, headers={"Retry-After": "3"}, content_type="application/json",
+             body=json.dumps({"error": {"message": "No worker took the request in time.",
+                                        "type": "server_error", "code": "queue_timeout"}})),
+        dict(status=200, content_type="text/event-stream", body=sse(
+            {"choices": [{"index": 0, "delta": {"content": "Half"}}]},
+            {"error": {"message": "The stream was aborted.", "type": "server_error"}})),
+    ]
+    c.page.route("**/v1/chat/completions", lambda route: route.fulfill(**answers.pop(0)))
+
+    c.send("Think, then answer.")
+    stats = c.wait_reply_done()
+    reply = c.last_reply()
+    assert reply.locator(".reasoning").inner_text() == "Reasoning\nThe user wants a number."
+    assert reply.locator(".bubble").inner_text() == "Forty-two."
+    assert (stats["prompt"], stats["cached"]) == ("prompt 12", "cached 8")
+
+    error = c.page.locator("#chat-error")
+    c.send("Again?")
+    error.filter(has_text="429").wait_for()
+    assert error.inner_text().startswith("429 Too many requests: the server is at its limit. "
+                                         "Retry in 7 s.")
+    c.page.locator(".msg.user").last.get_by_role("button", name="Retry").click()
+    error.filter(has_text="503").wait_for()
+    assert "Retry in 3 s." in error.inner_text()
+    c.send("Once more?")
+    error.filter(has_text="aborted").wait_for()
+    assert c.last_reply().locator(".bubble").inner_text() == "Half"
+    assert "The stream was aborted." in c.last_reply().locator(".error-text").inner_text()
+
+
 # --- operations ----------------------------------------------------------------------------
 
 def test_the_workers_table_lists_both_workers_and_offers_actions_only_to_admins(console, server):
@@ -251,7 +300,7 @@ def test_a_killed_worker_restarts_while_a_chat_reply_keeps_streaming(console, se
     chat = console("chat")
     for worker in server.workers():
         ops.wait_status(worker["worker_id"], "ready")
-    chat.settings(max_tokens=400)  # about 8 s at 20 ms a step
+    chat.settings(max_tokens=250)  # about 5 s at 20 ms a step
     chat.send("Keep talking while a worker dies.")
     chat.wait_streaming()
     busy = next(w for w in server.workers() if w["num_in_flight"] > 0)
@@ -270,12 +319,29 @@ def test_a_killed_worker_restarts_while_a_chat_reply_keeps_streaming(console, se
 
     # The reply went on through the failover: all of it, no error.
     stats = chat.wait_reply_done()
-    assert stats["completion"] == "tokens 400" and stats["finish"] == "finish length"
+    assert stats["completion"] == "tokens 250" and stats["finish"] == "finish length"
     assert chat.last_reply().locator(".error-text").count() == 0
     assert chat.page.is_hidden("#chat-error")
     server.workers()  # records the new pid for teardown
     ops.page.wait_for_timeout(1500)  # one more scrape: the charts show the stream and the mark
     ops.screenshot("operations.png")
+
+
+def test_rolling_restart_from_the_page(console, server):
+    c = console("ops")
+    c.set_keys(admin=ADMIN_KEY)
+    before = {w["worker_id"]: w["pid"] for w in server.workers()}
+    assert len(before) == 2
+    for worker_id in before:
+        c.wait_status(worker_id, "ready")
+    c.page.click("#rolling-restart")
+    c.page.locator("#confirm[open]").wait_for()
+    assert "one at a time" in c.page.inner_text("#confirm-text")
+    c.page.click("#confirm-ok")
+    c.page.locator("#events li", has_text="Rolling restart done").wait_for(timeout=90_000)
+    after = {w["worker_id"]: w["pid"] for w in server.workers()}
+    assert all(after[w] != before[w] for w in before), (before, after)
+    assert all(w["status"] == "ready" for w in server.workers())
 
 
 # --- access and connection -----------------------------------------------------------------

@@ -116,8 +116,11 @@ export class LineChart {
     g.textAlign = "left";
     g.textBaseline = "top";
     g.font = "10.5px system-ui, sans-serif";
+    const labelled = []; // x of the marks drawn so far: labels of close marks stack down
     for (const m of this.marks) {
       const xx = Math.round(x(m.t)) + 0.5;
+      const row = labelled.filter((other) => Math.abs(other - xx) < 90).length;
+      labelled.push(xx);
       g.strokeStyle = m.color;
       g.setLineDash([3, 3]);
       g.beginPath();
@@ -128,7 +131,7 @@ export class LineChart {
       g.fillStyle = m.color;
       const fitsRight = xx + 3 + g.measureText(m.label).width < width - pad.right;
       g.textAlign = fitsRight ? "left" : "right";
-      g.fillText(m.label, fitsRight ? xx + 3 : xx - 3, pad.top + 2);
+      g.fillText(m.label, fitsRight ? xx + 3 : xx - 3, pad.top + 2 + 12 * (row % 4));
     }
 
     // lines (a null value breaks a line)

@@ -202,6 +202,10 @@ export class ChatView {
     this.generate();
   }
 
+  retry() {
+    if (!this.controller && this.current?.messages.at(-1)?.role === "user") this.generate();
+  }
+
   // Replace message `index` (a user turn) and drop everything after it, then ask again.
   editAndResend(index, text) {
     const conversation = this.current;
@@ -368,7 +372,10 @@ export class ChatView {
       if (message.error) root.append(el("div", "error-text", message.error));
       if (isLast) root.append(this.actions([["Regenerate", () => this.regenerate()]]));
     } else {
-      root.append(this.actions([["Edit", () => this.startEdit(view, index, message)]]));
+      const actions = [["Edit", () => this.startEdit(view, index, message)]];
+      // A question whose reply failed (a 429, a 503): ask it again as it stands.
+      if (isLast && !this.controller) actions.push(["Retry", () => this.retry()]);
+      root.append(this.actions(actions));
     }
     return view;
   }
