@@ -231,6 +231,8 @@ def test_reasoning_and_refusals_are_shown_as_such(console):
         dict(status=200, content_type="text/event-stream", body=sse(
             {"choices": [{"index": 0, "delta": {"content": "Half"}}]},
             {"error": {"message": "The stream was aborted.", "type": "server_error"}})),
+        dict(status=200, content_type="text/event-stream",  # cut: no finish, no [DONE]
+             body='data: {"choices": [{"index": 0, "delta": {"content": "Cut"}}]}\n\n'),
     ]
     c.page.route("**/v1/chat/completions", lambda route: route.fulfill(**answers.pop(0)))
 
@@ -253,6 +255,10 @@ def test_reasoning_and_refusals_are_shown_as_such(console):
     error.filter(has_text="aborted").wait_for()
     assert c.last_reply().locator(".bubble").inner_text() == "Half"
     assert "The stream was aborted." in c.last_reply().locator(".error-text").inner_text()
+    c.send("And the last?")
+    error.filter(has_text="finish reason").wait_for()
+    assert c.last_reply().locator(".bubble").inner_text() == "Cut"
+    assert c.wait_reply_done()["finish"] == "finish error"
 
 
 # --- operations ----------------------------------------------------------------------------
@@ -359,6 +365,16 @@ def keyed_server(module_servers):
     return server
 
 
+def live_gateway_pid(url: str) -> int | None:
+    request = urllib.request.Request(url + "/health/live",
+                                     headers={"Authorization": f"Bearer {API_KEY}"})
+    try:
+        with urllib.request.urlopen(request, timeout=2) as response:
+            return json.loads(response.read())["pid"]
+    except OSError:
+        return None
+
+
 def is_ready(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health/ready", timeout=2) as response:
@@ -391,16 +407,33 @@ def test_with_api_keys_the_page_asks_for_one_and_then_works(console, keyed_serve
     c.row("worker-0").locator("[data-status=ready]").wait_for()
 
 
-def test_a_gateway_briefly_out_of_reach_is_said_and_reconnected(console, keyed_server):
+def test_a_gateway_briefly_gone_is_said_and_reconnected(console, keyed_server):
     c = console(url=keyed_server.url)
+    c.set_keys(api=API_KEY)
     c.page.locator("#conn.pill-ok").wait_for()
-    c.page.route("**/health/live", lambda route: route.abort())
+    gateway_pid = live_gateway_pid(keyed_server.url)
     banner = c.page.locator("#banner")
-    banner.filter(has_text="does not answer").wait_for()
-    assert c.page.inner_text("#conn") == "disconnected"
-    c.page.unroute("**/health/live")
+
+    # Stalled (SIGSTOP): connections are accepted and nothing answers.
+    os.kill(gateway_pid, signal.SIGSTOP)
+    try:
+        banner.filter(has_text="does not answer").wait_for()
+        assert c.page.inner_text("#conn") == "disconnected"
+    finally:
+        os.kill(gateway_pid, signal.SIGCONT)
     banner.filter(has_text="Reconnected").wait_for()
     assert c.page.inner_text("#conn") == "connected"
+
+    # Gone (SIGKILL): `serve` starts a new gateway; the page carries on with it.
+    os.kill(gateway_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while live_gateway_pid(keyed_server.url) in (None, gateway_pid):
+        assert time.monotonic() < deadline, "serve did not start a new gateway"
+        time.sleep(0.25)
+    c.page.locator("#conn.pill-ok").wait_for()
+    c.settings(max_tokens=10)
+    c.send("Are you back?")
+    assert c.wait_reply_done()["completion"] == "tokens 10"
 
 
 # --- structured output (the real model) ----------------------------------------------------

@@ -81,7 +81,7 @@ export async function call(path, { method = "GET", body = undefined, key = "api"
     });
   } catch (err) {
     if (err.name === "AbortError") throw err;
-    throw new ApiError(0, "The gateway does not answer (it may be restarting); retrying.");
+    throw new ApiError(0, "The gateway does not answer (it may be restarting): try again when the page says it is reconnected.");
   }
   if (!response.ok) {
     let message = "";

@@ -78,7 +78,10 @@ function watchConnection(onReconnect) {
   const check = async () => {
     let ok = false;
     try {
-      const response = await fetch("/health/live", { cache: "no-store", credentials: "omit" });
+      // A stalled gateway accepts the connection and says nothing: give up after 3 s.
+      const response = await fetch("/health/live", {
+        cache: "no-store", credentials: "omit", signal: AbortSignal.timeout(3000),
+      });
       ok = response.ok;
     } catch {
       ok = false;

@@ -273,12 +273,18 @@ export class ChatView {
         if (chunk.usage) reply.stats.usage = chunk.usage;
         if (chunk.model) reply.stats.model = chunk.model;
       }
+      if (!reply.stats.finish) {
+        throw new ApiError(0, "The reply ended without a finish reason: the connection was cut.");
+      }
     } catch (err) {
       if (err.name === "AbortError") {
         reply.stats.finish = "stopped";
       } else {
-        reply.error = err.message;
-        this.showError(err.message);
+        // A TypeError from the body's reader: the connection broke mid-reply.
+        reply.error = err instanceof ApiError ? err.message
+          : `The connection to the gateway broke during the reply (${err.message}).`;
+        reply.stats.finish = reply.stats.finish || "error";
+        this.showError(reply.error);
       }
     } finally {
       this.finishStats(reply, started, firstAt, performance.now(), numChunks);
