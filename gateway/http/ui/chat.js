@@ -246,11 +246,11 @@ export class ChatView {
     }
     const reply = { role: "assistant", content: "", reasoning: "", stats: { model: body.model, json: !!body.response_format } };
     conversation.messages.push(reply);
+    const controller = (this.controller = new AbortController()); // set first: no actions drawn
     this.renderMessages();
     const view = this.messageViews.at(-1);
     view.root.classList.add("streaming");
     this.setBusy(true);
-    const controller = (this.controller = new AbortController());
     const started = performance.now();
     let firstAt = null;
     let numChunks = 0;
@@ -322,7 +322,6 @@ export class ChatView {
   setBusy(busy) {
     $("send").hidden = busy;
     $("stop").hidden = !busy;
-    $("prompt").disabled = false;
   }
 
   showError(message) {
@@ -376,7 +375,7 @@ export class ChatView {
     if (message.role === "assistant") {
       if (message.stats && message.stats.ttftMs !== undefined) root.append(this.statsLine(message.stats));
       if (message.error) root.append(el("div", "error-text", message.error));
-      if (isLast) root.append(this.actions([["Regenerate", () => this.regenerate()]]));
+      if (isLast && !this.controller) root.append(this.actions([["Regenerate", () => this.regenerate()]]));
     } else {
       const actions = [["Edit", () => this.startEdit(view, index, message)]];
       // A question whose reply failed (a 429, a 503): ask it again as it stands.

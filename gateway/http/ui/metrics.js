@@ -66,7 +66,8 @@ export function quantileBetween(older, newer, name, q) {
   const before = new Map(older.buckets(name));
   const deltas = newer.buckets(name).map(([le, count]) => [le, count - (before.get(le) || 0)]);
   const total = deltas.length ? deltas.at(-1)[1] : 0;
-  if (!(total > 0)) return null;
+  // None observed, or the counters went back (a new gateway process): no answer this time.
+  if (!(total > 0) || deltas.some(([, count]) => count < 0)) return null;
   const rank = q * total;
   let lowerLe = 0;
   let lowerCount = 0;

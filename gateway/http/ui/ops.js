@@ -61,7 +61,13 @@ export class OpsView {
     this.adminRefusedAt = 0;
   }
 
-  async tick() {
+  // One refresh at a time: the timer, a tab switch and an action may all ask for one.
+  tick() {
+    if (!this.inFlight) this.inFlight = this.refresh().finally(() => { this.inFlight = null; });
+    return this.inFlight;
+  }
+
+  async refresh() {
     const [workers, metrics] = await Promise.allSettled([this.fetchWorkers(), this.fetchMetrics()]);
     const now = Date.now();
     if (workers.status === "fulfilled") {
@@ -141,7 +147,7 @@ export class OpsView {
       if (known.incarnation && info.incarnation && known.incarnation !== info.incarnation) {
         known.restarts += 1;
         known.restartedAt = now;
-        known.restartPending = false;
+        known.restartPending = 0;
         this.event(`${id} restarted: pid ${known.pid} → ${info.pid}.`, "warn");
         if (!this.hasMetrics) this.markAll(`restart ${id}`, "#7a56d6");
       } else if (known.absentSince) {
@@ -166,6 +172,9 @@ export class OpsView {
       return now - known.absentSince < GONE_AFTER_MS ? ["restarting", "restarting (not connected)"] : ["gone", "gone"];
     }
     const status = known.info.status;
+    if (known.restartPending && now - known.restartPending > (DEADLINE_S + 120) * 1000) {
+      known.restartPending = 0; // it never came back as a new process: show what it is
+    }
     if (known.restartPending) return ["restarting", `restarting (${status})`];
     return [status, status];
   }
@@ -330,7 +339,7 @@ export class OpsView {
       await call(`/admin/workers/${encodeURIComponent(id)}/${action}`, { method: "POST", body, key: "admin" });
       this.event(`${action} ${id}: sent.`);
       const known = this.known.get(id);
-      if (action === "restart" && known) known.restartPending = true;
+      if (action === "restart" && known) known.restartPending = Date.now();
       await this.tick();
       return true;
     } catch (err) {
