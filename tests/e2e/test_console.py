@@ -393,6 +393,7 @@ def test_with_api_keys_the_page_asks_for_one_and_then_works(console, keyed_serve
     error = c.page.locator("#chat-error")
     error.wait_for()
     assert error.inner_text().startswith("401 Unauthorized: this server needs an API key")
+    assert "attention" in c.page.get_attribute("#open-keys", "class")
 
     c.set_keys(api=API_KEY)
     c.page.locator("#model option").first.wait_for(state="attached")

@@ -94,6 +94,7 @@ export async function call(path, { method = "GET", body = undefined, key = "api"
       message = response.statusText;
     }
     const retryAfter = retryAfterSeconds(response);
+    if (response.status === 401 && key === "api") window.dispatchEvent(new CustomEvent("zeroserve:unauthorized"));
     throw new ApiError(response.status, explain(response.status, message, retryAfter, key),
       { code, retryAfter, detail: message });
   }

@@ -44,8 +44,11 @@ function bindKeys(onChange) {
     keys.set("api", $("api-key").value.trim(), remember);
     keys.set("admin", $("admin-key").value.trim(), remember);
     dialog.close();
+    $("open-keys").classList.remove("attention");
     onChange();
   };
+  // A 401 anywhere: point at the Keys button.
+  window.addEventListener("zeroserve:unauthorized", () => $("open-keys").classList.add("attention"));
   $("keys-save").addEventListener("click", save);
   for (const id of ["api-key", "admin-key"]) {
     $(id).addEventListener("keydown", (e) => { if (e.key === "Enter") save(); });
