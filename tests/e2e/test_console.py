@@ -261,6 +261,50 @@ def test_reasoning_and_refusals_are_shown_as_such(console):
     assert c.wait_reply_done()["finish"] == "finish error"
 
 
+def histogram_text(counts_by_gateway: dict[str, list[int]]) -> str:
+    """TTFT buckets (0.1, 0.5, 1, +Inf) as each gateway of a tier exposes them."""
+    lines = []
+    for gateway, counts in counts_by_gateway.items():
+        for le, count in zip(["0.1", "0.5", "1.0", "+Inf"], counts, strict=True):
+            lines.append(f'zeroserve:time_to_first_token_seconds_bucket{{gateway="{gateway}",'
+                         f'le="{le}",model_name="a \\"quoted\\" name"}} {count}.0')
+    return "# HELP x y\n" + "\n".join(lines) + "\n"
+
+
+def test_the_pages_parsers_read_what_the_gateway_writes(console):
+    """The page's own code, run in the browser: Prometheus text summed over a tier's
+    gateways, histogram quantiles between two scrapes as PromQL's histogram_quantile, and
+    SSE events split anywhere across network reads."""
+    c = console()
+    older = histogram_text({"0": [0, 0, 0, 0], "1": [1, 1, 1, 1]})
+    newer = histogram_text({"0": [6, 50, 55, 55], "1": [5, 41, 46, 46]})
+    result = c.page.evaluate("""async ([older, newer]) => {
+        const m = await import("/ui/metrics.js");
+        const api = await import("/ui/api.js");
+        const a = m.parsePrometheus(older), b = m.parsePrometheus(newer);
+        const name = "zeroserve:time_to_first_token_seconds";
+        const parts = ['data: {"a"', ':1}\\r\\n', '\\r\\ndata: {"b":2}\\n', '\\ndata: [DO', 'NE]\\n\\n',
+                       'data: {"after": "done"}\\n\\n'];
+        const body = new ReadableStream({ start(controller) {
+            for (const p of parts) controller.enqueue(new TextEncoder().encode(p));
+            controller.close(); } });
+        const events = [];
+        for await (const data of api.sseData(new Response(body))) events.push(data);
+        return {
+            label: b.samples[0].labels.model_name,
+            p50: m.quantileBetween(a, b, name, 0.5), p99: m.quantileBetween(a, b, name, 0.99),
+            none: m.quantileBetween(a, a, name, 0.5), reset: m.quantileBetween(b, a, name, 0.5),
+            events,
+        };
+    }""", [older, newer])
+    assert result["label"] == 'a "quoted" name'
+    # 100 new observations: 10 under 0.1 s, 90 under 0.5 s, all under 1 s.
+    assert result["p50"] == pytest.approx(0.1 + 0.4 * (50 - 10) / 80)
+    assert result["p99"] == pytest.approx(0.5 + 0.5 * (99 - 90) / 10)
+    assert result["none"] is None and result["reset"] is None
+    assert result["events"] == ['{"a":1}', '{"b":2}']
+
+
 # --- operations ----------------------------------------------------------------------------
 
 def test_the_workers_table_lists_both_workers_and_offers_actions_only_to_admins(console, server):
