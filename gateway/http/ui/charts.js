@@ -14,13 +14,15 @@ function niceMax(value) {
 export function formatValue(value, unit) {
   if (value === null || value === undefined || Number.isNaN(value)) return "–";
   if (value === 0) return "0";
-  if (unit === "ms") return value >= 1000 ? `${(value / 1000).toFixed(2)} s` : `${value < 10 ? value.toFixed(1) : Math.round(value)} ms`;
+  const small = (v) => String(Number(v.toPrecision(2))); // 0.25, 1.5, 7.3
+  if (unit === "ms") return value >= 1000 ? `${small(value / 1000)} s` : `${value < 10 ? small(value) : Math.round(value)} ms`;
   if (value >= 10_000) return `${(value / 1000).toFixed(1)}k`;
-  return value < 10 && !Number.isInteger(value) ? value.toFixed(1) : String(Math.round(value));
+  return value < 10 && !Number.isInteger(value) ? small(value) : String(Math.round(value));
 }
 
 export class LineChart {
-  constructor(canvas, { title, series, unit = "" }) {
+  constructor(canvas, { title, series, unit = "", minMax = 1 }) {
+    this.minMax = minMax; // the y axis reaches at least this, so an idle chart reads well
     this.canvas = canvas;
     this.title = title;
     this.series = series.map((name, i) => ({ name, color: COLORS[i % COLORS.length] }));
@@ -65,7 +67,7 @@ export class LineChart {
     const x = (t) => pad.left + ((t - t0) / WINDOW_MS) * plotW;
     let max = 0;
     for (const p of this.points) for (const v of p.values) if (v !== null && v > max) max = v;
-    max = niceMax(max * 1.1);
+    max = niceMax(Math.max(max * 1.1, this.minMax));
     const y = (v) => pad.top + plotH - (v / max) * plotH;
 
     // title and legend, with each series' latest value

@@ -182,6 +182,12 @@ export class ChatView {
   sendFromComposer() {
     const text = $("prompt").value.trim();
     if (!text || this.controller) return;
+    try {
+      this.parsedSchema();
+    } catch (err) {
+      this.showError(`The JSON schema is not valid JSON: ${err.message}`); // the question stays
+      return;
+    }
     const conversation = this.ensureConversation();
     conversation.messages.push({ role: "user", content: text });
     if (conversation.title === "New chat") conversation.title = text.slice(0, 48);
@@ -242,6 +248,7 @@ export class ChatView {
       body = this.requestBody(conversation.messages);
     } catch (err) {
       this.showError(`The JSON schema is not valid JSON: ${err.message}`);
+      this.renderMessages();
       return;
     }
     const reply = { role: "assistant", content: "", reasoning: "", stats: { model: body.model, json: !!body.response_format } };

@@ -38,11 +38,11 @@ export class OpsView {
     this.lastUpdate = 0;
     this.isRolling = false;
     this.charts = {
-      tokens: new LineChart($("chart-tokens"), { title: "Generated tokens/s", series: ["tokens/s"] }),
-      requests: new LineChart($("chart-requests"), { title: "Requests", series: ["running", "queued"] }),
-      ttft: new LineChart($("chart-ttft"), { title: "Time to first token", series: ["p50", "p99"], unit: "ms" }),
-      itl: new LineChart($("chart-itl"), { title: "Inter-token latency", series: ["p50", "p99"], unit: "ms" }),
-      lag: new LineChart($("chart-lag"), { title: "Event-loop lag", series: ["p99", "max"], unit: "ms" }),
+      tokens: new LineChart($("chart-tokens"), { title: "Generated tokens/s", series: ["tokens/s"], minMax: 10 }),
+      requests: new LineChart($("chart-requests"), { title: "Requests", series: ["running", "queued"], minMax: 4 }),
+      ttft: new LineChart($("chart-ttft"), { title: "Time to first token", series: ["p50", "p99"], unit: "ms", minMax: 10 }),
+      itl: new LineChart($("chart-itl"), { title: "Inter-token latency", series: ["p50", "p99"], unit: "ms", minMax: 10 }),
+      lag: new LineChart($("chart-lag"), { title: "Event-loop lag", series: ["p99", "max"], unit: "ms", minMax: 10 }),
     };
     $("rolling-restart").addEventListener("click", () => this.rollingRestart());
     window.addEventListener("resize", () => this.drawCharts());
