@@ -199,6 +199,10 @@ def test_a_chat_reply_streams_in_with_its_stats(console):
     messages = exported["conversations"][0]["messages"]
     assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
     assert messages[1]["stats"]["completionTokens"] == 60
+    # Delete asks first; cancelled, the chat stays.
+    c.page.click("#delete-chat")
+    c.page.click("#confirm-cancel")
+    assert c.page.locator("#conversations li").count() == 1
     c.page.click("#new-chat")
     c.settings(max_tokens=90)
     c.send("What does a paged KV cache save?")

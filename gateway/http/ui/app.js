@@ -116,7 +116,7 @@ function watchConnection(onReconnect) {
   check();
 }
 
-const chat = new ChatView();
+const chat = new ChatView({ confirm: confirmDialog });
 const ops = new OpsView({ confirm: confirmDialog });
 bindKeys(() => {
   chat.loadModels();

@@ -22,7 +22,8 @@ function newId() {
 }
 
 export class ChatView {
-  constructor() {
+  constructor({ confirm }) {
+    this.confirm = confirm;
     this.conversations = this.load();
     this.settings = { ...DEFAULT_SETTINGS, ...this.loadJson(SETTINGS, {}) };
     this.currentId = this.conversations[0]?.id || null;
@@ -156,8 +157,10 @@ export class ChatView {
       this.renderMessages();
       $("prompt").focus();
     });
-    $("delete-chat").addEventListener("click", () => {
+    $("delete-chat").addEventListener("click", async () => {
       if (this.controller || !this.current) return;
+      const title = this.current.title || "this chat";
+      if (!(await this.confirm("Delete this chat?", `"${title}" is removed from this browser. Export first to keep a copy.`, "Delete"))) return;
       this.conversations = this.conversations.filter((c) => c.id !== this.currentId);
       this.currentId = this.conversations[0]?.id || null;
       this.save();
