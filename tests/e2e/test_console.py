@@ -460,6 +460,9 @@ def test_a_gateway_briefly_gone_is_said_and_reconnected(console, keyed_server):
     c = console(url=keyed_server.url)
     c.set_keys(api=API_KEY)
     c.page.locator("#conn.pill-ok").wait_for()
+    ops = console("ops", url=keyed_server.url)
+    ops.set_keys(api=API_KEY)
+    ops.page.locator("#ops-updated", has_text="live").wait_for()
     gateway_pid = live_gateway_pid(keyed_server.url)
     banner = c.page.locator("#banner")
 
@@ -468,10 +471,12 @@ def test_a_gateway_briefly_gone_is_said_and_reconnected(console, keyed_server):
     try:
         banner.filter(has_text="does not answer").wait_for()
         assert c.page.inner_text("#conn") == "disconnected"
+        ops.page.locator("#ops-updated", has_text="stale").wait_for()
     finally:
         os.kill(gateway_pid, signal.SIGCONT)
     banner.filter(has_text="Reconnected").wait_for()
     assert c.page.inner_text("#conn") == "connected"
+    ops.page.locator("#ops-updated", has_text="live").wait_for()
 
     # Gone (SIGKILL): `serve` starts a new gateway; the page carries on with it.
     os.kill(gateway_pid, signal.SIGKILL)

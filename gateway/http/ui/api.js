@@ -64,7 +64,9 @@ export function explain(status, serverMessage, retryAfter, keyKind = "api") {
 }
 
 // fetch with the right key and headers; throws ApiError on a refusal or no answer.
-export async function call(path, { method = "GET", body = undefined, key = "api", signal } = {}) {
+// timeoutMs: give up on a gateway that accepted the connection and says nothing (stalled).
+export async function call(path, { method = "GET", body = undefined, key = "api", signal, timeoutMs } = {}) {
+  if (timeoutMs) signal = signal ? AbortSignal.any([signal, AbortSignal.timeout(timeoutMs)]) : AbortSignal.timeout(timeoutMs);
   const headers = { Accept: "application/json" };
   const token = key === "admin" ? keys.forAdmin() : key === "api" ? keys.get("api") : "";
   if (token) headers.Authorization = `Bearer ${token}`;
@@ -101,8 +103,8 @@ export async function call(path, { method = "GET", body = undefined, key = "api"
   return response;
 }
 
-export async function getJson(path, key = "api") {
-  return (await call(path, { key })).json();
+export async function getJson(path, key = "api", timeoutMs = undefined) {
+  return (await call(path, { key, timeoutMs })).json();
 }
 
 // Server-sent events of a response: yields each event's data (a string), up to [DONE].

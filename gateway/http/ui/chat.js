@@ -267,9 +267,13 @@ export class ChatView {
     try {
       const response = await call("/v1/chat/completions", { method: "POST", body, signal: controller.signal });
       for await (const data of sseData(response)) {
-        const chunk = JSON.parse(data);
-        if (chunk.error) throw new ApiError(chunk.error.code === "rate_limit_exceeded" ? 429 : 500,
-          `The server ended the reply: ${chunk.error.message}`);
+        let chunk;
+        try {
+          chunk = JSON.parse(data);
+        } catch {
+          throw new ApiError(0, "The server sent an event that is not JSON; the reply stops here.");
+        }
+        if (chunk.error) throw new ApiError(500, `The server ended the reply: ${chunk.error.message}`);
         const delta = chunk.choices?.[0]?.delta || {};
         const reasoning = delta.reasoning_content ?? delta.reasoning;
         if (delta.content || reasoning) {
@@ -298,7 +302,10 @@ export class ChatView {
       }
     } finally {
       this.finishStats(reply, started, firstAt, performance.now(), numChunks);
-      if (!reply.content && !reply.reasoning && reply.error) conversation.messages.pop();
+      // Nothing came (refused, or stopped before the first token): no empty reply is kept.
+      if (!reply.content && !reply.reasoning && (reply.error || reply.stats.finish === "stopped")) {
+        conversation.messages.pop();
+      }
       this.controller = null;
       this.setBusy(false);
       this.save();

@@ -11,6 +11,7 @@ const QUANTILE_WINDOW_MS = 10_000; // latency percentiles over the last 10 s of 
 const ADMIN_RETRY_MS = 30_000; // after a refusal, ask the admin API again this often
 const GONE_AFTER_MS = 120_000; // a worker absent this long is no longer "restarting"
 const RESTARTED_BADGE_MS = 30_000;
+const POLL_TIMEOUT_MS = 5000; // a stalled gateway makes the table stale, not the page stuck
 
 const $ = (id) => document.getElementById(id);
 
@@ -50,7 +51,10 @@ export class OpsView {
 
   start() {
     const loop = async () => {
-      if (document.visibilityState === "visible" || !this.lastUpdate) await this.tick();
+      if (document.visibilityState === "visible" || !this.lastUpdate) {
+        this.renderNotes(Date.now()); // "stale" shows while a refresh is still waiting
+        await this.tick();
+      }
       setTimeout(loop, 1000);
     };
     loop();
@@ -86,7 +90,7 @@ export class OpsView {
     const mayAskAdmin = this.isAdmin !== false || Date.now() - this.adminRefusedAt > ADMIN_RETRY_MS;
     if (mayAskAdmin) {
       try {
-        const body = await getJson("/admin/workers", "admin");
+        const body = await getJson("/admin/workers", "admin", POLL_TIMEOUT_MS);
         if (this.isAdmin === false) this.event("Admin API available: worker actions enabled.");
         this.isAdmin = true;
         this.workersNote = "";
@@ -108,7 +112,9 @@ export class OpsView {
     if (keys.get("api")) headers.Authorization = `Bearer ${keys.get("api")}`;
     let response;
     try {
-      response = await fetch("/health", { headers, cache: "no-store", credentials: "omit" });
+      response = await fetch("/health", {
+        headers, cache: "no-store", credentials: "omit", signal: AbortSignal.timeout(POLL_TIMEOUT_MS),
+      });
     } catch {
       throw new ApiError(0, "The gateway does not answer.");
     }
@@ -120,7 +126,8 @@ export class OpsView {
 
   async fetchMetrics() {
     try {
-      const scrape = parsePrometheus(await (await call("/metrics", { key: "api" })).text());
+      const response = await call("/metrics", { key: "api", timeoutMs: POLL_TIMEOUT_MS });
+      const scrape = parsePrometheus(await response.text());
       this.metricsNote = "";
       return scrape;
     } catch (err) {
@@ -336,7 +343,8 @@ export class OpsView {
   async send(id, action) {
     try {
       const body = action === "undrain" ? {} : { deadline_s: DEADLINE_S };
-      await call(`/admin/workers/${encodeURIComponent(id)}/${action}`, { method: "POST", body, key: "admin" });
+      await call(`/admin/workers/${encodeURIComponent(id)}/${action}`,
+        { method: "POST", body, key: "admin", timeoutMs: 15_000 });
       this.event(`${action} ${id}: sent.`);
       const known = this.known.get(id);
       if (action === "restart" && known) known.restartPending = Date.now();
