@@ -6,7 +6,8 @@ reload; a JSON-schema reply parses (the real model: the fake backend has no voca
 constrain). Operations: both workers listed, drain and undrain from the page, a worker killed
 with SIGKILL shows as restarting and comes back while a chat reply keeps streaming; the 401
 path with API keys on; a gateway briefly out of reach is said so, then reconnected.
-The chat and operations screenshots land in docs/ui/ (the README shows them).
+The chat and operations screenshots are saved on every run (under .bench/screenshots/, which
+git ignores); with ZEROSERVE_UPDATE_SCREENSHOTS=1 they replace the README's (docs/ui/).
 
 Chromium: `apt-get install chromium` (scripts/setup does it as root); without it, or without
 the playwright package, these tests skip and say why.
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from zeroserve.cli.harness import REPO_ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +40,8 @@ if not Path(CHROMIUM).is_file():
                 "chromium; scripts/setup does it as root); Playwright's own browser download "
                 "is not used", allow_module_level=True)
 
-SCREENSHOTS = REPO_ROOT / "docs" / "ui"
+SCREENSHOTS = REPO_ROOT / ("docs/ui" if os.environ.get("ZEROSERVE_UPDATE_SCREENSHOTS") == "1"
+                            else ".bench/screenshots")
 ADMIN_KEY = "console-admin-secret"
 API_KEY = "sk-console-api-key"
 WAIT_MS = 30_000

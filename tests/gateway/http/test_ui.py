@@ -6,14 +6,14 @@ The page's behaviour in a browser is tested in tests/e2e/test_console.py."""
 from __future__ import annotations
 
 import re
+import tomllib
 from fnmatch import fnmatch
 
 import pytest
-import tomllib
 from starlette.testclient import TestClient
 
-from tests.conftest import REPO_ROOT
 from tests.gateway.helpers import byte_tokenizer
+from zeroserve.cli.harness import REPO_ROOT
 from zeroserve.gateway.app import build_app
 from zeroserve.gateway.config import GatewayConfig
 from zeroserve.gateway.http.ui import UI_DIR, load_ui_files
