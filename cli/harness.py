@@ -72,6 +72,22 @@ def get_status(url: str, timeout_s: float = 2.0) -> int:
         return 0
 
 
+_SECRET_FLAGS = ("--api-key", "--admin-key")
+
+
+def _redacted(argv: list[str]) -> list[str]:
+    """argv for a log line: the values of key flags replaced (a log must never hold a key)."""
+    out = []
+    for i, arg in enumerate(argv):
+        if i > 0 and argv[i - 1] in _SECRET_FLAGS:
+            out.append("***")
+        elif arg.startswith(tuple(f + "=" for f in _SECRET_FLAGS)):
+            out.append(arg.partition("=")[0] + "=***")
+        else:
+            out.append(arg)
+    return out
+
+
 class ServerProcess:
     """One server process (and, for `serve`, its supervised children) in its own session.
 
@@ -88,7 +104,7 @@ class ServerProcess:
         if log_path is not None:
             log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = open(log_path, "ab")  # noqa: SIM115 (closed in stop())
-            self._log.write(f"$ {shlex.join(argv)}\n".encode())
+            self._log.write(f"$ {shlex.join(_redacted(argv))}\n".encode())
             self._log.flush()
         stderr = subprocess.STDOUT if self._log is not None else None
         # Its own process group, so teardown can take down everything it started directly.

@@ -23,7 +23,8 @@ KEY = "sk-console-test"
 
 def client(**config) -> TestClient:
     # No `with`: the lifespan (sockets, workers) is not needed to serve static files.
-    return TestClient(build_app(GatewayConfig(port=0, **config), byte_tokenizer()))
+    return TestClient(build_app(GatewayConfig(port=0, **config), byte_tokenizer()),
+                      base_url="http://localhost")
 
 
 @pytest.fixture(scope="module")
