@@ -311,6 +311,20 @@ ADDRESS_OPTIONS = [
            help="Allow tcp:// endpoints without keys (only on a network you trust)."),
 ]
 
+# For `worker`: gateways found by DNS (worker/discovery.py), e.g. a Kubernetes headless Service.
+GATEWAY_DNS_OPTIONS = [
+    option("--gateway-dns", default=None,
+           help="A DNS name that resolves to every gateway (e.g. a headless Service): link to "
+                "each address, re-resolved every --gateway-dns-interval, instead of "
+                "--router-address/--tokens-address. The gateways share one key pair."),
+    option("--gateway-router-port", type=click.IntRange(1, 65535), default=5555,
+           help="With --gateway-dns: the port of every gateway's ROUTER."),
+    option("--gateway-tokens-port", type=click.IntRange(1, 65535), default=5556,
+           help="With --gateway-dns: the port of every gateway's tokens PULL."),
+    option("--gateway-dns-interval", type=float, default=5.0, callback=_positive,
+           help="With --gateway-dns: seconds between lookups."),
+]
+
 # For `serve` and `worker`: how a worker rides out a silent gateway and a stuck engine.
 WORKER_RESILIENCE_OPTIONS = [
     option("--gateway-grace", type=float, default=120.0, callback=_positive,
@@ -446,8 +460,18 @@ def worker_config(opts: dict[str, Any], engine: EngineConfig, worker_id: str,
         fake_forward_s=opts["fake_forward_ms"] / 1000, gateway_grace_s=opts["gateway_grace"],
         stall_timeout_s=opts["stall_timeout"], max_step_failures=opts["max_step_failures"],
         keys_dir=opts["keys_dir"], insecure=opts["insecure"],
-        fake_stamps_path=opts.get("fake_stamps"),
+        fake_stamps_path=opts.get("fake_stamps"), gateway_dns=_gateway_dns(opts),
     )
+
+
+def _gateway_dns(opts: dict[str, Any]):
+    if not opts.get("gateway_dns"):
+        return None
+    from zeroserve.worker.discovery import GatewayDns
+
+    return _build(GatewayDns, name=opts["gateway_dns"], router_port=opts["gateway_router_port"],
+                  tokens_port=opts["gateway_tokens_port"],
+                  interval_s=opts["gateway_dns_interval"])
 
 
 # -- configs -> flags (for child processes) --------------------------------------------------
@@ -476,6 +500,11 @@ def worker_args(config: Any) -> list[str]:
     addresses = []
     for router, tokens in config.gateway_endpoints:
         addresses += ["--router-address", router, "--tokens-address", tokens]
+    dns = config.gateway_dns
+    if dns is not None:
+        addresses += ["--gateway-dns", dns.name, "--gateway-router-port", str(dns.router_port),
+                      "--gateway-tokens-port", str(dns.tokens_port),
+                      "--gateway-dns-interval", str(dns.interval_s)]
     return [
         "--worker-id", config.worker_id, *addresses, "--backend", config.backend,
         "--heartbeat-interval", str(config.heartbeat_interval_s),
@@ -770,6 +799,7 @@ def gateway(**opts: Any) -> None:
 @option("--fake-stamps", type=click.Path(dir_okay=False), default=None,
         help="--backend fake only, for benchmarks: at exit, write a JSON list of [first "
              "prompt token, output index, monotonic time] for every token the fake made.")
+@_options(GATEWAY_DNS_OPTIONS)
 @MODEL_OPTION
 @_options(ENGINE_OPTIONS)
 @_options(WORKER_PROCESS_OPTIONS)
@@ -786,6 +816,8 @@ def worker(**opts: Any) -> None:
     setup_logging(opts["log_format"], opts["log_level"])
     _fetch_hub_model(opts)
     defaults = [_default_endpoints(opts["port"], i) for i in range(opts["gateways"])]
+    if opts["gateway_dns"]:
+        defaults = []  # gateways come from DNS
     routers = opts["router_address"] or tuple(router for router, _ in defaults)
     tokens = opts["tokens_address"] or tuple(token for _, token in defaults)
     config = worker_config(

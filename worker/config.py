@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass, field
 
 from zeroserve.common.keys import check_plane_security, is_worker_id_valid
+from zeroserve.worker.discovery import GatewayDns
 
 
 class BatchingMode(enum.Enum):
@@ -67,7 +68,7 @@ class WorkerConfig:
     worker_id: str
     # The gateway's ROUTER (the worker connects a DEALER) and PULL (a PUSH for TOKENS).
     # Several gateways: one address each, in the same order (the i-th router and the i-th
-    # tokens address are one gateway's).
+    # tokens address are one gateway's). Empty with gateway_dns.
     router_address: str | tuple[str, ...]
     tokens_address: str | tuple[str, ...]
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -85,6 +86,9 @@ class WorkerConfig:
     # CurveZMQ keys (common/keys.py): required for tcp:// endpoints unless insecure.
     keys_dir: str | None = None
     insecure: bool = False
+    # Gateways found by DNS (worker/discovery.py) instead of fixed addresses: one link per
+    # address the name resolves to, re-resolved every gateway_dns.interval_s.
+    gateway_dns: GatewayDns | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -107,6 +111,10 @@ class WorkerConfig:
             raise ValueError(f"worker_id {self.worker_id!r}: use up to 128 letters, digits, "
                              "'.', '_' or '-'")
         endpoints = self.gateway_endpoints
+        if self.gateway_dns is not None:
+            if endpoints:
+                raise ValueError("give gateway addresses or a gateway DNS name, not both")
+            endpoints = [self.gateway_dns.example_endpoints]
         if not endpoints:
             raise ValueError("give at least one gateway router and tokens address")
         if len({address for pair in endpoints for address in pair}) != 2 * len(endpoints):

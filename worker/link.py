@@ -230,6 +230,7 @@ class GatewayPeer:
         self.state = LinkState.CONNECTING
         self.gateway_id: str | None = None  # the gateway process we serve here (from READY)
         self.tokens_seq = 0  # TOKENS messages sent to this gateway (Tokens.seq of the last)
+        self.endpoints = (router_address, tokens_address)
         outbox_address = f"inproc://worker-outbox-{id(self)}"
         self.link = GatewayLink(ctx, config, route, router_address, outbox_address, keys, inbox,
                                 index)

@@ -27,6 +27,13 @@ touch it; each gateway's heartbeats list only its own streams (with the worker's
 load). So silence, a restart or the grace period of one gateway ends only that gateway's
 streams, and the others go on.
 
+Gateways found by DNS (`--gateway-dns`, worker/discovery.py): the set of gateways changes
+while the worker runs. A new address gets a link (and a HELLO); a link whose address left
+the answer is retired: it gets no new HELLO and is closed once it holds no stream of ours,
+or at once (failing its streams) when it is also silent past `gateway_timeout_s`: gone from
+DNS and silent, that gateway is gone. A draining gateway that still talks keeps its streams
+to the end. Links are keyed by an index that is never reused.
+
 Health means progress: the link thread stamps every heartbeat with how long ago the engine
 thread last finished a loop iteration; a worker stuck for `stall_timeout_s` exits non-zero
 (its supervisor or container runtime restarts it), and so does one whose steps fail
@@ -67,6 +74,7 @@ from zeroserve.common.protocol import (
     encode,
 )
 from zeroserve.worker.config import WorkerConfig
+from zeroserve.worker.discovery import GatewayDiscovery, GatewaysFound, Resolver
 from zeroserve.worker.grammar import GrammarSpec
 from zeroserve.worker.link import GatewayPeer, LinkState, new_route
 from zeroserve.worker.outputs import RequestOutput
@@ -84,14 +92,16 @@ EXIT_REFUSED = 3  # the gateway refused our HELLO (e.g. another protocol version
 # 4 (worker.link.EXIT_STALLED): the engine thread made no progress for stall_timeout_s.
 
 
-def run_worker(config: WorkerConfig, engine: Engine | None = None) -> int:
+def run_worker(config: WorkerConfig, engine: Engine | None = None,
+               resolver: Resolver | None = None) -> int:
     """Load the model (unless an engine is given, as tests do), serve until told to stop.
+    `resolver` replaces DNS for `config.gateway_dns` (tests).
 
     Returns the process exit code (EXIT_*).
     """
     if engine is None:
         engine = build_engine(config)
-    return WorkerLoop(config, engine).run()
+    return WorkerLoop(config, engine, resolver).run()
 
 
 def build_engine(config: WorkerConfig) -> Engine:
@@ -143,7 +153,7 @@ class _Stream:
 class WorkerLoop:
     """The engine thread's loop. One instance per process run."""
 
-    def __init__(self, config: WorkerConfig, engine: Engine):
+    def __init__(self, config: WorkerConfig, engine: Engine, resolver: Resolver | None = None):
         self.config = config
         self.engine = engine
         self.state = WorkerState.STARTING
@@ -152,8 +162,14 @@ class WorkerLoop:
         # requests we dropped; stale, they must not end a new SUBMIT of the same id.
         self._stale_aborts: dict[str, int] = {}
         self.num_steps = 0
-        self.gateways: list[GatewayPeer] = []  # one per gateway address pair, from run()
-        self._inbox: queue.Queue[tuple[int, Message]] = queue.Queue()  # from every link
+        # One per gateway address pair, keyed by an index never reused (from run(), and
+        # from discovery). Every stream's gateway is in it.
+        self.gateways: dict[int, GatewayPeer] = {}
+        self._retired: set[int] = set()  # links whose address left the DNS answer
+        self._next_index = 0
+        self._resolver = resolver
+        # From every link: (its index, message); from other threads: (None, message).
+        self._inbox: queue.Queue[tuple[int | None, Message]] = queue.Queue()
         self._num_failed_steps = 0  # in a row
         self._ids_at = time.monotonic()  # when the streams snapshot for heartbeats was valid
         self.exit_code: int | None = None  # set when the loop should end
@@ -169,10 +185,10 @@ class WorkerLoop:
             Ready: self._on_ready, Submit: self._on_submit, Abort: self._on_abort,
             Credit: self._on_credit, Drain: self._on_drain, Shutdown: self._on_shutdown,
             Heartbeat: self._on_heartbeat, Error: self._on_error, Undrain: self._on_undrain,
-            _Wake: lambda gw, msg: None,
+            _Wake: lambda gw, msg: None, GatewaysFound: self._on_gateways_found,
         }
         # A request's grammar compiled off this thread: end the loop's wait for messages.
-        engine.wake = lambda: self._inbox.put((0, _WAKE))
+        engine.wake = lambda: self._inbox.put((None, _WAKE))
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -180,16 +196,19 @@ class WorkerLoop:
         ctx = zmq.Context()
         keys = (None if self.config.keys_dir is None
                 else load_worker_keys(self.config.keys_dir, self.config.worker_id))
-        route = new_route(self.config.worker_id)  # one per process, shared by every gateway
-        self.gateways = [GatewayPeer(ctx, self.config, route, i, router, tokens, keys,
-                                     self._inbox)
-                         for i, (router, tokens) in enumerate(self.config.gateway_endpoints)]
-        for gw in self.gateways:
-            gw.start()
+        self._ctx, self._keys = ctx, keys
+        self._route = new_route(self.config.worker_id)  # one per process, for every gateway
+        for router, tokens in self.config.gateway_endpoints:
+            self._add_gateway(router, tokens, say_hello=False)
+        discovery = None
+        if self.config.gateway_dns is not None:
+            discovery = GatewayDiscovery(self.config.gateway_dns, self._inbox,
+                                         self.config.worker_id, self._resolver)
+            discovery.start()
         restore_signals = self._install_signal_handlers()
         try:
             self._publish_load()
-            for gw in self.gateways:
+            for gw in self.gateways.values():
                 self._say_hello(gw)
             while self.exit_code is None:
                 # Every SUBMIT the link thread took before this moment is in self.streams
@@ -202,14 +221,16 @@ class WorkerLoop:
                 self._ids_at = ids_at
                 self._step()  # publishes the load once its emit is done
                 progress_at = time.monotonic()
-                for gw in self.gateways:
+                for gw in self.gateways.values():
                     gw.link.progress_at = progress_at
             self._emit(self.engine.take_outputs())
         finally:
             restore_signals()
-            for gw in self.gateways:
+            if discovery is not None:
+                discovery.stop()
+            for gw in self.gateways.values():
                 gw.request_stop()
-            for gw in self.gateways:
+            for gw in self.gateways.values():
                 gw.close()
             ctx.term()
         log.info("worker exiting", extra={**self._log_extra, "exit_code": self.exit_code})
@@ -263,11 +284,12 @@ class WorkerLoop:
             return
         while True:
             handler = self._handlers.get(type(msg))
+            gw = None if index is None else self.gateways.get(index)
             if handler is None:
                 log.warning("ignored a %s from the gateway", type(msg).__name__,
                             extra=self._log_extra)
-            else:
-                handler(self.gateways[index], msg)
+            elif gw is not None or index is None:  # else: from a link closed since
+                handler(gw, msg)
             try:
                 index, msg = self._inbox.get_nowait()
             except queue.Empty:
@@ -276,9 +298,10 @@ class WorkerLoop:
     def _emit(self, outputs: list[RequestOutput]) -> None:
         """One TOKENS message per gateway that has news this step: its own streams only."""
         # Once per stream per step: locals, and the stream's fields read once.
-        wire: list[list] = [[] for _ in self.gateways]  # rows per gateway
+        wire: dict[int, list] = {index: [] for index in self.gateways}  # rows per gateway
         for index, row in self._pending:
-            wire[index].append(row)
+            if index in wire:  # else: a link closed since
+                wire[index].append(row)
         self._pending = []
         streams = self.streams
         stale_aborts = self._stale_aborts
@@ -297,8 +320,9 @@ class WorkerLoop:
                 del streams[rid]
             elif num_sent >= stream.credit_limit and not stream.is_paused:  # out of credit
                 stream.is_paused = self.engine.pause(rid)
-        for gw, rows in zip(self.gateways, wire, strict=True):
+        for index, rows in wire.items():
             if rows:
+                gw = self.gateways[index]
                 gw.tokens_seq += 1
                 gw.send_tokens(Tokens(self.config.worker_id, self.num_steps, rows,
                                       gw.tokens_seq))
@@ -474,8 +498,11 @@ class WorkerLoop:
         gw.send_control(encode(hello))
 
     def _check_gateway(self) -> None:
-        for gw in self.gateways:
-            self._check_one_gateway(gw)
+        for gw in list(self.gateways.values()):
+            if gw.index in self._retired:
+                self._check_retired(gw)
+            else:
+                self._check_one_gateway(gw)
 
     def _check_one_gateway(self, gw: GatewayPeer) -> None:
         """Silence of one gateway touches only its own streams."""
@@ -504,6 +531,58 @@ class WorkerLoop:
             if sent_at is not None and now - sent_at > timeout:
                 self._say_hello(gw)
 
+    # -- gateways found by DNS --------------------------------------------------------------
+
+    def _add_gateway(self, router: str, tokens: str, say_hello: bool = True) -> GatewayPeer:
+        index = self._next_index
+        self._next_index += 1
+        gw = GatewayPeer(self._ctx, self.config, self._route, index, router, tokens,
+                         self._keys, self._inbox)
+        self.gateways[index] = gw
+        gw.start()
+        if say_hello:
+            self._publish_load()  # its heartbeats need a load before they start
+            self._say_hello(gw)
+        return gw
+
+    def _on_gateways_found(self, gw: None, msg: GatewaysFound) -> None:
+        """The latest DNS answer: link to new addresses, retire the links of vanished ones
+        (closed by _check_retired once they hold no stream of ours)."""
+        wanted = set(msg.endpoints)
+        have = {peer.endpoints: index for index, peer in self.gateways.items()}
+        for endpoints in sorted(wanted - have.keys()):
+            peer = self._add_gateway(*endpoints)
+            log.info("linking to a gateway found by DNS", extra={
+                **self._log_extra, "gateway": peer.index, "router_address": endpoints[0]})
+        for endpoints, index in have.items():
+            if endpoints in wanted:
+                self._retired.discard(index)  # back in the answer (or never gone)
+            elif index not in self._retired:
+                self._retired.add(index)
+                log.info("a gateway left the DNS answer; its link ends with its last stream",
+                         extra={**self._log_extra, "gateway": index,
+                                "router_address": endpoints[0]})
+
+    def _check_retired(self, gw: GatewayPeer) -> None:
+        """A link whose address left the DNS answer. A draining gateway still talks: its
+        streams finish there. Gone from DNS and silent too, that gateway is gone."""
+        silent_s = time.monotonic() - gw.link.last_heard
+        if self._num_streams_of(gw) and silent_s > self.config.gateway_timeout_s:
+            log.warning("gateway gone (not in DNS, silent %.1fs); failing %d streams",
+                        silent_s, self._num_streams_of(gw),
+                        extra={**self._log_extra, "gateway": gw.index})
+            self._fail_all("lost contact with the gateway", gw)
+            self._emit([])  # the gateway may yet hear it; before its link closes
+        if not self._num_streams_of(gw):
+            self._close_gateway(gw)
+
+    def _close_gateway(self, gw: GatewayPeer) -> None:
+        del self.gateways[gw.index]
+        self._retired.discard(gw.index)
+        gw.request_stop()
+        gw.close()
+        log.info("link to a gateway closed", extra={**self._log_extra, "gateway": gw.index})
+
     def _begin_drain(self, deadline_s: float, tell_gateway: bool,
                      exit_when_drained: bool = True) -> None:
         """No new work; streams get `deadline_s` to finish, then move to another worker.
@@ -520,7 +599,7 @@ class WorkerLoop:
         self._drain_deadline = deadline
         self._publish_load()  # heartbeats say "draining" from now on, before the DRAIN
         if tell_gateway:
-            for gw in self.gateways:
+            for gw in self.gateways.values():
                 gw.send_control(encode(Drain(self.config.worker_id, deadline_s)))
 
     def _check_drain(self) -> None:
@@ -559,19 +638,21 @@ class WorkerLoop:
         it), but only that gateway's request ids (it reconciles those)."""
         stats = self.engine.stats()
         if len(self.gateways) == 1:
-            ids_by_gateway = [list(self.streams)]
-            attempts_by_gateway = [[s.attempt for s in self.streams.values()]]
+            ids_by_gateway = {index: list(self.streams) for index in self.gateways}
+            attempts_by_gateway = {index: [s.attempt for s in self.streams.values()]
+                                   for index in self.gateways}
         else:
-            ids_by_gateway = [[] for _ in self.gateways]
-            attempts_by_gateway = [[] for _ in self.gateways]
+            ids_by_gateway = {index: [] for index in self.gateways}
+            attempts_by_gateway = {index: [] for index in self.gateways}
             for rid, stream in self.streams.items():
                 ids_by_gateway[stream.gateway].append(rid)
                 attempts_by_gateway[stream.gateway].append(stream.attempt)
         counters = {"prefix_cache_queries": stats.num_prefix_queries,
                     "prefix_cache_hits": stats.num_prefix_hits,
                     "num_preemptions": stats.num_preemptions}
-        for gw, request_ids, attempts in zip(self.gateways, ids_by_gateway, attempts_by_gateway,
-                                             strict=True):
+        for index, request_ids in ids_by_gateway.items():
+            gw = self.gateways[index]
+            attempts = attempts_by_gateway[index]
             gw.link.load = (Heartbeat(
                 worker_id=self.config.worker_id, state=self.state.value,
                 num_running=stats.num_running, num_waiting=stats.num_waiting,
