@@ -258,6 +258,9 @@ GATEWAY_OPTIONS = [
     option("--worker-stall-timeout", type=float, default=30.0, callback=_positive,
            help="Seconds a worker's engine may make no progress (its heartbeats say) before it "
                 "is marked unhealthy and gets no new work."),
+    option("--shutdown-timeout", type=float, default=5.0, callback=_positive,
+           help="On SIGTERM, seconds running streams get to finish (new and queued requests "
+                "get a 503 at once); then they end with an error event."),
     option("--reuse-port", is_flag=True, default=False,
            help="Bind the HTTP port with SO_REUSEPORT so that several gateway processes "
                 "share it (`serve --gateways N` sets it)."),
@@ -410,6 +413,7 @@ def gateway_config(opts: dict[str, Any]):
         client_send_buffer_bytes=opts["client_send_buffer"],
         request_idle_timeout_s=opts["request_idle_timeout"],
         worker_stall_timeout_s=opts["worker_stall_timeout"], routing=opts["routing"],
+        shutdown_timeout_s=opts["shutdown_timeout"],
         reuse_port=opts["reuse_port"],
         keys_dir=opts["keys_dir"], insecure=opts["insecure"],
         admin_keys=(opts["admin_key"],) if opts["admin_key"] else (),
@@ -536,6 +540,7 @@ def gateway_args(config: Any) -> list[str]:
         "--loop-lag-warn", str(config.loop_lag_warn_s),
         "--request-idle-timeout", str(config.request_idle_timeout_s),
         "--worker-stall-timeout", str(config.worker_stall_timeout_s),
+        "--shutdown-timeout", str(config.shutdown_timeout_s),
         "--routing", config.routing,
         *(["--reuse-port"] if config.reuse_port else []),
         *_security_args(config),

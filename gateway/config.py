@@ -74,6 +74,10 @@ class GatewayConfig:
     request_idle_timeout_s: float = 300.0
     # a worker whose engine made no progress for this long gets no new work (UNHEALTHY).
     worker_stall_timeout_s: float = 30.0
+    # On SIGTERM: new and queued requests get a 503 at once; running streams get this long to
+    # finish, then end with an error event (gateway/server.py). Kubernetes: keep it under
+    # terminationGracePeriodSeconds.
+    shutdown_timeout_s: float = 5.0
     # Observability (gateway/observability/metrics.py, gateway/observability/tracing.py): an OTLP collector for request
     # traces (None: no tracing), and whether to skip Prometheus metrics altogether.
     otlp_traces_endpoint: str | None = None
@@ -124,6 +128,8 @@ class GatewayConfig:
             raise ValueError("request_idle_timeout_s must be > 0")
         if self.worker_stall_timeout_s <= 0:
             raise ValueError("worker_stall_timeout_s must be > 0")
+        if self.shutdown_timeout_s <= 0:
+            raise ValueError("shutdown_timeout_s must be > 0")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {LOG_FORMATS}")
         if self.min_client_rate < 0:

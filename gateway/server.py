@@ -45,7 +45,8 @@ def uvicorn_config(app: Starlette, config: GatewayConfig, **overrides) -> uvicor
     # log_config=None: uvicorn's own loggers propagate to our root handler, so with
     # --log-format json its lines are JSON too.
     settings = dict(host=config.host, port=config.port, log_level=config.log_level,
-                    log_config=None, access_log=False, timeout_graceful_shutdown=5,
+                    log_config=None, access_log=False,
+                    timeout_graceful_shutdown=config.shutdown_timeout_s,
                     lifespan="on", http=guarded_protocol(config.header_timeout_s,
                                                          config.client_send_buffer_bytes),
                     h11_max_incomplete_event_size=DEFAULT_MAX_HEAD_BYTES)
