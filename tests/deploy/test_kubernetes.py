@@ -172,10 +172,20 @@ def test_the_drain_deadlines_fit_the_grace_periods(manifests):
     shutdown_s = float(setting(gw, "--shutdown-timeout"))
     assert m.gateway["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= \
         sleep_s + shutdown_s + EXIT_MARGIN_S
-    # A worker gone past its gateways' patience is lost, not drained: the gateway's
-    # shutdown must outlast neither; and the startup probe allows for a model's load.
+    # The gateway's startup probe allows for a model's load (a Hub tokenizer's download).
     startup = gw["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
+
+
+def test_autoscaled_workloads_leave_their_replicas_to_the_autoscaler(manifests):
+    """A `replicas` in the manifest would reset the autoscaler's count on every apply."""
+    (hpa,) = manifests.of_kind("HorizontalPodAutoscaler")
+    (scaled,) = manifests.of_kind("ScaledObject")
+    for ref in (hpa["spec"]["scaleTargetRef"], scaled["spec"]["scaleTargetRef"]):
+        assert "replicas" not in manifests.get(ref["kind"], ref["name"])["spec"], ref
+    assert hpa["spec"]["minReplicas"] >= 2  # a gateway pod may go while another serves
+    pdb = manifests.get("PodDisruptionBudget", "gateway")
+    assert pdb["spec"]["minAvailable"] == 1
 
 
 def test_security_contexts_and_writable_paths(manifests):

@@ -237,7 +237,7 @@ def complete(gateway: ServerProcess) -> dict:
 def test_pods_serve_through_both_gateways_and_a_deleted_gateway_spares_the_others_streams(
         tmp_path):
     cluster = Cluster(tmp_path)
-    name = setting_of(cluster)
+    name = plane_name(cluster)
     ip_a, ip_b, ip_c = cluster.pod_ips
     cluster.set_dns(name, [ip_a, ip_b])
     cluster.set_dns("gateway", [ip_a, ip_b])  # the HTTP Service (for the workers' probe)
@@ -297,7 +297,8 @@ def test_pods_serve_through_both_gateways_and_a_deleted_gateway_spares_the_other
         cluster.stop()
 
 
-def setting_of(cluster: Cluster) -> str:
+def plane_name(cluster: Cluster) -> str:
+    """The name workers resolve to find the gateways (--gateway-dns)."""
     command = container(cluster.m.worker)["command"]
     return command[command.index("--gateway-dns") + 1]
 
