@@ -132,6 +132,8 @@ class Answer:
 
     def __call__(self, name: str) -> list[str]:
         with self.lock:
+            if not self.ips:
+                raise OSError("Name or service not known")
             return list(self.ips)
 
 
@@ -230,6 +232,21 @@ def test_a_gateway_gone_from_the_name_and_silent_costs_only_its_own_streams(tier
     assert "lost contact" in outs_a[-1].error
     assert time.monotonic() - started < 3.0
     assert "on-a" not in engine.reqs and "on-b" in engine.reqs
+    b.send(Shutdown("test over"))
+    thread.join(5)
+    assert result["exit"] == 0
+
+
+def test_a_worker_started_before_any_gateway_links_once_the_name_resolves(tier):
+    ips, (a, b), dns = tier
+    answer = Answer([])  # NXDOMAIN: no gateway pod exists yet
+    thread, result, engine = start_worker(dns, answer)
+    time.sleep(0.3)
+    assert thread.is_alive()
+    answer.set([ips[1]])
+    ready(b, "gw-b")
+    b.send(Submit("first", [1], {"max_tokens": 2}, 2))
+    assert tokens_of(b.collect({"first"})["first"]) == [101, 102]
     b.send(Shutdown("test over"))
     thread.join(5)
     assert result["exit"] == 0
