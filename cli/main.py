@@ -228,6 +228,10 @@ GATEWAY_OPTIONS = [
     option("--chat-template", default=None, type=click.Path(dir_okay=False),
            help="A jinja2 file (or a tokenizer_config.json) whose chat template replaces the "
                 "model's own. [default: the model's]"),
+    option("--reasoning-parser", type=click.Choice(["qwen3", "deepseek_r1"]), default=None,
+           help="Split a reasoning model's <think> text from its answer (chat's "
+                "reasoning_content, Responses' reasoning items). [default: qwen3's rules when "
+                "the chat template writes <think>, else none]"),
     option("--credit-window", type=click.IntRange(min=1), default=32,
            help="Tokens of one stream in flight before the client must read."),
     option("--slow-client-timeout", type=float, default=30.0, callback=_positive,
@@ -420,6 +424,7 @@ def gateway_config(opts: dict[str, Any]):
         otlp_traces_endpoint=opts["otlp_traces_endpoint"],
         disable_metrics=opts["disable_metrics"], disable_ui=opts["disable_ui"],
         metrics_dir=opts.get("metrics_dir"), gateway_index=opts.get("gateway_index", 0),
+        reasoning_parser=opts.get("reasoning_parser"),
         **_input_limits(opts),
         **_http_access(opts),
     )
@@ -551,6 +556,8 @@ def gateway_args(config: Any) -> list[str]:
         args += ["--served-model-name", config.served_model_name]
     if config.chat_template is not None:
         args += ["--chat-template", config.chat_template]
+    if config.reasoning_parser is not None:
+        args += ["--reasoning-parser", config.reasoning_parser]
     if config.otlp_traces_endpoint is not None:
         args += ["--otlp-traces-endpoint", config.otlp_traces_endpoint]
     if config.disable_metrics:

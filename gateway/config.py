@@ -103,6 +103,9 @@ class GatewayConfig:
     # /metrics for all of them (gateway/observability/tier_metrics.py); `gateway_index` names this one.
     metrics_dir: str | None = None
     gateway_index: int = 0
+    # A reasoning model's <think> output (gateway/text/reasoning.py): "qwen3" or
+    # "deepseek_r1"; None: picked from the chat template (a template writing <think>: qwen3).
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         self._check_input_limits()
@@ -140,6 +143,8 @@ class GatewayConfig:
             raise ValueError("loop_lag_warn_s must be > 0")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {ROUTING_POLICIES}")
+        if self.reasoning_parser not in (None, "qwen3", "deepseek_r1"):
+            raise ValueError("reasoning_parser must be qwen3 or deepseek_r1")
 
     def _check_input_limits(self) -> None:
         if self.max_request_body_bytes < 1024:

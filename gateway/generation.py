@@ -19,6 +19,7 @@ from zeroserve.gateway.errors import APIError, server_error, worker_failed
 from zeroserve.gateway.observability.metrics import RequestMetrics
 from zeroserve.gateway.streams import RequestState, Sink
 from zeroserve.gateway.text.detokenizer import IncrementalDetokenizer
+from zeroserve.gateway.text.reasoning import ReasoningParser
 from zeroserve.gateway.text.stop_strings import StopStringMatcher
 from zeroserve.gateway.text.tokenizer import TextTokenizer
 
@@ -31,6 +32,9 @@ class ChoiceUpdate:
     logprobs: list | None  # the worker's entries for token_ids: [logprob, [[id, lp], ...]]
     finish_reason: str | None
     prompt_logprobs: list | None = None  # once: entries for the prompt's tokens after the first
+    # A reasoning model's thinking (text/reasoning.py), split from `text`, which then holds
+    # only the answer; "" when the request has no reasoning parser.
+    reasoning: str = ""
 
 
 @dataclass
@@ -55,6 +59,10 @@ class Choice:
     # Phases, from the worker's timings where it sent them (0 until the first token).
     queue_s: float = 0.0
     prefill_s: float = 0.0
+    # Chat-style requests of a reasoning model: splits the thinking from the answer.
+    reasoning: ReasoningParser | None = None
+    num_reasoning_tokens: int = 0
+    _num_undecided: int = 0  # tokens held while the output might still open <think>
 
     def consume(self, out: TokenOutput, metrics: RequestMetrics, now: float) -> ChoiceUpdate:
         """One batch from the worker -> text to emit (maybe "") and maybe a finish."""
@@ -82,6 +90,9 @@ class Choice:
             self.finish_reason = "stop"
         elif out.finish_reason is not None:
             self.finish_reason = out.finish_reason
+        reasoning = ""
+        if self.reasoning is not None:
+            reasoning, text = self._split_reasoning(text, num_new)
         if self.finish_reason is not None:
             has_output = self.has_output
             metrics.on_finished(self.finish_reason, self.num_output_tokens,
@@ -89,7 +100,25 @@ class Choice:
                                 self.prefill_s if has_output else None,
                                 now - self.first_output_at if has_output else None)
         return ChoiceUpdate(self.index, text, out.new_token_ids, out.logprobs,
-                            self.finish_reason, out.prompt_logprobs)
+                            self.finish_reason, out.prompt_logprobs, reasoning)
+
+    def _split_reasoning(self, text: str, num_new: int) -> tuple[str, str]:
+        """(reasoning, answer) of this update's text. Its tokens count as reasoning while
+        the thinking is open at their start (the close tag's tokens included), and so do
+        those that opened it."""
+        parser = self.reasoning
+        was_reasoning = parser.is_reasoning
+        reasoning, answer = parser.push(text)
+        if self.finish_reason is not None:
+            more_reasoning, more_answer = parser.flush()
+            reasoning, answer = reasoning + more_reasoning, answer + more_answer
+        if was_reasoning:
+            self.num_reasoning_tokens += num_new
+        elif parser.is_reasoning:  # this update opened it, maybe after held tokens
+            self.num_reasoning_tokens += self._num_undecided + num_new
+        self._num_undecided = 0 if answer or parser.is_reasoning else \
+            self._num_undecided + num_new
+        return reasoning, answer
 
     def _scored(self, out: TokenOutput, metrics: RequestMetrics, now: float) -> ChoiceUpdate:
         """A scoring choice's first output ends it: the prompt was computed."""
@@ -133,13 +162,14 @@ class RequestGroup:
     _params: list[dict] = field(default_factory=list)
 
     def add(self, prompt_ids: list[int], params: dict, tokenizer: TextTokenizer,
-            stop: tuple[str, ...], skip_special_tokens: bool, is_scoring: bool = False) -> None:
+            stop: tuple[str, ...], skip_special_tokens: bool, is_scoring: bool = False,
+            reasoning: ReasoningParser | None = None) -> None:
         index = len(self.choices)
         state = self.gateway.new_request(index, prompt_ids, self.sink)
         detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self.choices.append(Choice(index, state, detok, StopStringMatcher(list(stop)),
                                    len(prompt_ids), is_scoring,
-                                   created_at=self.gateway.clock()))
+                                   created_at=self.gateway.clock(), reasoning=reasoning))
         self._params.append(params)
 
     async def submit(self) -> None:
@@ -245,4 +275,7 @@ class RequestGroup:
                      for k in range(0, len(self.choices), max(1, n)))
         if cached:
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        if any(c.reasoning is not None for c in self.choices):
+            usage["completion_tokens_details"] = {
+                "reasoning_tokens": sum(c.num_reasoning_tokens for c in self.choices)}
         return usage

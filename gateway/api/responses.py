@@ -204,9 +204,18 @@ def chat_role_chunk(ctx: ResponseContext, index: int) -> dict:
 
 def chat_chunk(ctx: ResponseContext, update: ChoiceUpdate, logprobs: dict | None) -> bytes:
     delta = f'{{"content":{_json(update.text)}}}' if update.text else "{}"
+    if update.reasoning:
+        delta = _json(reasoning_delta(update.reasoning) | (
+            {"content": update.text} if update.text else {}))
     return ctx.render_choice(
         f'{{"index":{update.index},"delta":{delta},"logprobs":{_json(logprobs)},'
         f'"finish_reason":{_finish_json(update.finish_reason)}}}')
+
+
+def reasoning_delta(text: str) -> dict:
+    """A chat delta of thinking text: vLLM's `reasoning_content`, and `reasoning` (its
+    newer name, which OpenRouter and others read)."""
+    return {"reasoning_content": text, "reasoning": text}
 
 
 def chat_delta_chunk(ctx: ResponseContext, index: int, delta: dict, logprobs: dict | None,

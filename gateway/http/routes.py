@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -46,6 +47,7 @@ from zeroserve.gateway.http.streaming import (
 from zeroserve.gateway.logging import get_logger
 from zeroserve.gateway.observability.tracing import trace_headers
 from zeroserve.gateway.text.chat_template import ChatTemplate, ChatTemplateError
+from zeroserve.gateway.text.reasoning import ReasoningParser, reasoning_syntax
 from zeroserve.gateway.text.tokenizer import TextTokenizer
 
 log = get_logger("api")
@@ -72,6 +74,8 @@ class Api:
         self.started = int(time.time())
         self.limits = RequestLimits.from_config(config, tokenizer.vocab_size)
         self.cpu = CpuPool()
+        # A reasoning model's <think> syntax (--reasoning-parser, or seen in the template).
+        self.reasoning = reasoning_syntax(config.reasoning_parser, template.source)
 
     @property
     def max_model_len(self) -> int:
@@ -163,11 +167,17 @@ class Api:
             ids = await self._encode(text, add_special_tokens=False)
             ctx = ResponseContext("chat", req.model, req.include_usage, tools=req.tools)
             return await self._generate(request, ctx, [ids], req.sampling, req.stream,
-                                        what="messages")
+                                        what="messages", reasoning=self.reasoning_parsers(text))
         except APIError as e:
             return error_response(e)
 
     # --- request preparation: bounded, and off the loop when large ---------------------
+
+    def reasoning_parsers(self, prompt_text: str) -> Callable[[], ReasoningParser] | None:
+        """A maker of one reasoning parser per choice of a chat-style prompt (None: the model
+        does not reason)."""
+        syntax = self.reasoning
+        return None if syntax is None else (lambda: syntax.parser(prompt_text))
 
     async def _read_json(self, request: Request) -> dict:
         raw = await read_body(request, self.config.max_request_body_bytes,
@@ -208,8 +218,10 @@ class Api:
 
     async def _generate(self, request: Request, ctx: ResponseContext, prompts: list[list[int]],
                         sampling: SamplingOptions, stream: bool, what: str = "prompt",
-                        echoes: list[str] | None = None) -> Response:
-        """`echoes`: per prompt, the text that comes before its completions (echo)."""
+                        echoes: list[str] | None = None,
+                        reasoning: Callable[[], ReasoningParser] | None = None) -> Response:
+        """`echoes`: per prompt, the text that comes before its completions (echo);
+        `reasoning`: makes each choice's reasoning parser (chat-style prompts)."""
         group = RequestGroup(self.gateway, trace_headers=None if self.gateway.tracer is None
                              else trace_headers(request.headers))
         # Every prompt is checked before any is registered: a 400 for the last prompt must
@@ -230,7 +242,8 @@ class Api:
             for i in range(sampling.n):
                 # Scoring (max_tokens 0): the worker makes one token, which is dropped.
                 group.add(ids, sampling.worker_params(max(1, max_tokens), i), self.tokenizer,
-                          sampling.stop, sampling.skip_special_tokens, sampling.is_scoring)
+                          sampling.stop, sampling.skip_special_tokens, sampling.is_scoring,
+                          None if reasoning is None else reasoning())
         log.info("request", extra={
             "request_id": ctx.id, "kind": ctx.kind, "stream": stream,
             "num_prompt_tokens": sum(group.prompt_lengths),
@@ -279,6 +292,7 @@ class Api:
                        sampling: SamplingOptions, echoes: list[str] | None = None) -> Response:
         n = sampling.n
         texts = [""] * len(group.choices)
+        thoughts = [""] * len(group.choices)
         if echoes is not None:
             texts = [echoes[c.index // n] for c in group.choices]
         logprobs: list[dict | None] = [None] * len(group.choices)
@@ -294,6 +308,7 @@ class Api:
                 if lp is not None:
                     logprobs[update.index] = LogprobsFormatter.merge(logprobs[update.index], lp)
                 texts[update.index] += update.text
+                thoughts[update.index] += update.reasoning
                 self.gateway.grant(state, len(update.token_ids))
         if sampling.logprobs is not None and ctx.kind == "chat":
             logprobs = [lp or {"content": []} for lp in logprobs]
@@ -301,6 +316,9 @@ class Api:
         for c in group.choices:
             if ctx.kind == "chat":
                 message: dict = {"role": "assistant", "content": texts[c.index]}
+                if c.reasoning is not None:
+                    thought = thoughts[c.index] or None
+                    message.update(reasoning_content=thought, reasoning=thought)
                 finish_reason = c.finish_reason
                 if ctx.tools is not None:
                     content, calls = parse_calls(texts[c.index], ctx.tools)

@@ -38,6 +38,7 @@ from zeroserve.gateway.api.responses import (
     completion_chunk,
     prompt_logprobs_json,
     spliced_logprobs_json,
+    reasoning_delta,
     sse,
     usage_chunk,
 )
@@ -234,7 +235,8 @@ class StreamedResponse:
                 offsets[index] += len(update.text)
             if self._tool_streams is not None:
                 out += _tool_chunks(ctx, self._tool_streams[index], update, lp)
-            elif update.text or update.finish_reason is not None or lp is not None:
+            elif update.text or update.reasoning or update.finish_reason is not None \
+                    or lp is not None:
                 out.append(self._build(ctx, update, lp))
         return b"".join(out)
 
@@ -244,6 +246,8 @@ def _tool_chunks(ctx: ResponseContext, stream: ToolCallStream, update: ChoiceUpd
     """A chat update of a request with tools -> its chunks: content or tool-call deltas; the
     last carries the logprobs and the finish ("tool_calls" when calls were made)."""
     deltas = stream.push(update.text)
+    if update.reasoning:
+        deltas.insert(0, reasoning_delta(update.reasoning))
     finish_reason = update.finish_reason
     if finish_reason is not None:
         deltas += stream.finish()
