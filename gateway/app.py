@@ -24,6 +24,7 @@ from zeroserve.gateway.http.error_response import error_response
 from zeroserve.gateway.http.health import HealthEndpoints
 from zeroserve.gateway.http.host_check import AllowedHosts, HostCheckMiddleware
 from zeroserve.gateway.http.rate_limit import RateLimiter, RateLimitMiddleware
+from zeroserve.gateway.http.responses_routes import ResponsesApi
 from zeroserve.gateway.http.routes import Api
 from zeroserve.gateway.http.ui import ConsolePages
 from zeroserve.gateway.key_limits import default_limits, load_key_limits
@@ -99,6 +100,7 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None) -> 
     routes = [
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        *ResponsesApi(api).routes(),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/models/{model:path}", api.model, methods=["GET"]),
         Route("/tokenize", api.tokenize, methods=["POST"]),

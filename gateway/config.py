@@ -106,6 +106,12 @@ class GatewayConfig:
     # A reasoning model's <think> output (gateway/text/reasoning.py): "qwen3" or
     # "deepseek_r1"; None: picked from the chat template (a template writing <think>: qwen3).
     reasoning_parser: str | None = None
+    # Stored responses (/v1/responses with store; gateway/http/response_store.py): a private
+    # folder the gateways of a tier share (None: tier_responses_dir(port)), how many a key
+    # keeps (the oldest go) and for how long.
+    responses_dir: str | None = None
+    response_store_size: int = 1000
+    response_store_ttl_s: float = 24 * 3600.0
 
     def __post_init__(self) -> None:
         self._check_input_limits()
@@ -143,6 +149,8 @@ class GatewayConfig:
             raise ValueError("loop_lag_warn_s must be > 0")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {ROUTING_POLICIES}")
+        if self.response_store_size < 1 or self.response_store_ttl_s <= 0:
+            raise ValueError("response_store_size must be >= 1 and response_store_ttl_s > 0")
         if self.reasoning_parser not in (None, "qwen3", "deepseek_r1"):
             raise ValueError("reasoning_parser must be qwen3 or deepseek_r1")
 
@@ -195,6 +203,11 @@ def _ipc_dir() -> Path:
 def tier_metrics_dir(port: int) -> str:
     """Where `serve --gateways N` on `port` keeps its gateways' metrics snapshots."""
     return str(_ipc_dir() / f"gw-{port}-metrics")
+
+
+def tier_responses_dir(port: int) -> str:
+    """Where the gateways on `port` keep stored responses (one folder for a whole tier)."""
+    return str(_ipc_dir() / f"gw-{port}-responses")
 
 
 def default_endpoints(port: int, index: int = 0) -> tuple[str, str]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -19,7 +19,6 @@ from zeroserve.gateway.api.openai_schema import (
     parse_tokenize,
 )
 from zeroserve.gateway.api.responses import (
-    SSE_DONE,
     LogprobsFormatter,
     ResponseContext,
     chat_response,
@@ -27,7 +26,6 @@ from zeroserve.gateway.api.responses import (
     completion_response,
     prompt_logprobs_json,
     spliced_logprobs_json,
-    sse,
 )
 from zeroserve.gateway.api.tool_calls import parse_calls, prepare_messages
 from zeroserve.gateway.config import GatewayConfig
@@ -219,9 +217,14 @@ class Api:
     async def _generate(self, request: Request, ctx: ResponseContext, prompts: list[list[int]],
                         sampling: SamplingOptions, stream: bool, what: str = "prompt",
                         echoes: list[str] | None = None,
-                        reasoning: Callable[[], ReasoningParser] | None = None) -> Response:
+                        reasoning: Callable[[], ReasoningParser] | None = None,
+                        streamed_as: Callable[..., StreamedResponse] = StreamedResponse,
+                        respond: Callable[[dict], Awaitable[Response]] | None = None
+                        ) -> Response:
         """`echoes`: per prompt, the text that comes before its completions (echo);
-        `reasoning`: makes each choice's reasoning parser (chat-style prompts)."""
+        `reasoning`: makes each choice's reasoning parser (chat-style prompts). Other APIs
+        over chat (http/responses_routes.py) stream with their `streamed_as` class and
+        `respond` with the collected chat completion."""
         group = RequestGroup(self.gateway, trace_headers=None if self.gateway.tracer is None
                              else trace_headers(request.headers))
         # Every prompt is checked before any is registered: a 400 for the last prompt must
@@ -262,16 +265,16 @@ class Api:
         if stream:
             def on_slow_client() -> bytes:
                 metrics.on_aborted("slow_client")
-                return sse(client_too_slow(self.config.slow_client_timeout_s).body()) + SSE_DONE
+                return streamed.failed(client_too_slow(self.config.slow_client_timeout_s))
 
-            streamed = StreamedResponse(self.gateway, self.tokenizer, group, ctx, sampling,
-                                        echoes, self.cpu)
+            streamed = streamed_as(self.gateway, self.tokenizer, group, ctx, sampling, echoes,
+                                   self.cpu)
             return streamed.response(self.config.slow_client_timeout_s, on_slow_client,
                                      self.config.min_client_rate,
                                      on_disconnect=lambda: metrics.on_aborted("disconnect"))
         try:
             is_gone, result = await race_disconnect(
-                self._collect(group, ctx, sampling, echoes), request.receive)
+                self._collect(group, ctx, sampling, echoes, respond), request.receive)
         finally:
             group.close()
             log_done(ctx, group)
@@ -289,7 +292,10 @@ class Api:
         return max_tokens
 
     async def _collect(self, group: RequestGroup, ctx: ResponseContext,
-                       sampling: SamplingOptions, echoes: list[str] | None = None) -> Response:
+                       sampling: SamplingOptions, echoes: list[str] | None = None,
+                       respond: Callable[[dict], Awaitable[Response]] | None = None
+                       ) -> Response:
+        """The whole response; `respond` (see _generate) renders a chat completion."""
         n = sampling.n
         texts = [""] * len(group.choices)
         thoughts = [""] * len(group.choices)
@@ -336,7 +342,8 @@ class Api:
             return await self._echoed_logprobs_response(ctx, choices, group, logprobs,
                                                         prompt_entries, sampling)
         build = chat_response if ctx.kind == "chat" else completion_response
-        return JSONResponse(build(ctx, choices, group.usage()))
+        body = build(ctx, choices, group.usage())
+        return JSONResponse(body) if respond is None else await respond(body)
 
     async def _echoed_logprobs_response(self, ctx: ResponseContext, choices: list[dict],
                                         group: RequestGroup, logprobs: list[dict | None],

@@ -37,8 +37,8 @@ from zeroserve.gateway.api.responses import (
     chat_role_chunk,
     completion_chunk,
     prompt_logprobs_json,
-    spliced_logprobs_json,
     reasoning_delta,
+    spliced_logprobs_json,
     sse,
     usage_chunk,
 )
@@ -121,6 +121,9 @@ class StreamedResponse:
     async def events(self) -> AsyncIterator[bytes]:
         group, ctx = self.group, self.ctx
         try:
+            head = self.head()
+            if head:
+                yield head
             async for batch in group.update_batches(lambda: self._failure is not None):
                 if self._has_prompt_logprobs:
                     batch = await self._echoable(batch)
@@ -131,20 +134,33 @@ class StreamedResponse:
                 self._grant(batch)
             if self._failure is not None:
                 raise self._failure
-            if ctx.include_usage:
-                yield sse(usage_chunk(ctx, group.usage()))
-            yield SSE_DONE
+            yield await self.tail()
         except APIError as e:
             log.warning("stream failed", extra={"request_id": ctx.id, "error": e.message})
-            yield sse(e.body()) + SSE_DONE
+            yield self.failed(e)
         except Exception:  # a bug rendering this stream: it ends as a failure, not cut short
             log.exception("stream failed", extra={"request_id": ctx.id})
-            yield sse(server_error("The server failed while streaming the response.").body()) \
-                + SSE_DONE
+            yield self.failed(server_error("The server failed while streaming the response."))
         finally:
             group.sink.direct = None
             group.close()
             log_done(ctx, group)
+
+    # The stream's start, end and failure; other APIs' streams (http/responses_routes.py)
+    # write their own.
+    def head(self) -> bytes:
+        """What goes out before the first output (chat and completions: nothing)."""
+        return b""
+
+    async def tail(self) -> bytes:
+        """What ends a stream that finished: the usage chunk if asked for, and [DONE]."""
+        if self.ctx.include_usage:
+            return sse(usage_chunk(self.ctx, self.group.usage())) + SSE_DONE
+        return SSE_DONE
+
+    def failed(self, e: APIError) -> bytes:
+        """What ends a stream that failed (also a slow client's, if it can be sent)."""
+        return sse(e.body()) + SSE_DONE
 
     def _direct(self, item: tuple) -> bool:
         """The sink's hook: write a plain output (no finish, no failure) to the client now

@@ -1,0 +1,359 @@
+"""POST /v1/responses against a live gateway and fake worker: golden event sequences,
+the official openai SDK (streamed and not, tools and a follow-up turn), stored responses,
+input_tokens, and hostile bodies."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.gateway.helpers import GatewayServer, text_tokens
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Weather now",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                               "required": ["city"]}}
+
+
+def prompt_text(prompt: list[int]) -> str:
+    return bytes(t for t in prompt if t < 256).decode("utf-8", "replace")
+
+
+def agent_reply(prompt: list[int], params: dict) -> list[int]:
+    """A fake model: thinks, then calls get_weather when offered it and no result is in the
+    conversation yet; answers from the result when there is one; else says hello."""
+    text = prompt_text(prompt)
+    # A forced call (the fake worker sees no grammar: the test's input says which).
+    if "FORCE-ARRAY" in text:
+        return text_tokens('[{"name": "get_weather", "arguments": {"city": "Paris"}}]')
+    if "FORCE-OBJECT" in text:
+        return text_tokens('{"city": "Paris"}')
+    if "<tool_response>" in text:
+        return text_tokens("<think>It said sunny.</think>\n\nSunny in Paris.")
+    if "get_weather" in text:
+        return text_tokens("<think>I should look.</think>\n\n" + CALL)
+    return text_tokens("<think>Easy.</think>\n\nHello there.")
+
+
+@pytest.fixture(scope="module")
+def served():
+    with GatewayServer(reasoning_parser="qwen3") as gw:
+        worker = gw.worker(reply=agent_reply).start()
+        assert worker.ready.wait(5)
+        yield gw, worker
+        worker.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    gw, _ = served
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+
+
+def stream_events(gw, body: dict) -> list[dict]:
+    with httpx.stream("POST", gw.url + "/v1/responses", json=body | {"stream": True},
+                      timeout=10) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = list(r.iter_lines())
+    events, kinds = [], [line[7:] for line in lines if line.startswith("event: ")]
+    for line in lines:
+        if line.startswith("data: "):
+            events.append(json.loads(line[6:]))
+    assert [e["type"] for e in events] == kinds  # each event's `event:` line names it
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events
+
+
+def collapse(types: list[str]) -> list[str]:
+    """Event types with runs of the same delta type collapsed to one."""
+    out: list[str] = []
+    for t in types:
+        if not (out and t == out[-1] and t.endswith(".delta")):
+            out.append(t)
+    return out
+
+
+# --- golden sequences ------------------------------------------------------------------------
+
+def test_streamed_text_with_reasoning_golden_sequence(served):
+    gw, _ = served
+    events = stream_events(gw, {"input": "hi", "max_output_tokens": 100})
+    assert collapse([e["type"] for e in events]) == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added",
+        "response.reasoning_text.delta", "response.reasoning_text.done",
+        "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done",
+        "response.completed"]
+    done = events[-1]["response"]
+    assert done["status"] == "completed" and events[0]["response"]["status"] == "in_progress"
+    reasoning, message = done["output"]
+    assert reasoning["type"] == "reasoning"
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "Easy."}]
+    assert message["content"][0]["text"] == "Hello there."
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == "Hello there."
+    assert done["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
+    assert done["usage"]["total_tokens"] == (done["usage"]["input_tokens"]
+                                             + done["usage"]["output_tokens"])
+
+
+def test_streamed_tool_call_golden_sequence(served):
+    gw, _ = served
+    events = stream_events(gw, {"input": "Weather in Paris?", "tools": [WEATHER_TOOL],
+                                "max_output_tokens": 200})
+    types = collapse([e["type"] for e in events])
+    assert types[-4:] == ["response.function_call_arguments.delta",
+                          "response.function_call_arguments.done",
+                          "response.output_item.done", "response.completed"]
+    call = events[-1]["response"]["output"][-1]
+    assert call["type"] == "function_call" and call["name"] == "get_weather"
+    assert json.loads(call["arguments"]) == {"city": "Paris"}
+    assert call["call_id"].startswith("call_") and call["status"] == "completed"
+    assert not any(e["type"] == "response.output_text.delta" for e in events)
+
+
+def test_non_streamed_matches_the_stream(served):
+    gw, _ = served
+    body = httpx.post(gw.url + "/v1/responses", timeout=10, json={
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
+        "instructions": "Be brief.", "metadata": {"k": "v"}}).json()
+    assert body["object"] == "response" and body["id"].startswith("resp_")
+    assert body["status"] == "completed" and body["metadata"] == {"k": "v"}
+    assert body["instructions"] == "Be brief."
+    assert [i["type"] for i in body["output"]] == ["reasoning", "message"]
+    assert body["output"][1]["content"][0]["text"] == "Hello there."
+
+
+def test_max_output_tokens_makes_it_incomplete(served):
+    gw, _ = served
+    events = stream_events(gw, {"input": "hi", "max_output_tokens": 3})
+    assert events[-1]["type"] == "response.incomplete"
+    assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    body = httpx.post(gw.url + "/v1/responses", json={"input": "hi", "max_output_tokens": 3},
+                      timeout=10).json()
+    assert body["status"] == "incomplete"
+
+
+# --- the openai SDK --------------------------------------------------------------------------
+
+def test_sdk_create_and_tool_loop_with_a_follow_up_turn(served, client):
+    gw, worker = served
+    first = client.responses.create(model="SmolLM2-135M-Instruct", input="Weather in Paris?",
+                                    tools=[WEATHER_TOOL])
+    calls = [i for i in first.output if i.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    result = {"type": "function_call_output", "call_id": calls[0].call_id,
+              "output": "sunny, 24C"}
+    # Stateless: the whole conversation again, with the call's output.
+    second = client.responses.create(
+        model="SmolLM2-135M-Instruct", tools=[WEATHER_TOOL],
+        input=[{"role": "user", "content": "Weather in Paris?"},
+               *[i.model_dump(exclude_none=True) for i in first.output], result])
+    assert second.output_text == "Sunny in Paris."
+    assert "sunny, 24C" in prompt_text(worker.submits[-1].prompt_token_ids)
+    # Stored: previous_response_id carries the conversation.
+    third = client.responses.create(model="SmolLM2-135M-Instruct", tools=[WEATHER_TOOL],
+                                    previous_response_id=first.id, input=[result])
+    assert third.output_text == "Sunny in Paris."
+    prompt = prompt_text(worker.submits[-1].prompt_token_ids)
+    assert "Weather in Paris?" in prompt and "sunny, 24C" in prompt
+
+
+def test_sdk_stream(served, client):
+    with client.responses.stream(model="SmolLM2-135M-Instruct", input="hi") as stream:
+        text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert text == "Hello there." == final.output_text
+    assert final.usage.output_tokens > 0
+
+
+def test_sdk_stream_with_tools(served, client):
+    stream = client.responses.create(model="SmolLM2-135M-Instruct", input="Weather?",
+                                      tools=[WEATHER_TOOL], stream=True)
+    events = list(stream)
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and json.loads(done[0].arguments) == {"city": "Paris"}
+    assert events[-1].type == "response.completed"
+
+
+def test_forced_calls(served, client):
+    named = client.responses.create(model="SmolLM2-135M-Instruct", input="FORCE-OBJECT",
+                                    tools=[WEATHER_TOOL],
+                                    tool_choice={"type": "function", "name": "get_weather"})
+    assert [(i.type, i.arguments) for i in named.output] == [
+        ("function_call", '{"city": "Paris"}')]
+    required = client.responses.create(model="SmolLM2-135M-Instruct", input="FORCE-ARRAY",
+                                       tools=[WEATHER_TOOL], tool_choice="required")
+    assert [json.loads(i.arguments) for i in required.output] == [{"city": "Paris"}]
+
+
+def test_hosted_tools_are_dropped_and_namespaces_offered(served):
+    gw, worker = served
+    body = httpx.post(gw.url + "/v1/responses", timeout=10, json={
+        "input": "Weather?", "tools": [
+            {"type": "web_search"}, {"type": "image_generation"},
+            {"type": "mcp", "server_label": "x", "server_url": "https://x"},
+            {"type": "namespace", "name": "weather", "description": "Weather tools",
+             "tools": [WEATHER_TOOL]}]}).json()
+    call = body["output"][-1]
+    assert call["type"] == "function_call" and call["namespace"] == "weather"
+    prompt = prompt_text(worker.submits[-1].prompt_token_ids)
+    assert "get_weather" in prompt and "web_search" not in prompt
+
+
+def test_text_format_json_schema_reaches_the_worker(served):
+    gw, worker = served
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    r = httpx.post(gw.url + "/v1/responses", timeout=10, json={
+        "input": "json", "text": {"format": {"type": "json_schema", "name": "x",
+                                             "schema": schema}}})
+    assert r.status_code == 200
+    assert json.loads(worker.submits[-1].grammar[1]) == schema
+
+
+# --- stored responses ------------------------------------------------------------------------
+
+def test_retrieve_delete_and_input_items(served):
+    gw, _ = served
+    created = httpx.post(gw.url + "/v1/responses", json={"input": "hi"}, timeout=10).json()
+    url = gw.url + "/v1/responses/" + created["id"]
+    assert httpx.get(url).json() == created
+    items = httpx.get(url + "/input_items").json()
+    assert items["object"] == "list" and items["data"][0]["content"] == "hi"
+    assert httpx.delete(url).json() == {"id": created["id"], "object": "response",
+                                        "deleted": True}
+    missing = httpx.get(url)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    follow = httpx.post(gw.url + "/v1/responses", json={
+        "input": "more", "previous_response_id": created["id"]})
+    assert follow.status_code == 404
+    assert follow.json()["error"]["param"] == "previous_response_id"
+
+
+def test_store_false_is_not_kept(served):
+    gw, _ = served
+    created = httpx.post(gw.url + "/v1/responses", json={"input": "hi", "store": False},
+                         timeout=10).json()
+    assert created["store"] is False
+    assert httpx.get(gw.url + "/v1/responses/" + created["id"]).status_code == 404
+
+
+def test_a_key_reads_only_its_own_responses(tmp_path):
+    with GatewayServer(api_keys=("key-a", "key-b"), responses_dir=str(tmp_path)) as gw:
+        worker = gw.worker(reply=agent_reply).start()
+        assert worker.ready.wait(5)
+        a = {"Authorization": "Bearer key-a"}
+        b = {"Authorization": "Bearer key-b"}
+        created = httpx.post(gw.url + "/v1/responses", json={"input": "hi"}, headers=a,
+                             timeout=10).json()
+        url = gw.url + "/v1/responses/" + created["id"]
+        assert httpx.get(url, headers=a).status_code == 200
+        assert httpx.get(url, headers=b).status_code == 404
+        assert httpx.delete(url, headers=b).status_code == 404
+        follow = httpx.post(gw.url + "/v1/responses", headers=b, json={
+            "input": "x", "previous_response_id": created["id"]})
+        assert follow.status_code == 404
+        worker.stop()
+
+
+def test_the_store_is_bounded(tmp_path):
+    with GatewayServer(responses_dir=str(tmp_path), response_store_size=2) as gw:
+        worker = gw.worker(reply=agent_reply).start()
+        assert worker.ready.wait(5)
+        ids = [httpx.post(gw.url + "/v1/responses", json={"input": "hi"}, timeout=10).json()["id"]
+               for _ in range(3)]
+        found = [httpx.get(gw.url + "/v1/responses/" + i).status_code for i in ids]
+        assert found == [404, 200, 200]
+        r = httpx.post(gw.url + "/v1/responses", json={"input": "x",
+                                                        "previous_response_id": ids[0]})
+        assert r.status_code == 404 and "newest 2" in r.json()["error"]["message"]
+        worker.stop()
+
+
+def test_input_tokens_counts_what_create_sends(served):
+    gw, worker = served
+    body = {"input": "Weather?", "instructions": "Be brief.", "tools": [WEATHER_TOOL]}
+    count = httpx.post(gw.url + "/v1/responses/input_tokens", json=body).json()
+    assert count["object"] == "response.input_tokens"
+    httpx.post(gw.url + "/v1/responses", json=body, timeout=10)
+    assert count["input_tokens"] == len(worker.submits[-1].prompt_token_ids)
+
+
+# --- hostile bodies --------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({}, "input"),
+    ({"input": 5}, "input"),
+    ({"input": []}, "input"),
+    ({"input": [5]}, "input[0]"),
+    ({"input": [{"type": "message", "role": "wizard", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"role": "user", "content": 5}]}, "input[0].content"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0]"),
+    ({"input": [{"type": "function_call", "name": "f"}]}, "input[0]"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+    ({"input": [{"type": "bogus"}]}, "input[0].type"),
+    ({"input": "x", "instructions": 5}, "instructions"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "max_output_tokens": "many"}, "max_output_tokens"),
+    ({"input": "x", "temperature": 9}, "temperature"),
+    ({"input": "x", "top_p": 0}, "top_p"),
+    ({"input": "x", "store": "yes"}, "store"),
+    ({"input": "x", "stream": "yes"}, "stream"),
+    ({"input": "x", "metadata": {"k": 5}}, "metadata"),
+    ({"input": "x", "metadata": [1]}, "metadata"),
+    ({"input": "x", "include": "all"}, "include"),
+    ({"input": "x", "tools": {"type": "function"}}, "tools"),
+    ({"input": "x", "tools": [5]}, "tools[0]"),
+    ({"input": "x", "tools": [{"type": "function", "name": "bad name!"}]}, None),
+    ({"input": "x", "tools": [WEATHER_TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"input": "x", "tools": [WEATHER_TOOL],
+      "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    ({"input": "x", "tool_choice": "required"}, "tool_choice"),
+    ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x",
+                                         "schema": {"type": "nonsense"}}}}, "text.format"),
+    ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+    ({"input": "x", "truncation": "middle"}, "truncation"),
+    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "previous_response_id": 7}, "previous_response_id"),
+    ({"input": "x", "previous_response_id": "../../etc/passwd"}, "previous_response_id"),
+    ({"input": "x", "model": "gpt-7"}, "model"),
+    ({"input": "x", "n": 2}, "n"),
+])
+def test_malformed_bodies_are_4xx(served, body, param):
+    gw, _ = served
+    r = httpx.post(gw.url + "/v1/responses", json=body, timeout=10)
+    assert 400 <= r.status_code < 500, (body, r.text)
+    error = r.json()["error"]
+    assert error["message"] and error["type"]
+    if param is not None:
+        assert error["param"] == param, error
+
+
+@pytest.mark.parametrize("raw", [b"", b"{", b"[]", b'"x"', b"null", b'{"input": "\\ud800"}'])
+def test_broken_json_is_4xx(served, raw):
+    gw, _ = served
+    r = httpx.post(gw.url + "/v1/responses", content=raw,
+                   headers={"Content-Type": "application/json"})
+    assert 400 <= r.status_code < 500 and "error" in r.json()
+
+
+def test_context_length_is_a_4xx_with_openais_code(served):
+    gw, _ = served
+    r = httpx.post(gw.url + "/v1/responses", json={"input": "x" * 5000}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_unknown_ids_are_404(served):
+    gw, _ = served
+    for rid in ("resp_" + "0" * 32, "nope", "..%2F..%2Fx"):
+        assert httpx.get(gw.url + "/v1/responses/" + rid).status_code == 404
+        assert httpx.delete(gw.url + "/v1/responses/" + rid).status_code == 404
