@@ -232,6 +232,10 @@ GATEWAY_OPTIONS = [
            help="Split a reasoning model's <think> text from its answer (chat's "
                 "reasoning_content, Responses' reasoning items). [default: qwen3's rules when "
                 "the chat template writes <think>, else none]"),
+    option("--allow-extra-tool-arguments", is_flag=True, default=False,
+           help="A forced tool call (tool_choice required or named) may write argument keys "
+                "its schema does not declare. [default: off: a schema that does not set "
+                "additionalProperties gets false, as llama.cpp's grammars]"),
     option("--credit-window", type=click.IntRange(min=1), default=32,
            help="Tokens of one stream in flight before the client must read."),
     option("--slow-client-timeout", type=float, default=30.0, callback=_positive,
@@ -425,6 +429,7 @@ def gateway_config(opts: dict[str, Any]):
         disable_metrics=opts["disable_metrics"], disable_ui=opts["disable_ui"],
         metrics_dir=opts.get("metrics_dir"), gateway_index=opts.get("gateway_index", 0),
         reasoning_parser=opts.get("reasoning_parser"),
+        allow_extra_tool_arguments=opts.get("allow_extra_tool_arguments", False),
         **_input_limits(opts),
         **_http_access(opts),
     )
@@ -558,6 +563,8 @@ def gateway_args(config: Any) -> list[str]:
         args += ["--chat-template", config.chat_template]
     if config.reasoning_parser is not None:
         args += ["--reasoning-parser", config.reasoning_parser]
+    if config.allow_extra_tool_arguments:
+        args.append("--allow-extra-tool-arguments")
     if config.otlp_traces_endpoint is not None:
         args += ["--otlp-traces-endpoint", config.otlp_traces_endpoint]
     if config.disable_metrics:

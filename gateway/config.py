@@ -110,6 +110,9 @@ class GatewayConfig:
     # folder the gateways of a tier share (None: tier_responses_dir(port)), how many a key
     # keeps (the oldest go) and for how long.
     responses_dir: str | None = None
+    # A forced tool call may write keys its tool's schema does not declare (where the schema
+    # does not say; default: closed, as llama.cpp's grammars are).
+    allow_extra_tool_arguments: bool = False
     response_store_size: int = 1000
     response_store_ttl_s: float = 24 * 3600.0
 

@@ -32,11 +32,15 @@ class RequestLimits:
     max_engine_requests: int = MAX_ENGINE_REQUESTS
     max_messages: int = MAX_MESSAGES
     max_stop_token_ids: int = MAX_STOP_TOKEN_IDS
+    # A forced tool call's arguments may hold only the declared properties where the tool's
+    # schema does not say (structured_output.closed_schema); False: any extra keys.
+    close_tool_schemas: bool = True
 
     @classmethod
     def from_config(cls, config: GatewayConfig, vocab_size: int) -> RequestLimits:
         return cls(vocab_size=vocab_size, max_tokens_limit=config.max_tokens_limit,
-                   max_prompt_chars=config.max_prompt_chars)
+                   max_prompt_chars=config.max_prompt_chars,
+                   close_tool_schemas=not config.allow_extra_tool_arguments)
 
 
 def check_submit_fits(prompt_token_ids: list[int], params: dict[str, Any], credit: int) -> None:

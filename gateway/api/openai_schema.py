@@ -466,11 +466,11 @@ def _parse_tools(body: dict) -> ToolChoice | None:
                           param="tool_choice")
 
 
-def _forced_tool_grammar(tools: ToolChoice) -> Grammar:
+def _forced_tool_grammar(tools: ToolChoice, is_closed: bool = True) -> Grammar:
     if tools.mode == "named":
         function = next(f for f in tools.functions if f["name"] == tools.name)
-        return named_tool_grammar(function)
-    return required_tool_grammar(tools.functions, tools.parallel is True)
+        return named_tool_grammar(function, is_closed)
+    return required_tool_grammar(tools.functions, tools.parallel is True, is_closed)
 
 
 def _parse_stream(body: dict) -> tuple[bool, bool]:
@@ -568,7 +568,7 @@ def parse_chat(body: dict, served_names: tuple[str, ...],
             raise invalid_request("'response_format' cannot be combined with a forced tool "
                                   "call ('tool_choice' required or a named function).",
                                   param="response_format")
-        grammar = _forced_tool_grammar(tools)
+        grammar = _forced_tool_grammar(tools, limits.close_tool_schemas)
     logprobs_on = _get(body, "logprobs", bool, False)
     top_logprobs = _get(body, "top_logprobs", int)
     _in_range("top_logprobs", top_logprobs, 0, MAX_LOGPROBS)

@@ -65,20 +65,55 @@ def regex_grammar(pattern: str, param: str) -> Grammar:
     return Grammar("regex", pattern)
 
 
-def named_tool_grammar(function: dict[str, Any]) -> Grammar:
+def closed_schema(schema: Any) -> Any:
+    """A tool's parameters with every object that declares `properties` closed to other keys
+    (`additionalProperties: false`) where the schema does not say, as llama.cpp's grammars
+    do: a small model let free writes keys the tool never declared ("temperature_on_your_
+    body", nested objects) until max_tokens cuts the call. An explicit
+    `additionalProperties` (or `patternProperties`, `unevaluatedProperties`) always wins."""
+    if isinstance(schema, list):
+        return [closed_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _close_children(k, v) for k, v in schema.items()}
+    if isinstance(out.get("properties"), dict) and not any(
+            k in out for k in ("additionalProperties", "patternProperties",
+                               "unevaluatedProperties")):
+        out["additionalProperties"] = False
+    return out
+
+
+def _close_children(key: str, value: Any) -> Any:
+    if key in ("properties", "$defs", "definitions", "dependentSchemas") \
+            and isinstance(value, dict):
+        return {name: closed_schema(sub) for name, sub in value.items()}
+    if key in ("items", "additionalItems", "prefixItems", "anyOf", "oneOf", "allOf", "not",
+               "then", "else", "if", "contains", "additionalProperties"):
+        return closed_schema(value)
+    return value
+
+
+def tool_parameters(function: dict[str, Any], is_closed: bool = True) -> Any:
+    """The schema a forced call's arguments follow (closed: see closed_schema)."""
+    schema = function.get("parameters") or ANY_OBJECT
+    return closed_schema(schema) if is_closed else schema
+
+
+def named_tool_grammar(function: dict[str, Any], is_closed: bool = True) -> Grammar:
     """The output is the named function's arguments object."""
     name = function["name"]
-    return json_schema_grammar(function.get("parameters") or ANY_OBJECT,
+    return json_schema_grammar(tool_parameters(function, is_closed),
                                f"tools[{name}].function.parameters")
 
 
-def required_tool_grammar(functions: list[dict[str, Any]], parallel: bool) -> Grammar:
+def required_tool_grammar(functions: list[dict[str, Any]], parallel: bool,
+                          is_closed: bool = True) -> Grammar:
     """The output is a JSON array of calls: {"name": one of the functions, "arguments": its
     parameters' object}; exactly one call unless parallel calls are allowed."""
     calls = [{
         "type": "object",
         "properties": {"name": {"const": f["name"]},
-                       "arguments": f.get("parameters") or ANY_OBJECT},
+                       "arguments": tool_parameters(f, is_closed)},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     } for f in functions]

@@ -224,26 +224,22 @@ def _parse_block(body: str, names: set[str]) -> ToolCall | None:
 
 
 def parse_forced_calls(text: str, tools: ToolChoice) -> list[ToolCall]:
-    """The output of a forced call (its grammar decided the shape); [] if it is cut short.
-    Each call's arguments are the model's own text, as the stream sends them."""
+    """The output of a forced call (its grammar decided the shape). Each call's arguments
+    are the model's own text, as the stream sends them; an output cut short (max_tokens)
+    still gives the calls it started, the last with its arguments cut where the output was,
+    as the stream sent them too. [] when it was cut before any call's name."""
     if tools.mode == "named":
         return [ToolCall(tools.name or "", text)]
-    try:
-        items = bounded_json.loads(text)
-    except ValueError:
-        return []
-    if not isinstance(items, list):
-        return []
     scanner = _ArrayCallScanner({f["name"] for f in tools.functions})
     scanner.push(text)
     return scanner.calls
 
 
 def parse_calls(text: str, tools: ToolChoice) -> tuple[str | None, list[ToolCall]]:
-    """A whole output -> (content, calls) for any tool_choice."""
+    """A whole output -> (content, calls) for any tool_choice. A forced call's output is
+    never content: the grammar made it JSON for the call, whole or cut short."""
     if tools.is_forced:
-        calls = parse_forced_calls(text, tools)
-        return (None if calls else text), calls
+        return None, parse_forced_calls(text, tools)
     return parse_tool_calls(text, tools)
 
 

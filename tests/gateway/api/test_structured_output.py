@@ -12,6 +12,7 @@ import pytest
 
 from tests.gateway.helpers import GatewayServer, fixed_reply
 from tests.gateway.test_app import post_stream
+from zeroserve.gateway.api.limits import RequestLimits
 from zeroserve.gateway.api.openai_schema import parse_chat, parse_completion
 from zeroserve.gateway.api.tool_calls import (
     ToolCallStream,
@@ -98,7 +99,9 @@ def test_tool_choice_modes_and_their_grammars():
     named = parse_chat({"messages": MSGS, "tools": [WEATHER, TIME], "tool_choice": {
         "type": "function", "function": {"name": "get_time"}}}, NAMES)
     assert named.tools.mode == "named" and named.tools.name == "get_time"
-    assert json.loads(named.sampling.grammar.source) == TIME["function"]["parameters"]
+    # The declared properties only (additionalProperties false where the schema is silent).
+    assert json.loads(named.sampling.grammar.source) == TIME["function"]["parameters"] | {
+        "additionalProperties": False}
     required = parse_chat({"messages": MSGS, "tools": [WEATHER, TIME],
                            "tool_choice": "required", "parallel_tool_calls": False}, NAMES)
     schema = json.loads(required.sampling.grammar.source)
@@ -112,6 +115,34 @@ def test_tool_choice_modes_and_their_grammars():
     parallel = parse_chat({"messages": MSGS, "tools": [WEATHER], "tool_choice": "required",
                            "parallel_tool_calls": True}, NAMES)
     assert "maxItems" not in json.loads(parallel.sampling.grammar.source)
+
+
+def test_forced_arguments_hold_only_the_declared_keys_unless_the_schema_says():
+    nested = {"type": "object", "properties": {
+        "city": {"type": "string"},
+        "where": {"type": "object", "properties": {"lat": {"type": "number"}}},
+        "tags": {"type": "array", "items": {"type": "object", "properties": {
+            "k": {"type": "string"}}}},
+        "extra": {"type": "object", "properties": {"a": {"type": "string"}},
+                  "additionalProperties": True}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": nested}}
+    body = {"messages": MSGS, "tools": [tool], "tool_choice": "required"}
+    schema = json.loads(parse_chat(body, NAMES).sampling.grammar.source)
+    args = schema["items"]["properties"]["arguments"]
+    assert args["additionalProperties"] is False
+    assert args["properties"]["where"]["additionalProperties"] is False
+    assert args["properties"]["tags"]["items"]["additionalProperties"] is False
+    assert args["properties"]["extra"]["additionalProperties"] is True  # explicit wins
+    assert "additionalProperties" not in args["properties"]["city"]
+    # The operator's flag (--allow-extra-tool-arguments) leaves schemas as they are.
+    open_limits = RequestLimits(close_tool_schemas=False)
+    schema = json.loads(parse_chat(body, NAMES, open_limits).sampling.grammar.source)
+    assert schema["items"]["properties"]["arguments"] == nested
+    # No parameters: any object, as before.
+    bare = {"type": "function", "function": {"name": "g"}}
+    named = parse_chat({"messages": MSGS, "tools": [bare], "tool_choice": {
+        "type": "function", "function": {"name": "g"}}}, NAMES)
+    assert json.loads(named.sampling.grammar.source) == {"type": "object"}
 
 
 def test_logit_bias_travels_as_pairs():
@@ -284,11 +315,25 @@ def test_required_arguments_stream_as_they_come_once_the_name_is_known():
     assert streamed_raw_calls(deltas) == [("get_weather", '{"city": "Paris"}')]
 
 
-def test_required_call_cut_short_before_its_name_is_no_call():
+def test_required_call_cut_short_before_its_name_is_no_call_and_no_content():
     deltas, stream = stream_in_pieces(tools("required"), '[{"arguments": {"city": "Pa', 3)
     assert deltas == [] and not stream.has_calls
-    assert parse_calls('[{"arguments": {"city": "Pa', tools("required")) == (
-        '[{"arguments": {"city": "Pa', [])
+    assert parse_calls('[{"arguments": {"city": "Pa', tools("required")) == (None, [])
+
+
+@pytest.mark.parametrize(("mode", "name", "text", "arguments"), [
+    ("required", None, '[{"name": "get_weather", "arguments": {"city": "Pa', '{"city": "Pa'),
+    ("named", "get_weather", '{"city": "Pa', '{"city": "Pa'),
+])
+def test_a_forced_call_cut_short_is_still_a_call(mode, name, text, arguments):
+    """max_tokens cut the call: it is reported as the call it was, arguments cut where the
+    output was, never as raw JSON in the content; the stream says the same."""
+    content, calls = parse_calls(text, tools(mode, name))
+    assert content is None
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", arguments)]
+    deltas, stream = stream_in_pieces(tools(mode, name), text, 2)
+    assert streamed_raw_calls(deltas) == [("get_weather", arguments)]
+    assert all("content" not in d for d in deltas)
 
 # --- through the app -----------------------------------------------------------------------
 
@@ -318,7 +363,8 @@ def test_named_tool_call_over_http(served_reply):
     assert call["type"] == "function" and call["id"].startswith("call_")
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert worker.submits[0].grammar == ["json_schema", json.dumps(
-        WEATHER["function"]["parameters"], separators=(",", ":"))]
+        WEATHER["function"]["parameters"] | {"additionalProperties": False},
+        separators=(",", ":"))]
     assert "grammar" not in worker.submits[0].params
 
     chunks = post_stream(gw, "/v1/chat/completions", {**body, "stream": True})
@@ -354,6 +400,28 @@ def test_required_tool_call_over_http_streams_as_it_answers_whole(served_reply, 
     deltas = [c["delta"] for c in choices if c["delta"].get("tool_calls")]
     assert streamed_raw_calls(deltas) == [("get_weather", '{"city": "Paris"}')]
     assert choices[-1]["finish_reason"] == "tool_calls"
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_weather"}}])
+def test_a_forced_call_cut_by_max_tokens_over_http(served_reply, choice):
+    gw, _, reply = served_reply
+    head = '[{"name": "get_weather", "arguments": ' if choice == "required" else ""
+    reply["text"] = head + '{"city": "Paris, the capital of France, on the Seine"}'
+    body = {"messages": MSGS, "tools": [WEATHER], "tool_choice": choice, "max_tokens": 50}
+    choice_out = httpx.post(gw.url + "/v1/chat/completions", json=body,
+                            timeout=10).json()["choices"][0]
+    assert choice_out["finish_reason"] == "length"
+    assert choice_out["message"]["content"] is None
+    [call] = choice_out["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather",
+                                "arguments": reply["text"][len(head):50]}
+    chunks = post_stream(gw, "/v1/chat/completions", {**body, "stream": True})
+    choices = [c["choices"][0] for c in chunks[:-1] if c["choices"]]
+    assert choices[-1]["finish_reason"] == "length"
+    deltas = [c["delta"] for c in choices if c["delta"].get("tool_calls")]
+    assert streamed_raw_calls(deltas) == [("get_weather", call["function"]["arguments"])]
+    assert not any(c["delta"].get("content") for c in choices)
+
 
 def test_auto_tool_call_and_plain_answer_over_http(served_reply):
     gw, worker, reply = served_reply
