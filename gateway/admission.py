@@ -41,13 +41,14 @@ class Admission:
             if self.num_queued + num_requests > self.max_queued:
                 raise queue_full(self.retry_after_s)
 
-    async def acquire(self, request_id: str,
-                      prompt_token_ids: list[int] | None = None) -> WorkerHandle:
+    async def acquire(self, request_id: str, prompt_token_ids: list[int] | None = None,
+                      cache_key: str | None = None) -> WorkerHandle:
         """A worker with the request already assigned to it; 429 or 503 otherwise.
-        `prompt_token_ids`: what the router places the request by (None: least loaded)."""
+        `prompt_token_ids`: what the router places the request by (None: least loaded);
+        `cache_key`: the client's conversation name, which breaks the router's ties."""
         if self._closed_with is not None:
             raise self._closed_with
-        prefix = None if prompt_token_ids is None else Prefix(prompt_token_ids)
+        prefix = None if prompt_token_ids is None else Prefix(prompt_token_ids, cache_key)
         if not self._waiters:
             worker = self.registry.pick(prefix)
             if worker is not None:

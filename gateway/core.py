@@ -154,7 +154,8 @@ class Gateway:
     async def submit(self, state: RequestState, params: dict[str, Any]) -> None:
         """Wait for a worker (admission) and send the request to it. Raises APIError."""
         state.params = params
-        worker = await self.admission.acquire(state.request_id, state.prompt_token_ids)
+        worker = await self.admission.acquire(state.request_id, state.prompt_token_ids,
+                                              state.cache_key)
         if state.phase is not RequestPhase.QUEUED:  # ended while it waited
             self.registry.release(worker.worker_id, state.request_id)
             self.admission.wake()

@@ -163,9 +163,10 @@ class RequestGroup:
 
     def add(self, prompt_ids: list[int], params: dict, tokenizer: TextTokenizer,
             stop: tuple[str, ...], skip_special_tokens: bool, is_scoring: bool = False,
-            reasoning: ReasoningParser | None = None) -> None:
+            reasoning: ReasoningParser | None = None, cache_key: str | None = None) -> None:
         index = len(self.choices)
         state = self.gateway.new_request(index, prompt_ids, self.sink)
+        state.cache_key = cache_key
         detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self.choices.append(Choice(index, state, detok, StopStringMatcher(list(stop)),
                                    len(prompt_ids), is_scoring,

@@ -109,6 +109,9 @@ class RequestState:
     last_activity: float = 0.0
     credit_resent_at: float = 0.0
     missing_since: float | None = None
+    # The client's name for the conversation (prompt_cache_key, a session header): routing
+    # keeps its requests on one worker where their prefixes tie (gateway/workers/routing.py).
+    cache_key: str | None = None
 
     @property
     def attempt(self) -> int:

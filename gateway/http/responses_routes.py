@@ -93,6 +93,12 @@ class ResponsesStream(StreamedResponse):
         return b"".join(map(sse_event, self.builder.fail(e)))
 
 
+def cache_key_of(req: ResponsesRequest, request: Request) -> str | None:
+    """The conversation's name for routing: prompt_cache_key, else Codex's session header."""
+    return (req.prompt_cache_key or request.headers.get("session_id")
+            or request.headers.get("conversation_id"))
+
+
 class ResponsesApi:
     def __init__(self, api: Api):
         self.api = api
@@ -144,7 +150,8 @@ class ResponsesApi:
 
             return await api._generate(request, ctx, [ids], req.chat.sampling, req.stream,
                                        what="input", reasoning=api.reasoning_parsers(text),
-                                       streamed_as=streamed_as, respond=respond)
+                                       streamed_as=streamed_as, respond=respond,
+                                       cache_key=cache_key_of(req, request))
         except APIError as e:
             return error_response(responses_param(e))
 

@@ -219,8 +219,8 @@ class Api:
                         echoes: list[str] | None = None,
                         reasoning: Callable[[], ReasoningParser] | None = None,
                         streamed_as: Callable[..., StreamedResponse] = StreamedResponse,
-                        respond: Callable[[dict], Awaitable[Response]] | None = None
-                        ) -> Response:
+                        respond: Callable[[dict], Awaitable[Response]] | None = None,
+                        cache_key: str | None = None) -> Response:
         """`echoes`: per prompt, the text that comes before its completions (echo);
         `reasoning`: makes each choice's reasoning parser (chat-style prompts). Other APIs
         over chat (http/responses_routes.py) stream with their `streamed_as` class and
@@ -246,7 +246,7 @@ class Api:
                 # Scoring (max_tokens 0): the worker makes one token, which is dropped.
                 group.add(ids, sampling.worker_params(max(1, max_tokens), i), self.tokenizer,
                           sampling.stop, sampling.skip_special_tokens, sampling.is_scoring,
-                          None if reasoning is None else reasoning())
+                          None if reasoning is None else reasoning(), cache_key)
         log.info("request", extra={
             "request_id": ctx.id, "kind": ctx.kind, "stream": stream,
             "num_prompt_tokens": sum(group.prompt_lengths),

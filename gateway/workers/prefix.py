@@ -15,10 +15,11 @@ MAX_ROUTED_BLOCKS = 2048
 class Prefix:
     """A prompt's chained full-block hashes, per block size, computed once when first asked."""
 
-    __slots__ = ("token_ids", "_hashes")
+    __slots__ = ("token_ids", "cache_key", "_hashes")
 
-    def __init__(self, token_ids: Sequence[int]):
+    def __init__(self, token_ids: Sequence[int], cache_key: str | None = None):
         self.token_ids = token_ids
+        self.cache_key = cache_key  # the client's conversation name (prompt_cache_key)
         self._hashes: dict[int, list[int]] = {}
 
     def hashes(self, block_size: int) -> list[int]:

@@ -49,7 +49,7 @@ def least_loaded(candidates: Sequence[WorkerHandle]) -> WorkerHandle:
     return min(candidates, key=lambda w: (load_of(w), -w.num_free_blocks, w.worker_id))
 
 
-def rendezvous_weight(key: int, worker_id: str) -> int:
+def rendezvous_weight(key: int | str, worker_id: str) -> int:
     digest = hashlib.blake2b(f"{key}/{worker_id}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
 
@@ -85,8 +85,11 @@ class Router:
                 return least_loaded(candidates)  # shorter than a block: nothing to reuse
             num_matched = worker.prefix_index.num_matched(hashes)
             # Ties (no worker holds it, or several hold the same part) go to the worker that
-            # rendezvous hashing gives the first block past the shared part.
-            key = hashes[min(num_matched, len(hashes) - 1)]
+            # rendezvous hashing gives the first block past the shared part, or, when the
+            # client names its conversation (prompt_cache_key), that name: each of the many
+            # conversations behind one long system prompt then stays on its own worker.
+            key = hashes[min(num_matched, len(hashes) - 1)] if prefix.cache_key is None \
+                else prefix.cache_key
             score = (num_matched, rendezvous_weight(key, worker.worker_id))
             if best_score is None or score > best_score:
                 best, best_score = worker, score

@@ -123,10 +123,11 @@ def test_non_streamed_matches_the_stream(served):
     gw, _ = served
     body = httpx.post(gw.url + "/v1/responses", timeout=10, json={
         "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
-        "instructions": "Be brief.", "metadata": {"k": "v"}}).json()
+        "instructions": "Be brief.", "metadata": {"k": "v"},
+        "prompt_cache_key": "conversation-1"}).json()
     assert body["object"] == "response" and body["id"].startswith("resp_")
     assert body["status"] == "completed" and body["metadata"] == {"k": "v"}
-    assert body["instructions"] == "Be brief."
+    assert body["instructions"] == "Be brief." and body["prompt_cache_key"] == "conversation-1"
     assert [i["type"] for i in body["output"]] == ["reasoning", "message"]
     assert body["output"][1]["content"][0]["text"] == "Hello there."
 

@@ -166,3 +166,32 @@ def test_chats_stick_to_workers_through_the_gateway():
     assert sorted(placed) == list(range(6))
     assert all(len(ws) == 1 for ws in placed.values()), placed
     assert all(len(w.submits) >= 3 for w in workers), [len(w.submits) for w in workers]
+
+
+def test_a_cache_key_keeps_each_conversation_on_its_own_worker():
+    """Conversations behind one long system prompt that every worker holds: a first turn
+    shorter than a block ties on the shared prefix everywhere, so without a key they all go
+    to the one worker its last block hashes to; with prompt_cache_key each goes where its
+    key hashes (they spread) and stays there turn after turn."""
+    reg = make_registry(4)
+    system = tokens(0, 8 * BLOCK)
+    for worker in reg.workers.values():  # a warm tier: every worker cached the prompt
+        worker.prefix_index.add(Prefix(system).hashes(BLOCK))
+
+    def place(prompt: list[int], key: str | None, request_id: str) -> str:
+        prefix = Prefix(prompt, cache_key=key)
+        worker = reg.pick(prefix)
+        reg.assign(worker, request_id, prefix)
+        reg.release(worker.worker_id, request_id)
+        worker.num_sent_since_heartbeat = 0  # (as its next heartbeat would say)
+        return worker.worker_id
+
+    unkeyed = {place(system + tokens(100 + s, 5), None, f"u{s}") for s in range(12)}
+    assert len(unkeyed) == 1
+    placed: dict[int, set[str]] = {}
+    for turn in range(3):
+        for s in range(12):
+            prompt = system + tokens(100 + s, 5 + turn * BLOCK)
+            placed.setdefault(s, set()).add(place(prompt, f"session-{s}", f"r{turn}-{s}"))
+    assert all(len(workers) == 1 for workers in placed.values())  # each sticks
+    assert len(set().union(*placed.values())) > 1  # and they spread
