@@ -32,12 +32,15 @@ class ResponseContext:
     id: str = ""
     created_at: float = field(default_factory=time.time)
     tools: ToolChoice | None = None  # chat: the model may call these
+    # The API the request came through, for metrics ("" -> kind; "responses" runs as chat).
+    endpoint: str = ""
 
     @property
     def created(self) -> int:
         return int(self.created_at)
 
     def __post_init__(self) -> None:
+        self.endpoint = self.endpoint or self.kind
         if not self.id:
             prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
             self.id = f"{prefix}-{uuid.uuid4().hex}"

@@ -133,7 +133,7 @@ class ResponsesApi:
             ids = await api._encode(text, add_special_tokens=False)
             response_id = new_id("resp")
             ctx = ResponseContext("chat", req.chat.model, tools=req.chat.tools,
-                                  id=response_id)
+                                  id=response_id, endpoint="responses")
             builder = ResponseBuilder(req, req.chat.model, response_id)
 
             async def store(response: dict) -> None:

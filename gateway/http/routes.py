@@ -247,8 +247,9 @@ class Api:
                 group.add(ids, sampling.worker_params(max(1, max_tokens), i), self.tokenizer,
                           sampling.stop, sampling.skip_special_tokens, sampling.is_scoring,
                           None if reasoning is None else reasoning(), cache_key)
+        self.gateway.metrics.on_api_request(ctx.endpoint)
         log.info("request", extra={
-            "request_id": ctx.id, "kind": ctx.kind, "stream": stream,
+            "request_id": ctx.id, "kind": ctx.endpoint, "stream": stream,
             "num_prompt_tokens": sum(group.prompt_lengths),
             "engine_request_ids": [c.state.request_id for c in group.choices]})
         try:

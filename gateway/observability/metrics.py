@@ -179,6 +179,10 @@ class RequestMetrics:
         self._worker_events = counter("worker_events", "Worker restarts (a HELLO replacing a "
                                       "live incarnation) and losses (no heartbeat).",
                                       ["model_name", "worker_id", "event"])
+        # Generation requests by the API they came through (completions, chat, responses,
+        # messages): all share one pipeline, so the figures above cover them all.
+        self._by_endpoint = counter("api_requests", "Generation requests admitted to the "
+                                    "pipeline, by API endpoint.", ["model_name", "endpoint"])
         self.failovers = counter("failovers", "Streams with output moved to another "
                                  "worker.").labels(m)
         self.stale_outputs = counter(
@@ -212,6 +216,10 @@ class RequestMetrics:
         registry.register(_LoopCollector(self))
 
     # --- the request path's calls ------------------------------------------------------
+
+    def on_api_request(self, endpoint: str) -> None:
+        """A generation request arrived through this API (its prompt was checked)."""
+        self._by_endpoint.labels(self.model_name, endpoint).inc()
 
     def on_admitted(self, num_prompt_tokens: int) -> None:
         """One engine request was sent to a worker for the first time."""
@@ -309,6 +317,9 @@ class NoRequestMetrics(RequestMetrics):
         self.model_name = ""
 
     def on_admitted(self, num_prompt_tokens: int) -> None:
+        pass
+
+    def on_api_request(self, endpoint: str) -> None:
         pass
 
     def on_first_token(self, ttft_s: float, queue_s: float, prefill_s: float) -> None:

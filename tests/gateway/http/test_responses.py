@@ -358,3 +358,13 @@ def test_unknown_ids_are_404(served):
     for rid in ("resp_" + "0" * 32, "nope", "..%2F..%2Fx"):
         assert httpx.get(gw.url + "/v1/responses/" + rid).status_code == 404
         assert httpx.delete(gw.url + "/v1/responses/" + rid).status_code == 404
+
+
+def test_metrics_count_requests_by_endpoint(served):
+    gw, _ = served
+    httpx.post(gw.url + "/v1/responses", json={"input": "hi"}, timeout=10)
+    httpx.post(gw.url + "/v1/chat/completions", timeout=10,
+               json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
+    text = httpx.get(gw.url + "/metrics").text
+    assert 'zeroserve:api_requests_total{endpoint="responses"' in text
+    assert 'zeroserve:api_requests_total{endpoint="chat"' in text
