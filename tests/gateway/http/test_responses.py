@@ -368,3 +368,37 @@ def test_metrics_count_requests_by_endpoint(served):
     text = httpx.get(gw.url + "/metrics").text
     assert 'zeroserve:api_requests_total{endpoint="responses"' in text
     assert 'zeroserve:api_requests_total{endpoint="chat"' in text
+
+
+def test_a_failed_stream_ends_with_response_failed(served):
+    gw, worker = served
+    worker.num_submits_to_refuse = 5  # more than the one retry a refused SUBMIT gets
+    try:
+        events = stream_events(gw, {"input": "hi"})
+    finally:
+        worker.num_submits_to_refuse = 0
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress",
+                                           "response.failed"]
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+    assert failed["error"]["message"]
+
+
+def test_a_follow_up_finds_the_response_on_another_gateway_of_the_tier(tmp_path):
+    """Two gateways sharing the tier's folder (as `serve --gateways 2` sets it up): a
+    response made on one is found by a follow-up, GET and DELETE on the other."""
+    with GatewayServer(responses_dir=str(tmp_path)) as one, \
+            GatewayServer(responses_dir=str(tmp_path)) as two:
+        workers = [gw.worker(reply=agent_reply).start() for gw in (one, two)]
+        assert all(w.ready.wait(5) for w in workers)
+        created = httpx.post(one.url + "/v1/responses", json={"input": "Weather in Oslo?"},
+                             timeout=10).json()
+        follow = httpx.post(two.url + "/v1/responses", timeout=10, json={
+            "input": "And tomorrow?", "previous_response_id": created["id"]})
+        assert follow.status_code == 200
+        assert "Weather in Oslo?" in prompt_text(workers[1].submits[-1].prompt_token_ids)
+        assert httpx.get(two.url + "/v1/responses/" + created["id"]).json() == created
+        assert httpx.delete(two.url + "/v1/responses/" + created["id"]).status_code == 200
+        assert httpx.get(one.url + "/v1/responses/" + created["id"]).status_code == 404
+        for w in workers:
+            w.stop()
