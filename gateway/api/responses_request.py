@@ -363,11 +363,13 @@ def items_to_messages(items: list[dict[str, Any]], instructions: str | None
                                   "item this server reads (message, function_call, "
                                   "function_call_output).", param=f"{param}.type")
     if instructions:
-        if messages and messages[0]["role"] == "system":
-            messages[0] = {**messages[0],
-                           "content": instructions + "\n\n" + messages[0]["content"]}
-        else:
-            messages.insert(0, {"role": "system", "content": instructions})
+        messages.insert(0, {"role": "system", "content": instructions})
+    # Instructions and leading system/developer items make one system message: many chat
+    # templates take only one, and only first (Codex sends two developer items).
+    while len(messages) > 1 and messages[0]["role"] == messages[1]["role"] == "system":
+        second = messages.pop(1)
+        messages[0] = {**messages[0],
+                       "content": messages[0]["content"] + "\n\n" + second["content"]}
     if not messages:
         raise invalid_request("'input' holds no message the model can read.", param="input")
     return messages

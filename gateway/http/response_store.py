@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from zeroserve.gateway.config import check_private_dir
+
 _ID = re.compile(r"^resp_[0-9a-f]{32}$")
 PUBLIC_OWNER = "public"  # without API keys every client is the same one
 
@@ -43,6 +45,15 @@ class ResponseStore:
         self.max_age_s = max_age_s
         self.max_record_bytes = max_record_bytes
         self.clock = clock
+        self._is_checked = False
+
+    def _check_folder(self) -> None:
+        """Create the folder (mode 700) and refuse one that others could read or plant
+        responses in (InsecurePlaneError), once."""
+        if not self._is_checked:
+            self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+            check_private_dir(self.folder)
+            self._is_checked = True
 
     def describe_bounds(self) -> str:
         return (f"stored responses are kept for {self.max_age_s / 3600:g} hours, the newest "
@@ -60,7 +71,7 @@ class ResponseStore:
         if len(data) > self.max_record_bytes:
             return False
         path = self._path(owner, response_id)
-        self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._check_folder()
         path.parent.mkdir(exist_ok=True, mode=0o700)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         with open(tmp, "wb") as f:
@@ -73,6 +84,7 @@ class ResponseStore:
         """The record, or None: never stored, another key's, deleted, evicted or expired."""
         try:
             path = self._path(owner, response_id)
+            self._check_folder()
             data = path.read_bytes()
         except (ValueError, OSError):
             return None

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from zeroserve.common.keys import InsecurePlaneError
 from zeroserve.gateway.api.openai_schema import SamplingOptions
 from zeroserve.gateway.api.responses import ResponseContext
 from zeroserve.gateway.api.responses_output import (
@@ -93,10 +94,18 @@ class ResponsesStream(StreamedResponse):
         return b"".join(map(sse_event, self.builder.fail(e)))
 
 
+# Headers that name a conversation (Codex sends session-id and thread-id; older clients used
+# underscores).
+_SESSION_HEADERS = ("session-id", "session_id", "conversation-id", "conversation_id",
+                    "thread-id")
+
+
 def cache_key_of(req: ResponsesRequest, request: Request) -> str | None:
-    """The conversation's name for routing: prompt_cache_key, else Codex's session header."""
-    return (req.prompt_cache_key or request.headers.get("session_id")
-            or request.headers.get("conversation_id"))
+    """The conversation's name for routing: prompt_cache_key, else a session header."""
+    if req.prompt_cache_key:
+        return req.prompt_cache_key
+    headers = request.headers
+    return next((headers[h] for h in _SESSION_HEADERS if headers.get(h)), None)
 
 
 class ResponsesApi:
@@ -190,8 +199,13 @@ class ResponsesApi:
             record = await asyncio.to_thread(self.store.get, owner, req.previous_response_id)
             if record is not None:
                 previous = record["input"] + record["response"]["output"]
-        stored = await asyncio.to_thread(self.store.put, owner, response["id"], {
-            "input": previous + req.input_items, "response": response})
+        try:
+            stored = await asyncio.to_thread(self.store.put, owner, response["id"], {
+                "input": previous + req.input_items, "response": response})
+        except (OSError, InsecurePlaneError) as e:  # the response itself is fine: not kept
+            log.error("could not store a response", extra={"request_id": response["id"],
+                                                           "error": str(e)})
+            return
         if not stored:
             log.warning("response too large to store", extra={"request_id": response["id"]})
 

@@ -195,6 +195,19 @@ def test_forced_calls(served, client):
     assert [json.loads(i.arguments) for i in required.output] == [{"city": "Paris"}]
 
 
+def test_instructions_and_leading_developer_items_make_one_system_message(served):
+    gw, worker = served
+    httpx.post(gw.url + "/v1/responses", timeout=10, json={
+        "instructions": "Rule one.", "input": [
+            {"type": "message", "role": "developer",
+             "content": [{"type": "input_text", "text": "Rule two."}]},
+            {"type": "message", "role": "developer", "content": "Rule three."},
+            {"type": "message", "role": "user", "content": "hi"}]})
+    prompt = prompt_text(worker.submits[-1].prompt_token_ids)
+    assert prompt.count("system\n") == 1  # (the special tokens are not in prompt_text)
+    assert prompt.index("Rule one.") < prompt.index("Rule two.") < prompt.index("Rule three.")
+
+
 def test_hosted_tools_are_dropped_and_namespaces_offered(served):
     gw, worker = served
     body = httpx.post(gw.url + "/v1/responses", timeout=10, json={
@@ -402,3 +415,60 @@ def test_a_follow_up_finds_the_response_on_another_gateway_of_the_tier(tmp_path)
         assert httpx.get(one.url + "/v1/responses/" + created["id"]).status_code == 404
         for w in workers:
             w.stop()
+
+
+def test_a_codex_shaped_request_streams(served):
+    """The fields Codex CLI 0.171 sends (captured from it): developer items, function and
+    namespace tools beside web_search, store false, encrypted reasoning asked for, client
+    metadata; its earlier turns' reasoning items come back with encrypted content."""
+    gw, worker = served
+    body = {
+        "model": "SmolLM2-135M-Instruct", "stream": True, "tool_choice": "auto",
+        "parallel_tool_calls": True, "reasoning": {"summary": "auto"}, "store": False,
+        "include": ["reasoning.encrypted_content"], "prompt_cache_key": "session-1",
+        "client_metadata": {"x-codex-installation-id": "x"},
+        "tools": [
+            {"type": "function", "name": "exec_command", "description": "Run a command",
+             "strict": False, "parameters": {"type": "object", "properties": {
+                 "cmd": {"type": "string"}}, "required": ["cmd"],
+                 "additionalProperties": False}},
+            {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents",
+             "tools": [{"type": "function", "name": "spawn_agent", "strict": False,
+                        "parameters": {"type": "object", "properties": {}}}]},
+            {"type": "web_search", "external_web_access": False}],
+        "input": [
+            {"type": "message", "role": "developer",
+             "content": [{"type": "input_text", "text": "You are Codex."}]},
+            {"type": "message", "role": "user",
+             "content": [{"type": "input_text", "text": "Say hello"}]},
+            {"type": "reasoning", "id": "rs_1", "summary": [],
+             "encrypted_content": "opaque"},
+            {"type": "message", "role": "assistant",
+             "content": [{"type": "output_text", "text": "Hello."}]},
+            {"type": "message", "role": "user",
+             "content": [{"type": "input_text", "text": "Again"}]}]}
+    with httpx.stream("POST", gw.url + "/v1/responses", json=body, timeout=10,
+                      headers={"session-id": "session-1"}) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("event: ")]
+    assert lines[0] == "event: response.created" and lines[-1] == "event: response.completed"
+    prompt = prompt_text(worker.submits[-1].prompt_token_ids)
+    assert "exec_command" in prompt and "spawn_agent" in prompt and "opaque" not in prompt
+
+
+def test_the_routing_key_is_the_cache_key_or_a_session_header():
+    from starlette.requests import Request
+
+    from zeroserve.gateway.api.responses_request import parse_responses
+    from zeroserve.gateway.http.responses_routes import cache_key_of
+
+    def request(*headers: tuple[bytes, bytes]) -> Request:
+        return Request({"type": "http", "headers": list(headers)})
+
+    names = ("m",)
+    keyed = parse_responses({"input": "x", "prompt_cache_key": "k"}, names)
+    plain = parse_responses({"input": "x"}, names)
+    assert cache_key_of(keyed, request((b"session-id", b"s"))) == "k"
+    assert cache_key_of(plain, request((b"session-id", b"s"))) == "s"
+    assert cache_key_of(plain, request((b"session_id", b"u"))) == "u"
+    assert cache_key_of(plain, request()) is None
