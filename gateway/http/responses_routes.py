@@ -158,7 +158,7 @@ class ResponsesApi:
                 return ResponsesStream(*args, builder=builder, on_done=store)
 
             return await api._generate(request, ctx, [ids], req.chat.sampling, req.stream,
-                                       what="input", reasoning=api.reasoning_parsers(text),
+                                       what="input", reasoning=api.reasoning_parsers(text, req.chat.sampling),
                                        streamed_as=streamed_as, respond=respond,
                                        cache_key=cache_key_of(req, request))
         except APIError as e:

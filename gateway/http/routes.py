@@ -165,17 +165,23 @@ class Api:
             ids = await self._encode(text, add_special_tokens=False)
             ctx = ResponseContext("chat", req.model, req.include_usage, tools=req.tools)
             return await self._generate(request, ctx, [ids], req.sampling, req.stream,
-                                        what="messages", reasoning=self.reasoning_parsers(text))
+                                        what="messages",
+                                        reasoning=self.reasoning_parsers(text, req.sampling))
         except APIError as e:
             return error_response(e)
 
     # --- request preparation: bounded, and off the loop when large ---------------------
 
-    def reasoning_parsers(self, prompt_text: str) -> Callable[[], ReasoningParser] | None:
-        """A maker of one reasoning parser per choice of a chat-style prompt (None: the model
-        does not reason)."""
+    def reasoning_parsers(self, prompt_text: str, sampling: SamplingOptions
+                          ) -> Callable[[], ReasoningParser] | None:
+        """A maker of one reasoning parser per choice of a chat-style prompt. None: the
+        model does not reason, or a grammar shapes the whole output (JSON, a forced call),
+        which then has no thinking to split off (in a prompt that opened <think>, the JSON
+        would otherwise all count as thinking)."""
         syntax = self.reasoning
-        return None if syntax is None else (lambda: syntax.parser(prompt_text))
+        if syntax is None or sampling.grammar is not None:
+            return None
+        return lambda: syntax.parser(prompt_text)
 
     async def _read_json(self, request: Request) -> dict:
         raw = await read_body(request, self.config.max_request_body_bytes,

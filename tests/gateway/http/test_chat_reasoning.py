@@ -47,11 +47,33 @@ def test_stream_sends_reasoning_deltas_then_content(thinking):
     assert chunks[-1]["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0
 
 
-def test_enable_thinking_reaches_the_template(thinking):
-    """chat_template_kwargs pass through; with no <think> in the output it is all answer."""
-    r = httpx.post(thinking.url + "/tokenize", json={
-        "messages": CHAT["messages"], "chat_template_kwargs": {"enable_thinking": False}})
-    assert r.status_code == 200
+def test_a_grammar_shaped_output_is_not_split(thinking):
+    """JSON (or a forced call) is the whole output: no reasoning parsing, even with a
+    reasoning model (the grammar leaves it no room to think)."""
+    body = httpx.post(thinking.url + "/v1/chat/completions", timeout=10, json=CHAT | {
+        "response_format": {"type": "json_object"}}).json()
+    message = body["choices"][0]["message"]
+    assert message["content"] == REPLY and "reasoning_content" not in message
+
+
+QWEN3_LIKE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined "
+    "and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def test_a_template_writing_think_picks_the_parser_and_enable_thinking_reaches_it(tmp_path):
+    template = tmp_path / "qwen3.jinja"
+    template.write_text(QWEN3_LIKE)
+    with GatewayServer(chat_template=str(template)) as gw:  # no --reasoning-parser
+        worker = gw.worker(reply=fixed_reply(REPLY)).start()
+        assert worker.ready.wait(5)
+        body = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=10).json()
+        off = CHAT | {"chat_template_kwargs": {"enable_thinking": False}}
+        prompt = httpx.post(gw.url + "/tokenize", json=off).json()["tokens"]
+        worker.stop()
+    assert body["choices"][0]["message"]["reasoning_content"] == "\nTwo and two.\n"
+    assert bytes(t for t in prompt if t < 256).endswith(b"<think>\n\n</think>\n\n")
 
 
 def test_without_a_reasoning_model_nothing_changes():
