@@ -90,6 +90,21 @@ def test_chat_greedy_matches_the_engine_streaming_or_not(server, client, engine)
     assert chunks[-1].usage.completion_tokens == len(ids)
 
 
+def test_responses_greedy_matches_chat_streaming_or_not(client):
+    """/v1/responses runs as a chat completion: the same greedy text, in Responses shapes."""
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0,
+                                          max_tokens=MAX_TOKENS)
+    reply = client.responses.create(model=MODEL, input=MESSAGES, temperature=0,
+                                    max_output_tokens=MAX_TOKENS)
+    assert reply.output_text == chat.choices[0].message.content
+    assert reply.usage.input_tokens == chat.usage.prompt_tokens
+    assert reply.usage.output_tokens == chat.usage.completion_tokens
+    with client.responses.stream(model=MODEL, input=MESSAGES, temperature=0,
+                                 max_output_tokens=MAX_TOKENS) as stream:
+        streamed = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+    assert streamed == reply.output_text
+
+
 def test_completion_greedy_matches_the_engine_streaming_or_not(server, client, engine):
     prompt = "The three primary colors are"
     reply = client.completions.create(model=MODEL, prompt=prompt, temperature=0,
