@@ -250,3 +250,18 @@ def test_serve_with_two_gateways_needs_an_address_per_gateway(captured):
     result = CliRunner().invoke(cli.main, ["serve", "--gateways", "2",
                                            "--router-address", "tcp://127.0.0.1:5555"])
     assert result.exit_code == 2 and "one per gateway" in result.output
+
+
+def test_reasoning_and_tool_argument_flags_reach_the_gateway_and_its_children(captured):
+    assert invoke(["gateway", "--reasoning-parser", "deepseek_r1",
+                   "--allow-extra-tool-arguments"]).exit_code == 0
+    config = captured["gateway"]
+    assert config.reasoning_parser == "deepseek_r1" and config.allow_extra_tool_arguments
+    assert invoke(["gateway", *cli.gateway_args(config)]).exit_code == 0  # as serve's child
+    child = captured["gateway"]
+    assert child.reasoning_parser == "deepseek_r1" and child.allow_extra_tool_arguments
+    assert invoke(["gateway"]).exit_code == 0
+    assert captured["gateway"].reasoning_parser is None
+    assert not captured["gateway"].allow_extra_tool_arguments
+    result = CliRunner().invoke(cli.main, ["gateway", "--reasoning-parser", "gpt"])
+    assert result.exit_code == 2 and "reasoning-parser" in result.output
