@@ -42,7 +42,7 @@ _SKIPPED_ITEMS = ("reasoning", "compaction", "web_search_call", "file_search_cal
                   "tool_search_output")
 # Chat's parameter names -> the Responses fields they came from (for error messages).
 _PARAM_NAMES = {"max_tokens": "max_output_tokens", "messages": "input",
-                "response_format": "text.format", "chat_template_kwargs": "reasoning"}
+                "response_format": "text.format"}
 
 
 @dataclass(frozen=True)
