@@ -125,15 +125,20 @@ class ResponseBuilder:
                                   delta=text))
         return events
 
-    def text(self, text: str) -> list[dict[str, Any]]:
+    def text(self, text: str, logprobs: list[dict[str, Any]] | None = None
+             ) -> list[dict[str, Any]]:
+        """Answer text; `logprobs`: its tokens' (chat's `logprobs.content` entries, which
+        are the Responses shape too), when the request included them."""
         if not text:
             return []
         events = self._switch_to("message")
         item = self._open
-        item["content"][0]["text"] += text
+        part = item["content"][0]
+        part["text"] += text
+        part["logprobs"] += logprobs or []
         events.append(self._event("response.output_text.delta", item_id=item["id"],
                                   output_index=self._index(item), content_index=0,
-                                  delta=text, logprobs=[]))
+                                  delta=text, logprobs=logprobs or []))
         return events
 
     def text_item(self) -> list[dict[str, Any]]:
@@ -241,7 +246,7 @@ class ResponseBuilder:
             part = item["content"][0]
             done = [self._event("response.output_text.done", item_id=item["id"],
                                 output_index=index, content_index=0, text=part["text"],
-                                logprobs=[]),
+                                logprobs=part["logprobs"]),
                     self._event("response.content_part.done", item_id=item["id"],
                                 output_index=index, content_index=0, part=dict(part))]
         else:
@@ -265,7 +270,7 @@ def build_response(request: ResponsesRequest, model: str, chat: dict[str, Any],
     choice = chat["choices"][0]
     message = choice["message"]
     builder.reasoning(message.get("reasoning_content") or "")
-    builder.text(message.get("content") or "")
+    builder.text(message.get("content") or "", (choice.get("logprobs") or {}).get("content"))
     if not message.get("content") and not message.get("tool_calls"):
         builder.text_item()  # nothing said: an empty message, as OpenAI answers
     for index, call in enumerate(message.get("tool_calls") or ()):

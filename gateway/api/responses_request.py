@@ -28,6 +28,7 @@ MAX_METADATA_KEYS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 MAX_INPUT_ITEMS = 4096
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # `include` asks for the text's logprobs
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # Sampling fields that mean the same in both APIs (vLLM's extras included).
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
@@ -92,6 +93,9 @@ def parse_responses(body: dict, served_names: tuple[str, ...],
         chat["max_tokens"] = body["max_output_tokens"]
     if text_format is not None:
         chat["response_format"] = text_format
+    if LOGPROBS_INCLUDE in (body.get("include") or ()) or body.get("top_logprobs"):
+        chat["logprobs"] = True  # (chat checks top_logprobs' range)
+        chat["top_logprobs"] = body.get("top_logprobs")
     if template_kwargs:
         chat["chat_template_kwargs"] = template_kwargs
     choice = _tool_choice(body.get("tool_choice"), tools)
@@ -164,10 +168,6 @@ def _reject_unsupported(body: dict) -> None:
     if body.get("prompt") is not None:
         raise invalid_request("'prompt' (stored prompt templates) is not supported.",
                               param="prompt")
-    top_logprobs = body.get("top_logprobs")
-    if top_logprobs not in (None, 0):
-        raise invalid_request("'top_logprobs' is not supported on /v1/responses (chat "
-                              "completions serve logprobs).", param="top_logprobs")
     if body.get("n") not in (None, 1):
         raise invalid_request("'n' is not a Responses parameter: one response per request.",
                               param="n")

@@ -44,7 +44,7 @@ from zeroserve.gateway.http.error_response import error_response
 from zeroserve.gateway.http.offload import CpuPool
 from zeroserve.gateway.http.response_store import ResponseStore, is_response_id, owner_of
 from zeroserve.gateway.http.routes import Api
-from zeroserve.gateway.http.streaming import StreamedResponse
+from zeroserve.gateway.http.streaming import StreamedResponse, update_logprobs
 from zeroserve.gateway.logging import get_logger
 from zeroserve.gateway.text.tokenizer import TextTokenizer
 
@@ -74,7 +74,9 @@ class ResponsesStream(StreamedResponse):
         for update, _ in batch:
             events += builder.reasoning(update.reasoning)
             if self._calls is None:
-                events += builder.text(update.text)
+                lp = None if update.logprobs is None else update_logprobs(
+                    self.tokenizer, self.ctx, update, 0)
+                events += builder.text(update.text, None if lp is None else lp["content"])
             else:
                 deltas = self._calls.push(update.text)
                 if update.finish_reason is not None:

@@ -132,6 +132,19 @@ def test_non_streamed_matches_the_stream(served):
     assert body["output"][1]["content"][0]["text"] == "Hello there."
 
 
+def test_logprobs_when_included(served):
+    gw, _ = served
+    body = {"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    whole = httpx.post(gw.url + "/v1/responses", json=body, timeout=10).json()
+    part = whole["output"][-1]["content"][0]
+    assert part["logprobs"] and {"token", "logprob", "top_logprobs"} <= set(part["logprobs"][0])
+    events = stream_events(gw, body)
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert all(len(e["logprobs"]) >= 1 for e in deltas)
+    plain = httpx.post(gw.url + "/v1/responses", json={"input": "hi"}, timeout=10).json()
+    assert plain["output"][-1]["content"][0]["logprobs"] == []
+
+
 def test_max_output_tokens_makes_it_incomplete(served):
     gw, _ = served
     events = stream_events(gw, {"input": "hi", "max_output_tokens": 3})
@@ -366,7 +379,7 @@ def test_input_tokens_counts_what_create_sends(served):
     ({"input": "x", "metadata": {"k" * 65: "v"}}, "metadata"),
     ({"input": "x", "conversation": "conv_1"}, "conversation"),
     ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt"),
-    ({"input": "x", "top_logprobs": 5}, "top_logprobs"),
+    ({"input": "x", "top_logprobs": 50}, "top_logprobs"),
     ({"input": "x", "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
 ])
 def test_malformed_bodies_are_4xx(served, body, param):
