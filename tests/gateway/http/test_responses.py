@@ -512,3 +512,31 @@ def test_the_routing_key_is_the_cache_key_or_a_session_header():
     assert cache_key_of(plain, request((b"session-id", b"s"))) == "s"
     assert cache_key_of(plain, request((b"session_id", b"u"))) == "u"
     assert cache_key_of(plain, request()) is None
+
+
+def test_a_streamed_response_continues_on_the_restarted_worker():
+    """Chat's failover, reused: the worker dies mid-stream, the response goes on from where
+    it stopped on the new one, and the client sees one whole text and response.completed."""
+    from tests.gateway.helpers import cyclic_reply
+
+    with GatewayServer() as gw:
+        worker = gw.worker(reply=cyclic_reply("abc"), step_s=0.01).start()
+        assert worker.ready.wait(5)
+        with httpx.stream("POST", gw.url + "/v1/responses", timeout=10, json={
+                "input": "x", "max_output_tokens": 300, "stream": True}) as r:
+            lines = r.iter_lines()
+            events = []
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                    if events[-1]["type"] == "response.output_text.delta":
+                        break
+            worker.stop()
+            worker2 = gw.worker(reply=cyclic_reply("abc")).start()
+            events += [json.loads(x[6:]) for x in lines if x.startswith("data: ")]
+        worker2.stop()
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == "abc" * 100
+    assert events[-1]["type"] == "response.incomplete"  # (max_output_tokens reached)
+    assert events[-1]["response"]["output"][0]["content"][0]["text"] == text
+    assert 0 < len(worker2.submits[0].output_token_ids) < 300
