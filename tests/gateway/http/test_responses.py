@@ -540,3 +540,15 @@ def test_a_streamed_response_continues_on_the_restarted_worker():
     assert events[-1]["type"] == "response.incomplete"  # (max_output_tokens reached)
     assert events[-1]["response"]["output"][0]["content"][0]["text"] == text
     assert 0 < len(worker2.submits[0].output_token_ids) < 300
+
+
+def test_rate_limits_cover_responses():
+    with GatewayServer(rate_limit_rps=0.01, rate_limit_burst=1) as gw:
+        worker = gw.worker(reply=agent_reply).start()
+        assert worker.ready.wait(5)
+        first = httpx.post(gw.url + "/v1/responses", json={"input": "hi"}, timeout=10)
+        second = httpx.post(gw.url + "/v1/responses", json={"input": "hi"}, timeout=10)
+        worker.stop()
+    assert first.status_code == 200
+    assert second.status_code == 429 and "Retry-After" in second.headers
+    assert second.json()["error"]["code"] == "rate_limit_exceeded"
