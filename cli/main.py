@@ -236,6 +236,13 @@ GATEWAY_OPTIONS = [
            help="A forced tool call (tool_choice required or named) may write argument keys "
                 "its schema does not declare. [default: off: a schema that does not set "
                 "additionalProperties gets false, as llama.cpp's grammars]"),
+    option("--responses-dir", default=None, type=click.Path(file_okay=False),
+           help="A private folder (mode 700) for stored responses (/v1/responses with store); "
+                "the gateways of a tier share it. [default: beside the ipc sockets, by port]"),
+    option("--response-store-size", type=click.IntRange(min=1), default=1000,
+           help="Stored responses kept per API key; beyond, the oldest go."),
+    option("--response-store-ttl", type=float, default=24 * 3600.0, callback=_positive,
+           help="Seconds a stored response is kept."),
     option("--credit-window", type=click.IntRange(min=1), default=32,
            help="Tokens of one stream in flight before the client must read."),
     option("--slow-client-timeout", type=float, default=30.0, callback=_positive,
@@ -430,6 +437,9 @@ def gateway_config(opts: dict[str, Any]):
         metrics_dir=opts.get("metrics_dir"), gateway_index=opts.get("gateway_index", 0),
         reasoning_parser=opts.get("reasoning_parser"),
         allow_extra_tool_arguments=opts.get("allow_extra_tool_arguments", False),
+        responses_dir=opts.get("responses_dir"),
+        response_store_size=opts.get("response_store_size", 1000),
+        response_store_ttl_s=opts.get("response_store_ttl", 24 * 3600.0),
         **_input_limits(opts),
         **_http_access(opts),
     )
@@ -565,6 +575,10 @@ def gateway_args(config: Any) -> list[str]:
         args += ["--reasoning-parser", config.reasoning_parser]
     if config.allow_extra_tool_arguments:
         args.append("--allow-extra-tool-arguments")
+    if config.responses_dir is not None:
+        args += ["--responses-dir", config.responses_dir]
+    args += ["--response-store-size", str(config.response_store_size),
+             "--response-store-ttl", str(config.response_store_ttl_s)]
     if config.otlp_traces_endpoint is not None:
         args += ["--otlp-traces-endpoint", config.otlp_traces_endpoint]
     if config.disable_metrics:

@@ -252,14 +252,19 @@ def test_serve_with_two_gateways_needs_an_address_per_gateway(captured):
     assert result.exit_code == 2 and "one per gateway" in result.output
 
 
-def test_reasoning_and_tool_argument_flags_reach_the_gateway_and_its_children(captured):
+def test_reasoning_tool_argument_and_store_flags_reach_the_gateway_and_its_children(captured):
     assert invoke(["gateway", "--reasoning-parser", "deepseek_r1",
-                   "--allow-extra-tool-arguments"]).exit_code == 0
+                   "--allow-extra-tool-arguments", "--responses-dir", "/srv/responses",
+                   "--response-store-size", "5", "--response-store-ttl", "60"]).exit_code == 0
     config = captured["gateway"]
     assert config.reasoning_parser == "deepseek_r1" and config.allow_extra_tool_arguments
+    assert (config.responses_dir, config.response_store_size,
+            config.response_store_ttl_s) == ("/srv/responses", 5, 60.0)
     assert invoke(["gateway", *cli.gateway_args(config)]).exit_code == 0  # as serve's child
     child = captured["gateway"]
-    assert child.reasoning_parser == "deepseek_r1" and child.allow_extra_tool_arguments
+    names = ("reasoning_parser", "allow_extra_tool_arguments", "responses_dir",
+             "response_store_size", "response_store_ttl_s")
+    assert [getattr(child, n) for n in names] == [getattr(config, n) for n in names]
     assert invoke(["gateway"]).exit_code == 0
     assert captured["gateway"].reasoning_parser is None
     assert not captured["gateway"].allow_extra_tool_arguments
