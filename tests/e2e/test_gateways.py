@@ -250,3 +250,28 @@ def test_a_tier_starts_on_a_fresh_machine(zeroserve, tmp_path):
     ipc_dir = fresh_tmp / f"zeroserve-{os.getuid()}"
     for folder in (ipc_dir, ipc_dir / f"gw-{server.port}-metrics"):
         assert folder.stat().st_mode & 0o777 == 0o700, folder
+
+
+def test_a_stored_response_is_found_through_either_gateway(zeroserve):
+    """`serve --gateways 2`: a response stored through one gateway process is continued,
+    read and deleted through the other (they share the tier's responses folder)."""
+    server = zeroserve(args=("--gateways", "2", "--workers", "1", "--backend", "fake",
+                             "--device", "cpu", "--num-kv-blocks", "256"),
+                       num_workers=1, timeout_s=180)
+    wait_for_workers_on_every_gateway(server.url, 2, 1, timeout_s=120)
+    by_pid = clients_on_each_gateway(server.url, per_gateway=1)
+    (first,), (second,) = by_pid.values()
+    created = first.post("/v1/responses", json={"input": "remember me",
+                                                "max_output_tokens": 4})
+    assert created.status_code == 200, created.text
+    response_id = created.json()["id"]
+    follow = second.post("/v1/responses", json={
+        "input": "and now?", "previous_response_id": response_id, "max_output_tokens": 4})
+    assert follow.status_code == 200, follow.text
+    assert follow.json()["previous_response_id"] == response_id
+    assert second.get(f"/v1/responses/{response_id}").json()["id"] == response_id
+    assert second.delete(f"/v1/responses/{response_id}").status_code == 200
+    assert first.get(f"/v1/responses/{response_id}").status_code == 404
+    for clients in by_pid.values():
+        for client in clients:
+            client.close()
