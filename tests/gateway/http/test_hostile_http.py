@@ -17,7 +17,8 @@ import uvicorn
 from tests.gateway.helpers import GatewayServer, cyclic_reply
 from zeroserve.gateway.server import uvicorn_config
 
-POST_PATHS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+POST_PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/responses",
+              "/v1/responses/input_tokens", "/tokenize", "/detokenize"]
 
 
 class GuardedServer(GatewayServer):
