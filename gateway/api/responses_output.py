@@ -195,7 +195,11 @@ class ResponseBuilder:
         return events + [self._event("response.completed", response=self.response())]
 
     def fail(self, e: APIError) -> list[dict[str, Any]]:
-        self._close()
+        # The item being written is cut: no .done events for it, so none of their
+        # sequence numbers either (a client sees response.failed right after the last delta).
+        item, self._open = self._open, None
+        if item is not None:
+            item["status"] = "incomplete"
         self.status = "failed"
         self.error = {"code": error_code(e), "message": e.message}
         return [self._event("response.failed", response=self.response())]

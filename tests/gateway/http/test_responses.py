@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from tests.gateway.helpers import GatewayServer, text_tokens
+from zeroserve.gateway.http.responses_routes import ResponsesStream
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Weather now",
@@ -435,6 +436,25 @@ def test_a_failed_stream_ends_with_response_failed(served):
     failed = events[-1]["response"]
     assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
     assert failed["error"]["message"]
+
+
+def test_a_bug_rendering_a_stream_ends_it_with_response_failed(served, monkeypatch):
+    """A stream that fails on an unexpected exception ends as a failure the client can read
+    (chat: a server_error event and [DONE]); a Responses stream's is response.failed."""
+    original = ResponsesStream.render
+
+    def render(self, batch):
+        if any("H" in update.text for update, _ in batch):  # the answer's "Hello there."
+            raise RuntimeError("a bug in one stream's rendering")
+        return original(self, batch)
+
+    monkeypatch.setattr(ResponsesStream, "render", render)
+    gw, _ = served
+    events = stream_events(gw, {"input": "hi"})
+    types = [e["type"] for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"]
+    assert types[-1] == "response.failed" and "response.completed" not in types
+    assert events[-1]["response"]["error"]["code"] == "server_error"
 
 
 def test_a_follow_up_finds_the_response_on_another_gateway_of_the_tier(tmp_path):
