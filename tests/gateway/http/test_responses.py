@@ -361,6 +361,9 @@ def test_input_tokens_counts_what_create_sends(served):
     ({"input": [{"type": "function_call", "name": "f", "call_id": "c", "arguments": {}}]},
      "input[0]"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
+    # An earlier call's arguments nested past the JSON depth bound (gateway/text/bounded_json).
+    ({"input": [{"type": "function_call", "name": "f", "call_id": "c",
+                 "arguments": "[" * 5000 + "]" * 5000}]}, "input"),
     ({"input": "x", "tools": [{"type": "namespace", "name": "n", "tools": "no"}]},
      "tools[0]"),
     ({"input": "x", "tools": [{"type": "namespace", "name": "n", "tools": [3]}]},
