@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from zeroserve.gateway.config import check_private_dir
+from zeroserve.gateway.config import check_private_dir, make_private_dirs
 
 _ID = re.compile(r"^resp_[0-9a-f]{32}$")
 PUBLIC_OWNER = "public"  # without API keys every client is the same one
@@ -48,10 +48,11 @@ class ResponseStore:
         self._is_checked = False
 
     def _check_folder(self) -> None:
-        """Create the folder (mode 700) and refuse one that others could read or plant
-        responses in (InsecurePlaneError), once."""
+        """Create the folder (mode 700, and so are the parents it makes: the default one is
+        under the ipc:// folder, which may not exist yet) and refuse one that others could
+        read or plant responses in (InsecurePlaneError), once."""
         if not self._is_checked:
-            self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+            make_private_dirs(self.folder)
             check_private_dir(self.folder)
             self._is_checked = True
 

@@ -58,3 +58,17 @@ def test_a_folder_others_can_read_is_refused(tmp_path):
     with pytest.raises(InsecurePlaneError):
         store.put(A, rid(1), {})
     assert store.get(A, rid(1)) is None
+
+
+def test_the_folders_it_makes_are_private_under_a_usual_umask(tmp_path):
+    """The default folder is under the ipc:// folder: if the store makes that first, it must
+    be mode 700 too, or every gateway started later on the machine refuses it."""
+    previous = os.umask(0o022)
+    try:
+        store = ResponseStore(tmp_path / "ipc" / "gw-8000-responses")
+        assert store.put(A, rid(1), {})
+    finally:
+        os.umask(previous)
+    for folder in (tmp_path / "ipc", tmp_path / "ipc" / "gw-8000-responses",
+                   tmp_path / "ipc" / "gw-8000-responses" / A):
+        assert folder.stat().st_mode & 0o777 == 0o700, folder
