@@ -19,10 +19,12 @@ from zeroserve.gateway.config import GatewayConfig
 from zeroserve.gateway.core import Gateway
 from zeroserve.gateway.errors import APIError, invalid_api_key, server_error
 from zeroserve.gateway.http.admin import AdminApi
+from zeroserve.gateway.http.anthropic_errors import AnthropicErrorShape
 from zeroserve.gateway.http.auth import ApiKeyMiddleware, ApiKeys, warn_if_exposed
 from zeroserve.gateway.http.error_response import error_response
 from zeroserve.gateway.http.health import HealthEndpoints
 from zeroserve.gateway.http.host_check import AllowedHosts, HostCheckMiddleware
+from zeroserve.gateway.http.messages import MessagesApi
 from zeroserve.gateway.http.rate_limit import RateLimiter, RateLimitMiddleware
 from zeroserve.gateway.http.responses_routes import ResponsesApi
 from zeroserve.gateway.http.routes import Api
@@ -62,6 +64,7 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None) -> 
     gateway = Gateway(config, metrics=NoRequestMetrics() if metrics is None else metrics.requests,
                       tracer=tracer)
     api = Api(config, gateway, tokenizer, template, names)
+    messages = MessagesApi(api)
     loop_monitor = LoopLagMonitor(warn_s=config.loop_lag_warn_s)
     if metrics is not None:
         metrics.watch(gateway, loop_monitor)
@@ -103,6 +106,8 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None) -> 
         *ResponsesApi(api).routes(),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/models/{model:path}", api.model, methods=["GET"]),
+        Route("/v1/messages", messages.create, methods=["POST"]),
+        Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
         Route("/tokenize", api.tokenize, methods=["POST"]),
         Route("/detokenize", api.detokenize, methods=["POST"]),
         *health.routes(),
@@ -137,7 +142,7 @@ def http_middleware(config: GatewayConfig, keys: ApiKeys,
                     metrics: Metrics | None = None) -> list[Middleware]:
     """Outermost first: the Host check, CORS (so preflights and 401s carry its headers), the
     API key, then the rate limiter (which needs to know the key)."""
-    stack = []
+    stack = [Middleware(AnthropicErrorShape)]  # outside the key check and rate limiter
     hosts = AllowedHosts.for_server(config.host, config.allowed_hosts)
     if hosts is not None:  # gateway/http/host_check.py: DNS rebinding
         stack.append(Middleware(HostCheckMiddleware, hosts=hosts))

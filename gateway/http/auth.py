@@ -1,7 +1,7 @@
 """API keys for the HTTP API, as vLLM's `--api-key`.
 
 - With keys configured, every `/v1/*` call and `/tokenize`, `/detokenize` need
-  `Authorization: Bearer KEY`; a missing or wrong key is 401 in OpenAI's shape, with
+  `Authorization: Bearer KEY` (or `x-api-key: KEY`, as Anthropic's clients send it); a missing or wrong key is 401 in OpenAI's shape, with
   `WWW-Authenticate: Bearer`. OPTIONS passes (a CORS preflight carries no credentials and
   can do nothing), as in vLLM.
 - Liveness and readiness stay open; callers without a valid key get only what a probe needs
@@ -64,7 +64,18 @@ class ApiKeys:
 
     def is_authorized(self, request: Request) -> bool:
         """True when no keys are configured or the request carries one of them."""
-        return not self.is_enabled or self.match(request.headers.get("authorization")) is not None
+        return not self.is_enabled or self.match(presented_key(request.headers)) is not None
+
+
+def presented_key(headers: Headers) -> str | None:
+    """The credentials a request presents, as an Authorization header value:
+    `Authorization: Bearer KEY`, else Anthropic's `x-api-key: KEY` (the anthropic SDK and
+    Claude Code send that one)."""
+    authorization = headers.get("authorization")
+    api_key = headers.get("x-api-key")
+    if authorization is None and api_key is not None:
+        return "Bearer " + api_key
+    return authorization
 
 
 class ApiKeyMiddleware:
@@ -80,7 +91,7 @@ class ApiKeyMiddleware:
                 or not is_protected(scope["path"])):
             await self.app(scope, receive, send)
             return
-        index = self.keys.match(Headers(scope=scope).get("authorization"))
+        index = self.keys.match(presented_key(Headers(scope=scope)))
         if index is None:
             num_held = self._warn.allow("invalid_api_key")
             if num_held is not None:

@@ -151,7 +151,7 @@ class ResponsesApi:
                 if req.store:
                     await self._store(owner, req, response)
 
-            async def respond(chat: dict) -> Response:
+            async def respond(chat: dict, _group: RequestGroup) -> Response:
                 response = build_response(req, req.chat.model, chat, response_id).response()
                 await store(response)
                 return JSONResponse(response)

@@ -52,6 +52,8 @@ log = get_logger("api")
 
 # When no worker ever said HELLO and the model files do not say either.
 _FALLBACK_MAX_MODEL_LEN = 2048
+# Another API's whole response from the collected chat completion and its group.
+Respond = Callable[[dict, RequestGroup], Awaitable[Response]]
 # Work below these sizes runs on the loop (well under a millisecond: a thread hop would
 # cost more); above them it goes to the CPU pool.
 _INLINE_CHARS = 2048
@@ -225,12 +227,13 @@ class Api:
                         echoes: list[str] | None = None,
                         reasoning: Callable[[], ReasoningParser] | None = None,
                         streamed_as: Callable[..., StreamedResponse] = StreamedResponse,
-                        respond: Callable[[dict], Awaitable[Response]] | None = None,
+                        respond: Respond | None = None,
                         cache_key: str | None = None) -> Response:
         """`echoes`: per prompt, the text that comes before its completions (echo);
         `reasoning`: makes each choice's reasoning parser (chat-style prompts). Other APIs
-        over chat (http/responses_routes.py) stream with their `streamed_as` class and
-        `respond` with the collected chat completion."""
+        over chat (http/responses_routes.py, http/messages.py) stream with their
+        `streamed_as` class and `respond` with the collected chat completion (and the
+        group, for what the body does not say: which stop string ended a choice)."""
         group = RequestGroup(self.gateway, trace_headers=None if self.gateway.tracer is None
                              else trace_headers(request.headers))
         # Every prompt is checked before any is registered: a 400 for the last prompt must
@@ -300,8 +303,7 @@ class Api:
 
     async def _collect(self, group: RequestGroup, ctx: ResponseContext,
                        sampling: SamplingOptions, echoes: list[str] | None = None,
-                       respond: Callable[[dict], Awaitable[Response]] | None = None
-                       ) -> Response:
+                       respond: Respond | None = None) -> Response:
         """The whole response; `respond` (see _generate) renders a chat completion."""
         n = sampling.n
         texts = [""] * len(group.choices)
@@ -350,7 +352,7 @@ class Api:
                                                         prompt_entries, sampling)
         build = chat_response if ctx.kind == "chat" else completion_response
         body = build(ctx, choices, group.usage())
-        return JSONResponse(body) if respond is None else await respond(body)
+        return JSONResponse(body) if respond is None else await respond(body, group)
 
     async def _echoed_logprobs_response(self, ctx: ResponseContext, choices: list[dict],
                                         group: RequestGroup, logprobs: list[dict | None],
