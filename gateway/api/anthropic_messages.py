@@ -18,6 +18,8 @@ fields of a chat body and parsed by `parse_chat` (one set of checks, one pipelin
 - `max_tokens` is required; beyond the server's limit it is lowered to it (Claude Code asks
   for tens of thousands of tokens whatever the model), and the route lowers it to the room
   left in the context, where Anthropic would answer `max_tokens` at the end.
+- `model`: Anthropic's names (`claude-…`) mean the served model, so Claude Code works with
+  only `ANTHROPIC_BASE_URL` set; other names must be one of the server's.
 - `thinking` turns the chat template's `enable_thinking` on or off; unknown fields (`metadata`,
   `service_tier`, beta fields) are ignored.
 
@@ -83,6 +85,7 @@ def parse_messages(body: dict, served_names: tuple[str, ...],
             temperature, (int, float)) or not 0 <= temperature <= 1):
         raise invalid_request("temperature: must be a number in [0, 1].", param="temperature")
     chat_body, dropped, is_single = _chat_body(body)
+    chat_body["model"] = served_model(body.get("model"), served_names)
     chat_body["max_tokens"] = max_tokens
     for name in ("temperature", "top_p", "top_k"):
         if body.get(name) is not None:
@@ -98,19 +101,51 @@ def parse_count_tokens(body: dict, served_names: tuple[str, ...],
                        limits: RequestLimits = DEFAULT_LIMITS) -> ChatPrompt:
     """POST /v1/messages/count_tokens: the prompt a Messages body makes (no max_tokens)."""
     chat_body, _, _ = _chat_body(body)
+    chat_body["model"] = served_model(body.get("model"), served_names)
     return _parse_as_chat(chat_body, served_names, limits).prompt
+
+
+def served_model(model: Any, served_names: tuple[str, ...]) -> Any:
+    """Anthropic's model names ("claude-…", what Claude Code and the SDK's examples send
+    unless told otherwise) mean the model this server serves; other names must be one of
+    its names (else 404, as chat)."""
+    if isinstance(model, str) and model.startswith("claude") and model not in served_names:
+        return served_names[0]
+    return model
 
 
 def _parse_as_chat(chat_body: dict, served_names: tuple[str, ...],
                    limits: RequestLimits) -> ChatRequest:
+    """parse_chat, with only the schemas a grammar enforces checked by the grammar engine:
+    with `auto` a schema only goes into the prompt, and Claude Code's tools use JSON schema
+    keywords (`propertyNames`) that constrained decoding does not implement."""
+    tools = chat_body.get("tools")
+    if tools:
+        enforced = _enforced_tools(chat_body.get("tool_choice"), tools)
+        chat_body = {**chat_body, "tools": [
+            t if t["function"]["name"] in enforced else
+            {**t, "function": {**t["function"], "parameters": {"type": "object"}}}
+            for t in tools]}
     try:
-        return parse_chat(chat_body, served_names, limits)
+        chat = parse_chat(chat_body, served_names, limits)
     except APIError as e:
         message = e.message
         for chat_name, name in _PARAM_NAMES:
             message = message.replace(chat_name, name)
         raise APIError(e.status, message, type=e.type, param=e.param, code=e.code,
                        headers=e.headers) from None
+    if chat.tools is not None and tools:  # the prompt shows the tools as the client sent them
+        chat = replace(chat, prompt=replace(chat.prompt, tools=replace(chat.tools, tools=tools)))
+    return chat
+
+
+def _enforced_tools(choice: Any, tools: list[dict[str, Any]]) -> set[str]:
+    """The tools whose schemas a grammar enforces: all with `any`, the one `tool` names."""
+    if choice == "required":
+        return {t["function"]["name"] for t in tools}
+    if isinstance(choice, dict):
+        return {choice["function"]["name"]}
+    return set()
 
 
 def _chat_body(body: dict) -> tuple[dict, tuple[str, ...], bool]:
@@ -323,6 +358,8 @@ def _tools(tools: Any) -> tuple[list[dict[str, Any]], tuple[str, ...]]:
         if kind not in (None, "custom"):
             dropped.append(str(tool.get("name", kind))[:64])
             continue
+        if not isinstance(tool.get("name"), str):
+            raise invalid_request(f"{param}.name: must be a string.", param=f"{param}.name")
         schema = tool.get("input_schema")
         if not isinstance(schema, dict):
             raise invalid_request(f"{param}.input_schema: Field required (a JSON schema "
@@ -354,7 +391,7 @@ def _tool_choice(choice: Any, names: set[str] | None) -> tuple[Any, bool]:
         return None, False
     if kind == "tool":
         name = choice.get("name")
-        if name not in names:
+        if not isinstance(name, str) or name not in names:
             raise invalid_request(f"tool_choice.name: {json.dumps(name)[:70]} is not one of "
                                   "the tools.", param="tool_choice.name")
         return {"type": "function", "function": {"name": name}}, bool(single)

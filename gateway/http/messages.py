@@ -157,9 +157,8 @@ class MessagesApi:
         except APIError as e:
             if e.code == "model_not_found":
                 raise APIError(404, f"{e.message} This server serves "
-                                    f"'{api.served_names[0]}': send it as 'model' (Claude "
-                                    "Code: set ANTHROPIC_MODEL and ANTHROPIC_SMALL_FAST_MODEL "
-                                    "to it).", type=e.type, param=e.param,
+                                    f"'{api.served_names[0]}' (also as any 'claude-…' "
+                                    "name).", type=e.type, param=e.param,
                                code=e.code) from None
             raise
 

@@ -152,6 +152,14 @@ BAD = [
     ({"max_tokens": 9, "messages": [user()], "stream": "yes"}, "stream"),
     ({"max_tokens": 9, "messages": [user()], "thinking": {"type": "maybe"}}, "thinking"),
     ({"max_tokens": 9, "messages": [user()], "tools": {}}, "tools"),
+    ({"max_tokens": 9, "messages": [user()], "tools": [{"name": ["f"], "input_schema": {}}]},
+     "tools.0.name"),
+    ({"max_tokens": 9, "messages": [user()], "tools": [TOOL], "tool_choice": {"type": "tool",
+                                                                            "name": ["x"]}},
+     "tool_choice.name"),
+    ({"max_tokens": 9, "messages": [user()], "tools": [{**TOOL, "input_schema": {
+        "type": "object", "propertyNames": {"pattern": "^a"}}}],
+      "tool_choice": {"type": "any"}}, "tools[0].function.parameters"),
     ({"max_tokens": 9, "messages": [user()], "tools": [{"name": "f"}]},
      "tools.0.input_schema"),
     ({"max_tokens": 9, "messages": [user()], "tools": [{**TOOL, "name": "bad name"}]},
@@ -162,7 +170,7 @@ BAD = [
     ({"max_tokens": 9, "messages": [user()], "tools": [TOOL],
       "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name"),
     ({"max_tokens": 9, "messages": [user()], "tool_choice": {"type": "any"}}, "tool_choice"),
-    ({"max_tokens": 9, "messages": [user()], "model": "claude-x"}, "model"),
+    ({"max_tokens": 9, "messages": [user()], "model": "gpt-x"}, "model"),
 ]
 
 
@@ -173,3 +181,22 @@ def test_mistakes_are_400_naming_the_field(body, param):
     assert caught.value.status == (404 if param == "model" else 400)
     assert caught.value.param == param
     assert ".function." not in caught.value.message  # the Messages names, not chat's
+
+
+def test_auto_tools_need_no_enforceable_schema():
+    """Claude Code's tools use `propertyNames`, which constrained decoding does not implement:
+    only a forced tool's schema must compile; the prompt shows every schema as sent."""
+    schema = {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"},
+              "$schema": "http://json-schema.org/draft-07/schema#"}
+    tools = [{**TOOL, "input_schema": schema}, {**TOOL, "name": "other"}]
+    req = parse(tools=tools, messages=[user()])
+    assert req.chat.tools.functions[0]["parameters"] == schema
+    named = parse(tools=tools, tool_choice={"type": "tool", "name": "other"},
+                  messages=[user()])
+    assert named.chat.tools.name == "other" and named.chat.sampling.grammar is not None
+    assert named.chat.tools.functions[0]["parameters"] == schema
+
+
+def test_claude_model_names_mean_the_served_model():
+    assert parse(model="claude-sonnet-4-5", messages=[user()]).model == "m"
+    assert parse(model="m", messages=[user()]).model == "m"
