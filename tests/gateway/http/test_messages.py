@@ -328,3 +328,60 @@ def test_worker_failure_mid_stream_is_an_error_event():
         assert events[:2] == ["message_start", "ping"]
         assert events[-1] == "error" and "message_stop" not in events
         assert wait_until(lambda: len(gw.gateway.streams) == 0, 5)
+
+
+# --- Claude Code's request, as it sends it (version 2.1, captured; texts shortened) ----------
+
+CLAUDE_CODE_TOOL = {
+    "name": "TaskUpdate", "description": "Update a task.",
+    "input_schema": {"$schema": "https://json-schema.org/draft/2020-12/schema",
+                     "type": "object", "additionalProperties": False,
+                     "properties": {"taskId": {"type": "string"},
+                                    "status": {"anyOf": [{"type": "string",
+                                                          "enum": ["pending", "done"]},
+                                                         {"type": "string", "const": "deleted"}]},
+                                    "metadata": {"type": "object",
+                                                 "propertyNames": {"type": "string"},
+                                                 "additionalProperties": {}}},
+                     "required": ["taskId"]}}
+
+
+def claude_code_body():
+    return {
+        "model": "claude-opus-4-8", "max_tokens": 64000, "stream": True,
+        "thinking": {"type": "adaptive"}, "output_config": {"effort": "high"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "metadata": {"user_id": json.dumps({"device_id": "d", "session_id": "s"})},
+        "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1"},
+                   {"type": "text", "text": "You are Claude Code.",
+                    "cache_control": {"type": "ephemeral"}},
+                   {"type": "text", "text": "SYSTEM-PROMPT",
+                    "cache_control": {"type": "ephemeral", "scope": "global"}}],
+        "messages": [
+            {"role": "user", "content": [
+                {"type": "text", "text": "<system-reminder>context</system-reminder>"},
+                {"type": "text", "text": "hello", "cache_control": {"type": "ephemeral"}}]},
+            {"role": "system", "content": "MID-CONVERSATION-SYSTEM"}],
+        "tools": [CLAUDE_CODE_TOOL, {**WEATHER, "name": "Bash"}],
+    }
+
+
+def test_claude_code_request_is_served(served):
+    gw, worker = served
+    with httpx.stream("POST", gw.url + "/v1/messages?beta=true", json=claude_code_body(),
+                      headers=headers(**{
+                          "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,"
+                                            "mid-conversation-system-2026-04-07",
+                          "anthropic-dangerous-direct-browser-access": "true"}),
+                      timeout=10) as r:
+        assert r.status_code == 200, r.read()
+        names = [line[len("event: "):] for line in r.iter_lines() if line.startswith("event: ")]
+    assert names[:2] == ["message_start", "ping"] and names[-2:] == ["message_delta",
+                                                                      "message_stop"]
+    prompt = bytes(t for t in worker.submits[-1].prompt_token_ids if t < 256).decode()
+    # One leading system message holds the system blocks, then the mid-conversation one.
+    order = [prompt.index(s) for s in ("You are Claude Code.", "SYSTEM-PROMPT",
+                                       "MID-CONVERSATION-SYSTEM", "hello")]
+    assert order == sorted(order)
+    assert prompt.startswith("system\n") and "\nsystem\n" not in prompt  # (markers dropped)
+    assert "propertyNames" in prompt  # the tool offered as sent
