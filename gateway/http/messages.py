@@ -133,7 +133,8 @@ class MessagesApi:
             # is the most this answer can have (it ends with stop_reason max_tokens).
             room = api.max_model_len - len(ids)
             sampling = replace(req.chat.sampling, max_tokens=max(1, min(req.max_tokens, room)))
-            ctx = ResponseContext("chat", req.model, id=new_message_id())
+            ctx = ResponseContext("chat", req.model, id=new_message_id(),
+                                  endpoint="messages")
             return await api._generate(
                 request, ctx, [ids], sampling, req.stream, what="messages",
                 streamed_as=partial(MessagesStream, request=req),

@@ -385,3 +385,21 @@ def test_claude_code_request_is_served(served):
     assert order == sorted(order)
     assert prompt.startswith("system\n") and "\nsystem\n" not in prompt  # (markers dropped)
     assert "propertyNames" in prompt  # the tool offered as sent
+
+
+def test_requests_are_counted_by_endpoint(served):
+    gw, _ = served
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def count(endpoint):
+        text = httpx.get(gw.url + "/metrics", headers=headers()).text
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "zeroserve:api_requests_total"
+                   and s.labels.get("endpoint") == endpoint)
+
+    before = count("messages"), count("chat")
+    post(gw, "/v1/messages", body())
+    post(gw, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+    post(gw, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+    assert (count("messages"), count("chat")) == (
+        before[0] + 1, before[1] + 2)
