@@ -11,6 +11,7 @@ only the rendering of the output differs: `MessagesStream` writes Anthropic's ev
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -37,7 +38,7 @@ from zeroserve.gateway.api.anthropic_messages import (
     parse_messages,
 )
 from zeroserve.gateway.api.responses import ResponseContext
-from zeroserve.gateway.errors import APIError
+from zeroserve.gateway.errors import APIError, invalid_request
 from zeroserve.gateway.generation import ChoiceUpdate, RequestGroup
 from zeroserve.gateway.http.routes import Api
 from zeroserve.gateway.http.streaming import StreamedResponse
@@ -51,23 +52,33 @@ def anthropic_error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error_body(error), status_code=error.status, headers=error.headers)
 
 
-def split_reasoning(update: ChoiceUpdate) -> tuple[str, str]:
-    """An update's (thinking text, answer text). The seam for a reasoning parser: until one
-    is connected, everything is answer text."""
-    return "", update.text
+# An update's text -> (thinking text, answer text); `is_last`: the choice ends with this
+# update, so anything held back (a tag that might be starting) must come out now.
+SplitReasoning = Callable[[str, bool], tuple[str, str]]
+
+
+def no_reasoning(text: str, is_last: bool) -> tuple[str, str]:
+    """Without a reasoning parser everything is answer text."""
+    return "", text
 
 
 class MessageOutput:
-    """One Messages response's output as it arrives: the blocks, and what its end says."""
+    """One Messages response's output as it arrives: the blocks, and what its end says.
 
-    def __init__(self, group: RequestGroup, request: MessagesRequest, tokenizer: Any):
+    The seam for reasoning: `split` (one per choice, so a streaming parser may keep state)
+    splits each update's text into thinking and answer; MessageBuilder.push takes the pair
+    and makes the thinking block's events."""
+
+    def __init__(self, group: RequestGroup, request: MessagesRequest, tokenizer: Any,
+                 split: SplitReasoning = no_reasoning):
         self.group = group
         self.request = request
         self.tokenizer = tokenizer
+        self.split = split
         self.builder = MessageBuilder(request.chat.tools, request.is_single_tool_use)
 
     def push(self, update: ChoiceUpdate) -> list:
-        reasoning, text = split_reasoning(update)
+        reasoning, text = self.split(update.text, update.finish_reason is not None)
         events = self.builder.push(reasoning, text)
         if update.finish_reason is not None:
             events += self.builder.finish()
@@ -132,6 +143,10 @@ class MessagesApi:
             # Clients ask for the model's whole output budget: what is left in the context
             # is the most this answer can have (it ends with stop_reason max_tokens).
             room = api.max_model_len - len(ids)
+            if room <= 0:  # Anthropic's words, which Claude Code reads to offer /compact
+                raise invalid_request(f"prompt is too long: {len(ids)} tokens > "
+                                      f"{api.max_model_len - 1} maximum", param="messages",
+                                      code="context_length_exceeded")
             sampling = replace(req.chat.sampling, max_tokens=max(1, min(req.max_tokens, room)))
             ctx = ResponseContext("chat", req.model, id=new_message_id(),
                                   endpoint="messages")

@@ -300,7 +300,9 @@ def test_other_http_mistakes_are_anthropic_shaped(served):
     assert_anthropic_error(httpx.get(gw.url + "/v1/messages", headers=headers()), 405)
     assert_anthropic_error(post(gw, "/v1/messages/nope", body()), 404, "not_found_error")
     too_long = body(messages=[{"role": "user", "content": "x" * 5000}])
-    assert_anthropic_error(post(gw, "/v1/messages", too_long), 400)
+    r = post(gw, "/v1/messages", too_long)
+    assert_anthropic_error(r, 400)
+    assert r.json()["error"]["message"].startswith("prompt is too long: ")  # Anthropic's words
 
 
 def test_rate_limit_and_overload_errors():
