@@ -198,5 +198,5 @@ def test_auto_tools_need_no_enforceable_schema():
 
 
 def test_claude_model_names_mean_the_served_model():
-    assert parse(model="claude-sonnet-4-5", messages=[user()]).model == "m"
+    assert parse(model="claude-opus-4-8", messages=[user()]).model == "m"
     assert parse(model="m", messages=[user()]).model == "m"
