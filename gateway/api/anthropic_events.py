@@ -19,6 +19,7 @@ import base64
 import hashlib
 import json
 import uuid
+from json.encoder import encode_basestring as _json_string
 from typing import Any
 
 from zeroserve.gateway.api.openai_schema import ToolChoice
@@ -41,6 +42,11 @@ def new_message_id() -> str:
 
 
 def sse_event(name: str, data: dict[str, Any]) -> bytes:
+    if name == "content_block_delta" and data["delta"]["type"] == "text_delta":
+        # The hot path, one per output chunk: only the text goes through the JSON encoder.
+        return (f'event: content_block_delta\ndata: {{"type":"content_block_delta","index":'
+                f'{data["index"]},"delta":{{"type":"text_delta","text":'
+                f'{_json_string(data["delta"]["text"])}}}}}\n\n').encode()
     return (f"event: {name}\ndata: "
             f"{json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n").encode()
 
@@ -102,7 +108,11 @@ class MessageBuilder:
     """One choice's output -> content blocks, and the stream events that build them."""
 
     def __init__(self, tools: ToolChoice | None = None, is_single_tool_use: bool = False):
-        self.blocks: list[dict[str, Any]] = []  # as streamed: tool_use input as JSON text
+        # The blocks as content_block_start showed them; the text of each (its text, its
+        # thinking or its input's JSON) in pieces, joined once by content(): a string grown
+        # by += per token would be copied each time.
+        self.blocks: list[dict[str, Any]] = []
+        self._pieces: list[list[str]] = []
         self._tool_stream = None if tools is None else ToolCallStream(tools)
         self._is_single_tool_use = is_single_tool_use
         self._open: str | None = None  # the type of the last block while it is open
@@ -138,10 +148,15 @@ class MessageBuilder:
     def content(self) -> list[dict[str, Any]]:
         """The content blocks as a whole response holds them (tool_use input an object)."""
         out = []
-        for block in self.blocks:
+        for block, pieces in zip(self.blocks, self._pieces, strict=True):
+            text = "".join(pieces)
             if block["type"] == "tool_use":
-                block = {**block, "input": _arguments(block["input"])}
-            out.append(block)
+                out.append({**block, "input": _arguments(text)})
+            elif block["type"] == "thinking":
+                out.append({**block, "thinking": text,
+                            "signature": thinking_signature(text)})
+            else:
+                out.append({**block, "text": text})
         return out
 
     def _chat_deltas(self, deltas: list[dict[str, Any]], events: list[Event]) -> None:
@@ -162,12 +177,11 @@ class MessageBuilder:
             self._close(events)
             self._num_tool_uses += 1
             self._call_index = index
-            block = {"type": "tool_use", "id": tool_use_id(call["id"]),
-                     "name": call["function"]["name"], "input": ""}
-            self._open_block(block, {**block, "input": {}}, events)
+            self._open_block({"type": "tool_use", "id": tool_use_id(call["id"]),
+                              "name": call["function"]["name"], "input": {}}, events)
         fragment = call["function"].get("arguments")
         if fragment and index == self._call_index and self._open == "tool_use":
-            self.blocks[-1]["input"] += fragment
+            self._pieces[-1].append(fragment)
             events.append(("content_block_delta", {
                 "type": "content_block_delta", "index": len(self.blocks) - 1,
                 "delta": {"type": "input_json_delta", "partial_json": fragment}}))
@@ -176,28 +190,26 @@ class MessageBuilder:
         """Text or thinking: into the open block of its kind, or a new one."""
         if self._open != kind:
             self._close(events)
-            block = ({"type": "text", "text": ""} if kind == "text"
-                     else {"type": "thinking", "thinking": "", "signature": ""})
-            self._open_block(block, dict(block), events)
-        self.blocks[-1][kind] += delta[kind]
+            self._open_block({"type": "text", "text": ""} if kind == "text"
+                             else {"type": "thinking", "thinking": "", "signature": ""}, events)
+        self._pieces[-1].append(delta[kind])
         events.append(("content_block_delta", {"type": "content_block_delta",
                                                "index": len(self.blocks) - 1, "delta": delta}))
 
-    def _open_block(self, block: dict[str, Any], shown: dict[str, Any],
-                    events: list[Event]) -> None:
+    def _open_block(self, block: dict[str, Any], events: list[Event]) -> None:
         self.blocks.append(block)
+        self._pieces.append([])
         self._open = block["type"]
         events.append(("content_block_start", {"type": "content_block_start",
                                                "index": len(self.blocks) - 1,
-                                               "content_block": shown}))
+                                               "content_block": block}))
 
     def _close(self, events: list[Event]) -> None:
         if self._open is None:
             return
         index = len(self.blocks) - 1
         if self._open == "thinking":
-            signature = thinking_signature(self.blocks[index]["thinking"])
-            self.blocks[index]["signature"] = signature
+            signature = thinking_signature("".join(self._pieces[index]))
             events.append(("content_block_delta", {
                 "type": "content_block_delta", "index": index,
                 "delta": {"type": "signature_delta", "signature": signature}}))

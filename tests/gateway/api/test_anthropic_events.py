@@ -140,3 +140,14 @@ def test_error_types_follow_the_status():
         "invalid_request_error", "authentication_error", "not_found_error",
         "request_too_large", "rate_limit_error", "api_error", "overloaded_error",
         "timeout_error"]
+
+
+def test_text_delta_fast_path_writes_the_same_json():
+    from zeroserve.gateway.api.anthropic_events import sse_event
+    for text in ("plain", 'quote " and \\ back', "日本語 😀", "\n\t\x00"):
+        data = {"type": "content_block_delta", "index": 3,
+                "delta": {"type": "text_delta", "text": text}}
+        raw = sse_event("content_block_delta", data).decode()
+        head, line, _, _ = raw.split("\n")
+        assert head == "event: content_block_delta"
+        assert json.loads(line[len("data: "):]) == data
