@@ -205,3 +205,28 @@ def _prefix_cache_hits(client) -> float:
         lines = response.read().decode().splitlines()
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines
                if line.startswith("zeroserve:prefix_cache_hits_total"))
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "any", "disable_parallel_tool_use": True},
+                                         {"type": "tool", "name": "get_weather"}],
+                         ids=["any", "tool"])
+def test_anthropic_forced_tool_use_is_valid(client, tool_choice):
+    """The Messages API's forced tools go through the same grammars: the anthropic SDK's
+    streamed tool_use block holds input that matches the tool's input_schema."""
+    anthropic = pytest.importorskip("anthropic")
+    base_url = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in (WEATHER, TIME)]
+    with anthropic.Anthropic(base_url=base_url, api_key="unused", max_retries=0,
+                             timeout=300) as messages_client:
+        with messages_client.messages.stream(
+                model="SmolLM2-135M-Instruct", max_tokens=MAX_TOKENS,
+                extra_body={"temperature": 0.0},  # (this SDK no longer takes it by name)
+                tools=tools, tool_choice=tool_choice,
+                messages=ask("What is the weather like in Paris?")) as stream:
+            message = stream.get_final_message()
+    assert message.stop_reason == "tool_use"
+    [block] = message.content
+    assert block.type == "tool_use" and block.id.startswith("toolu_")
+    schema = {"get_weather": WEATHER, "get_time": TIME}[block.name]["function"]["parameters"]
+    assert matches(block.input, schema), block.input
