@@ -3,7 +3,8 @@
 `POST /v1/messages` is chat in another notation, so a Messages body is translated into the
 fields of a chat body and parsed by `parse_chat` (one set of checks, one pipeline):
 
-- `system` (a string or text blocks) and any `system`-role message inside `messages` (newer
+- `system` (a string or text blocks; Claude Code's billing-header block is left out, see
+  BILLING_HEADER) and any `system`-role message inside `messages` (newer
   Claude Code sends one after the user's turn) become one leading system message: where chat
   templates expect it (most refuse a system message anywhere else).
 - `tool_use` blocks become the assistant message's `tool_calls`; `tool_result` blocks become
@@ -43,6 +44,11 @@ from zeroserve.gateway.api.openai_schema import (
 from zeroserve.gateway.errors import APIError, invalid_request
 
 ROLES = ("user", "assistant", "system")
+# Claude Code's first system block, "x-anthropic-billing-header: cc_version=2.1.197.fa0; …":
+# metadata for Anthropic's billing, not words for the model, and its suffix changes with each
+# conversation's first message. Left at the head of the prompt it would keep every new
+# conversation from reusing the ~20k cached tokens of the system prompt after it.
+BILLING_HEADER = "x-anthropic-billing-header:"
 THINKING_TYPES = ("enabled", "disabled", "adaptive")
 TOOL_CHOICE_TYPES = ("auto", "any", "tool", "none")
 # Blocks an assistant turn may hold that say nothing to the next turn's model.
@@ -192,7 +198,8 @@ def _system_text(system: Any, param: str) -> str:
     if isinstance(system, str):
         return system
     if isinstance(system, list):
-        return "\n".join(_text_of_block(b, f"{param}[{i}]") for i, b in enumerate(system))
+        texts = (_text_of_block(b, f"{param}[{i}]") for i, b in enumerate(system))
+        return "\n".join(t for t in texts if not t.startswith(BILLING_HEADER))
     raise invalid_request(f"{param}: must be a string or an array of text blocks.", param=param)
 
 

@@ -405,3 +405,19 @@ def test_requests_are_counted_by_endpoint(served):
     post(gw, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
     assert (count("messages"), count("chat")) == (
         before[0] + 1, before[1] + 2)
+
+
+def test_claude_codes_billing_header_leaves_the_prompt_prefix_alone(served):
+    """Its suffix changes with every conversation: kept, it would be the prompt's first words
+    and no new conversation would find the system prompt in the prefix cache."""
+    gw, worker = served
+    prompts = []
+    for suffix in ("fa0", "667"):
+        payload = claude_code_body()
+        payload["system"][0]["text"] = (f"x-anthropic-billing-header: cc_version=2.1.197."
+                                        f"{suffix}; cc_entrypoint=sdk-cli;")
+        payload["stream"] = False
+        assert post(gw, "/v1/messages", payload).status_code == 200
+        prompts.append(worker.submits[-1].prompt_token_ids)
+    assert prompts[0] == prompts[1]
+    assert b"billing" not in bytes(t for t in prompts[0] if t < 256)
