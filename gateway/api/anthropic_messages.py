@@ -4,9 +4,12 @@
 fields of a chat body and parsed by `parse_chat` (one set of checks, one pipeline):
 
 - `system` (a string or text blocks; Claude Code's billing-header block is left out, see
-  BILLING_HEADER) and any `system`-role message inside `messages` (newer
-  Claude Code sends one after the user's turn) become one leading system message: where chat
-  templates expect it (most refuse a system message anywhere else).
+  BILLING_HEADER) is the leading system message. A `system`-role message inside `messages`
+  (newer Claude Code sends one after the user's turn) stays where it was sent when the chat
+  template renders it there (ChatML, Qwen, Llama 3 do): so a later one leaves the prompt's
+  prefix, and its cached KV blocks, as they were. For a template that refuses or drops a
+  system message there (Mistral's, Gemma's), `merged_system_prompt` joins them into the
+  leading one, where it expects them.
 - `tool_use` blocks become the assistant message's `tool_calls`; `tool_result` blocks become
   `tool` messages (their content a string or text blocks; `is_error` marks the text), in the
   order they came, before the rest of that user turn. Earlier `thinking` blocks are dropped,
@@ -157,10 +160,9 @@ def _enforced_tools(choice: Any, tools: list[dict[str, Any]]) -> set[str]:
 def _chat_body(body: dict) -> tuple[dict, tuple[str, ...], bool]:
     """The chat fields of a Messages body: (chat body, dropped server tools, single call)."""
     system = _system_text(body.get("system"), "system")
-    messages, in_turn_system = _chat_messages(body.get("messages"))
-    system_parts = [s for s in (system, *in_turn_system) if s]
-    if system_parts:
-        messages.insert(0, {"role": "system", "content": "\n\n".join(system_parts)})
+    messages = _chat_messages(body.get("messages"))
+    if system:
+        messages.insert(0, {"role": "system", "content": system})
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages}
     if messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
         chat["add_generation_prompt"] = False  # a prefill: the model goes on from it
@@ -211,12 +213,11 @@ def _text_of_block(block: Any, param: str) -> str:
     return block["text"]
 
 
-def _chat_messages(messages: Any) -> tuple[list[dict[str, Any]], list[str]]:
-    """Messages -> chat messages, and the text of system-role messages found among them."""
+def _chat_messages(messages: Any) -> list[dict[str, Any]]:
+    """Messages -> chat messages (system-role ones where they were)."""
     if not isinstance(messages, list) or not messages:
         raise invalid_request("messages: must be a non-empty array.", param="messages")
     out: list[dict[str, Any]] = []
-    system: list[str] = []
     for i, m in enumerate(messages):
         param = f"messages.{i}"
         if not isinstance(m, dict):
@@ -227,16 +228,35 @@ def _chat_messages(messages: Any) -> tuple[list[dict[str, Any]], list[str]]:
                                   param=f"{param}.role")
         blocks = _blocks(m.get("content"), f"{param}.content")
         if role == "system":
-            system.append("\n".join(_text_of_block(b, f"{param}.content.{j}")
-                                    for j, b in enumerate(blocks)))
+            out.append({"role": "system", "content": "\n".join(
+                _text_of_block(b, f"{param}.content.{j}") for j, b in enumerate(blocks))})
         elif role == "assistant":
             out.append(_assistant_message(blocks, f"{param}.content"))
         else:
             out.extend(_user_messages(blocks, f"{param}.content"))
-    if not out:
+    if all(m["role"] == "system" for m in out):
         raise invalid_request("messages: must hold a user message, not only system ones.",
                               param="messages")
-    return out, system
+    return out
+
+
+def later_system_texts(prompt: ChatPrompt) -> list[str]:
+    """The text of the system messages after the first message."""
+    return [m["content"] for m in prompt.messages[1:] if m["role"] == "system"]
+
+
+def merged_system_prompt(prompt: ChatPrompt) -> ChatPrompt | None:
+    """The prompt with the later system messages joined into the leading one, for templates
+    that take a system message only first; None when there is no later one."""
+    later = later_system_texts(prompt)
+    if not later:
+        return None
+    first, rest = prompt.messages[0], [m for m in prompt.messages[1:] if m["role"] != "system"]
+    if first["role"] == "system":
+        lead = {**first, "content": "\n\n".join([first["content"], *later])}
+    else:
+        lead, rest = {"role": "system", "content": "\n\n".join(later)}, [first, *rest]
+    return replace(prompt, messages=[lead, *rest])
 
 
 def _blocks(content: Any, param: str) -> list[dict[str, Any]]:

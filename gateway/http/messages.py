@@ -34,9 +34,12 @@ from zeroserve.gateway.api.anthropic_events import (
 )
 from zeroserve.gateway.api.anthropic_messages import (
     MessagesRequest,
+    later_system_texts,
+    merged_system_prompt,
     parse_count_tokens,
     parse_messages,
 )
+from zeroserve.gateway.api.openai_schema import ChatPrompt
 from zeroserve.gateway.api.responses import ResponseContext
 from zeroserve.gateway.errors import APIError, invalid_request
 from zeroserve.gateway.generation import ChoiceUpdate, RequestGroup
@@ -139,7 +142,8 @@ class MessagesApi:
             if req.dropped_tools:
                 log.warning("server tools dropped: nothing here runs them",
                             extra={"tools": list(req.dropped_tools)})
-            ids = await api._encode(await api._render(req.chat.prompt), add_special_tokens=False)
+            ids = await api._encode(await self._render(req.chat.prompt),
+                                    add_special_tokens=False)
             # Clients ask for the model's whole output budget: what is left in the context
             # is the most this answer can have (it ends with stop_reason max_tokens).
             room = api.max_model_len - len(ids)
@@ -161,10 +165,24 @@ class MessagesApi:
         api = self.api
         try:
             prompt = await self._parse(parse_count_tokens, request)
-            ids = await api._encode(await api._render(prompt), add_special_tokens=False)
+            ids = await api._encode(await self._render(prompt), add_special_tokens=False)
         except APIError as e:
             return anthropic_error_response(e)
         return JSONResponse({"input_tokens": len(ids)})
+
+    async def _render(self, prompt: ChatPrompt) -> str:
+        """The prompt's text, its later system messages where they were sent if the chat
+        template renders them there, else joined into the leading one."""
+        merged = merged_system_prompt(prompt)
+        if merged is None:
+            return await self.api._render(prompt)
+        try:
+            text = await self.api._render(prompt)
+            if all(system in text for system in later_system_texts(prompt)):
+                return text
+        except APIError:
+            pass  # the template refused a system message there (it may take it first)
+        return await self.api._render(merged)
 
     async def _parse(self, parse, request: Request):
         api = self.api

@@ -6,7 +6,11 @@ import json
 
 import pytest
 
-from zeroserve.gateway.api.anthropic_messages import parse_count_tokens, parse_messages
+from zeroserve.gateway.api.anthropic_messages import (
+    merged_system_prompt,
+    parse_count_tokens,
+    parse_messages,
+)
 from zeroserve.gateway.api.limits import RequestLimits
 from zeroserve.gateway.errors import APIError
 
@@ -32,10 +36,19 @@ def test_system_string_and_blocks_lead_the_messages():
                                             {"role": "user", "content": "hi"}]
 
 
-def test_system_role_message_inside_messages_joins_the_leading_system():
+def test_system_role_message_inside_messages_stays_or_joins_the_leading_system():
     req = parse(system="S1", messages=[user(), {"role": "system", "content": "S2"}])
-    assert req.chat.prompt.messages == [{"role": "system", "content": "S1\n\nS2"},
-                                        {"role": "user", "content": "hi"}]
+    assert req.chat.prompt.messages == [{"role": "system", "content": "S1"},
+                                        {"role": "user", "content": "hi"},
+                                        {"role": "system", "content": "S2"}]
+    assert merged_system_prompt(req.chat.prompt).messages == [
+        {"role": "system", "content": "S1\n\nS2"}, {"role": "user", "content": "hi"}]
+    no_lead = parse(messages=[user(), {"role": "system", "content": [
+        {"type": "text", "text": "S2"}]}, {"role": "user", "content": "more"}])
+    assert merged_system_prompt(no_lead.chat.prompt).messages == [
+        {"role": "system", "content": "S2"}, {"role": "user", "content": "hi"},
+        {"role": "user", "content": "more"}]
+    assert merged_system_prompt(parse(system="S1", messages=[user()]).chat.prompt) is None
 
 
 def test_tool_use_and_tool_result_become_chat_tool_calls_and_tool_messages():

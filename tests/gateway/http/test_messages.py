@@ -381,11 +381,12 @@ def test_claude_code_request_is_served(served):
     assert names[:2] == ["message_start", "ping"] and names[-2:] == ["message_delta",
                                                                       "message_stop"]
     prompt = bytes(t for t in worker.submits[-1].prompt_token_ids if t < 256).decode()
-    # One leading system message holds the system blocks, then the mid-conversation one.
-    order = [prompt.index(s) for s in ("You are Claude Code.", "SYSTEM-PROMPT",
-                                       "MID-CONVERSATION-SYSTEM", "hello")]
+    # The system blocks lead; the mid-conversation system message stays after the user's
+    # turn (this ChatML template renders it there).
+    order = [prompt.index(s) for s in ("You are Claude Code.", "SYSTEM-PROMPT", "hello",
+                                       "MID-CONVERSATION-SYSTEM")]
     assert order == sorted(order)
-    assert prompt.startswith("system\n") and "\nsystem\n" not in prompt  # (markers dropped)
+    assert prompt.startswith("system\n") and "\nsystem\nMID-CONVERSATION-SYSTEM" in prompt
     assert "propertyNames" in prompt  # the tool offered as sent
 
 
@@ -421,3 +422,33 @@ def test_claude_codes_billing_header_leaves_the_prompt_prefix_alone(served):
         prompts.append(worker.submits[-1].prompt_token_ids)
     assert prompts[0] == prompts[1]
     assert b"billing" not in bytes(t for t in prompts[0] if t < 256)
+
+
+FIRST_SYSTEM_ONLY = (
+    "{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+    "{{ raise_exception('System message must be at the beginning.') }}{% endif %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SYSTEM_DROPPED = (
+    "{% for m in messages %}{% if m.role != 'system' or loop.first %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("template", [FIRST_SYSTEM_ONLY, SYSTEM_DROPPED],
+                         ids=["refused", "dropped"])
+def test_a_template_without_later_system_messages_gets_them_first(tmp_path, template):
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    with GatewayServer(chat_template=str(path)) as gw:
+        worker = gw.worker(reply=reply).start()
+        assert worker.ready.wait(5)
+        payload = body(system="S1", messages=[{"role": "user", "content": "Hello"},
+                                              {"role": "system", "content": "S2"}])
+        r = httpx.post(gw.url + "/v1/messages", json=payload, timeout=10)
+        assert r.status_code == 200, r.text
+        prompt = bytes(t for t in worker.submits[-1].prompt_token_ids if t < 256).decode()
+        assert prompt == "system\nS1\n\nS2\nuser\nHello\nassistant\n"
+        counted = httpx.post(gw.url + "/v1/messages/count_tokens", json=payload).json()
+        assert counted["input_tokens"] == len(worker.submits[-1].prompt_token_ids)
+        worker.stop()
