@@ -338,8 +338,9 @@ def _tool_result(block: dict[str, Any], param: str) -> dict[str, Any]:
     elif isinstance(content, list):
         texts = []
         for k, part in enumerate(content):
-            if isinstance(part, dict) and part.get("type") in _UNSUPPORTED_BLOCKS:
-                texts.append(f"[{part['type']} omitted: this model reads text only]")
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind in _UNSUPPORTED_BLOCKS:
+                texts.append(f"[{kind} omitted: this model reads text only]")
             else:
                 texts.append(_text_of_block(part, f"{param}.content.{k}"))
         text = "\n".join(texts)

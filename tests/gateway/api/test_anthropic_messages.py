@@ -213,3 +213,60 @@ def test_auto_tools_need_no_enforceable_schema():
 def test_claude_model_names_mean_the_served_model():
     assert parse(model="claude-opus-4-8", messages=[user()]).model == "m"
     assert parse(model="m", messages=[user()]).model == "m"
+
+
+def _paths(value, path=()):
+    """Every path to a value inside a JSON document."""
+    yield path
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _paths(v, (*path, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _paths(v, (*path, i))
+
+
+def _replaced(doc, path, new):
+    if not path:
+        return new
+    head, rest = path[0], path[1:]
+    if isinstance(doc, dict):
+        return {**doc, head: _replaced(doc[head], rest, new)}
+    out = list(doc)
+    out[head] = _replaced(doc[head], rest, new)
+    return out
+
+
+RICH_BODY = {
+    "model": "m", "max_tokens": 64, "system": [{"type": "text", "text": "S"}],
+    "temperature": 0.5, "top_p": 0.9, "top_k": 5, "stop_sequences": ["###"],
+    "thinking": {"type": "enabled", "budget_tokens": 100}, "metadata": {"user_id": "u"},
+    "tools": [TOOL], "tool_choice": {"type": "tool", "name": "get_weather",
+                                     "disable_parallel_tool_use": True},
+    "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "weather?"}]},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "t", "signature": "s"},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+             "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "is_error": False,
+             "content": [{"type": "text", "text": "sunny"}]}]},
+        {"role": "system", "content": "note"}],
+}
+WRONG_VALUES = [None, 0, -1, 1e308, "x", "", True, [], [None], {}, {"type": None}]
+
+
+def test_every_field_of_a_rich_body_replaced_by_anything_is_a_4xx_or_served():
+    """No value anywhere makes the parser fail other than with an APIError (a 4xx)."""
+    assert parse_messages(RICH_BODY, NAMES).chat.tools.mode == "named"
+    for path in _paths(RICH_BODY):
+        if not path:
+            continue
+        for value in WRONG_VALUES:
+            body = _replaced(RICH_BODY, path, value)
+            try:
+                parse_messages(body, NAMES)
+                parse_count_tokens(body, NAMES)
+            except APIError as e:
+                assert 400 <= e.status < 500, (path, value, e.message)

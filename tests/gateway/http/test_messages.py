@@ -279,6 +279,9 @@ def test_malformed_bodies_are_anthropic_shaped_4xx(served, payload, param):
     else:
         assert_anthropic_error(r, 400)
     assert len(worker.submits) == num_submits  # refused before any worker saw it
+    counted = post(gw, "/v1/messages/count_tokens", {"model": MODEL, **payload})
+    assert counted.status_code == 200 or counted.json()["type"] == "error"
+    assert counted.status_code < 500
 
 
 @pytest.mark.parametrize("raw", [b"{", b"[]", b'"x"', b"\xff\xfe", b"{\"max_tokens\": 1e999}",
@@ -452,3 +455,16 @@ def test_a_template_without_later_system_messages_gets_them_first(tmp_path, temp
         counted = httpx.post(gw.url + "/v1/messages/count_tokens", json=payload).json()
         assert counted["input_tokens"] == len(worker.submits[-1].prompt_token_ids)
         worker.stop()
+
+
+def test_rich_body_with_any_field_broken_is_never_a_5xx(served):
+    from tests.gateway.api.test_anthropic_messages import RICH_BODY, _paths, _replaced
+
+    gw, _ = served
+    rich = {**RICH_BODY, "model": MODEL}
+    for i, path in enumerate(p for p in _paths(rich) if p):
+        value = ([None], {"type": []}, -1, "")[i % 4]
+        r = post(gw, "/v1/messages", _replaced(rich, path, value))
+        assert r.status_code < 500, (path, value, r.text)
+        if r.status_code >= 400:
+            assert r.json()["type"] == "error", r.text
