@@ -140,8 +140,9 @@ def metrics_endpoint(metrics: Metrics, keys: ApiKeys):
 
 def http_middleware(config: GatewayConfig, keys: ApiKeys,
                     metrics: Metrics | None = None) -> list[Middleware]:
-    """Outermost first: the Host check, CORS (so preflights and 401s carry its headers), the
-    API key, then the rate limiter (which needs to know the key)."""
+    """Outermost first: Anthropic's error shape on /v1/messages* (for the errors of all the
+    others), the Host check, CORS (so preflights and 401s carry its headers), the API key,
+    then the rate limiter (which needs to know the key)."""
     stack = [Middleware(AnthropicErrorShape)]  # outside the key check and rate limiter
     hosts = AllowedHosts.for_server(config.host, config.allowed_hosts)
     if hosts is not None:  # gateway/http/host_check.py: DNS rebinding
