@@ -2,8 +2,8 @@
 
 - With keys configured, every `/v1/*` call and `/tokenize`, `/detokenize` need
   `Authorization: Bearer KEY` (or `x-api-key: KEY`, as Anthropic's clients send it); a
-  missing or wrong key is 401 in OpenAI's shape, with `WWW-Authenticate: Bearer`. OPTIONS passes (a CORS preflight carries no credentials and
-  can do nothing), as in vLLM.
+  missing or wrong key is 401 in OpenAI's shape, with `WWW-Authenticate: Bearer`. OPTIONS
+  passes (a CORS preflight carries no credentials and can do nothing), as in vLLM.
 - Liveness and readiness stay open; callers without a valid key get only what a probe needs
   (`gateway/http/health.py` asks `is_authorized`): no pids, worker ids, devices or model files.
 - Keys are compared in constant time: the presented token is hashed (so its length tells
