@@ -11,7 +11,8 @@ only the rendering of the output differs: `MessagesStream` writes Anthropic's ev
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -49,6 +50,7 @@ from zeroserve.gateway.logging import get_logger
 from zeroserve.gateway.streams import RequestState
 
 log = get_logger("api")
+_PING = sse_event("ping", {"type": "ping"})
 
 
 def anthropic_error_response(error: APIError) -> JSONResponse:
@@ -106,11 +108,41 @@ class MessageOutput:
 
 class MessagesStream(StreamedResponse):
     """A streamed Messages response: message_start and ping, the content blocks' events as
-    the output comes, then message_delta (stop reason, usage) and message_stop."""
+    the output comes, then message_delta (stop reason, usage) and message_stop. Until the
+    first output, a `ping` every `ping_interval_s`: a long prompt's prefill (Claude Code
+    sends ~20k tokens) or a wait for a worker keeps the stream visibly alive for proxies
+    and clients' read timeouts."""
+
+    ping_interval_s = 10.0
 
     def __init__(self, *args: Any, request: MessagesRequest, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.output = MessageOutput(self.group, request, self.tokenizer)
+
+    async def events(self) -> AsyncIterator[bytes]:
+        source = super().events()
+        pending: asyncio.Future | None = None
+        try:
+            while not self.output.builder.blocks:  # no output yet (the direct path too)
+                pending = asyncio.ensure_future(source.__anext__())
+                while not self.output.builder.blocks:
+                    done, _ = await asyncio.wait({pending}, timeout=self.ping_interval_s)
+                    if done:
+                        break
+                    yield _PING
+                try:
+                    chunk = await pending
+                except StopAsyncIteration:
+                    return
+                pending = None
+                yield chunk
+            async for chunk in source:
+                yield chunk
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)
+            await source.aclose()  # its cleanup ends the engine requests
 
     def head(self) -> bytes:
         return sse_events(message_start_events(self.ctx.id, self.ctx.model,

@@ -468,3 +468,46 @@ def test_rich_body_with_any_field_broken_is_never_a_5xx(served):
         assert r.status_code < 500, (path, value, r.text)
         if r.status_code >= 400:
             assert r.json()["type"] == "error", r.text
+
+
+@pytest.fixture
+def quick_pings(monkeypatch):
+    from zeroserve.gateway.http.messages import MessagesStream
+    monkeypatch.setattr(MessagesStream, "ping_interval_s", 0.2)
+
+
+def test_pings_while_waiting_for_the_first_output(quick_pings):
+    with GatewayServer() as gw:
+        worker = gw.worker(reply=lambda p, params: text_tokens("ok")).start()
+        assert worker.ready.wait(5)
+        worker.is_stepping = False  # a long prefill
+        names = []
+        with httpx.stream("POST", gw.url + "/v1/messages", json=body(stream=True),
+                          timeout=10) as r:
+            for line in r.iter_lines():
+                if line.startswith("event: "):
+                    names.append(line[len("event: "):])
+                    if names.count("ping") == 4:
+                        worker.is_stepping = True
+        assert names[:5] == ["message_start", "ping", "ping", "ping", "ping"]
+        assert names[5:] == ["content_block_start", "content_block_delta", "content_block_delta",
+                             "content_block_stop", "message_delta", "message_stop"]
+        worker.stop()
+
+
+def test_a_client_gone_while_pinged_aborts_its_request(quick_pings):
+    with GatewayServer() as gw:
+        worker = gw.worker().start()
+        assert worker.ready.wait(5)
+        worker.is_stepping = False
+        with httpx.stream("POST", gw.url + "/v1/messages", json=body(stream=True),
+                          timeout=10) as r:
+            lines = r.iter_lines()
+            while next(lines) != "event: ping" or len(worker.submits) == 0:
+                pass
+            next(lines)
+            assert next(lines) == ""
+            assert next(lines) == "event: ping"  # a second one: pinging, no output yet
+        assert wait_until(lambda: worker.aborts, 5)
+        assert wait_until(lambda: len(gw.gateway.streams) == 0, 5)
+        worker.stop()
