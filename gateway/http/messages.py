@@ -109,9 +109,9 @@ class MessageOutput:
 class MessagesStream(StreamedResponse):
     """A streamed Messages response: message_start and ping, the content blocks' events as
     the output comes, then message_delta (stop reason, usage) and message_stop. Until the
-    first output, a `ping` every `ping_interval_s`: a long prompt's prefill (Claude Code
-    sends ~20k tokens) or a wait for a worker keeps the stream visibly alive for proxies
-    and clients' read timeouts."""
+    first output, a `ping` every `ping_interval_s`: through a long prompt's prefill (Claude
+    Code sends ~20k tokens) or a wait in a worker's queue the stream stays visibly alive for
+    proxies and clients' read timeouts."""
 
     ping_interval_s = 10.0
 
