@@ -34,7 +34,7 @@ Messages field, not the chat field it became.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from zeroserve.gateway.api.limits import RequestLimits
@@ -69,7 +69,7 @@ class MessagesRequest:
     stream: bool = False
     is_single_tool_use: bool = False  # disable_parallel_tool_use: at most one tool_use
     dropped_tools: tuple[str, ...] = ()  # server tools, not offered to the model
-    stop_sequences: tuple[str, ...] = field(default=())
+    stop_sequences: tuple[str, ...] = ()
 
     @property
     def model(self) -> str:

@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from zeroserve.gateway.api.anthropic_events import (
+    Event,
     MessageBuilder,
     error_body,
     matched_stop_sequence,
@@ -48,6 +49,7 @@ from zeroserve.gateway.http.routes import Api
 from zeroserve.gateway.http.streaming import StreamedResponse
 from zeroserve.gateway.logging import get_logger
 from zeroserve.gateway.streams import RequestState
+from zeroserve.gateway.text.tokenizer import TextTokenizer
 
 log = get_logger("api")
 _PING = sse_event("ping", {"type": "ping"})
@@ -74,15 +76,15 @@ class MessageOutput:
     splits each update's text into thinking and answer; MessageBuilder.push takes the pair
     and makes the thinking block's events."""
 
-    def __init__(self, group: RequestGroup, request: MessagesRequest, tokenizer: Any,
-                 split: SplitReasoning = no_reasoning):
+    def __init__(self, group: RequestGroup, request: MessagesRequest,
+                 tokenizer: TextTokenizer | None, split: SplitReasoning = no_reasoning):
         self.group = group
         self.request = request
         self.tokenizer = tokenizer
         self.split = split
         self.builder = MessageBuilder(request.chat.tools, request.is_single_tool_use)
 
-    def push(self, update: ChoiceUpdate) -> list:
+    def push(self, update: ChoiceUpdate) -> list[Event]:
         reasoning, text = self.split(update.text, update.finish_reason is not None)
         events = self.builder.push(reasoning, text)
         if update.finish_reason is not None:
