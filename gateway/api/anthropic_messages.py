@@ -24,6 +24,8 @@ fields of a chat body and parsed by `parse_chat` (one set of checks, one pipelin
   left in the context, where Anthropic would answer `max_tokens` at the end.
 - `model`: Anthropic's names (`claude-…`) mean the served model, so Claude Code works with
   only `ANTHROPIC_BASE_URL` set; other names must be one of the server's.
+- `output_config.format` (structured outputs: a JSON schema) becomes chat's
+  `response_format`, enforced by a grammar as there.
 - `thinking` turns the chat template's `enable_thinking` on or off; unknown fields (`metadata`,
   `service_tier`, beta fields) are ignored.
 
@@ -59,7 +61,9 @@ _SKIPPED_BLOCKS = frozenset({"thinking", "redacted_thinking"})
 _UNSUPPORTED_BLOCKS = frozenset({"image", "document", "search_result", "container_upload"})
 # chat's field names in parse_chat's messages -> the Messages names they came from.
 _PARAM_NAMES = (("'stop'", "'stop_sequences'"), (".function.parameters", ".input_schema"),
-                (".function.name", ".name"), ("'max_completion_tokens'", "'max_tokens'"))
+                (".function.name", ".name"), ("'max_completion_tokens'", "'max_tokens'"),
+                ("'response_format.json_schema.schema'", "'output_config.format.schema'"),
+                ("'response_format'", "'output_config.format'"))
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,10 @@ def parse_messages(body: dict, served_names: tuple[str, ...],
     stops = _stop_sequences(body)
     if stops:
         chat_body["stop"] = list(stops)
+    schema = _output_schema(body)
+    if schema is not None:
+        chat_body["response_format"] = {"type": "json_schema",
+                                        "json_schema": {"name": "output", "schema": schema}}
     chat = _parse_as_chat(chat_body, served_names, limits)
     return MessagesRequest(chat, max_tokens, bool(stream), is_single, dropped, stops)
 
@@ -182,6 +190,25 @@ def _chat_body(body: dict) -> tuple[dict, tuple[str, ...], bool]:
     else:
         _tool_choice(body.get("tool_choice"), None)
     return chat, dropped, is_single
+
+
+def _output_schema(body: dict) -> dict | None:
+    """Structured outputs: `output_config.format` (`{"type": "json_schema", "schema"}`; the
+    SDK's `messages.parse(output_format=Model)` sends it), or the older beta's top-level
+    `output_format`. The schema becomes chat's response_format: a grammar enforces it."""
+    config = body.get("output_config")
+    if config is not None and not isinstance(config, dict):
+        raise invalid_request("output_config: must be an object.", param="output_config")
+    param, fmt = "output_config.format", (config or {}).get("format")
+    if fmt is None:
+        param, fmt = "output_format", body.get("output_format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(
+            fmt.get("schema"), dict):
+        raise invalid_request(f'{param}: must be {{"type": "json_schema", "schema": {{...}}}}.',
+                              param=param)
+    return fmt["schema"]
 
 
 def _stop_sequences(body: dict) -> tuple[str, ...]:

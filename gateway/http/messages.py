@@ -53,6 +53,8 @@ from zeroserve.gateway.text.tokenizer import TextTokenizer
 
 log = get_logger("api")
 _PING = sse_event("ping", {"type": "ping"})
+# Messages fields whose checking compiles a grammar (chat's own are routes.py's).
+_GRAMMAR_FIELDS = ("output_config", "output_format", "tools")
 
 
 def anthropic_error_response(error: APIError) -> JSONResponse:
@@ -221,7 +223,11 @@ class MessagesApi:
     async def _parse(self, parse, request: Request):
         api = self.api
         try:
-            return await api._parse(parse, await api._read_json(request))
+            body = await api._read_json(request)
+            if any(body.get(k) is not None for k in _GRAMMAR_FIELDS):
+                # Checking a large JSON schema with the grammar engine takes up to a second.
+                return await api.cpu.run(parse, body, api.served_names, api.limits)
+            return await api._parse(parse, body)
         except APIError as e:
             if e.code == "model_not_found":
                 raise APIError(404, f"{e.message} This server serves "

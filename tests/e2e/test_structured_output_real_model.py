@@ -230,3 +230,17 @@ def test_anthropic_forced_tool_use_is_valid(client, tool_choice):
     assert block.type == "tool_use" and block.id.startswith("toolu_")
     schema = {"get_weather": WEATHER, "get_time": TIME}[block.name]["function"]["parameters"]
     assert matches(block.input, schema), block.input
+
+
+def test_anthropic_output_config_format_answers_match(client):
+    """Anthropic's structured outputs (output_config.format) through the same grammars."""
+    anthropic = pytest.importorskip("anthropic")
+    base_url = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    with anthropic.Anthropic(base_url=base_url, api_key="unused", max_retries=0,
+                             timeout=300) as messages_client:
+        message = messages_client.messages.create(
+            model="SmolLM2-135M-Instruct", max_tokens=MAX_TOKENS,
+            messages=ask("Tell me about a person."), extra_body={"temperature": 0.0},
+            output_config={"format": {"type": "json_schema", "schema": PERSON}})
+    assert message.stop_reason == "end_turn"
+    assert matches(json.loads(message.content[0].text), PERSON), message.content[0].text

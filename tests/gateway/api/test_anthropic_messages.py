@@ -184,6 +184,17 @@ BAD = [
       "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name"),
     ({"max_tokens": 9, "messages": [user()], "tool_choice": {"type": "any"}}, "tool_choice"),
     ({"max_tokens": 9, "messages": [user()], "model": "gpt-x"}, "model"),
+    ({"max_tokens": 9, "messages": [user()], "output_config": "json"}, "output_config"),
+    ({"max_tokens": 9, "messages": [user()], "output_config": {"format": {"type": "json"}}},
+     "output_config.format"),
+    ({"max_tokens": 9, "messages": [user()], "output_format": {"type": "json_schema"}},
+     "output_format"),
+    ({"max_tokens": 9, "messages": [user()], "output_config": {"format": {
+        "type": "json_schema", "schema": {"type": "object", "propertyNames": {}}}}},
+     "response_format.json_schema.schema"),
+    ({"max_tokens": 9, "messages": [user()], "tools": [TOOL], "tool_choice": {"type": "any"},
+      "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
+     "response_format"),
 ]
 
 
@@ -270,3 +281,14 @@ def test_every_field_of_a_rich_body_replaced_by_anything_is_a_4xx_or_served():
                 parse_count_tokens(body, NAMES)
             except APIError as e:
                 assert 400 <= e.status < 500, (path, value, e.message)
+
+
+def test_output_config_format_is_a_json_schema_grammar():
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    for field in ({"output_config": {"effort": "high", "format": {"type": "json_schema",
+                                                                  "schema": schema}}},
+                  {"output_format": {"type": "json_schema", "schema": schema}}):
+        grammar = parse(messages=[user()], **field).chat.sampling.grammar
+        assert grammar is not None and json.loads(grammar.source) == schema
+    assert parse(messages=[user()], output_config={"effort": "low"}).chat.sampling.grammar \
+        is None

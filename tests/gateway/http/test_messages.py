@@ -29,6 +29,8 @@ def reply(prompt: list[int], params: dict) -> list[int]:
         return text_tokens(CALL)
     if "STOPHERE" in text:
         return text_tokens("one two ### three")
+    if "JSONPLEASE" in text:  # (the fake worker does not enforce grammars: it obeys)
+        return text_tokens('{"city": "Paris", "temp_c": 18}')
     return text_tokens(REPLY)
 
 
@@ -511,3 +513,20 @@ def test_a_client_gone_while_pinged_aborts_its_request(quick_pings):
         assert wait_until(lambda: worker.aborts, 5)
         assert wait_until(lambda: len(gw.gateway.streams) == 0, 5)
         worker.stop()
+
+
+def test_sdk_structured_output_parse(client, served):
+    """messages.parse(output_format=Model) sends output_config.format: its schema reaches the
+    worker as a grammar, and the SDK parses the answer into the model."""
+    pydantic = pytest.importorskip("pydantic")
+
+    class Weather(pydantic.BaseModel):
+        city: str
+        temp_c: int
+
+    _, worker = served
+    message = client.messages.parse(model=MODEL, max_tokens=100, output_format=Weather,
+                                    messages=[{"role": "user", "content": "JSONPLEASE"}])
+    assert message.parsed_output == Weather(city="Paris", temp_c=18)
+    kind, source = worker.submits[-1].grammar
+    assert kind == "json_schema" and set(json.loads(source)["properties"]) == {"city", "temp_c"}
