@@ -530,3 +530,56 @@ def test_sdk_structured_output_parse(client, served):
     assert message.parsed_output == Weather(city="Paris", temp_c=18)
     kind, source = worker.submits[-1].grammar
     assert kind == "json_schema" and set(json.loads(source)["properties"]) == {"city", "temp_c"}
+
+
+# --- main's request bounds, through the Messages API ----------------------------------------
+
+@pytest.mark.parametrize("stops", [["x" * 257], ["y" * 250] * 5])
+def test_stop_sequences_have_chats_caps(served, stops):
+    """256 characters each, 1024 together: a 400 naming stop_sequences, before any worker."""
+    gw, worker = served
+    num_submits = len(worker.submits)
+    r = post(gw, "/v1/messages", body(stop_sequences=stops))
+    assert_anthropic_error(r, 400)
+    assert "stop_sequences" in r.json()["error"]["message"]
+    assert len(worker.submits) == num_submits
+
+
+def test_tokens_are_reserved_at_admission():
+    """A message reserves its prompt + max_tokens against the key's tokens per minute: the
+    next one that may not fit is refused up front, in Anthropic's shape."""
+    with GatewayServer(api_keys=("sk-test",), rate_limit_tpm=200) as gw:
+        worker = gw.worker().start()
+        assert worker.ready.wait(5)
+        first = post(gw, "/v1/messages", body(max_tokens=100))
+        assert first.status_code == 200, first.text
+        refused = post(gw, "/v1/messages", body(max_tokens=150))
+        assert_anthropic_error(refused, 429, "rate_limit_error")
+        assert "retry-after" in refused.headers
+        assert len(worker.submits) == 1
+        worker.stop()
+
+
+def test_an_unexpected_failure_mid_stream_is_an_error_event(monkeypatch):
+    from zeroserve.gateway.http.messages import MessagesStream
+    original = MessagesStream.render
+
+    def render(self, batch):
+        if self.output.builder.blocks:
+            raise RuntimeError("a bug in rendering")
+        return original(self, batch)
+
+    monkeypatch.setattr(MessagesStream, "render", render)
+    with GatewayServer() as gw:
+        worker = gw.worker(reply=lambda p, params: text_tokens("x" * 50), step_s=0.01).start()
+        assert worker.ready.wait(5)
+        events = []
+        with httpx.stream("POST", gw.url + "/v1/messages", json=body(stream=True),
+                          timeout=10) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[len("data: "):]))
+        assert events[-1] == {"type": "error", "error": {
+            "type": "api_error", "message": "The server failed while streaming the response."}}
+        assert wait_until(lambda: worker.aborts, 5)
+        worker.stop()
