@@ -1,8 +1,8 @@
 """Anthropic Messages responses: content blocks, the streamed events, usage and errors.
 
 `MessageBuilder` is one choice's output as it arrives. Its seam is `push(reasoning_delta,
-text_delta)`: the thinking text and the answer text of one update (a reasoning parser splits
-them; without one, `reasoning_delta` is ""). Thinking goes to a `thinking` block
+text_delta)`: the thinking text and the answer text of one update (chat's reasoning parser
+splits them: `ChoiceUpdate.reasoning`; without one, `reasoning_delta` is ""). Thinking goes to a `thinking` block
 (`thinking_delta`s, then a `signature_delta` before it closes); the answer text goes through
 chat's tool-call parser (`ToolCallStream`), and what it finds becomes `text` blocks
 (`text_delta`) and `tool_use` blocks (`input_json_delta` with `partial_json`). The builder

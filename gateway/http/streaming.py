@@ -146,8 +146,8 @@ class StreamedResponse:
             group.close()
             log_done(ctx, group)
 
-    # The stream's start, end and failure; other APIs' streams (http/responses_routes.py)
-    # write their own.
+    # The stream's start, end and failure; other APIs' streams (http/responses_routes.py,
+    # http/messages.py) write their own.
     def head(self) -> bytes:
         """What goes out before the first output (chat and completions: nothing)."""
         return b""
