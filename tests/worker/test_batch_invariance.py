@@ -99,3 +99,39 @@ def test_projections_choose_their_kernel_per_row():
     assert not torch.equal(packed_rows[:1], linear(x[:1], 0))  # the kernels do differ
     assert torch.equal(linear(x, 30), torch.cat([packed_rows, dense_rows]))
     assert torch.equal(linear(x[:5], 5), packed_rows[:5])
+
+
+def test_dense_rows_are_computed_alike_whatever_shares_their_call():
+    """The dense path (prefill rows, beside a low-bit copy for decode rows) with the tile size
+    this machine needs: 20 rows give the same results alone, first in 33 rows, and behind 11
+    others, in bf16. On a CPU without native bf16 oneDNN blocks rows by their count, and this
+    failed untiled."""
+    from zeroserve.worker.model.batch_invariance import dense_tile_rows
+
+    for dtype in (torch.bfloat16,):
+        generator = torch.Generator().manual_seed(1)
+        weight = torch.randn(1536, 576, generator=generator).to(dtype)
+        x = torch.randn(150, 576, generator=generator).to(dtype)
+        low_bit = PackedInt8.quantize(weight, dtype)  # decode rows' copy (unused: 0 of them)
+        linear = Linear(weight, low_bit, dense_tile_rows(dtype, torch.device("cpu")))
+        alone = linear(x[11:31], 0)
+        assert torch.equal(linear(x[11:44], 0)[:20], alone)
+        assert torch.equal(linear(x[:31], 0)[11:], alone)
+        assert torch.equal(linear(x, 0)[11:31], alone)
+
+
+def test_a_row_dependent_kernel_gets_tiles_and_a_row_independent_one_none(monkeypatch):
+    from zeroserve.worker.model import batch_invariance
+
+    linear = torch.nn.functional.linear
+
+    def row_dependent(x, weight):  # a row's result depends on how many rows there are
+        return linear(x, weight) + x.shape[0] % 3
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(batch_invariance.F, "linear", row_dependent)
+    assert batch_invariance.dense_tile_rows(torch.bfloat16, cpu) == batch_invariance.TILE_ROWS
+    assert batch_invariance.dense_tile_rows(torch.float32, cpu) is None  # rounding-only path
+    monkeypatch.setattr(batch_invariance.F, "linear",
+                        lambda x, w: torch.stack([row @ w.t() for row in x]))
+    assert batch_invariance.dense_tile_rows(torch.bfloat16, cpu) is None

@@ -5,13 +5,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from zeroserve.worker.model.batch_invariance import tiled_linear
 from zeroserve.worker.model.quant import PackedInt4, PackedInt8
 
 
 class Linear:
-    def __init__(self, dense: torch.Tensor, packed: PackedInt4 | PackedInt8 | None = None):
+    def __init__(self, dense: torch.Tensor, packed: PackedInt4 | PackedInt8 | None = None,
+                 tile_rows: int | None = None):
         self.dense = dense  # [out, in]
         self.packed = packed
+        # Dense calls of exactly this many rows where the dense kernel's result for a row
+        # depends on how many rows share the call (worker.model.batch_invariance); None: one
+        # call. Only beside a low-bit copy: then the dense path takes prefill rows alone, and
+        # a single decode row never pays for a tile.
+        self.tile_rows = tile_rows if packed is not None else None
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tile_rows is None:
+            return F.linear(x, self.dense)
+        return tiled_linear(x, self.dense, self.tile_rows)
 
     def __call__(self, x: torch.Tensor, num_packed_rows: int | None = None) -> torch.Tensor:
         """x [num_tokens, in] -> [num_tokens, out]. The first `num_packed_rows` rows (None: all)
@@ -26,10 +38,10 @@ class Linear:
         rows = x.shape[0]
         num_packed = rows if num_packed_rows is None else min(num_packed_rows, rows)
         if self.packed is None or num_packed == 0:
-            return F.linear(x, self.dense)
+            return self._dense(x)
         if num_packed == rows:
             return self.packed.mm(x)
         out = x.new_empty(rows, self.dense.shape[0])
         out[:num_packed] = self.packed.mm(x[:num_packed])
-        out[num_packed:] = F.linear(x[num_packed:], self.dense)
+        out[num_packed:] = self._dense(x[num_packed:])
         return out
