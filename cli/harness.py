@@ -47,6 +47,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports_on(ips: list[str], count: int) -> list[int]:
+    """`count` distinct ports free on every one of `ips` (hosts or pods that bind the same
+    ports on their own addresses)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        with socket.socket() as probe:
+            probe.bind((ips[0], 0))
+            port = probe.getsockname()[1]
+            socks = []
+            try:
+                for ip in ips[1:]:
+                    s = socket.socket()
+                    socks.append(s)
+                    s.bind((ip, port))
+            except OSError:
+                continue
+            finally:
+                for s in socks:
+                    s.close()
+            if port not in ports:
+                ports.append(port)
+    return ports
+
+
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Our environment without ZEROSERVE_* settings, with the repo importable."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROSERVE_")}

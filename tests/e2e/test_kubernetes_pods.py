@@ -16,7 +16,6 @@ import json
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ import pytest
 
 from tests.deploy.kube import Manifests, container
 from tests.e2e.helpers import MODEL, stream_in_thread
-from zeroserve.cli.harness import REPO_ROOT, ServerProcess, child_env, zeroserve_argv
+from zeroserve.cli.harness import REPO_ROOT, ServerProcess, child_env, free_ports_on, zeroserve_argv
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +68,7 @@ class Cluster:
         # The manifest's ports (8000, 5555, 5556) may be taken on this shared machine: use
         # free ones, the same on every pod address, as the manifests' ports are.
         self.ports = dict(zip([p["containerPort"] for p in gw["ports"]],
-                              _shared_free_ports(self.pod_ips, len(gw["ports"])), strict=True))
+                              free_ports_on(self.pod_ips, len(gw["ports"])), strict=True))
         self.dns_table = tmp_path / "dns.json"
         self.dns: dict[str, list[str]] = {}
         self.keys = tmp_path / "keyset"
@@ -179,29 +178,6 @@ class Cluster:
     def stop(self) -> None:
         for process in self.processes:
             process.stop(timeout_s=5)
-
-
-def _shared_free_ports(ips: list[str], count: int) -> list[int]:
-    ports: list[int] = []
-    while len(ports) < count:
-        socks = []
-        try:
-            first = socket.socket()
-            socks.append(first)
-            first.bind((ips[0], 0))
-            port = first.getsockname()[1]
-            for ip in ips[1:]:
-                s = socket.socket()
-                socks.append(s)
-                s.bind((ip, port))
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-        if port not in ports:
-            ports.append(port)
-    return ports
 
 
 def client() -> httpx.Client:

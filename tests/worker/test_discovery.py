@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import queue
 import random
-import socket
 import threading
 import time
 
@@ -16,6 +15,7 @@ import pytest
 import zmq
 
 from tests.worker.test_process import WORKER_ID, FakeGateway, ScriptedEngine
+from zeroserve.cli.harness import free_ports_on
 from zeroserve.common.protocol import Credit, Hello, Ready, Shutdown, Submit
 from zeroserve.worker.config import WorkerConfig
 from zeroserve.worker.discovery import GatewayDiscovery, GatewayDns, GatewaysFound
@@ -96,29 +96,6 @@ class TcpGateway(FakeGateway):
         return False
 
 
-def shared_free_ports(ips: list[str], count: int) -> list[int]:
-    """Ports free on every one of `ips` (each pod binds the same ports)."""
-    ports: list[int] = []
-    while len(ports) < count:
-        with socket.socket() as probe:
-            probe.bind((ips[0], 0))
-            port = probe.getsockname()[1]
-            socks = []
-            try:
-                for ip in ips[1:]:
-                    s = socket.socket()
-                    socks.append(s)
-                    s.bind((ip, port))
-            except OSError:
-                continue
-            finally:
-                for s in socks:
-                    s.close()
-            if port not in ports:
-                ports.append(port)
-    return ports
-
-
 class Answer:
     """The stub DNS: what the name resolves to now."""
 
@@ -141,7 +118,7 @@ class Answer:
 def tier():
     base = f"127.{random.randint(1, 250)}.{random.randint(1, 250)}"
     ips = [f"{base}.1", f"{base}.2"]
-    router_port, tokens_port = shared_free_ports(ips, 2)
+    router_port, tokens_port = free_ports_on(ips, 2)
     gateways = [TcpGateway(ip, router_port, tokens_port) for ip in ips]
     dns = GatewayDns("zeroserve-gateway-plane", router_port, tokens_port, interval_s=0.05)
     yield ips, gateways, dns
