@@ -2,10 +2,9 @@
 // watch (a gateway that is briefly gone is said so, and the page reconnects by itself).
 
 import { keys } from "./api.js";
+import { $ } from "./dom.js";
 import { ChatView } from "./chat.js";
 import { OpsView } from "./ops.js";
-
-const $ = (id) => document.getElementById(id);
 
 function confirmDialog(title, text, okLabel = "Confirm") {
   const dialog = $("confirm");

@@ -3,19 +3,11 @@
 // textContent, never parsed as HTML.
 
 import { ApiError, call, getJson, sseData } from "./api.js";
+import { $, el } from "./dom.js";
 
 const STORE = "zeroserve.conversations";
 const SETTINGS = "zeroserve.chatSettings";
 const DEFAULT_SETTINGS = { model: "", temperature: 0.7, maxTokens: 512, system: "", schema: "" };
-
-const $ = (id) => document.getElementById(id);
-
-function el(tag, className, text) {
-  const node = document.createElement(tag);
-  if (className) node.className = className;
-  if (text !== undefined) node.textContent = text;
-  return node;
-}
 
 function newId() {
   return `${Date.now().toString(36)}-${Math.random().toString(36).slice(2, 8)}`;

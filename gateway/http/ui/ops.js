@@ -2,6 +2,7 @@
 // restart and rolling restart, live charts from /metrics, and an event log.
 
 import { ApiError, call, getJson, keys } from "./api.js";
+import { $, el } from "./dom.js";
 import { LineChart } from "./charts.js";
 import { parsePrometheus, quantileBetween } from "./metrics.js";
 
@@ -12,15 +13,6 @@ const ADMIN_RETRY_MS = 30_000; // after a refusal, ask the admin API again this 
 const GONE_AFTER_MS = 120_000; // a worker absent this long is no longer "restarting"
 const RESTARTED_BADGE_MS = 30_000;
 const POLL_TIMEOUT_MS = 5000; // a stalled gateway makes the table stale, not the page stuck
-
-const $ = (id) => document.getElementById(id);
-
-function el(tag, className, text) {
-  const node = document.createElement(tag);
-  if (className) node.className = className;
-  if (text !== undefined) node.textContent = text;
-  return node;
-}
 
 function clock(t = Date.now()) {
   return new Date(t).toLocaleTimeString([], { hour12: false });
