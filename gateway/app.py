@@ -51,22 +51,21 @@ def served_model_names(config: GatewayConfig) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def extra_model_paths(config: GatewayConfig) -> dict[str, str]:
+def extra_model_paths(config: GatewayConfig, names: tuple[str, ...]) -> dict[str, str]:
     """`--add-model`'s served names -> their files (a name's first spec wins: its versions
-    share its tokenizer)."""
+    share its tokenizer; one of the default model's `names` is another version of it)."""
     paths: dict[str, str] = {}
     for spec in config.extra_models:
         name, _, path, _ = parse_model_spec(spec)
-        paths.setdefault(name, path)
+        if name not in names:
+            paths.setdefault(name, path)
     return paths
 
 
 def model_catalog(config: GatewayConfig, names: tuple[str, ...]) -> ModelCatalog:
     """The models served (the default one under `names`), its aliases, the tier's file."""
     table = {name: names[0] for name in names}
-    for name in extra_model_paths(config):
-        if name in table:
-            raise ValueError(f"--add-model {name!r}: the default model already has that name")
+    for name in extra_model_paths(config, names):
         table[name] = name
     shared = None if config.aliases_file is None else AliasFile(config.aliases_file)
     return ModelCatalog(names[0], table, [parse_alias(a) for a in config.model_aliases],
@@ -84,7 +83,7 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None,
     names = served_model_names(config)
     models = model_catalog(config, names)
     others = tuple(load_model_text(name, path, (tokenizers or {}).get(name))
-                   for name, path in extra_model_paths(config).items())
+                   for name, path in extra_model_paths(config, names).items())
     tier = None if config.metrics_dir is None or config.disable_metrics else TierMetrics(
         config.metrics_dir, config.gateway_index)
     metrics = None if config.disable_metrics else Metrics(

@@ -206,6 +206,26 @@ class ModelCatalog:
             return False
         return True
 
+    def describe(self, workers: Iterable[tuple[str, str, str, str]]) -> dict:
+        """The listing `zeroserve models list` prints: every served model with its versions
+        and their workers ((model, version, worker id, status) each), then the aliases."""
+        versions: dict[str, dict[str, list[dict]]] = {name: {} for name in self.served}
+        for model, version, worker_id, status in workers:
+            versions.setdefault(model, {}).setdefault(version, []).append(
+                {"worker_id": worker_id, "status": status})
+        other_names = {}
+        for name, served in self.names.items():
+            if name != served:
+                other_names.setdefault(served, []).append(name)
+        models = [{"model": name, "default": name == self.default,
+                   "other_names": sorted(other_names.get(name, [])),
+                   "versions": [{"version": v, "workers": sorted(ws, key=lambda w: w["worker_id"])}
+                                for v, ws in sorted(by_version.items())]}
+                  for name, by_version in versions.items()]
+        self.refresh()
+        return {"models": models,
+                "aliases": [self.aliases[a].describe() for a in sorted(self.aliases)]}
+
     # --- aliases --------------------------------------------------------------------------
 
     def set_alias(self, alias: Alias) -> None:
