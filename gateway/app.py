@@ -29,7 +29,7 @@ from zeroserve.gateway.http.rate_limit import RateLimiter, RateLimitMiddleware
 from zeroserve.gateway.http.responses_routes import ResponsesApi
 from zeroserve.gateway.http.routes import Api
 from zeroserve.gateway.http.ui import ConsolePages
-from zeroserve.gateway.key_limits import default_limits, load_key_limits
+from zeroserve.gateway.key_limits import default_limits, load_key_limits, load_model_limits
 from zeroserve.gateway.logging import get_logger
 from zeroserve.gateway.observability.loop_monitor import LoopLagMonitor
 from zeroserve.gateway.observability.metrics import DEFAULT_MAX_MODEL_LEN, Metrics, NoRequestMetrics
@@ -189,6 +189,7 @@ def http_middleware(config: GatewayConfig, keys: ApiKeys,
                              config.rate_limit_tpm)
     limiter = RateLimiter(default, load_key_limits(config.rate_limits_file, config.api_keys,
                                                    default))
+    limiter.limit_models(load_model_limits(config.rate_limits_file))
     if limiter.is_enabled:
         stack.append(Middleware(RateLimitMiddleware, limiter=limiter,
                                 on_refused=None if metrics is None else metrics.requests.on_refused))

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zeroserve.common.keys import InsecurePlaneError, check_plane_security
-from zeroserve.gateway.key_limits import default_limits, load_key_limits
+from zeroserve.gateway.key_limits import default_limits, load_key_limits, load_model_limits
 
 LOG_FORMATS = ("text", "json")
 
@@ -201,6 +201,7 @@ class GatewayConfig:
         default = default_limits(self.rate_limit_rps, self.rate_limit_burst,
                                  self.rate_limit_tpm)
         load_key_limits(self.rate_limits_file, self.api_keys, default)
+        load_model_limits(self.rate_limits_file)
 
     @property
     def endpoints(self) -> tuple[str, str]:

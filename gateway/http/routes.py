@@ -329,7 +329,7 @@ class Api:
         num_passes = 2 if group.has_prompt_logprobs else 1
         num_tokens = num_passes * sum(map(len, prompts)) + sampling.n * sum(max_tokens_of)
         try:
-            track_usage(request, group, num_tokens)
+            track_usage(request, group, num_tokens, self.model_name)
         except APIError as e:
             self.gateway.metrics.on_refused(e)
             raise
