@@ -826,10 +826,26 @@ def extra_worker_groups(opts: dict[str, Any], num_gpus: int) -> list[tuple]:
     """`serve --add-model NAME[@VERSION]=PATH[:N]`: (worker id, served name, version, path,
     device) for each of its N workers (ids NAME-VERSION-i). A Hub model is fetched now and
     the gateways get its local path too."""
+    groups = []
+    for name, version, path, num in _fetch_extra_models(opts):
+        version = version or "v1"
+        slug = re.sub(r"[^A-Za-z0-9_.-]", "-", f"{name}-{version}")[:100]
+        for i, device in enumerate(worker_devices(opts["device"], num or 1, num_gpus)):
+            groups.append((f"{slug}-{i}", name, version, path, device))
+    ids = [g[0] for g in groups]
+    if len(set(ids)) != len(ids):
+        raise click.UsageError("--add-model: two groups of workers would share ids; give each "
+                               "NAME@VERSION once")
+    return groups
+
+
+def _fetch_extra_models(opts: dict[str, Any]) -> list[tuple]:
+    """--add-model's specs parsed, each Hub model fetched now (as --model's): opts then
+    hold their local paths, for the gateways (their tokenizers) and the workers."""
     from zeroserve.common.model_files import ModelNotFoundError, fetch_model
     from zeroserve.gateway.config import parse_model_spec
 
-    groups, specs = [], []
+    parsed, specs = [], []
     for spec in opts.get("extra_models") or ():
         try:
             name, version, path, num = parse_model_spec(spec)
@@ -838,17 +854,10 @@ def extra_worker_groups(opts: dict[str, Any], num_gpus: int) -> list[tuple]:
             raise click.UsageError(f"--add-model: {e}") from None
         except ModelNotFoundError as e:
             raise click.ClickException(str(e)) from None
+        parsed.append((name, version, path, num))
         specs.append(f"{name}@{version}={path}" if version else f"{name}={path}")
-        version = version or "v1"
-        slug = re.sub(r"[^A-Za-z0-9_.-]", "-", f"{name}-{version}")[:100]
-        for i, device in enumerate(worker_devices(opts["device"], num or 1, num_gpus)):
-            groups.append((f"{slug}-{i}", name, version, path, device))
     opts["extra_models"] = tuple(specs)
-    ids = [g[0] for g in groups]
-    if len(set(ids)) != len(ids):
-        raise click.UsageError("--add-model: two groups of workers would share ids; give each "
-                               "NAME@VERSION once")
-    return groups
+    return parsed
 
 
 def serve_gateway_configs(opts: dict[str, Any]) -> list[Any]:
@@ -912,6 +921,7 @@ def gateway(**opts: Any) -> None:
 
     die_with_parent()  # first: a Hub download may take long, and serve may die meanwhile
     _fetch_hub_model(opts)
+    _fetch_extra_models(opts)
     for flag in ("router_address", "tokens_address"):
         if len(opts[flag]) > 1:
             raise click.UsageError(f"--{flag.replace('_', '-')}: a gateway binds one address")
