@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import time
 
 import httpx
 import pytest
@@ -110,3 +111,22 @@ def test_a_killed_workers_streams_stay_on_its_model(server):
     assert "[DONE]" in body and '"error"' not in body
     after = routed(server)
     assert after.get("smollm", 0) == before.get("smollm", 0)  # never the other model
+
+
+def test_every_gateway_of_a_tier_applies_a_weight_change(zeroserve):
+    """`serve --gateways 2`: a set-weights call reaches one gateway (whichever the kernel
+    gives the connection); both answer with the new weights half a second later."""
+    from zeroserve.cli.admin_client import AdminClient
+
+    tier = zeroserve(args=("--backend", "fake", "--device", "cpu", "--gateways", "2",
+                           "--add-model", "tiny=default",
+                           "--model-alias", "chat=SmolLM2-135M-Instruct:100"), num_workers=1)
+
+    def weights_seen() -> list[dict]:  # a new connection each: both gateways answer some
+        return [httpx.get(f"{tier.url}/v1/models/chat", headers={"connection": "close"},
+                          timeout=10).json()["weights"] for _ in range(16)]
+
+    assert all(w == {"SmolLM2-135M-Instruct": 100.0} for w in weights_seen())
+    AdminClient(tier.url).set_weights("chat", {"tiny": 1})
+    time.sleep(1.0)
+    assert all(w == {"tiny": 1.0} for w in weights_seen())
