@@ -213,13 +213,14 @@ def test_a_lost_workers_streams_fail_over_only_to_the_same_model_and_version():
         assert smollm.submits == []  # never another model's worker
         # A stream on smollm@v1 whose worker is lost waits for v1, never v2: 503 at last.
         smollm_v2 = start(gw, "smollm-v2", "smollm", "v2")
-        gw.gateway.drain_worker("smollm-v2", 0, False)
+        admin = AdminClient(gw.url)  # (the gateway's sockets are its loop's alone)
+        admin.drain("smollm-v2", 0)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             smollm.step_s = 0.05
             smollm.reply = fixed_reply(REPLY * 4)
             future = pool.submit(lambda: complete(gw, "smollm", max_tokens=60))
             assert wait_until(lambda: smollm.streams, 5)
-            gw.gateway.undrain_worker("smollm-v2")
+            admin.undrain("smollm-v2")
             smollm.stop()
             response = future.result(timeout=15)
         assert response.status_code == 503
