@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +34,13 @@ class AdminClient:
     def restart(self, worker_id: str, deadline_s: float) -> dict:
         return self._call("POST", f"/admin/workers/{worker_id}/restart",
                           {"deadline_s": deadline_s})
+
+    def models(self) -> dict:
+        return self._call("GET", "/admin/models")
+
+    def set_weights(self, alias: str, weights: dict[str, float]) -> dict:
+        return self._call("POST", f"/admin/models/{urllib.parse.quote(alias, safe='')}/weights",
+                          {"weights": weights})
 
     def _call(self, method: str, path: str, body: dict | None = None) -> dict:
         data = None if body is None else json.dumps(body).encode()

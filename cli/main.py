@@ -14,6 +14,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import pathlib
 import re
 import shutil
 import socket
@@ -220,6 +221,21 @@ HTTP_ACCESS_OPTIONS = [
                 "tokens_per_minute}}; a field left out takes the flag's default."),
 ]
 
+# For `serve` and `gateway`: more models beside --model, and aliases over them.
+MODELS_OPTIONS = [
+    option("--add-model", "extra_models", multiple=True, default=(),
+           help="Serve another model beside --model: NAME[@VERSION]=PATH[:WORKERS] (repeat "
+                "it; PATH as --model; `serve` starts WORKERS workers for it, default 1, with "
+                "--served-model-name NAME --model-version VERSION). Clients send NAME, or "
+                "NAME@VERSION for one version; versions of a NAME share its first tokenizer."),
+    option("--model-alias", "model_aliases", multiple=True, default=(),
+           help="A name spread over served models or versions by weight: "
+                "ALIAS=TARGET:WEIGHT,... (e.g. chat=smollm@v1:90,smollm@v2:10); a request "
+                "naming a conversation (user, prompt_cache_key, X-Session-ID) always gets the "
+                "same target while the weights stay. `zeroserve models set-weights` changes "
+                "them live."),
+]
+
 GATEWAY_OPTIONS = [
     option("--host", default="127.0.0.1", help="HTTP bind address."),
     option("--port", type=click.IntRange(0, 65535), default=8000, help="HTTP port."),
@@ -356,6 +372,17 @@ WORKER_RESILIENCE_OPTIONS = [
                 "failure fails only the streams of that step."),
 ]
 
+# For `worker`: what its HELLO announces (the gateway routes by it).
+WORKER_MODEL_OPTIONS = [
+    option("--served-model-name", default="",
+           help="The name clients use for this worker's model; it must be one the gateway "
+                "serves (--model's, or an --add-model NAME). [default: the gateway's default "
+                "model]"),
+    option("--model-version", default="v1",
+           help="This worker's version label for its model (e.g. v2 for a canary); "
+                "requests can name it as NAME@VERSION and aliases weigh versions."),
+]
+
 WORKER_PROCESS_OPTIONS = [
     option("--heartbeat-interval", type=float, default=0.5, callback=_positive,
            help="Seconds between heartbeats to the gateway."),
@@ -415,9 +442,12 @@ def gateway_config(opts: dict[str, Any]):
         raise click.UsageError("--otlp-traces-endpoint needs the OpenTelemetry SDK: "
                                "pip install 'zeroserve[tracing]'")
 
-    return _build(
+    config = _build(
         GatewayConfig, host=opts["host"], port=opts["port"], model=opts["model"],
         served_model_name=opts["served_model_name"], chat_template=_chat_template(opts),
+        extra_models=tuple(opts.get("extra_models") or ()),
+        model_aliases=tuple(opts.get("model_aliases") or ()),
+        aliases_file=opts.get("aliases_file"),
         router_address=opts["router_address"],
         tokens_address=opts["tokens_address"], credit_window=opts["credit_window"],
         slow_client_timeout_s=opts["slow_client_timeout"],
@@ -443,6 +473,26 @@ def gateway_config(opts: dict[str, Any]):
         **_input_limits(opts),
         **_http_access(opts),
     )
+    _check_aliases(config)
+    return config
+
+
+def _check_aliases(config: Any) -> None:
+    """--model-alias: well formed, and naming only served models (a usage error now rather
+    than a gateway that fails to start)."""
+    from zeroserve.common.model_files import model_display_name
+    from zeroserve.gateway.config import parse_model_spec
+    from zeroserve.gateway.workers.models import ModelCatalog, parse_alias
+
+    display = model_display_name(config.model)
+    default = config.served_model_name or display
+    names = {default: default, display: default}
+    for spec in config.extra_models:
+        names.setdefault(parse_model_spec(spec)[0], parse_model_spec(spec)[0])
+    try:
+        ModelCatalog(default, names, [parse_alias(a) for a in config.model_aliases])
+    except ValueError as e:
+        raise click.UsageError(f"--model-alias: {e}") from None
 
 
 def _http_access(opts: dict[str, Any]) -> dict[str, Any]:
@@ -469,7 +519,8 @@ def _input_limits(opts: dict[str, Any]) -> dict[str, Any]:
 
 def worker_config(opts: dict[str, Any], engine: EngineConfig, worker_id: str,
                   router_address: str | tuple[str, ...],
-                  tokens_address: str | tuple[str, ...]):
+                  tokens_address: str | tuple[str, ...], served_model_name: str = "",
+                  model_version: str | None = None):
     """One gateway's addresses as strings (as ever), several as tuples."""
     from zeroserve.worker.config import WorkerConfig
 
@@ -485,6 +536,8 @@ def worker_config(opts: dict[str, Any], engine: EngineConfig, worker_id: str,
         stall_timeout_s=opts["stall_timeout"], max_step_failures=opts["max_step_failures"],
         keys_dir=opts["keys_dir"], insecure=opts["insecure"],
         fake_stamps_path=opts.get("fake_stamps"), gateway_dns=_gateway_dns(opts),
+        served_model_name=served_model_name,
+        model_version=model_version or opts.get("model_version") or "v1",
     )
 
 
@@ -538,6 +591,8 @@ def worker_args(config: Any) -> list[str]:
         "--gateway-grace", str(config.gateway_grace_s),
         "--stall-timeout", str(config.stall_timeout_s),
         "--max-step-failures", str(config.max_step_failures),
+        "--served-model-name", config.served_model_name,
+        "--model-version", config.model_version,
         *_security_args(config),
         *engine_args(config.engine),
     ]
@@ -571,6 +626,12 @@ def gateway_args(config: Any) -> list[str]:
         args += ["--served-model-name", config.served_model_name]
     if config.chat_template is not None:
         args += ["--chat-template", config.chat_template]
+    for spec in config.extra_models:
+        args += ["--add-model", spec]
+    for alias in config.model_aliases:
+        args += ["--model-alias", alias]
+    if config.aliases_file is not None:
+        args += ["--aliases-file", config.aliases_file]
     if config.reasoning_parser is not None:
         args += ["--reasoning-parser", config.reasoning_parser]
     if config.allow_extra_tool_arguments:
@@ -694,11 +755,15 @@ def main() -> None:
 
 @main.command()
 @MODEL_OPTION
+@_options(MODELS_OPTIONS)
+@option("--model-version", default="v1",
+        help="The version label of --model's workers (an --add-model NAME@VERSION=PATH "
+             "with --model's served name adds another version of it).")
 @_options(GATEWAY_OPTIONS)
 @_options(ADDRESS_OPTIONS)
 @_options(ENGINE_OPTIONS)
 @option("--workers", type=click.IntRange(min=1), default=None,
-        help="Local worker processes. [default: one per CUDA GPU, else 1]")
+        help="Local worker processes of --model. [default: one per CUDA GPU, else 1]")
 @option("--gateways", type=click.IntRange(min=1), default=1,
         help="Gateway processes sharing the HTTP port (SO_REUSEPORT); every worker serves "
              "them all, and one gateway's death ends only its own clients' streams.")
@@ -722,9 +787,11 @@ def serve(**opts: Any) -> None:
 
     setup_logging(opts["log_format"], opts["log_level"])
     _fetch_hub_model(opts)
-    devices = worker_devices(opts["device"], opts["workers"],
-                             count_cuda_devices() if opts["device"] in ("auto", "cuda") else 0)
+    num_gpus = count_cuda_devices() if opts["device"] in ("auto", "cuda") else 0
+    devices = worker_devices(opts["device"], opts["workers"], num_gpus)
     worker_ids = [f"worker-{i}" for i in range(len(devices))]
+    groups = extra_worker_groups(opts, num_gpus)  # --add-model's workers
+    worker_ids += [worker_id for worker_id, *_ in groups]
     ephemeral_keys = _ephemeral_keys_if_needed(opts, worker_ids)
     try:
         gateways = serve_gateway_configs(opts)
@@ -735,7 +802,11 @@ def serve(**opts: Any) -> None:
                     gateway_timeout=max(5.0, 2 * gateway.worker_timeout_s))
         workers = [
             worker_config(opts, engine_config(opts, device=device), worker_id, routers, tokens)
-            for worker_id, device in zip(worker_ids, devices, strict=True)
+            for worker_id, device in zip(worker_ids, devices, strict=False)
+        ] + [
+            worker_config(opts, engine_config({**opts, "model": path}, device=device), worker_id,
+                          routers, tokens, name, version)
+            for worker_id, name, version, path, device in groups
         ]
         children = serve_children(gateways, workers, log_args=_log_args(opts))
         url = local_url(gateway.host, gateway.port)
@@ -751,6 +822,44 @@ def serve(**opts: Any) -> None:
     sys.exit(code)
 
 
+def extra_worker_groups(opts: dict[str, Any], num_gpus: int) -> list[tuple]:
+    """`serve --add-model NAME[@VERSION]=PATH[:N]`: (worker id, served name, version, path,
+    device) for each of its N workers (ids NAME-VERSION-i). A Hub model is fetched now and
+    the gateways get its local path too."""
+    groups = []
+    for name, version, path, num in _fetch_extra_models(opts):
+        version = version or "v1"
+        slug = re.sub(r"[^A-Za-z0-9_.-]", "-", f"{name}-{version}")[:100]
+        for i, device in enumerate(worker_devices(opts["device"], num or 1, num_gpus)):
+            groups.append((f"{slug}-{i}", name, version, path, device))
+    ids = [g[0] for g in groups]
+    if len(set(ids)) != len(ids):
+        raise click.UsageError("--add-model: two groups of workers would share ids; give each "
+                               "NAME@VERSION once")
+    return groups
+
+
+def _fetch_extra_models(opts: dict[str, Any]) -> list[tuple]:
+    """--add-model's specs parsed, each Hub model fetched now (as --model's): opts then
+    hold their local paths, for the gateways (their tokenizers) and the workers."""
+    from zeroserve.common.model_files import ModelNotFoundError, fetch_model
+    from zeroserve.gateway.config import parse_model_spec
+
+    parsed, specs = [], []
+    for spec in opts.get("extra_models") or ():
+        try:
+            name, version, path, num = parse_model_spec(spec)
+            path = fetch_model(path, None)
+        except ValueError as e:
+            raise click.UsageError(f"--add-model: {e}") from None
+        except ModelNotFoundError as e:
+            raise click.ClickException(str(e)) from None
+        parsed.append((name, version, path, num))
+        specs.append(f"{name}@{version}={path}" if version else f"{name}={path}")
+    opts["extra_models"] = tuple(specs)
+    return parsed
+
+
 def serve_gateway_configs(opts: dict[str, Any]) -> list[Any]:
     """`serve`'s gateway processes: one, or --gateways N sharing the port, each with its
     own worker-plane endpoints (given, one per gateway, or the default ipc pair of its
@@ -763,13 +872,16 @@ def serve_gateway_configs(opts: dict[str, Any]) -> list[Any]:
     if num == 1:
         return [gateway_config({**opts, "router_address": routers[0] if routers else None,
                                 "tokens_address": tokens[0] if tokens else None})]
-    from zeroserve.gateway.config import default_endpoints, tier_metrics_dir
+    from zeroserve.gateway.config import default_endpoints, tier_aliases_file, tier_metrics_dir
 
+    aliases_file = opts.get("aliases_file") or tier_aliases_file(opts["port"])
+    if not opts.get("aliases_file"):
+        pathlib.Path(aliases_file).unlink(missing_ok=True)  # a last run's weights: this run's flags win
     configs = []
     for index in range(num):
         router, token = default_endpoints(opts["port"], index)
         configs.append(gateway_config({
-            **opts, "reuse_port": True, "gateway_index": index,
+            **opts, "reuse_port": True, "gateway_index": index, "aliases_file": aliases_file,
             "metrics_dir": opts.get("metrics_dir") or tier_metrics_dir(opts["port"]),
             "router_address": routers[index] if routers else router,
             "tokens_address": tokens[index] if tokens else token}))
@@ -793,6 +905,11 @@ def _ephemeral_keys_if_needed(opts: dict[str, Any], worker_ids: list[str]) -> An
 
 @main.command()
 @MODEL_OPTION
+@_options(MODELS_OPTIONS)
+@option("--aliases-file", default=None, type=click.Path(dir_okay=False),
+        help="A JSON file through which the gateways of a tier share alias weights changed at "
+             "run time (a folder they all mount). [default: none; `serve --gateways N` sets "
+             "one]")
 @_options(GATEWAY_OPTIONS)
 @_options(ADDRESS_OPTIONS)
 @_options(LOG_OPTIONS)
@@ -804,6 +921,7 @@ def gateway(**opts: Any) -> None:
 
     die_with_parent()  # first: a Hub download may take long, and serve may die meanwhile
     _fetch_hub_model(opts)
+    _fetch_extra_models(opts)
     for flag in ("router_address", "tokens_address"):
         if len(opts[flag]) > 1:
             raise click.UsageError(f"--{flag.replace('_', '-')}: a gateway binds one address")
@@ -834,6 +952,7 @@ def gateway(**opts: Any) -> None:
              "prompt token, output index, monotonic time] for every token the fake made.")
 @_options(GATEWAY_DNS_OPTIONS)
 @MODEL_OPTION
+@_options(WORKER_MODEL_OPTIONS)
 @_options(ENGINE_OPTIONS)
 @_options(WORKER_PROCESS_OPTIONS)
 @_options(WORKER_RESILIENCE_OPTIONS)
@@ -855,7 +974,7 @@ def worker(**opts: Any) -> None:
     tokens = opts["tokens_address"] or tuple(token for _, token in defaults)
     config = worker_config(
         opts, engine_config(opts), opts["worker_id"] or f"{socket.gethostname()}-{os.getpid()}",
-        routers, tokens,
+        routers, tokens, opts["served_model_name"], opts["model_version"],
     )
     if config.keys_dir is not None:
         from zeroserve.common.keys import KeySetError, load_worker_keys
@@ -961,6 +1080,62 @@ def workers_restart(worker_id: str | None, restart_all: bool, **opts: Any) -> No
         return
     _admin_call(lambda: restart(client, worker_id, opts["deadline"], opts["timeout"],
                                 click.echo))
+
+
+@main.group()
+def models() -> None:
+    """Served models, their versions and workers, and aliases: list, set-weights."""
+
+
+@models.command("list")
+@_options(ADMIN_CLIENT_OPTIONS)
+def models_list(**opts: Any) -> None:
+    """Every served model with its versions and their workers, then the aliases' weights."""
+    found = _admin_call(lambda: _admin(opts).models())
+    for model in found["models"]:
+        names = f" (also: {', '.join(model['other_names'])})" if model["other_names"] else ""
+        default = " [default]" if model["default"] else ""
+        click.echo(f"{model['model']}{default}{names}")
+        for version in model["versions"]:
+            workers = ", ".join(f"{w['worker_id']} ({w['status']})" for w in version["workers"])
+            click.echo(f"  @{version['version']:<10} {workers}")
+        if not model["versions"]:
+            click.echo("  no worker is connected")
+    for alias in found["aliases"]:
+        shares = ", ".join(f"{t} {100 * share:.1f}%" for t, share in alias["shares"].items())
+        click.echo(f"alias {alias['alias']}: {shares}")
+
+
+@models.command("set-weights")
+@click.argument("alias")
+@click.argument("weights", nargs=-1, required=True)
+@option("--url", "urls", multiple=True, default=("http://127.0.0.1:8000",),
+        help="A gateway's base URL; repeat it for gateways that share no aliases file (one "
+             "per machine). The gateways of one `serve --gateways N` share one: any of them "
+             "will do.")
+@option("--admin-key", default=None,
+        help="The gateways' admin key; none for a gateway on this machine without one.")
+def models_set_weights(alias: str, weights: tuple[str, ...], urls: tuple[str, ...],
+                       admin_key: str | None) -> None:
+    """Give ALIAS these WEIGHTS from now on: TARGET=WEIGHT ... (TARGET is NAME or
+    NAME@VERSION), e.g. `zeroserve models set-weights chat smollm@v1=50 smollm@v2=50`.
+    Conversations whose point the change does not cover keep their version."""
+    from zeroserve.cli.admin_client import AdminClient
+
+    parsed: dict[str, float] = {}
+    for item in weights:
+        target, sep, weight = item.rpartition("=")
+        try:
+            parsed[target] = float(weight)
+        except ValueError:
+            sep = ""
+        if not sep or not target:
+            raise click.UsageError(f"{item!r} is not TARGET=WEIGHT")
+    for url in urls:
+        answer = _admin_call(lambda url=url: AdminClient(url, admin_key).set_weights(
+            alias, parsed))
+        shares = ", ".join(f"{t} {100 * share:.1f}%" for t, share in answer["shares"].items())
+        click.echo(f"{url}: alias {alias}: {shares}")
 
 
 @main.group()

@@ -104,7 +104,7 @@ class Hello(Message):
     SCHEMA: ClassVar = {
         "protocol_version": _INT, "worker_id": _STR, "model": _STR, "max_model_len": _INT,
         "num_kv_blocks": _INT, "block_size": _INT, "max_num_seqs": _INT, "device": _STR,
-        "pid": _INT, "startup_phases": _DICT,
+        "pid": _INT, "startup_phases": _DICT, "served_model_name": _STR, "model_version": _STR,
     }
     protocol_version: int
     worker_id: str
@@ -117,6 +117,11 @@ class Hello(Message):
     pid: int
     # Seconds each start-up phase took (e.g. {"load_weights": 0.4, "kv_cache": 0.1}).
     startup_phases: dict[str, float] = field(default_factory=dict)
+    # The name clients use for this worker's model and its version label (a worker of
+    # `--served-model-name smollm --model-version v2`). "" (an older worker, or none given):
+    # the gateway's default model, version "".
+    served_model_name: str = ""
+    model_version: str = ""
 
     def validate(self) -> None:
         # A peer's claims feed routing and context checks: absurd values are refused here.
@@ -128,6 +133,9 @@ class Hello(Message):
         for name in ("worker_id", "model", "device"):
             if not 0 < len(getattr(self, name)) <= MAX_NAME_CHARS:
                 raise ProtocolError(f"Hello.{name} must have 1 to {MAX_NAME_CHARS} characters")
+        for name in ("served_model_name", "model_version"):
+            if len(getattr(self, name)) > MAX_NAME_CHARS:
+                raise ProtocolError(f"Hello.{name} must have at most {MAX_NAME_CHARS} characters")
         phases = self.startup_phases
         if len(phases) > 32 or not all(
                 isinstance(k, str) and len(k) <= 64 and _is_duration(v, math.inf)

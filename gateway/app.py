@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from zeroserve.common.model_files import model_display_name
-from zeroserve.gateway.config import GatewayConfig
+from zeroserve.gateway.config import GatewayConfig, parse_model_spec
 from zeroserve.gateway.core import Gateway
 from zeroserve.gateway.errors import APIError, invalid_api_key, server_error
 from zeroserve.gateway.http.admin import AdminApi
@@ -29,14 +29,17 @@ from zeroserve.gateway.http.rate_limit import RateLimiter, RateLimitMiddleware
 from zeroserve.gateway.http.responses_routes import ResponsesApi
 from zeroserve.gateway.http.routes import Api
 from zeroserve.gateway.http.ui import ConsolePages
-from zeroserve.gateway.key_limits import default_limits, load_key_limits
+from zeroserve.gateway.key_limits import default_limits, load_key_limits, load_model_limits
 from zeroserve.gateway.logging import get_logger
 from zeroserve.gateway.observability.loop_monitor import LoopLagMonitor
 from zeroserve.gateway.observability.metrics import DEFAULT_MAX_MODEL_LEN, Metrics, NoRequestMetrics
 from zeroserve.gateway.observability.tier_metrics import TierMetrics
 from zeroserve.gateway.observability.tracing import RequestTracer
 from zeroserve.gateway.text.chat_template import ChatTemplate
+from zeroserve.gateway.text.model_texts import load_model_text
 from zeroserve.gateway.text.tokenizer import TextTokenizer, load_tokenizer
+from zeroserve.gateway.workers.alias_file import AliasFile
+from zeroserve.gateway.workers.models import ModelCatalog, parse_alias
 
 log = get_logger("app")
 
@@ -48,13 +51,39 @@ def served_model_names(config: GatewayConfig) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None) -> Starlette:
-    """Load the tokenizer now (once); bind the sockets when the server starts."""
+def extra_model_paths(config: GatewayConfig, names: tuple[str, ...]) -> dict[str, str]:
+    """`--add-model`'s served names -> their files (a name's first spec wins: its versions
+    share its tokenizer; one of the default model's `names` is another version of it)."""
+    paths: dict[str, str] = {}
+    for spec in config.extra_models:
+        name, _, path, _ = parse_model_spec(spec)
+        if name not in names:
+            paths.setdefault(name, path)
+    return paths
+
+
+def model_catalog(config: GatewayConfig, names: tuple[str, ...]) -> ModelCatalog:
+    """The models served (the default one under `names`), its aliases, the tier's file."""
+    table = {name: names[0] for name in names}
+    for name in extra_model_paths(config, names):
+        table[name] = name
+    shared = None if config.aliases_file is None else AliasFile(config.aliases_file)
+    return ModelCatalog(names[0], table, [parse_alias(a) for a in config.model_aliases],
+                        shared)
+
+
+def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None,
+              tokenizers: dict[str, TextTokenizer] | None = None) -> Starlette:
+    """Load the tokenizers now (once); bind the sockets when the server starts.
+    `tokenizer`, `tokenizers` (by served name, for `extra_models`): ones already loaded."""
     tokenizer = tokenizer or load_tokenizer(config.model)
     if tokenizer.is_byte_level:
         tokenizer.shown_bytes_table()  # built now (with bytes_table), not on a request
     template = ChatTemplate.from_tokenizer(tokenizer, config.chat_template)
     names = served_model_names(config)
+    models = model_catalog(config, names)
+    others = tuple(load_model_text(name, path, (tokenizers or {}).get(name))
+                   for name, path in extra_model_paths(config, names).items())
     tier = None if config.metrics_dir is None or config.disable_metrics else TierMetrics(
         config.metrics_dir, config.gateway_index)
     metrics = None if config.disable_metrics else Metrics(
@@ -62,8 +91,8 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None) -> 
     tracer = None if config.otlp_traces_endpoint is None else RequestTracer.for_endpoint(
         config.otlp_traces_endpoint, names[0])
     gateway = Gateway(config, metrics=NoRequestMetrics() if metrics is None else metrics.requests,
-                      tracer=tracer)
-    api = Api(config, gateway, tokenizer, template, names)
+                      tracer=tracer, models=models)
+    api = Api(config, gateway, tokenizer, template, names, others)
     messages = MessagesApi(api)
     loop_monitor = LoopLagMonitor(warn_s=config.loop_lag_warn_s)
     if metrics is not None:
@@ -79,6 +108,8 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None) -> 
             metrics.write_tier_snapshots(), name="tier-metrics")
         warn_if_exposed(config.host, keys)
         log.info("gateway started", extra={"model": api.served_names[0],
+                                           "models": list(models.served),
+                                           "aliases": sorted(models.aliases),
                                            "router": gateway.edge.router_address,
                                            "tokens": gateway.edge.tokens_address})
         try:
@@ -158,6 +189,7 @@ def http_middleware(config: GatewayConfig, keys: ApiKeys,
                              config.rate_limit_tpm)
     limiter = RateLimiter(default, load_key_limits(config.rate_limits_file, config.api_keys,
                                                    default))
+    limiter.limit_models(load_model_limits(config.rate_limits_file))
     if limiter.is_enabled:
         stack.append(Middleware(RateLimitMiddleware, limiter=limiter,
                                 on_refused=None if metrics is None else metrics.requests.on_refused))

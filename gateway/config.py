@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zeroserve.common.keys import InsecurePlaneError, check_plane_security
-from zeroserve.gateway.key_limits import default_limits, load_key_limits
+from zeroserve.gateway.key_limits import default_limits, load_key_limits, load_model_limits
 
 LOG_FORMATS = ("text", "json")
 
@@ -115,6 +115,14 @@ class GatewayConfig:
     allow_extra_tool_arguments: bool = False
     response_store_size: int = 1000
     response_store_ttl_s: float = 24 * 3600.0
+    # More models beside `model` (gateway/workers/models.py): "NAME=PATH" each (`--add-model`;
+    # a "NAME@VERSION=PATH" form names a version, which the gateway does not need: the
+    # tokenizer is the served name's). Aliases over them, "ALIAS=TARGET:WEIGHT,..."
+    # (`--model-alias chat=smollm@v1:90,smollm@v2:10`), and the file through which the
+    # gateways of a tier share changed weights (None: none; `serve --gateways N` sets one).
+    extra_models: tuple[str, ...] = ()
+    model_aliases: tuple[str, ...] = ()
+    aliases_file: str | None = None
 
     def __post_init__(self) -> None:
         self._check_input_limits()
@@ -156,6 +164,8 @@ class GatewayConfig:
             raise ValueError("response_store_size must be >= 1 and response_store_ttl_s > 0")
         if self.reasoning_parser not in (None, "qwen3", "deepseek_r1"):
             raise ValueError("reasoning_parser must be qwen3 or deepseek_r1")
+        for spec in self.extra_models:
+            parse_model_spec(spec)
 
     def _check_input_limits(self) -> None:
         if self.max_request_body_bytes < 1024:
@@ -191,12 +201,33 @@ class GatewayConfig:
         default = default_limits(self.rate_limit_rps, self.rate_limit_burst,
                                  self.rate_limit_tpm)
         load_key_limits(self.rate_limits_file, self.api_keys, default)
+        load_model_limits(self.rate_limits_file)
 
     @property
     def endpoints(self) -> tuple[str, str]:
         """(router, tokens) addresses in effect."""
         router, tokens = default_endpoints(self.port)
         return self.router_address or router, self.tokens_address or tokens
+
+
+def parse_model_spec(spec: str) -> tuple[str, str | None, str, int | None]:
+    """`NAME[@VERSION]=PATH[:WORKERS]` -> (name, version, path, workers). ValueError if bad."""
+    name, sep, path = spec.partition("=")
+    name, at, version = name.strip().partition("@")
+    workers = None
+    head, colon, tail = path.rpartition(":")
+    if colon and tail.isdigit():
+        path, workers = head, int(tail)
+    if not sep or not name or not path.strip() or (at and not version) or workers == 0:
+        raise ValueError(f"model {spec!r} must be NAME[@VERSION]=PATH[:WORKERS] (WORKERS >= 1)")
+    if not (name + version).isprintable() or len(name) > 256 or len(version) > 256:
+        raise ValueError(f"model {spec!r}: the name and version must be printable")
+    return name, version or None, path.strip(), workers
+
+
+def tier_aliases_file(port: int) -> str:
+    """Where the gateways of `serve --gateways N` on `port` share alias weights."""
+    return str(_ipc_dir() / f"gw-{port}-aliases" / "aliases.json")
 
 
 def _ipc_dir() -> Path:

@@ -21,6 +21,7 @@ from typing import Any
 
 from zeroserve.common.keys import is_worker_id_valid, load_gateway_keys
 from zeroserve.common.logging_setup import RateLimited, printable
+from zeroserve.common.model_files import model_display_name
 from zeroserve.common.protocol import (
     POISON_REQUEST,
     PROTOCOL_VERSION,
@@ -60,6 +61,7 @@ from zeroserve.gateway.streams import (
     WorkerOutbox,
 )
 from zeroserve.gateway.workers.handle import WorkerStatus
+from zeroserve.gateway.workers.models import ModelCatalog, Target
 from zeroserve.gateway.workers.registry import WorkerRegistry
 from zeroserve.gateway.workers.zmq_io import Peer, ZmqEdge
 
@@ -75,8 +77,11 @@ MAX_SUBMITS_AFTER_ERROR = 2
 
 class Gateway:
     def __init__(self, config: GatewayConfig, clock=time.monotonic,
-                 metrics: RequestMetrics | None = None, tracer: RequestTracer | None = None):
+                 metrics: RequestMetrics | None = None, tracer: RequestTracer | None = None,
+                 models: ModelCatalog | None = None):
         self.config = config
+        # The models served, their names and aliases (gateway/workers/models.py).
+        self.models = models or _one_model(config)
         self.clock = clock
         # Counted here from the streams, so a worker's restart cannot make them go back.
         self.metrics = metrics or Metrics(config.served_model_name or "").requests
@@ -155,13 +160,17 @@ class Gateway:
         """Wait for a worker (admission) and send the request to it. Raises APIError."""
         state.params = params
         worker = await self.admission.acquire(state.request_id, state.prompt_token_ids,
-                                              state.cache_key)
+                                              state.cache_key, state.target)
         if state.phase is not RequestPhase.QUEUED:  # ended while it waited
             self.registry.release(worker.worker_id, state.request_id)
             self.admission.wake()
             return
         state.worker_id = worker.worker_id
         state.phase = RequestPhase.RUNNING
+        # Pinned to this worker's model and version: a resubmission goes to the same pair.
+        state.target = (state.target or Target(worker.model)).pinned(worker.version)
+        if not state.num_submits:
+            self.metrics.on_routed(worker.model, worker.version)
         state.num_submits += 1
         state.submitted_at = state.last_activity = self.clock()
         state.missing_since = None
@@ -286,6 +295,9 @@ class Gateway:
             return f"this worker's key was issued for {peer.user_id!r}, not {msg.worker_id!r}"
         if self.edge.keys is None and not is_worker_id_valid(msg.worker_id):
             return f"bad worker id {msg.worker_id!r}"
+        if self.models.model_of_worker(msg.served_model_name) is None:
+            return (f"this gateway does not serve model {printable(msg.served_model_name)!r} "
+                    f"(it serves: {', '.join(self.models.served)})")
         return None
 
     def _is_duplicate(self, peer: Peer, msg: Hello) -> bool:
@@ -322,13 +334,16 @@ class Gateway:
         if self._is_duplicate(peer, msg):
             return
         worker_id = msg.worker_id
-        old = self.registry.register(msg, peer.route, self.clock())
+        model = self.models.model_of_worker(msg.served_model_name) or self.models.default
+        old = self.registry.register(msg, peer.route, self.clock(), model)
         self.edge.bind_route(worker_id, peer.route)
         if old is not None:
             self.metrics.on_worker_event(worker_id, "restarted")
             self._fail_worker_requests(worker_id, "restarted")
         log.info("worker ready", extra={"worker_id": worker_id, "pid": msg.pid,
                                         "device": msg.device, "model": msg.model,
+                                        "served_model_name": model,
+                                        "version": msg.model_version,
                                         "max_model_len": msg.max_model_len,
                                         "num_kv_blocks": msg.num_kv_blocks})
         self._hailed_at.pop(peer.route, None)
@@ -478,3 +493,11 @@ class Gateway:
         for state in self.streams.on_worker(worker_id):
             self._resubmit_or_fail(state, worker_failed(
                 f"The worker serving this request ({worker_id}) {what}; please retry."))
+
+
+def _one_model(config: GatewayConfig) -> ModelCatalog:
+    """A gateway built without a catalog serves its config's one model, under its served
+    name and its file's display name."""
+    display = model_display_name(config.model)
+    name = config.served_model_name or display
+    return ModelCatalog(name, {name: name, display: name})

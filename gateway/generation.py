@@ -247,8 +247,11 @@ class RequestGroup:
                error: APIError | None = None) -> None:
         tracer = self.gateway.tracer
         if tracer is not None:
+            target = state.target
             tracer.record(choice, state.request_id, state.worker_id, self.trace_headers, now,
-                          None if error is None else error.message)
+                          None if error is None else error.message,
+                          None if target is None else target.model,
+                          None if target is None else target.version)
 
     def close(self) -> None:
         """End every choice still open (client gone, error, slow client)."""

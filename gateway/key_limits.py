@@ -1,5 +1,6 @@
 """Rate-limit settings: the `Limits` of one client (requests per second, burst, tokens per
-minute), the defaults from the flags and the per-key limits file (JSON or TOML). Plain data,
+minute), the defaults from the flags and the per-key limits file (JSON or TOML), whose
+optional `models` table limits each client's use of one served model (`MODELS_TABLE`). Plain data,
 read when the config is built (so a bad file fails at start) and used by
 gateway/http/rate_limit.py.
 """
@@ -16,6 +17,11 @@ from typing import Any
 
 class RateLimitConfigError(ValueError):
     pass
+
+
+# The limits file's table of per-model limits: {"models": {"tiny": {"requests_per_second":
+# 5}}} limits every client's requests to the served model `tiny` (on top of its own limits).
+MODELS_TABLE = "models"
 
 
 @dataclass(frozen=True)
@@ -64,9 +70,33 @@ def load_key_limits(path: str | None, api_keys: tuple[str, ...], default: Limits
     `api_keys`. Errors never name a key: they are secrets."""
     if path is None:
         return {}
-    if not api_keys:
+    table = _read_table(path)
+    table = {k: v for k, v in table.items() if k != MODELS_TABLE}
+    if not api_keys and table:
         raise RateLimitConfigError("per-key rate limits (--rate-limits) need API keys "
                                    "(--api-key)")
+    per_key = {}
+    for position, (key, entry) in enumerate(table.items(), start=1):
+        where = f"{path}: entry {position}"
+        if key not in api_keys:
+            raise RateLimitConfigError(f"{where} is for a key that is not one of the API keys")
+        per_key[api_keys.index(key)] = _limits(entry, where, default)
+    return per_key
+
+
+def load_model_limits(path: str | None) -> dict[str, Limits]:
+    """The limits file's `models` table: served model name -> the limits of each client's
+    use of it (a field left out: unlimited)."""
+    if path is None:
+        return {}
+    models = _read_table(path).get(MODELS_TABLE, {})
+    if not isinstance(models, dict):
+        raise RateLimitConfigError(f"{path}: '{MODELS_TABLE}' must map model names to limits")
+    return {str(name): _limits(entry, f"{path}: {MODELS_TABLE}.{name}", Limits())
+            for name, entry in models.items()}
+
+
+def _read_table(path: str) -> dict:
     try:
         raw = Path(path).read_bytes()
         table = tomllib.loads(raw.decode()) if path.endswith(".toml") else json.loads(raw)
@@ -75,19 +105,17 @@ def load_key_limits(path: str | None, api_keys: tuple[str, ...], default: Limits
                                    f"{type(e).__name__}") from None
     if not isinstance(table, dict):
         raise RateLimitConfigError(f"{path}: must map API keys to their limits")
+    return table
+
+
+def _limits(entry: Any, where: str, default: Limits) -> Limits:
     names = {f.name for f in fields(Limits)}
-    per_key = {}
-    for position, (key, entry) in enumerate(table.items(), start=1):
-        where = f"{path}: entry {position}"
-        if key not in api_keys:
-            raise RateLimitConfigError(f"{where} is for a key that is not one of the API keys")
-        if not isinstance(entry, dict) or not set(entry) <= names:
-            raise RateLimitConfigError(f"{where} must be an object with only "
-                                       f"{', '.join(sorted(names))}")
-        # TOML has no null: "unlimited" says it in both formats.
-        entry = {name: None if value == "unlimited" else value for name, value in entry.items()}
-        try:
-            per_key[api_keys.index(key)] = replace(default, **entry)
-        except RateLimitConfigError as e:
-            raise RateLimitConfigError(f"{where}: {e}") from None
-    return per_key
+    if not isinstance(entry, dict) or not set(entry) <= names:
+        raise RateLimitConfigError(f"{where} must be an object with only "
+                                   f"{', '.join(sorted(names))}")
+    # TOML has no null: "unlimited" says it in both formats.
+    entry = {name: None if value == "unlimited" else value for name, value in entry.items()}
+    try:
+        return replace(default, **entry)
+    except RateLimitConfigError as e:
+        raise RateLimitConfigError(f"{where}: {e}") from None

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from zeroserve.common.protocol import TokenOutput
 from zeroserve.gateway.errors import APIError
+from zeroserve.gateway.workers.models import Target
 
 
 class Sink:
@@ -112,6 +113,9 @@ class RequestState:
     # The client's name for the conversation (prompt_cache_key, a session header): routing
     # keeps its requests on one worker where their prefixes tie (gateway/workers/routing.py).
     cache_key: str | None = None
+    # The workers it may run on (gateway/workers/models.py): its model, and from its first
+    # SUBMIT on the version of the worker that took it (failover stays on that pair).
+    target: Target | None = None
 
     @property
     def attempt(self) -> int:

@@ -89,8 +89,18 @@ class WorkerConfig:
     # Gateways found by DNS (worker/discovery.py) instead of fixed addresses: one link per
     # address the name resolves to, re-resolved every gateway_dns.interval_s.
     gateway_dns: GatewayDns | None = None
+    # What HELLO announces (the gateway routes by them): the name clients use for this
+    # worker's model ("" : the gateway's default model) and its version label.
+    served_model_name: str = ""
+    model_version: str = "v1"
 
     def __post_init__(self) -> None:
+        for name in ("served_model_name", "model_version"):
+            value = getattr(self, name)
+            if len(value) > 256 or not value.isprintable() or value != value.strip():
+                raise ValueError(f"{name} must be printable, at most 256 characters")
+        if not self.model_version:
+            raise ValueError("model_version must not be empty")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {self.backend!r}")
         if self.heartbeat_interval_s <= 0:

@@ -493,6 +493,8 @@ class WorkerLoop:
             block_size=self.config.engine.block_size,
             max_num_seqs=self.config.engine.max_num_seqs, device=info.device, pid=os.getpid(),
             startup_phases=dict(getattr(self.engine, "startup_phases", {})),
+            served_model_name=self.config.served_model_name,
+            model_version=self.config.model_version,
         )
         gw.link.hello_sent_at = None  # so the next check waits for this HELLO's fate
         gw.send_control(encode(hello))

@@ -1,8 +1,9 @@
 #!/bin/sh
 # Make zeroserve's Secrets for Kubernetes and print them as YAML:
 #
-#   deploy/kubernetes/secrets.sh KEY_DIR NUM_WORKERS | kubectl apply -n zeroserve -f -
+#   deploy/kubernetes/secrets.sh KEY_DIR NUM_WORKERS [WORKER_ID ...] | kubectl apply -n zeroserve -f -
 #
+# WORKER_IDs: keys for workers of other groups too (overlays/second-model: worker-second-0).
 # KEY_DIR gets a new CurveZMQ key set (`zeroserve keys generate`: the gateways' shared pair
 # and worker-0 .. worker-(NUM_WORKERS-1)) unless it already holds one, and an API key file
 # (api-keys: one serving key a line; admin-key) unless it has them. Keep KEY_DIR private
@@ -18,25 +19,34 @@
 # Needs `zeroserve` (or ZEROSERVE="docker run --rm -v $PWD:$PWD -w $PWD zeroserve:cpu
 # zeroserve"), kubectl (only to format the YAML: no cluster is contacted) and python3.
 set -eu
-if [ $# -ne 2 ]; then
-  echo "usage: $0 KEY_DIR NUM_WORKERS" >&2
+if [ $# -lt 2 ]; then
+  echo "usage: $0 KEY_DIR NUM_WORKERS [WORKER_ID ...]" >&2
   exit 2
 fi
 dir=$1
 num_workers=$2
+shift 2
 zeroserve=${ZEROSERVE:-zeroserve}
 kubectl=${KUBECTL:-kubectl}
 umask 077
-if [ ! -f "$dir/gateway.key_secret" ]; then
-  $zeroserve keys generate "$dir" --workers "$num_workers" >&2
-fi
+workers=""
 i=0
 while [ "$i" -lt "$num_workers" ]; do
-  if [ ! -f "$dir/workers/worker-$i.key_secret" ]; then
-    echo "$dir has no key for worker-$i: use a new KEY_DIR (every key is reissued)" >&2
+  workers="$workers worker-$i"
+  i=$((i + 1))
+done
+workers="$workers $*"
+if [ ! -f "$dir/gateway.key_secret" ]; then
+  ids=""
+  for w in $workers; do ids="$ids --worker-id $w"; done
+  # shellcheck disable=SC2086  # the flags split on purpose
+  $zeroserve keys generate "$dir" $ids >&2
+fi
+for w in $workers; do
+  if [ ! -f "$dir/workers/$w.key_secret" ]; then
+    echo "$dir has no key for $w: use a new KEY_DIR (every key is reissued)" >&2
     exit 1
   fi
-  i=$((i + 1))
 done
 token() { python3 -c 'import secrets; print("sk-" + secrets.token_urlsafe(32))'; }
 [ -f "$dir/api-keys" ] || token > "$dir/api-keys"
@@ -44,12 +54,6 @@ token() { python3 -c 'import secrets; print("sk-" + secrets.token_urlsafe(32))';
 api_keys=$(grep -v '^#' "$dir/api-keys" | grep . | paste -sd, -)
 metrics_key=${api_keys%%,*}
 
-workers=""
-i=0
-while [ "$i" -lt "$num_workers" ]; do
-  workers="$workers worker-$i"
-  i=$((i + 1))
-done
 gateway_files="--from-file=gateway.key_secret=$dir/gateway.key_secret"
 worker_files="--from-file=gateway.key=$dir/gateway.key"
 for w in $workers; do

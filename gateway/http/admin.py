@@ -7,6 +7,11 @@
     POST /admin/workers/{id}/restart          {"deadline_s": 30}: drain, then the worker exits
                                               0 and its supervisor (serve, compose, k8s) starts
                                               it again; it comes back with a new incarnation
+    GET  /admin/models                        served models, their versions and workers, and
+                                              the aliases with their weights
+    POST /admin/models/{alias}/weights        {"weights": {"smollm@v1": 90, "smollm@v2": 10}}:
+                                              an alias's weights from now on (a new alias too),
+                                              in every gateway of the tier (workers/alias_file.py)
 
 Who may call it: `Authorization: Bearer KEY` with an admin key (`--admin-key`, compared in
 constant time). Without an admin key, only clients on the loopback interface, whatever API
@@ -46,6 +51,7 @@ from zeroserve.gateway.http.auth import ApiKeys, is_loopback_host
 from zeroserve.gateway.http.error_response import error_response
 from zeroserve.gateway.http.host_check import host_name
 from zeroserve.gateway.logging import get_logger
+from zeroserve.gateway.workers.models import alias_from_weights
 
 log = get_logger("admin")
 
@@ -67,6 +73,8 @@ class AdminApi:
             Route("/admin/workers/{worker_id}/drain", self.drain, methods=["POST"]),
             Route("/admin/workers/{worker_id}/undrain", self.undrain, methods=["POST"]),
             Route("/admin/workers/{worker_id}/restart", self.restart, methods=["POST"]),
+            Route("/admin/models", self.list_models, methods=["GET"]),
+            Route("/admin/models/{alias}/weights", self.set_weights, methods=["POST"]),
         ]
 
     # --- endpoints ---------------------------------------------------------------------
@@ -77,6 +85,35 @@ class AdminApi:
             return error_response(refusal)
         workers = [w.describe() for w in self.gateway.registry.workers.values()]
         return JSONResponse({"workers": sorted(workers, key=lambda w: w["worker_id"])})
+
+    async def list_models(self, request: Request) -> Response:
+        refusal = self._refusal(request)
+        if refusal is not None:
+            return error_response(refusal)
+        workers = [(w.model, w.version, w.worker_id, w.status.value)
+                   for w in self.gateway.registry.workers.values()]
+        return JSONResponse(self.gateway.models.describe(workers))
+
+    async def set_weights(self, request: Request) -> Response:
+        refusal = self._refusal(request)
+        if refusal is not None:
+            return error_response(refusal)
+        name = request.path_params["alias"]
+        try:
+            body = _json_body(await request.body())
+            alias = alias_from_weights(name, body.get("weights"))
+            self.gateway.models.set_alias(alias)
+        except APIError as e:
+            return error_response(e)
+        except ValueError as e:
+            return error_response(invalid_request(str(e), param="weights"))
+        except OSError as e:
+            log.error("could not share alias weights", extra={"error": str(e)})
+            return error_response(APIError(500, "The weights could not be written to the "
+                                                "tier's aliases file.", type="server_error"))
+        log.info("alias weights set", extra={"alias": printable(name),
+                                             "weights": alias.describe()["weights"]})
+        return JSONResponse(alias.describe())
 
     async def drain(self, request: Request) -> Response:
         return await self._drain(request, exit_when_drained=False)
@@ -170,6 +207,18 @@ def _cross_site_refusal(request: Request, origins: frozenset[str],
                                  "empty body takes the defaults) or an Authorization header.",
                             code="unsupported_media_type")
     return None
+
+
+def _json_body(raw: bytes) -> dict:
+    if len(raw) > _MAX_BODY_BYTES:
+        raise APIError(413, "The request body is too large.", code="request_too_large")
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise invalid_request("The request body is not valid JSON.") from None
+    if not isinstance(body, dict):
+        raise invalid_request("The request body must be a JSON object.")
+    return body
 
 
 def _deadline(raw: bytes) -> float:

@@ -163,13 +163,12 @@ class MessagesApi:
         self.api = api
 
     async def create(self, request: Request) -> Response:
-        api = self.api
         try:
-            req = await self._parse(parse_messages, request)
+            api, req = await self._parse(parse_messages, request)
             if req.dropped_tools:
                 log.warning("server tools dropped: nothing here runs them",
                             extra={"tools": list(req.dropped_tools)})
-            text = await self._render(req.chat.prompt)
+            text = await self._render(api, req.chat.prompt)
             ids = await api._encode(text, add_special_tokens=False)
             # Clients ask for the model's whole output budget: what is left in the context
             # is the most this answer can have (it ends with stop_reason max_tokens).
@@ -184,57 +183,63 @@ class MessagesApi:
             return await api._generate(
                 request, ctx, [ids], sampling, req.stream, what="messages",
                 streamed_as=partial(MessagesStream, request=req),
-                respond=partial(self._respond, req=req, ctx=ctx),
+                respond=partial(self._respond, req=req, ctx=ctx, api=api),
                 reasoning=api.reasoning_parsers(text, sampling))
         except APIError as e:
             return anthropic_error_response(e)
 
     async def count_tokens(self, request: Request) -> Response:
-        api = self.api
         try:
-            prompt = await self._parse(parse_count_tokens, request)
-            ids = await api._encode(await self._render(prompt), add_special_tokens=False)
+            api, prompt = await self._parse(parse_count_tokens, request)
+            ids = await api._encode(await self._render(api, prompt), add_special_tokens=False)
         except APIError as e:
             return anthropic_error_response(e)
         return JSONResponse({"input_tokens": len(ids)})
 
-    async def _render(self, prompt: ChatPrompt) -> str:
+    async def _render(self, api: Api, prompt: ChatPrompt) -> str:
         """The prompt's text, its later system messages where they were sent if the chat
         template renders them there, else joined into the leading one."""
         merged = merged_system_prompt(prompt)
         if merged is None:
-            return await self.api._render(prompt)
+            return await api._render(prompt)
         try:
-            text = await self.api._render(prompt)
+            text = await api._render(prompt)
             if all(system in text for system in later_system_texts(prompt)):
                 return text
         except APIError:
             pass  # the template refused a system message there (it may take it first)
-        return await self.api._render(merged)
+        return await api._render(merged)
 
-    async def _parse(self, parse, request: Request):
+    async def _parse(self, parse, request: Request) -> tuple[Api, Any]:
+        """The view of the model the body names (gateway/http/routes.py: `Api.for_request`;
+        an unknown claude-… name is the default model) and the parsed request."""
         api = self.api
         try:
             body = await api._read_json(request)
+            api = api.for_request(body, request.headers, fallback=_is_claude_name)
             if any(body.get(k) is not None for k in _GRAMMAR_FIELDS):
                 # Checking a large JSON schema with the grammar engine takes up to a second.
-                return await api.cpu.run(parse, body, api.served_names, api.limits)
-            return await api._parse(parse, body)
+                return api, await api.cpu.run(parse, body, api.served_names, api.limits)
+            return api, await api._parse(parse, body)
         except APIError as e:
             if e.code == "model_not_found":
-                raise APIError(404, f"{e.message} This server serves "
-                                    f"'{api.served_names[0]}' (also as any 'claude-…' "
-                                    "name).", type=e.type, param=e.param,
-                               code=e.code) from None
+                served = "', '".join(self.api.gateway.models.served)
+                raise APIError(404, f"{e.message} This server serves '{served}' (the first "
+                                    "also as any 'claude-…' name).", type=e.type,
+                               param=e.param, code=e.code) from None
             raise
 
     async def _respond(self, chat: dict, group: RequestGroup, req: MessagesRequest,
-                       ctx: ResponseContext) -> Response:
+                       ctx: ResponseContext, api: Api) -> Response:
         """The collected chat completion (its text whole: ctx has no tools for chat to
         parse) -> the message, through the builder the stream uses."""
         message = chat["choices"][0]["message"]
-        output = MessageOutput(group, req, self.api.tokenizer)
+        output = MessageOutput(group, req, api.tokenizer)
         output.push(message.get("reasoning_content") or "", message["content"] or "",
                     is_last=True)
         return JSONResponse(message_response(ctx.id, ctx.model, output.builder.content(),
                                              *output.end()))
+
+
+def _is_claude_name(model: str) -> bool:
+    return model.startswith("claude")

@@ -24,6 +24,11 @@
   `--rate-limit-burst`, `--rate-limit-tpm`. Without API keys the defaults apply per client
   IP address (behind a proxy: the proxy's), in at most MAX_IP_BUCKETS buckets, the least
   recently used dropped first: a courtesy against one greedy client, not a defence.
+- Per model: the file's `models` table (`{"models": {"tiny": {"requests_per_second": 5,
+  "tokens_per_minute": 10000}}}`) limits each client's use of one served model, on top of
+  its own limits: a generation for that model takes a request from the client's bucket for
+  the model and reserves its tokens there too (429 naming the model), checked once the
+  request's `model` is known; aliases count against the served model they pick.
 - Memory is bounded: buckets exist per configured key, or in the IP LRU.
 """
 
@@ -86,10 +91,17 @@ class RateLimiter:
         self._ips: OrderedDict[Hashable, _Buckets] = OrderedDict()  # LRU
         # Requests in flight per client with a concurrency limit (no entry at zero).
         self._in_flight: dict[Hashable, int] = {}
+        # Served model -> the limiter of each client's use of it (the file's models table).
+        self.models: dict[str, RateLimiter] = {}
+
+    def limit_models(self, per_model: dict[str, Limits]) -> None:
+        self.models = {name: RateLimiter(limits, max_ip_buckets=self.max_ip_buckets,
+                                         clock=self.clock)
+                       for name, limits in per_model.items() if not limits.is_unlimited}
 
     @property
     def is_enabled(self) -> bool:
-        return not self.default.is_unlimited or any(
+        return not self.default.is_unlimited or bool(self.models) or any(
             not limits.is_unlimited for limits in self.per_key.values())
 
     def limits(self, client: Hashable) -> Limits:
@@ -209,28 +221,52 @@ class UsageMeter:
         self.client = client
         self.num_reserved = 0
         self._groups: list[Any] = []
+        self._per_model: list[tuple[RateLimiter, Any, int]] = []  # (its limiter, group, tokens)
 
-    def add(self, group: Any, num_tokens: int) -> None:
-        """Reserve `num_tokens` for `group` (429 when the client's budget lacks them)."""
+    def add(self, group: Any, num_tokens: int, model: str | None = None) -> None:
+        """Reserve `num_tokens` for `group` (429 when the client's budget lacks them, or its
+        budget for `model`)."""
+        model_limiter = None if model is None else self.limiter.models.get(model)
+        if model_limiter is not None:
+            refusal = model_limiter.admit(self.client)
+            if refusal is None:
+                refusal = model_limiter.reserve(self.client, num_tokens)
+                if refusal is not None:
+                    model_limiter.finish(self.client, 0)
+            if refusal is not None:
+                raise APIError(refusal.status, f"{refusal.message} (the limit of model "
+                                               f"'{model}')", type=refusal.type,
+                               code=refusal.code, headers=refusal.headers)
         refusal = self.limiter.reserve(self.client, num_tokens)
         if refusal is not None:
+            if model_limiter is not None:
+                model_limiter.finish(self.client, 0, num_tokens)
             raise refusal
         self.num_reserved += num_tokens
         self._groups.append(group)
+        if model_limiter is not None:
+            self._per_model.append((model_limiter, group, num_tokens))
+
+    def finish_models(self) -> None:
+        """The response ended: each model's budget gets back what its group did not use."""
+        for model_limiter, group, num_reserved in self._per_model:
+            model_limiter.finish(self.client, group.num_billed_tokens, num_reserved)
+        self._per_model.clear()
 
     @property
     def num_tokens(self) -> int:
         return sum(group.num_billed_tokens for group in self._groups)
 
 
-def track_usage(request: Request, group: Any, num_tokens: int) -> None:
+def track_usage(request: Request, group: Any, num_tokens: int,
+                model: str | None = None) -> None:
     """Reserve what `group` may cost (`num_tokens`: prompts + n x max_tokens) and count
     its tokens (anything with `num_billed_tokens`) against the request's client, if rate
     limits are on; called by the route that runs the generation before it registers any
     engine request. Raises the 429 when the client's token budget lacks them."""
     meter = request.scope.get("state", {}).get(USAGE_STATE)
     if meter is not None:
-        meter.add(group, num_tokens)
+        meter.add(group, num_tokens, model)
 
 
 class RateLimitMiddleware:
@@ -259,6 +295,7 @@ class RateLimitMiddleware:
             await self.app(scope, receive, send)  # returns when the response (stream) ended
         finally:
             self.limiter.finish(client, meter.num_tokens, meter.num_reserved)
+            meter.finish_models()
 
 
 def _client(scope: Scope) -> Hashable:

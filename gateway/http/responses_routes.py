@@ -136,10 +136,9 @@ class ResponsesApi:
     # --- POST /v1/responses ----------------------------------------------------------------
 
     async def create(self, request: Request) -> Response:
-        api = self.api
         try:
             owner = self._owner(request)
-            req = await self._parse(request, owner)
+            api, req = await self._parse(request, owner)
             text = await api._render(req.chat.prompt)
             ids = await api._encode(text, add_special_tokens=False)
             response_id = new_id("resp")
@@ -166,9 +165,10 @@ class ResponsesApi:
         except APIError as e:
             return error_response(responses_param(e))
 
-    async def _parse(self, request: Request, owner: str) -> ResponsesRequest:
-        api = self.api
-        body = await api._read_json(request)
+    async def _parse(self, request: Request, owner: str) -> tuple[Api, ResponsesRequest]:
+        """The view of the model the body names (`Api.for_request`) and the request."""
+        body = await self.api._read_json(request)
+        api = self.api.for_request(body, request.headers)
         history = await self._history(owner, body.get("previous_response_id"))
         args = (body, api.served_names, api.limits, history)
         if body.get("tools") or body.get("text"):  # a schema to check: off the loop
@@ -178,7 +178,7 @@ class ResponsesApi:
         if req.dropped_tools:
             log.warning("tools this server cannot run were left out", extra={
                 "tool_types": list(req.dropped_tools)[:32]})
-        return req
+        return api, req
 
     async def _history(self, owner: str, previous_id: Any) -> list[dict] | None:
         """The conversation a previous_response_id continues: its inputs and outputs."""
@@ -253,9 +253,8 @@ class ResponsesApi:
 
     async def input_tokens(self, request: Request) -> Response:
         """The tokens a request's input takes (instructions, tools and history included)."""
-        api = self.api
         try:
-            req = await self._parse(request, self._owner(request))
+            api, req = await self._parse(request, self._owner(request))
             text = await api._render(req.chat.prompt)
             ids = await api._encode(text, add_special_tokens=False)
         except APIError as e:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from zeroserve.gateway.api.limits import RequestLimits, check_submit_fits
+from zeroserve.gateway.api.model_choice import requested_model, sticky_key
 from zeroserve.gateway.api.openai_schema import (
     ChatPrompt,
     SamplingOptions,
@@ -45,8 +47,10 @@ from zeroserve.gateway.http.streaming import (
 from zeroserve.gateway.logging import get_logger
 from zeroserve.gateway.observability.tracing import trace_headers
 from zeroserve.gateway.text.chat_template import ChatTemplate, ChatTemplateError
+from zeroserve.gateway.text.model_texts import ModelText
 from zeroserve.gateway.text.reasoning import ReasoningParser, reasoning_syntax
 from zeroserve.gateway.text.tokenizer import TextTokenizer
+from zeroserve.gateway.workers.models import Target, UnknownModel
 
 log = get_logger("api")
 
@@ -64,8 +68,14 @@ _GRAMMAR_FIELDS = ("response_format", "tools", "guided_json", "guided_regex")
 
 
 class Api:
+    """The OpenAI API. One instance per served model (a *view*: the same gateway, CPU pool
+    and config, that model's tokenizer, template and limits); `for_request` picks the view
+    a request's `model` names and gives it the request's target (its model, and version
+    where an alias or `NAME@VERSION` chose one). The first view is the default model's."""
+
     def __init__(self, config: GatewayConfig, gateway: Gateway, tokenizer: TextTokenizer,
-                 template: ChatTemplate, served_names: tuple[str, ...]):
+                 template: ChatTemplate, served_names: tuple[str, ...],
+                 others: tuple[ModelText, ...] = ()):
         self.config = config
         self.gateway = gateway
         self.tokenizer = tokenizer
@@ -76,55 +86,115 @@ class Api:
         self.cpu = CpuPool()
         # A reasoning model's <think> syntax (--reasoning-parser, or seen in the template).
         self.reasoning = reasoning_syntax(config.reasoning_parser, template.source)
+        self.model_name = gateway.models.default  # the served model this view speaks for
+        self.root = config.model  # its files
+        self.target = Target(self.model_name)  # where this view's requests go
+        self.views: dict[str, Api] = {self.model_name: self}
+        for text in others:
+            self.views[text.name] = self._view_of(text)
+
+    def _view_of(self, text: ModelText) -> Api:
+        view = copy.copy(self)
+        view.tokenizer, view.template = text.tokenizer, text.template
+        view.served_names = (text.name,)
+        view.limits = RequestLimits.from_config(self.config, text.tokenizer.vocab_size)
+        view.reasoning = reasoning_syntax(None, text.template.source)
+        view.model_name, view.root, view.target = text.name, text.path, Target(text.name)
+        return view
+
+    def for_request(self, body: Mapping, headers: Mapping[str, str],
+                    fallback: Callable[[str], bool] | None = None) -> Api:
+        """The view of the model `body` names (its alias resolved by the request's sticky
+        key), or a 404 in OpenAI's shape. `fallback(name)`: an unknown name that means the
+        default model (Anthropic's clients send claude-… names)."""
+        requested = requested_model(body)
+        models = self.gateway.models
+        if requested is None or (len(self.views) == 1 and requested in self.served_names):
+            return self  # one model, as ever: no copy
+        try:
+            target = models.resolve(requested, sticky_key(body, headers))
+        except UnknownModel:
+            if fallback is not None and fallback(requested):
+                return self
+            raise model_not_found(requested) from None
+        base = self.views[target.model]
+        view = copy.copy(base)
+        view.target = target
+        view.served_names = tuple(dict.fromkeys((requested, *base.served_names)))
+        return view
 
     @property
     def max_model_len(self) -> int:
-        return (self.gateway.registry.max_model_len() or self.tokenizer.max_model_len
+        return (self.gateway.registry.max_model_len(self.model_name) or self.tokenizer.max_model_len
                 or _FALLBACK_MAX_MODEL_LEN)
 
     # --- simple endpoints ------------------------------------------------------------
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        """Every served model, then every alias (its weights under `weights`)."""
+        cards = [view._model_card() for view in self.views.values()]
+        cards += [self._alias_card(name) for name in sorted(self.gateway.models.aliases)]
+        return JSONResponse({"object": "list", "data": cards})
 
     async def model(self, request: Request) -> Response:
         """GET /v1/models/{model}: OpenAI's retrieve (the openai client's models.retrieve);
-        any served name finds the model."""
+        any served name, alias or NAME@VERSION finds the model."""
         name = request.path_params["model"]
-        if name not in self.served_names:
+        models = self.gateway.models
+        if name in self.served_names:
+            return JSONResponse(self._model_card())
+        try:
+            target = models.resolve(name, key="")
+        except UnknownModel:
             return error_response(model_not_found(name))
-        return JSONResponse(self._model_card())
+        if name in models.aliases:
+            return JSONResponse(self._alias_card(name))
+        return JSONResponse(self.views[target.model]._model_card())
 
     def _model_card(self) -> dict:
+        versions = sorted({w.version for w in self.gateway.registry.workers.values()
+                           if w.model == self.model_name})
         return {"id": self.served_names[0], "object": "model", "created": self.started,
-                "owned_by": "zeroserve", "root": self.config.model,
-                "max_model_len": self.max_model_len}
+                "owned_by": "zeroserve", "root": self.root, "parent": None,
+                "max_model_len": self.max_model_len, "versions": versions}
+
+    def _alias_card(self, name: str) -> dict:
+        alias = self.gateway.models.aliases[name]
+        first = alias.weights[0][0].model
+        return {"id": name, "object": "model", "created": self.started,
+                "owned_by": "zeroserve", "root": self.views[first].root, "parent": None,
+                "max_model_len": self.views[first].max_model_len,
+                "weights": alias.describe()["weights"]}
 
     async def tokenize(self, request: Request) -> Response:
         try:
-            spec = await self._parse(parse_tokenize, await self._read_json(request))
+            body = await self._read_json(request)
+            api = self.for_request(body, request.headers)
+            spec = await api._parse(parse_tokenize, body)
             if "chat" in spec:
-                text = await self._render(spec["chat"])
+                text = await api._render(spec["chat"])
             else:
                 text = spec["prompt"]
-            ids = await self._encode(text, spec["add_special_tokens"])
+            ids = await api._encode(text, spec["add_special_tokens"])
         except APIError as e:
             return error_response(e)
         if len(ids) <= _INLINE_TOKENS:
             return JSONResponse({"tokens": ids, "count": len(ids),
-                                 "max_model_len": self.max_model_len})
-        return Response(await self.cpu.run(_tokenize_body, ids, self.max_model_len),
+                                 "max_model_len": api.max_model_len})
+        return Response(await self.cpu.run(_tokenize_body, ids, api.max_model_len),
                         media_type="application/json")
 
     async def detokenize(self, request: Request) -> Response:
         try:
-            ids = (await self._read_json(request)).get("tokens")
+            body = await self._read_json(request)
+            api = self.for_request(body, request.headers)
+            ids = body.get("tokens")
             if not isinstance(ids, list):
                 raise invalid_request("'tokens' must be an array of token ids.", param="tokens")
             if len(ids) <= _INLINE_TOKENS:
-                text = self._detokenize_now(ids)
+                text = api._detokenize_now(ids)
             else:
-                text = await self.cpu.run(self._detokenize_now, ids)
+                text = await self.cpu.run(api._detokenize_now, ids)
         except APIError as e:
             return error_response(e)
         return JSONResponse({"prompt": text})
@@ -139,7 +209,14 @@ class Api:
 
     async def completions(self, request: Request) -> Response:
         try:
-            req = await self._parse(parse_completion, await self._read_json(request))
+            body = await self._read_json(request)
+            return await self.for_request(body, request.headers)._completions(request, body)
+        except APIError as e:
+            return error_response(e)
+
+    async def _completions(self, request: Request, body: dict) -> Response:
+        try:
+            req = await self._parse(parse_completion, body)
             prompts = []
             echoes = [] if req.echo else None
             for p in req.prompts:
@@ -162,7 +239,14 @@ class Api:
 
     async def chat(self, request: Request) -> Response:
         try:
-            req = await self._parse(parse_chat, await self._read_json(request))
+            body = await self._read_json(request)
+            return await self.for_request(body, request.headers)._chat(request, body)
+        except APIError as e:
+            return error_response(e)
+
+    async def _chat(self, request: Request, body: dict) -> Response:
+        try:
+            req = await self._parse(parse_chat, body)
             text = await self._render(req.prompt)
             ids = await self._encode(text, add_special_tokens=False)
             ctx = ResponseContext("chat", req.model, req.include_usage, tools=req.tools)
@@ -245,7 +329,7 @@ class Api:
         num_passes = 2 if group.has_prompt_logprobs else 1
         num_tokens = num_passes * sum(map(len, prompts)) + sampling.n * sum(max_tokens_of)
         try:
-            track_usage(request, group, num_tokens)
+            track_usage(request, group, num_tokens, self.model_name)
         except APIError as e:
             self.gateway.metrics.on_refused(e)
             raise
@@ -256,6 +340,8 @@ class Api:
                 group.add(ids, sampling.worker_params(max(1, max_tokens), i), self.tokenizer,
                           sampling.stop, sampling.skip_special_tokens, sampling.is_scoring,
                           None if reasoning is None else reasoning(), cache_key)
+        for choice in group.choices:
+            choice.state.target = self.target
         self.gateway.metrics.on_api_request(ctx.endpoint)
         log.info("request", extra={
             "request_id": ctx.id, "kind": ctx.endpoint, "stream": stream,

@@ -183,6 +183,11 @@ class RequestMetrics:
         # messages): all share one pipeline, so the figures above cover them all.
         self._by_endpoint = counter("api_requests", "Generation requests admitted to the "
                                     "pipeline, by API endpoint.", ["model_name", "endpoint"])
+        # Engine requests by the served model and version whose worker took them first
+        # (an alias's split, a canary's share).
+        self._routed = counter("model_requests", "Engine requests sent to a worker for the "
+                               "first time, by served model and version.",
+                               ["model_name", "version"])
         self.failovers = counter("failovers", "Streams with output moved to another "
                                  "worker.").labels(m)
         self.stale_outputs = counter(
@@ -283,6 +288,10 @@ class RequestMetrics:
                 child.inc(delta)
         self._last_counters[worker_id] = (route, dict(counters))
 
+    def on_routed(self, model: str, version: str) -> None:
+        """An engine request went to a worker of this model and version (its first SUBMIT)."""
+        self._routed.labels(model, version).inc()
+
     def on_failover(self) -> None:
         self.failovers.inc()
 
@@ -338,6 +347,9 @@ class NoRequestMetrics(RequestMetrics):
     def on_worker_counters(self, worker_id: str, route: bytes, counters: dict[str, int]) -> None:
         pass
 
+    def on_routed(self, model: str, version: str) -> None:
+        pass
+
     def on_failover(self) -> None:
         pass
 
@@ -387,8 +399,8 @@ class GatewayCollector(Collector):
         }
         for name, (doc, value) in per_worker.items():
             family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name", "worker_id"])
-            for w in workers:
-                family.add_metric([m, w.worker_id], value(w))
+            for w in workers:  # labelled with the worker's own model
+                family.add_metric([w.model or m, w.worker_id], value(w))
             yield family
         by_status = GaugeMetricFamily(PREFIX + "workers", "Workers known, by status.",
                                       labels=["model_name", "status"])
@@ -396,6 +408,16 @@ class GatewayCollector(Collector):
             by_status.add_metric([m, status.value],
                                  sum(1 for w in workers if w.status is status))
         yield by_status
+        by_version = GaugeMetricFamily(PREFIX + "model_workers", "Workers known, by served "
+                                       "model, version and status.",
+                                       labels=["model_name", "version", "status"])
+        counts: dict[tuple[str, str, str], int] = {}
+        for w in workers:
+            key = (w.model or m, w.version, w.status.value)
+            counts[key] = counts.get(key, 0) + 1
+        for labels, count in sorted(counts.items()):
+            by_version.add_metric(list(labels), count)
+        yield by_version
         queued = GaugeMetricFamily(PREFIX + "num_requests_queued_gateway",
                                    "Requests waiting in the gateway for a worker.",
                                    labels=["model_name"])

@@ -108,8 +108,10 @@ class RequestTracer:
 
     def record(self, choice: TracedChoice, request_id: str, worker_id: str | None,
                parent_headers: Mapping[str, str] | None, now: float,
-               error: str | None = None) -> None:
-        """One engine request ended (finished, or failed with `error`) at gateway time `now`."""
+               error: str | None = None, model: str | None = None,
+               version: str | None = None) -> None:
+        """One engine request ended (finished, or failed with `error`) at gateway time `now`;
+        `model`, `version`: the served model and version that ran it."""
         now_ns = time.time_ns()
 
         def ns(t: float) -> int:
@@ -118,7 +120,7 @@ class RequestTracer:
         parent = self._propagator.extract(parent_headers) if parent_headers else None
         attributes = {
             "gen_ai.request.id": request_id,
-            "gen_ai.response.model": self.model_name,
+            "gen_ai.response.model": model or self.model_name,
             "gen_ai.usage.prompt_tokens": choice.num_prompt_tokens,
             "gen_ai.usage.completion_tokens": choice.num_output_tokens,
             "gen_ai.latency.e2e": now - choice.created_at,
@@ -126,6 +128,8 @@ class RequestTracer:
         }
         if worker_id is not None:
             attributes["zeroserve.worker_id"] = worker_id
+        if version is not None:
+            attributes["zeroserve.model_version"] = version
         if choice.finish_reason is not None:
             attributes["gen_ai.response.finish_reasons"] = (choice.finish_reason,)
         has_output = choice.has_output

@@ -48,6 +48,13 @@ class WorkerHandle:
     tokens_seq_at: float = 0.0
     # The prompt blocks routed here, which its prefix cache likely holds (gateway/workers/routing.py).
     prefix_index: PrefixIndex = field(default_factory=lambda: PrefixIndex(1))
+    # The served model it runs (the HELLO's name as this gateway calls it: "" -> the
+    # default model) and its version label (gateway/workers/models.py).
+    model: str = ""
+
+    @property
+    def version(self) -> str:
+        return self.hello.model_version
 
     @property
     def worker_id(self) -> str:
@@ -79,6 +86,7 @@ class WorkerHandle:
             "worker_id": self.worker_id, "status": self.status.value, "pid": self.hello.pid,
             "incarnation": self.incarnation,
             "device": self.hello.device, "model": self.hello.model,
+            "served_model_name": self.model, "version": self.version,
             "max_model_len": self.hello.max_model_len, "num_running": self.num_running,
             "num_waiting": self.num_waiting, "num_paused": self.num_paused,
             "num_free_blocks": self.num_free_blocks, "num_total_blocks": self.num_total_blocks,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from zeroserve.common.protocol import Heartbeat, Hello, WorkerState
 from zeroserve.gateway.config import RoutingPolicy
 from zeroserve.gateway.workers.handle import WorkerHandle, WorkerStatus
+from zeroserve.gateway.workers.models import Target
 from zeroserve.gateway.workers.prefix import Prefix, PrefixIndex
 from zeroserve.gateway.workers.routing import Router
 
@@ -47,8 +48,10 @@ class WorkerRegistry:
         self.workers: dict[str, WorkerHandle] = {}
         self.lost: dict[str, LostWorker] = {}  # expired, not back yet
         self.last_max_model_len: int | None = None
+        self._last_len_of: dict[str, int] = {}  # served model -> its last worker's limit
 
-    def register(self, hello: Hello, route: bytes, now: float) -> WorkerHandle | None:
+    def register(self, hello: Hello, route: bytes, now: float,
+                 model: str = "") -> WorkerHandle | None:
         """Add a worker; return the incarnation it replaces (whose requests are lost).
 
         A HELLO repeated by the same process (same route: its READY got lost or was late,
@@ -59,9 +62,9 @@ class WorkerRegistry:
         self.lost.pop(hello.worker_id, None)
         old = self.workers.get(hello.worker_id)
         if old is not None and old.route == route:
-            old.hello, old.last_seen = hello, now
+            old.hello, old.last_seen, old.model = hello, now, model
             old.status = WorkerStatus.DRAINING if old.is_drain_requested else WorkerStatus.READY
-            self.last_max_model_len = hello.max_model_len
+            self.last_max_model_len = self._last_len_of[model] = hello.max_model_len
             return None
         self.workers.pop(hello.worker_id, None)
         max_waiting = (hello.max_num_seqs if self.max_waiting_per_worker is None
@@ -69,8 +72,8 @@ class WorkerRegistry:
         self.workers[hello.worker_id] = WorkerHandle(
             hello=hello, route=route, last_seen=now, tokens_seq_at=now, max_waiting=max_waiting,
             num_free_blocks=hello.num_kv_blocks, num_total_blocks=hello.num_kv_blocks,
-            prefix_index=PrefixIndex(hello.num_kv_blocks))
-        self.last_max_model_len = hello.max_model_len
+            prefix_index=PrefixIndex(hello.num_kv_blocks), model=model)
+        self.last_max_model_len = self._last_len_of[model] = hello.max_model_len
         return old
 
     def get(self, worker_id: str) -> WorkerHandle | None:
@@ -132,11 +135,16 @@ class WorkerRegistry:
     def remove(self, worker_id: str) -> WorkerHandle | None:
         return self.workers.pop(worker_id, None)
 
-    def pick(self, prefix: Prefix | None = None) -> WorkerHandle | None:
+    def pick(self, prefix: Prefix | None = None,
+             target: Target | None = None) -> WorkerHandle | None:
         """The worker for a request with this prompt (gateway/workers/routing.py: the one holding
-        its prefix within a load bound, else the least loaded), among those that can take
-        it; None if none can. Without a prompt: the least loaded."""
-        return self.router.pick([w for w in self.workers.values() if w.can_accept], prefix)
+        its prefix within a load bound, else the least loaded), among those of its target
+        (model, version; None: any) that can take it; None if none can. Without a prompt:
+        the least loaded."""
+        if target is None:
+            return self.router.pick([w for w in self.workers.values() if w.can_accept], prefix)
+        return self.router.pick([w for w in self.workers.values()
+                                 if w.can_accept and target.matches(w.model, w.version)], prefix)
 
     def assign(self, worker: WorkerHandle, request_id: str,
                prefix: Prefix | None = None) -> None:
@@ -157,7 +165,11 @@ class WorkerRegistry:
     def has_ready(self) -> bool:
         return any(w.status is WorkerStatus.READY for w in self.workers.values())
 
-    def max_model_len(self) -> int | None:
-        """The context limit live workers enforce (the smallest), or the last one seen."""
-        lens = [w.hello.max_model_len for w in self.workers.values()]
-        return min(lens) if lens else self.last_max_model_len
+    def max_model_len(self, model: str | None = None) -> int | None:
+        """The context limit live workers (of `model`, if given) enforce (the smallest), or
+        the last one seen."""
+        lens = [w.hello.max_model_len for w in self.workers.values()
+                if model is None or w.model == model]
+        if lens:
+            return min(lens)
+        return self.last_max_model_len if model is None else self._last_len_of.get(model)

@@ -14,7 +14,7 @@ import yaml
 from zeroserve.cli.harness import REPO_ROOT
 
 KUBERNETES = REPO_ROOT / "deploy" / "kubernetes"
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "second-model")
 # Every kustomization there is: the base, and each overlay.
 TARGETS = ("base", *(f"overlays/{name}" for name in OVERLAYS))
 

@@ -149,8 +149,9 @@ def test_ports_agree_with_the_commands_flags(manifests):
     worker_labels = m.worker["spec"]["template"]["metadata"]["labels"]
     zmq_rule, = [r for r in policy["spec"]["ingress"] if "from" in r]
     assert {p["port"] for p in zmq_rule["ports"]} == {"zmq-router", "zmq-tokens"}
-    (peer,) = zmq_rule["from"]
-    assert labels_match(peer["podSelector"]["matchLabels"], worker_labels)
+    # (overlays/second-model lets a second worker group in too)
+    assert any(labels_match(peer["podSelector"]["matchLabels"], worker_labels)
+               for peer in zmq_rule["from"])
     open_rules = [r for r in policy["spec"]["ingress"] if "from" not in r]
     assert [p["port"] for r in open_rules for p in r["ports"]] == ["http"]
     # The workers' readiness check asks the gateway Service on its port.
@@ -334,3 +335,40 @@ def test_the_readme_applies_what_exists():
     for path in re.findall(r"deploy/kubernetes/[\w/.-]+", section):
         assert (REPO_ROOT / path.rstrip(".")).exists(), path
     assert load_yaml(KUBERNETES / "base" / "kustomization.yaml")
+
+
+def test_the_second_model_overlay_adds_a_worker_group_the_gateway_serves(tmp_path):
+    """overlays/second-model: a second StatefulSet whose workers announce `second`, a
+    gateway that serves it (with an alias over both), its pods let through to the ZeroMQ
+    ports, its keys made by secrets.sh, its command parsing."""
+    import click
+
+    from zeroserve.cli.harness import child_env, zeroserve_argv
+    from zeroserve.cli.main import main
+
+    m = Manifests("overlays/second-model")
+    second = m.get("StatefulSet", "worker-second")
+    worker = container(second)
+    assert flag(worker["command"], "--served-model-name") == "second"
+    assert flag(worker["command"], "--device") == "cpu"
+    gateway = container(m.gateway)["command"]
+    assert flag(gateway, "--add-model").split("=")[0] == "second"
+    assert "second:" in flag(gateway, "--model-alias")
+    # Its pods are not the first group's (no overlapping selectors), yet reach the plane.
+    first = m.worker["spec"]["selector"]["matchLabels"]
+    pod_labels = second["spec"]["template"]["metadata"]["labels"]
+    assert not labels_match(first, pod_labels)
+    policy = m.get("NetworkPolicy", "gateway")
+    assert any(labels_match(peer["podSelector"]["matchLabels"], pod_labels)
+               for rule in policy["spec"]["ingress"] for peer in rule.get("from", []))
+    for command in (worker["command"], gateway):
+        try:
+            main.commands[command[1]].make_context(command[1], list(command[2:]))
+        except click.ClickException as e:
+            pytest.fail(f"{command}: {e.format_message()}")
+    launcher = " ".join(zeroserve_argv("x")[:-1])
+    result = subprocess.run([str(KUBERNETES / "secrets.sh"), str(tmp_path / "keys"), "1",
+                             "worker-second-0"], env=child_env({"ZEROSERVE": launcher}),
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "worker-second-0.key_secret" in result.stdout and "worker-0.key:" in result.stdout

@@ -167,6 +167,7 @@ class Localizer:
         return self.ports.setdefault(original, free_port())
 
     def value(self, text: str) -> str:
+        text = re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", text)  # compose's ${VAR:-default}
         text = re.sub(r"\b(tcp|http)://(?:gateway|0\.0\.0\.0|127\.0\.0\.1):(\d+)",
                       lambda m: f"{m.group(1)}://127.0.0.1:{self.port(m.group(2))}", text)
         text = re.sub(r"^/(keys|run/zeroserve-keys)$", self.key_dir, text)
@@ -220,6 +221,12 @@ def test_compose_services_serve_a_request(tmp_path):
         assert response.json()["usage"]["completion_tokens"] == 5
         assert {w["worker_id"] for w in server.ready_workers()} == {
             setting(s, "--worker-id") for s in workers(services).values()}
+        # The second model's group serves its name, and only it.
+        second = httpx.post(server.url + "/v1/completions", timeout=30,
+                            json={"model": "second", "prompt": "Hello", "max_tokens": 2})
+        assert second.status_code == 200
+        by_model = {w["worker_id"]: w["served_model_name"] for w in server.workers()}
+        assert by_model["second-0"] == "second" and by_model["worker-0"] == MODEL
 
         # Each service's own health check passes.
         for name, service in services.items():
@@ -251,3 +258,15 @@ def test_localizer_rewrites_hosts_ports_and_devices():
     assert flag(command, "--router-address") == f"tcp://127.0.0.1:{local.ports['5555']}"
     assert flag(command, "--port") == str(local.ports["8000"])
     assert local.value("tcp://0.0.0.0:5555") == f"tcp://127.0.0.1:{local.ports['5555']}"
+
+
+def test_a_second_model_is_a_second_worker_group():
+    services = load_services()
+    gateway = services["gateway"]["command"]
+    assert "second=${SECOND_MODEL:-default}" in gateway
+    second = services["second-0"]
+    assert second["profiles"] == ["second-model"]
+    assert flag(second["command"], "--served-model-name") == "second"
+    assert flag(second["command"], "--model") == "${SECOND_MODEL:-default}"
+    assert "--model-alias" in gateway and "second:10" in flag(gateway, "--model-alias")
+    assert Localizer().value("${SECOND_MODEL:-default}") == "default"

@@ -164,6 +164,9 @@ class FakeWorker:
     claimed_id: str | None = None
     gateway_heartbeats: list[Heartbeat] = field(default_factory=list)
     num_dropped: int = 0
+    # What its HELLO announces (gateway/workers/models.py): "" -> the gateway's default model.
+    served_model_name: str = ""
+    model_version: str = ""
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
@@ -193,7 +196,8 @@ class FakeWorker:
     def hello(self) -> Hello:
         return Hello(self.protocol_version, self.claimed_id or self.worker_id, "fake",
                      self.max_model_len,
-                     1000, 16, self.max_num_seqs, "cpu", self.pid)
+                     1000, 16, self.max_num_seqs, "cpu", self.pid, {},
+                     self.served_model_name, self.model_version)
 
     def _run(self) -> None:
         ctx = zmq.Context()
@@ -379,13 +383,14 @@ class GatewayServer:
     """The real app on a real uvicorn server in a background thread."""
 
     def __init__(self, tokenizer: TextTokenizer | None = None,
-                 uvicorn_overrides: dict | None = None, **overrides):
+                 uvicorn_overrides: dict | None = None,
+                 tokenizers: dict[str, TextTokenizer] | None = None, **overrides):
         self.port = free_port()
         defaults = dict(port=self.port, heartbeat_interval_s=0.05, worker_timeout_s=1.0,
                         queue_timeout_s=5.0)
         defaults.update(overrides)
         self.config = GatewayConfig(**defaults)
-        self.app = build_app(self.config, tokenizer or byte_tokenizer())
+        self.app = build_app(self.config, tokenizer or byte_tokenizer(), tokenizers)
         # The product's uvicorn settings and server class (its HTTP protocol class, so
         # streamed chunks take the direct write path as they do in `zeroserve gateway`).
         settings = {"host": "127.0.0.1", "port": self.port, "log_level": "warning",

@@ -285,6 +285,7 @@ export class OpsView {
     }
     const cells = [
       el("td", "", id), status, el("td", "", String(w.pid ?? "–")), el("td", "", w.device ?? "–"),
+      el("td", "", w.served_model_name ? `${w.served_model_name}@${w.version}` : "–"),
       el("td", "num", String(w.num_running ?? 0)), el("td", "num", String(w.num_waiting ?? 0)),
       el("td", "num", String(w.num_paused ?? 0)), kv,
       el("td", "num", this.prefixHitRate(id)), el("td", "num", String(this.restarts(id, known))),
