@@ -121,14 +121,59 @@ def _options(decorators: list[Callable]) -> Callable:
     return apply
 
 
-MODEL_OPTION = _options([
-    option("--model", default="default",
-           help='"default" (the embedded SmolLM2-135M-Instruct), a .gguf file, a Hugging Face '
-                'model directory, or a Hub id ("org/name", "org/name/file.gguf"), downloaded '
-                "into the Hugging Face cache once (HF_HUB_OFFLINE=1: from the cache only)."),
-    option("--revision", default=None,
-           help="The Hub model's branch, tag or commit. [default: main]"),
+_MODEL_HELP = ('"default" (the embedded SmolLM2-135M-Instruct), a .gguf file, a Hugging Face '
+               'model directory, or a Hub id ("org/name", "org/name/file.gguf"), downloaded '
+               "into the Hugging Face cache once (HF_HUB_OFFLINE=1: from the cache only).")
+_REVISION_OPTION = option("--revision", default=None,
+                          help="The Hub model's branch, tag or commit. [default: main]")
+MODEL_OPTION = _options([option("--model", default="default", help=_MODEL_HELP),
+                         _REVISION_OPTION])
+
+
+class _WholeValue(click.ParamType):
+    """A string that a repeatable option reads whole from its environment variable (click
+    would split it on whitespace, and a model path may hold spaces)."""
+
+    name = "text"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> str:
+        return str(value)
+
+    def split_envvar_value(self, rv: str) -> list[str]:
+        return [rv]
+
+
+# `serve` only: --model repeated serves several models on one box. The first is the default
+# model (--workers workers); each further one is NAME[@VERSION]=PATH[:WORKERS] as --add-model,
+# or a bare PATH served under its file or folder name with one worker.
+SERVE_MODEL_OPTION = _options([
+    option("--model", "models", type=_WholeValue(), multiple=True, default=("default",),
+           help=_MODEL_HELP + " Repeat it to serve several models: the first is the default "
+                "model (--workers workers); each further one is NAME[@VERSION]=PATH[:WORKERS] "
+                "(as --add-model) or a bare PATH, served as its file or folder name with one "
+                "worker."),
+    _REVISION_OPTION,
 ])
+
+
+def split_serve_models(opts: dict[str, Any]) -> None:
+    """`serve --model A --model B ...`: opts["model"] becomes A and the others join
+    --add-model's specs (a bare PATH is named after its file or folder)."""
+    models = list(opts.pop("models", None) or ("default",))
+    opts["model"] = models[0]
+    extra = []
+    for value in models[1:]:
+        name, eq, _path = value.partition("=")
+        if eq and name and "/" not in name and os.sep not in name:
+            extra.append(value)
+            continue
+        stem = pathlib.Path(value.rstrip("/\\")).name
+        for suffix in (".gguf", ".GGUF"):
+            stem = stem.removesuffix(suffix)
+        if not stem:
+            raise click.UsageError(f"--model {value!r}: cannot name it; give NAME=PATH")
+        extra.append(f"{stem}={value}")
+    opts["extra_models"] = tuple(extra) + tuple(opts.get("extra_models") or ())
 
 
 def _fetch_hub_model(opts: dict[str, Any]) -> None:
@@ -754,7 +799,7 @@ def main() -> None:
 
 
 @main.command()
-@MODEL_OPTION
+@SERVE_MODEL_OPTION
 @_options(MODELS_OPTIONS)
 @option("--model-version", default="v1",
         help="The version label of --model's workers (an --add-model NAME@VERSION=PATH "
@@ -786,6 +831,7 @@ def serve(**opts: Any) -> None:
     from zeroserve.common.logging_setup import setup_logging
 
     setup_logging(opts["log_format"], opts["log_level"])
+    split_serve_models(opts)
     _fetch_hub_model(opts)
     num_gpus = count_cuda_devices() if opts["device"] in ("auto", "cuda") else 0
     devices = worker_devices(opts["device"], opts["workers"], num_gpus)

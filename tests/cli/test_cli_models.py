@@ -33,6 +33,31 @@ def test_serve_starts_a_worker_group_per_model(captured, tmp_path):  # noqa: F81
                          ("tiny", "v1", str(tiny)), ("tiny", "v1", str(tiny))]
 
 
+def test_serve_takes_model_repeated_with_a_worker_count_each(captured, tmp_path,  # noqa: F811
+                                                              monkeypatch):
+    tiny = tmp_path / "tiny model.gguf"  # a space: the environment variable is read whole
+    tiny.write_bytes(b"")
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"")
+    monkeypatch.setenv("ZEROSERVE_MODEL", str(tiny))
+    assert invoke(["serve", "--device", "cpu", "--backend", "fake", "--port", "9012"]
+                  ).exit_code == 0
+    assert [s.name for s in captured["children"][1:]] == ["worker-0"]
+    assert invoke(list(captured["children"][0].argv[3:])).exit_code == 0
+    assert captured["gateway"].model == str(tiny)
+    monkeypatch.delenv("ZEROSERVE_MODEL")
+    result = invoke(["serve", "--device", "cpu", "--backend", "fake", "--port", "9013",
+                     "--model", "default", "--model", str(tiny),
+                     "--model", f"second@v3={other}:2"])
+    assert result.exit_code == 0, result.output
+    gateway_spec, *worker_specs = captured["children"]
+    assert [s.name for s in worker_specs] == ["worker-0", "tiny-model-v1-0", "second-v3-0",
+                                              "second-v3-1"]
+    assert invoke(list(gateway_spec.argv[3:])).exit_code == 0
+    assert captured["gateway"].model == "default"
+    assert captured["gateway"].extra_models == (f"tiny model={tiny}", f"second@v3={other}")
+
+
 def test_bad_models_and_aliases_are_usage_errors(captured, tmp_path):  # noqa: F811
     for args, fragment in [
             (["--add-model", "no-path"], "NAME[@VERSION]=PATH"),
