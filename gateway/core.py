@@ -59,6 +59,7 @@ from zeroserve.gateway.streams import (
     StreamTable,
     WorkerOutbox,
 )
+from zeroserve.gateway.workers.debug_calls import DebugCalls
 from zeroserve.gateway.workers.handle import WorkerStatus
 from zeroserve.gateway.workers.registry import WorkerRegistry
 from zeroserve.gateway.workers.zmq_io import Peer, ZmqEdge
@@ -95,12 +96,14 @@ class Gateway:
             send_credit=lambda worker_id, grants: self.edge.send(worker_id, Credit(grants)),
             send_abort=lambda worker_id, rids, attempts: self.edge.send(
                 worker_id, Abort(rids, attempts)))
+        self.debug_calls = DebugCalls(self.edge.send)  # stacks/profiles of workers
         self._handlers = {
             MsgType.HELLO: self._on_hello,
             MsgType.HEARTBEAT: self._on_heartbeat,
             MsgType.DRAIN: self._on_drain,
             MsgType.ERROR: self._on_error,
             MsgType.TOKENS: self._on_tokens,
+            MsgType.DEBUG_REPLY: self.debug_calls.on_reply,
         }
         self._heartbeat_task: asyncio.Task | None = None
         self._resubmit_tasks: set[asyncio.Task] = set()
