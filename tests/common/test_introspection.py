@@ -132,7 +132,13 @@ def test_a_one_shot_diff_traces_only_while_it_waits():
 
     tracker, slot = MemoryTracker(), OneAtATime()
     kept = []
-    timer = threading.Timer(0.05, lambda: kept.extend(allocate_for_the_memory_test()))
+    def allocate_once_tracing() -> None:
+        deadline = time.monotonic() + 5
+        while not tracemalloc.is_tracing() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        kept.extend(allocate_for_the_memory_test())
+
+    timer = threading.Thread(target=allocate_once_tracing)
     timer.start()
     answer = tracker.handle(MemoryArgs.parse({"action": "diff", "seconds": 0.3}), slot)
     timer.join()

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import threading
+import tracemalloc
 
 import pytest
 
+from tests.gateway.helpers import wait_until
 from tests.worker.test_process import FakeGateway, ScriptedEngine, start, stop
 from zeroserve.common.protocol import DebugReply, DebugRequest, Submit
 from zeroserve.worker.config import EngineConfig
@@ -84,7 +86,8 @@ def test_the_memory_view_of_a_worker(gateway):
     worker, engine, _ = start(gateway)
     kept: list[bytes] = []
     try:
-        timer = threading.Timer(0.1, lambda: kept.extend(allocated_in_the_worker_test()))
+        timer = threading.Thread(target=lambda: wait_until(tracemalloc.is_tracing)
+                                 and kept.extend(allocated_in_the_worker_test()))
         timer.start()
         reply = ask(gateway, "memory", action="diff", seconds=0.5, limit=10)
         timer.join()
