@@ -45,8 +45,9 @@ from zeroserve.common.protocol import MAX_DEBUG_REPLY_BYTES, DebugReply, DebugRe
 log = logging.getLogger("zeroserve.worker")
 
 # Beyond its seconds, how long a torch profile may wait for the engine thread to start and
-# stop it (a step, the trace's export) before the reply says the engine did not answer.
-TORCH_PROFILE_GRACE_S = 30.0
+# stop it (a step, the profiler's first start, the trace's export) before the reply says the
+# engine did not answer.
+TORCH_PROFILE_GRACE_S = 60.0
 _TRACE_ROOM_BYTES = MAX_DEBUG_REPLY_BYTES - 64 * 1024  # the rest of a reply's fields
 
 
@@ -125,9 +126,12 @@ class StepProfiler:
         self.wake = wake or (lambda: None)  # ends the engine loop's wait for messages
         self._run: _TorchRun | None = None  # set by run(), cleared by it (engine reads it)
         self._profiler = None
+        self._active: _TorchRun | None = None  # the job whose profiler runs (engine thread)
 
     def run(self, slot: OneAtATime, seconds: float) -> dict:
         with slot:
+            import torch.profiler  # noqa: F401  (here, not on the engine thread: seconds, once)
+
             job = self._run = _TorchRun(seconds)
             self.wake()
             try:
@@ -136,7 +140,7 @@ class StepProfiler:
                         "the engine thread did not run the torch profiler (is it hung? ask "
                         "for its stacks)", code="timeout")
             finally:
-                self._run = None
+                self._run = None  # a profiler still running is discarded at the next tick
             if job.error is not None:
                 raise TorchProfileError(job.error)
             assert job.result is not None
@@ -144,8 +148,10 @@ class StepProfiler:
 
     def tick(self) -> None:
         """Once per engine loop iteration, on the engine thread: start a requested profile,
-        or stop one whose seconds are up. Costs an attribute read when none is asked for."""
+        or stop one whose seconds are up. Costs two attribute reads when none is asked for."""
         job = self._run
+        if self._active is not None and self._active is not job:
+            self._discard()  # its caller gave up waiting: nobody reads this trace
         if job is None or job.done.is_set():
             return
         try:
@@ -157,9 +163,17 @@ class StepProfiler:
                 job.num_ticks += 1
         except Exception as e:
             log.exception("torch profile failed", extra={"worker_id": self.worker_id})
-            self._profiler = None
+            self._profiler = self._active = None
             job.error = f"{type(e).__name__}: {e}"
             job.done.set()
+
+    def _discard(self) -> None:
+        profiler, self._profiler, self._active = self._profiler, None, None
+        try:
+            profiler.stop()
+        except Exception:  # it was failing anyway; the engine goes on
+            log.exception("stopping an abandoned torch profile failed",
+                          extra={"worker_id": self.worker_id})
 
     def _start(self, job: _TorchRun) -> None:
         import torch
@@ -168,11 +182,12 @@ class StepProfiler:
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self._profiler = torch.profiler.profile(activities=activities)
+        self._active = job
         self._profiler.start()
         job.started_at = time.monotonic()
 
     def _stop(self, job: _TorchRun) -> None:
-        profiler, self._profiler = self._profiler, None
+        profiler, self._profiler, self._active = self._profiler, None, None
         profiler.stop()
         folder = os.path.join(tempfile.gettempdir(), f"zeroserve-{os.getuid()}", "profiles")
         os.makedirs(folder, mode=0o700, exist_ok=True)

@@ -47,7 +47,7 @@ from zeroserve.gateway.observability.debug_view import GatewayDebug
 
 STACKS_TIMEOUT_S = 10.0
 REPLY_MARGIN_S = 15.0  # beyond a timed call's seconds, for the reply to arrive
-TORCH_GRACE_S = 45.0  # the worker waits 30 s for its engine thread; the trace's export
+TORCH_GRACE_S = 75.0  # the worker waits 60 s for its engine thread, then replies
 _MAX_BODY_BYTES = 4096
 _FORMATS = ("json", "collapsed", "top")
 

@@ -134,3 +134,30 @@ def test_a_busy_worker_profile_names_the_forward_and_the_torch_trace_its_ops(
             assert json.load(f)["traceEvents"]
     finally:
         stop(gateway, worker)
+
+
+def test_a_torch_profile_nobody_waits_for_any_more_is_stopped_at_the_next_tick(monkeypatch):
+    """The engine thread started the profiler, then stalled past the caller's patience: the
+    caller gets `timeout`, and the engine's next tick stops the orphaned profiler."""
+    from zeroserve.common.introspection import OneAtATime
+    from zeroserve.worker import debug
+
+    monkeypatch.setattr(debug, "TORCH_PROFILE_GRACE_S", 0.3)
+    profiler = debug.StepProfiler("worker-test")
+    failure: list[Exception] = []
+
+    def ask_for_one() -> None:
+        try:
+            profiler.run(OneAtATime(), 0.05)
+        except debug.TorchProfileError as e:
+            failure.append(e)
+
+    caller = threading.Thread(target=ask_for_one)
+    caller.start()
+    assert wait_until(lambda: profiler._run is not None, 30)
+    profiler.tick()  # the engine thread starts it ... and stalls
+    assert profiler._active is not None
+    caller.join(10)
+    assert failure and failure[0].code == "timeout"
+    profiler.tick()  # the engine is back
+    assert profiler._active is None and profiler._profiler is None

@@ -7,6 +7,7 @@ call it."""
 
 from __future__ import annotations
 
+import json
 import threading
 import tracemalloc
 
@@ -216,3 +217,21 @@ def test_with_an_admin_key_only_that_key_may_look():
         out = CliRunner().invoke(cli.main, ["debug", "stacks", "--url", gw.url, "--json",
                                             "--admin-key", "sk-admin"])
         assert out.exit_code == 0 and '"tasks"' in out.output
+
+
+@pytest.mark.slow  # the first torch profile in a process imports torch (seconds here)
+def test_a_worker_torch_profile_comes_back_as_a_chrome_trace(served, tmp_path):
+    r = httpx.post(served.url + "/admin/debug/torch-profile", timeout=120,
+                   json={"worker": WORKER, "seconds": 0.3})
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert isinstance(answer["trace"]["traceEvents"], list)  # JSON, not JSON in a string
+    assert answer["num_iterations"] > 0 and answer["trace_bytes"] > 0
+    output = tmp_path / "trace.json"
+    out = CliRunner().invoke(cli.main, ["debug", "torch-profile", "--worker", WORKER,
+                                        "--seconds", "0.2", "--output", str(output),
+                                        "--url", served.url])
+    assert out.exit_code == 0, out.output
+    assert "traceEvents" in json.loads(output.read_text())
+    out = CliRunner().invoke(cli.main, ["debug", "torch-profile", "--url", served.url])
+    assert out.exit_code == 2 and "--worker" in out.output
