@@ -7,7 +7,9 @@ link's index, so the engine thread knows which gateway a message came from.
 It keeps liveness off the engine thread: heartbeats leave on their own clock even while a
 long engine step runs, HELLOs are held and retried until a connection takes them, and a
 watchdog ends the process when the engine thread stops making progress (a hung kernel or a
-deadlock that no step of ours can free), so its supervisor starts a fresh one.
+deadlock that no step of ours can free), so its supervisor starts a fresh one. It answers
+DEBUG_REQUESTs itself (worker/debug.py, on a thread of their own), never through the
+engine thread, so a hung engine still shows its stacks.
 """
 
 from __future__ import annotations
@@ -163,16 +165,18 @@ class GatewayLink(threading.Thread):
     def _reply_from_thread(self, reply: DebugReply) -> None:
         """Send from another thread (a debug answer's): through the outbox, like the engine
         thread, on a socket of its own (ZeroMQ sockets are not shared between threads)."""
-        sock = self._ctx.socket(zmq.PUSH)
+        sock = None
         try:
+            sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, LINGER_MS)
             sock.connect(self._outbox_address)
             sock.send_multipart(encode(reply))
-        except zmq.ZMQError as e:  # the link is closing: the gateway's call times out
+        except zmq.ZMQError as e:  # the worker is exiting: the gateway's call times out
             log.warning("could not send a debug reply: %s", e,
                         extra={"worker_id": self.config.worker_id})
         finally:
-            sock.close()
+            if sock is not None:
+                sock.close()
 
     def _forward_outbox(self) -> bool:
         """Send what the engine thread queued; False when it asked us to stop."""
