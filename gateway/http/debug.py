@@ -3,7 +3,8 @@ the admin API's rights (gateway/http/admin.py: an admin key, else loopback clien
 never a web page).
 
     GET  /admin/debug/stacks[?worker=ID]      every thread's Python stack (and, for the
-                                              gateway, every asyncio task)
+                                              gateway, every asyncio task); `&format=text`:
+                                              as a traceback, text/plain
     POST /admin/debug/profile                 {"seconds": 5, "hz": 100, "limit": 40,
                                               "worker": ID, "format": "json"}: a sampling CPU
                                               profile: collapsed stacks and a top table
@@ -35,6 +36,7 @@ from zeroserve.common.introspection import (
     Busy,
     MemoryArgs,
     ProfileArgs,
+    format_stacks,
     format_top,
     number_arg,
 )
@@ -69,13 +71,20 @@ class DebugApi:
     async def stacks(self, request: Request) -> Response:
         try:
             self._check(request)
+            output = request.query_params.get("format", "json")
+            if output not in ("json", "text"):
+                raise invalid_request("'format' must be json or text", param="format")
             worker_id = _worker_arg(request.query_params.get("worker"))
             if worker_id is None:
-                return JSONResponse(self.view.stacks())
-            return JSONResponse(await self.gateway.debug_calls.call(
-                worker_id, "stacks", {}, STACKS_TIMEOUT_S))
+                answer = self.view.stacks()
+            else:
+                answer = await self.gateway.debug_calls.call(worker_id, "stacks", {},
+                                                             STACKS_TIMEOUT_S)
         except APIError as e:
             return error_response(e)
+        if output == "text":
+            return PlainTextResponse(format_stacks(answer))
+        return JSONResponse(answer)
 
     async def profile(self, request: Request) -> Response:
         try:

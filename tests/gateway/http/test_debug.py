@@ -67,6 +67,11 @@ def test_the_gateway_lists_its_threads_and_asyncio_tasks(served):
     assert tasks["heartbeat"]["frames"][-1]["function"] == "Gateway._heartbeat_loop"
     assert any(t["is_current"] for t in answer["tasks"])  # this very request's task
     assert any(t["is_current"] for t in answer["threads"])
+    plain = httpx.get(served.url + "/admin/debug/stacks", params={"format": "text"})
+    assert plain.headers["content-type"].startswith("text/plain")
+    assert 'Task "heartbeat" (pending) Gateway._heartbeat_loop' in plain.text
+    assert_error(httpx.get(served.url + "/admin/debug/stacks", params={"format": "svg"}), 400,
+                 None)
     text = CliRunner().invoke(cli.main, ["debug", "stacks", "--url", served.url])
     assert text.exit_code == 0, text.output
     assert 'Task "heartbeat" (pending) Gateway._heartbeat_loop' in text.output
