@@ -71,10 +71,16 @@ def debug_stacks(**opts: Any) -> None:
                    "flamegraph.pl, speedscope or inferno.")
 @click.option("--limit", type=click.IntRange(1, 200), default=40, show_default=True,
               help="Rows of the top table.")
+@click.option("--thread", default=None,
+              help="Only threads whose name starts with this (a worker's engine loop: "
+                   "MainThread).")
 def debug_profile(**opts: Any) -> None:
-    """A CPU profile of N seconds: a sampling profiler over every thread's Python stack."""
-    answer = _call(opts, "profile", {"seconds": opts["seconds"], "hz": opts["hz"],
-                                     "limit": opts["limit"]}, opts["seconds"])
+    """A CPU profile of N seconds: a sampling profiler over every thread's Python stack,
+    and the CPU time each thread used meanwhile."""
+    args = {"seconds": opts["seconds"], "hz": opts["hz"], "limit": opts["limit"]}
+    if opts["thread"]:
+        args["thread"] = opts["thread"]
+    answer = _call(opts, "profile", args, opts["seconds"])
     _emit(opts, answer, format_top if opts["output_format"] == "top"
           else lambda a: a["collapsed"])
 

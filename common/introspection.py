@@ -25,7 +25,7 @@ import threading
 import time
 import tracemalloc
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 MAX_PROFILE_SECONDS = 300.0
@@ -70,16 +70,23 @@ class ProfileArgs:
     seconds: float
     hz: int = DEFAULT_HZ
     limit: int = DEFAULT_TOP_FUNCTIONS  # rows of the top-functions table
+    thread: str | None = None  # sample only threads whose name starts with this
 
     @classmethod
     def parse(cls, args: dict) -> ProfileArgs:
         """ValueError naming the argument for anything out of range."""
+        thread = args.get("thread")
+        if thread is not None and not (isinstance(thread, str) and 0 < len(thread) <= 128):
+            raise ValueError("'thread' must be the start of a thread's name (1 to 128 "
+                             "characters)")
         return cls(number_arg(args, "seconds", 5.0, 0.01, MAX_PROFILE_SECONDS),
                    integer_arg(args, "hz", DEFAULT_HZ, 1, MAX_HZ),
-                   integer_arg(args, "limit", DEFAULT_TOP_FUNCTIONS, 1, MAX_TOP_FUNCTIONS))
+                   integer_arg(args, "limit", DEFAULT_TOP_FUNCTIONS, 1, MAX_TOP_FUNCTIONS),
+                   thread)
 
     def to_dict(self) -> dict:
-        return {"seconds": self.seconds, "hz": self.hz, "limit": self.limit}
+        args = {"seconds": self.seconds, "hz": self.hz, "limit": self.limit}
+        return args if self.thread is None else {**args, "thread": self.thread}
 
 
 @dataclass(frozen=True)
@@ -195,8 +202,9 @@ class SamplingProfiler:
     thread (`run`), which is not sampled; `stop_event` ends it early.
     """
 
-    def __init__(self, hz: int = DEFAULT_HZ):
+    def __init__(self, hz: int = DEFAULT_HZ, thread: str | None = None):
         self.interval_s = 1.0 / hz
+        self.thread = thread  # only threads whose name starts with it (None: all)
         self._labels: dict[Any, str] = {}  # code object -> label (interned once)
 
     def run(self, seconds: float, stop_event: threading.Event | None = None) -> Profile:
@@ -205,6 +213,7 @@ class SamplingProfiler:
         num_samples = num_dropped = 0
         sampling_s = 0.0
         names: dict[int, str] = {}
+        cpu_at_start = _thread_cpu_times()
         started = time.perf_counter()
         deadline = started + seconds
         next_at = started
@@ -222,9 +231,10 @@ class SamplingProfiler:
             if len(names) != threading.active_count():
                 names = {t.ident: t.name for t in threading.enumerate()}
             for ident, frame in frames.items():
-                if ident == me:
+                name = names.get(ident, f"thread-{ident}")
+                if ident == me or (self.thread is not None and not name.startswith(self.thread)):
                     continue
-                stack = self._stack(names.get(ident, f"thread-{ident}"), frame)
+                stack = self._stack(name, frame)
                 if stack in counts or len(counts) < MAX_PROFILE_STACKS:
                     counts[stack] += 1
                 else:
@@ -232,8 +242,9 @@ class SamplingProfiler:
             del frames
             num_samples += 1
             sampling_s += time.perf_counter() - now
-        return Profile(counts, num_samples, time.perf_counter() - started, sampling_s,
-                       num_dropped)
+        wall_s = time.perf_counter() - started
+        return Profile(counts, num_samples, wall_s, sampling_s, num_dropped,
+                       _cpu_by_thread(cpu_at_start, _thread_cpu_times(), wall_s, self.thread))
 
     def _stack(self, thread_name: str, frame: Any) -> tuple[str, ...]:
         labels = []
@@ -251,6 +262,36 @@ class SamplingProfiler:
         return tuple(labels)
 
 
+def _thread_cpu_times() -> dict[int, tuple[str, int | None, float]]:
+    """ident -> (name, native id, CPU seconds so far) of every live thread, where the
+    platform has per-thread CPU clocks (Linux, macOS); {} elsewhere."""
+    if not hasattr(time, "pthread_getcpuclockid"):
+        return {}
+    times = {}
+    for thread in threading.enumerate():
+        try:
+            cpu_s = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+        except (OSError, TypeError, OverflowError):  # it ended meanwhile
+            continue
+        times[thread.ident] = (thread.name, thread.native_id, cpu_s)
+    return times
+
+
+def _cpu_by_thread(before: dict, after: dict, wall_s: float,
+                   prefix: str | None) -> list[dict]:
+    """Each thread's CPU time over the profile (a thread started meanwhile: since its start),
+    busiest first: which threads burn the CPU, beside where."""
+    rows = []
+    for ident, (name, native_id, cpu_s) in after.items():
+        if prefix is not None and not name.startswith(prefix):
+            continue
+        used = cpu_s - before[ident][2] if ident in before else cpu_s
+        rows.append({"name": name, "native_id": native_id, "cpu_s": round(used, 4),
+                     "cpu_pct": round(100 * used / max(wall_s, 1e-9), 2)})
+    rows.sort(key=lambda r: -r["cpu_s"])
+    return rows
+
+
 def _label(code: Any) -> str:
     """`qualname (dir/file.py)`: what a flame graph shows; `;` would split a frame."""
     path = code.co_filename
@@ -265,6 +306,7 @@ class Profile:
     wall_s: float
     sampling_s: float  # time the sampler itself spent taking samples
     num_dropped: int  # thread samples not kept (MAX_PROFILE_STACKS distinct stacks)
+    threads: list[dict] = field(default_factory=list)  # CPU time per thread (_cpu_by_thread)
 
     def collapsed(self) -> tuple[str, bool]:
         """`frame;frame;frame N` lines, most samples first, and whether the text was cut at
@@ -306,7 +348,7 @@ class Profile:
             "sampling_s": round(self.sampling_s, 4),
             "overhead_pct": round(100 * self.sampling_s / max(self.wall_s, 1e-9), 3),
             "collapsed": collapsed, "is_truncated": is_truncated,
-            "top": self.top(args.limit),
+            "top": self.top(args.limit), "threads": self.threads,
         }
 
 
@@ -314,15 +356,20 @@ def run_profile(slot: OneAtATime, args: ProfileArgs,
                 stop_event: threading.Event | None = None) -> dict:
     """One profile in the calling thread (Busy if one runs already): its answer."""
     with slot:
-        return SamplingProfiler(args.hz).run(args.seconds, stop_event).to_dict(args)
+        return SamplingProfiler(args.hz, args.thread).run(args.seconds,
+                                                          stop_event).to_dict(args)
 
 
 def format_top(answer: dict) -> str:
     """A profile's top-functions table as text."""
     lines = [f"# {answer.get('worker_id') or answer.get('process', 'process')}: "
              f"{answer['num_samples']} samples in {answer['seconds']}s at {answer['hz']} Hz "
-             f"(sampler overhead {answer['overhead_pct']}% of a core)",
-             f"{'self':>8} {'self%':>7} {'total':>8} {'total%':>7}  function"]
+             f"(sampler overhead {answer['overhead_pct']}% of a core)"]
+    busy = [t for t in answer.get("threads", []) if t["cpu_s"] > 0][:8]
+    if busy:
+        lines.append("# CPU by thread: " + ", ".join(f"{t['name']} {t['cpu_pct']:.1f}%"
+                                                     for t in busy))
+    lines.append(f"{'self':>8} {'self%':>7} {'total':>8} {'total%':>7}  function")
     for row in answer["top"]:
         lines.append(f"{row['self']:>8} {row['self_pct']:>6.2f}% {row['total']:>8} "
                      f"{row['total_pct']:>6.2f}%  {row['function']}")

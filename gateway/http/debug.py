@@ -6,9 +6,11 @@ never a web page).
                                               gateway, every asyncio task); `&format=text`:
                                               as a traceback, text/plain
     POST /admin/debug/profile                 {"seconds": 5, "hz": 100, "limit": 40,
-                                              "worker": ID, "format": "json"}: a sampling CPU
-                                              profile: collapsed stacks and a top table
-                                              ("format": "collapsed" or "top": text/plain)
+                                              "thread": NAME, "worker": ID, "format": "json"}:
+                                              a sampling CPU profile: collapsed stacks, a top
+                                              table, CPU seconds per thread ("format":
+                                              "collapsed" or "top": text/plain; "thread": only
+                                              threads whose name starts with it)
     POST /admin/debug/memory                  {"action": "diff"|"start"|"snapshot"|"stop",
                                               "seconds": 5, "limit": 25, "frames": 1,
                                               "worker": ID}: top allocation sites since a
@@ -89,7 +91,8 @@ class DebugApi:
     async def profile(self, request: Request) -> Response:
         try:
             self._check(request)
-            body = await _body(request, {"seconds", "hz", "limit", "worker", "format"})
+            body = await _body(request, {"seconds", "hz", "limit", "thread", "worker",
+                                         "format"})
             args = _parse(ProfileArgs.parse, body)
             output = body.get("format", "json")
             if output not in _FORMATS:

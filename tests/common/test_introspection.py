@@ -76,6 +76,20 @@ def test_a_profile_names_the_busy_function_in_both_formats():
     assert row["total"] >= row["self"] and row["total"] > 0
     assert 0 <= answer["overhead_pct"] < 50
     assert "spin_in_a_test_loop" in format_top(answer)
+    cpu = {t["name"]: t for t in answer["threads"]}
+    assert cpu["spinner"]["cpu_s"] > 0 and cpu["spinner"]["native_id"] == thread.native_id
+
+
+def test_a_profile_of_one_thread_samples_only_it():
+    stop, thread = background(spin_in_a_test_loop, "spinner-only")
+    try:
+        answer = run_profile(OneAtATime(), ProfileArgs.parse({"seconds": 0.2,
+                                                              "thread": "spinner-"}))
+    finally:
+        stop.set()
+        thread.join()
+    assert {line.split(";")[0] for line in answer["collapsed"].splitlines()} == {"spinner-only"}
+    assert [t["name"] for t in answer["threads"]] == ["spinner-only"]
 
 
 def test_one_profile_at_a_time():
@@ -100,6 +114,8 @@ def test_one_profile_at_a_time():
     ({"hz": 0}, "'hz'"),
     ({"hz": True}, "'hz'"),
     ({"limit": 10_000}, "'limit'"),
+    ({"thread": ""}, "'thread'"),
+    ({"thread": 5}, "'thread'"),
 ])
 def test_profile_arguments_are_bounded(args, message):
     with pytest.raises(ValueError, match=message):
