@@ -112,7 +112,7 @@ class _TorchRun:
     seconds: float
     done: threading.Event = field(default_factory=threading.Event)
     started_at: float | None = None  # monotonic, set by the engine thread
-    num_ticks: int = 0  # engine loop iterations inside the profile
+    num_ticks: int = 0  # engine loop ticks between the start's and the stop's
     result: dict | None = None
     error: str | None = None
 
@@ -201,6 +201,9 @@ class StepProfiler:
                 trace = f.read()
             json.loads(trace)  # what we send must be JSON (a failure is this job's error)
         job.result = {"seconds": round(time.monotonic() - job.started_at, 3),
-                      "num_iterations": job.num_ticks, "path": path, "trace_bytes": size,
+                      # The iterations that ran under the profiler: those ending in the
+                      # ticks between, and the one ending in the stop's tick.
+                      "num_iterations": job.num_ticks + 1, "path": path,
+                      "trace_bytes": size,
                       "trace": trace}
         job.done.set()
