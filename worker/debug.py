@@ -49,6 +49,7 @@ log = logging.getLogger("zeroserve.worker")
 # engine did not answer.
 TORCH_PROFILE_GRACE_S = 60.0
 _TRACE_ROOM_BYTES = MAX_DEBUG_REPLY_BYTES - 64 * 1024  # the rest of a reply's fields
+MAX_ANSWERING = 8  # debug requests answered at once; more are refused (busy), not queued
 
 
 class WorkerDebug:
@@ -59,13 +60,25 @@ class WorkerDebug:
         self.slot = OneAtATime()
         self.memory = MemoryTracker()
         self.torch = StepProfiler(worker_id, wake)
+        self._answering = threading.BoundedSemaphore(MAX_ANSWERING)
 
     def handle(self, msg: DebugRequest, reply: Callable[[DebugReply], None]) -> None:
-        """Answer on a thread of its own; `reply` sends from that thread."""
+        """Answer on a thread of its own; `reply` sends from that thread. A flood of
+        requests gets `busy` replies, never a thread each."""
+        if not self._answering.acquire(blocking=False):
+            reply(DebugReply(msg.token, False, code="busy",
+                             error=f"{MAX_ANSWERING} debug requests are being answered"))
+            return
         threading.Thread(target=self._answer, args=(msg, reply), daemon=True,
                          name=f"debug-{msg.kind}").start()
 
     def _answer(self, msg: DebugRequest, reply: Callable[[DebugReply], None]) -> None:
+        try:
+            self._answer_one(msg, reply)
+        finally:
+            self._answering.release()
+
+    def _answer_one(self, msg: DebugRequest, reply: Callable[[DebugReply], None]) -> None:
         try:
             result = self.answer(msg.kind, msg.args)
         except Busy as e:

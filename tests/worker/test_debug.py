@@ -78,6 +78,18 @@ def test_bad_arguments_and_a_second_profile_are_refused(gateway):
         stop(gateway, worker)
 
 
+def test_a_flood_of_debug_requests_gets_busy_replies_not_a_thread_each():
+    from zeroserve.worker.debug import MAX_ANSWERING, WorkerDebug
+
+    debug, replies = WorkerDebug("worker-test"), []
+    for i in range(MAX_ANSWERING + 3):  # memory diffs wait 0.5 s each: all still running
+        debug.handle(DebugRequest(f"t{i}", "memory", {"action": "diff", "seconds": 0.5}),
+                     replies.append)
+    assert wait_until(lambda: len(replies) == MAX_ANSWERING + 3, 10)
+    assert sum(r.code == "busy" for r in replies) >= 3
+    assert sum(r.ok for r in replies) == 1  # one diff at a time: the slot
+
+
 def allocated_in_the_worker_test() -> list[bytes]:
     return [bytes(2048) + bytes([i % 256]) for i in range(1000)]
 
