@@ -42,7 +42,8 @@ class Served:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.gw.gateway.edge.send(WORKER, Shutdown("test over"))
+        edge = self.gw.gateway.edge  # the gateway's loop owns its sockets
+        self.gw.loop.call_soon_threadsafe(edge.send, WORKER, Shutdown("test over"))
         self.worker.wait()
         self.gw.__exit__(*exc)
 
