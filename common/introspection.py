@@ -243,8 +243,10 @@ class SamplingProfiler:
             num_samples += 1
             sampling_s += time.perf_counter() - now
         wall_s = time.perf_counter() - started
+        cpu_at_end = _thread_cpu_times()
+        cpu_at_end.pop(me, None)  # the sampler's own cost is `sampling_s`
         return Profile(counts, num_samples, wall_s, sampling_s, num_dropped,
-                       _cpu_by_thread(cpu_at_start, _thread_cpu_times(), wall_s, self.thread))
+                       _cpu_by_thread(cpu_at_start, cpu_at_end, wall_s, self.thread))
 
     def _stack(self, thread_name: str, frame: Any) -> tuple[str, ...]:
         labels = []

@@ -137,6 +137,7 @@ class Gateway:
         """End every open request with a 503 (an error event for a stream), and abort it on
         its worker: while their clients can still be told, not when the server cancels."""
         self.admission.close(shutting_down())
+        self.debug_calls.end_all(shutting_down())
         for task in list(self._resubmit_tasks):
             task.cancel()
         for state in list(self.streams.states.values()):

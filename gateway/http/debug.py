@@ -21,7 +21,8 @@ never a web page).
 
 Without `worker` the gateway answers about itself. A worker answers from its link thread
 (worker/debug.py), so stacks come back while its engine thread is hung. One profile (or
-timed memory view) at a time per process: a second gets 409.
+timed memory view) at a time per process: a second gets 409. When the server stops, a call
+waiting for a worker gets a 503 and the gateway's own profile answers with what it has.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class DebugApi:
         self.admin = admin
         self.gateway = gateway
         self.view = GatewayDebug()
+        gateway.debug_calls.on_end.append(self.view.stop_all)  # at the server's shutdown
 
     def routes(self) -> list[Route]:
         return [

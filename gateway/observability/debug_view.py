@@ -52,6 +52,13 @@ class GatewayDebug:
     def __init__(self) -> None:
         self.slot = OneAtATime()
         self.memory = MemoryTracker()
+        self._running: set[threading.Event] = set()  # stop events of running calls
+
+    def stop_all(self) -> None:
+        """End running profiles and memory diffs now (the server stops): each answers with
+        what it has."""
+        for stop in list(self._running):
+            stop.set()
 
     def stacks(self) -> dict:
         """On the event loop: threads and asyncio tasks."""
@@ -61,16 +68,20 @@ class GatewayDebug:
     async def profile(self, args: ProfileArgs) -> dict:
         """Busy if a profile runs already; the event loop goes on while it samples."""
         stop = threading.Event()
+        self._running.add(stop)
         try:
             result = await asyncio.to_thread(run_profile, self.slot, args, stop)
         finally:
             stop.set()  # a cancelled call (the client left) ends the sampler too
+            self._running.discard(stop)
         return {"process": "gateway", **process_info(), **result}
 
     async def memory_view(self, args: MemoryArgs) -> dict:
         stop = threading.Event()
+        self._running.add(stop)
         try:
             result = await asyncio.to_thread(self.memory.handle, args, self.slot, stop)
         finally:
             stop.set()
+            self._running.discard(stop)
         return {"process": "gateway", **process_info(), **result}

@@ -27,6 +27,8 @@ class DebugCalls:
     def __init__(self, send: Callable[[str, Message], bool]):
         self._send = send  # (worker id, message) -> whether it left
         self._pending: dict[str, tuple[str, asyncio.Future]] = {}
+        # Called by end_all (the gateway's shutdown): the gateway's own profiles stop too.
+        self.on_end: list[Callable[[], None]] = []
 
     async def call(self, worker_id: str, kind: str, args: dict[str, Any],
                    timeout_s: float) -> dict[str, Any]:
@@ -55,6 +57,15 @@ class DebugCalls:
                            type="invalid_request_error" if status < 500 else "server_error",
                            code=f"debug_{reply.code}")
         return reply.result
+
+    def end_all(self, error: APIError) -> None:
+        """The server is stopping: every call waiting for a worker ends with `error` now,
+        while its client can still be told (not when the server cancels it)."""
+        for _, future in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+        for end in self.on_end:
+            end()
 
     def on_reply(self, worker_id: str, msg: DebugReply) -> None:
         """A DEBUG_REPLY from `worker_id` (the receive loop): only the asker's token and

@@ -78,6 +78,7 @@ def test_a_profile_names_the_busy_function_in_both_formats():
     assert "spin_in_a_test_loop" in format_top(answer)
     cpu = {t["name"]: t for t in answer["threads"]}
     assert cpu["spinner"]["cpu_s"] > 0 and cpu["spinner"]["native_id"] == thread.native_id
+    assert threading.current_thread().name not in cpu  # the sampler: its cost is overhead
 
 
 def test_a_profile_of_one_thread_samples_only_it():

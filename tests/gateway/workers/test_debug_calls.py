@@ -81,3 +81,18 @@ def test_an_unconnected_worker_is_a_404_and_calls_are_bounded():
             task.cancel()
         await asyncio.gather(*waiting, return_exceptions=True)
     asyncio.run(scenario())
+
+
+def test_at_shutdown_every_waiting_call_ends_with_the_error_given():
+    async def scenario():
+        calls = DebugCalls(Wire().send)
+        ended: list[bool] = []
+        calls.on_end.append(lambda: ended.append(True))
+        call = asyncio.create_task(calls.call("w0", "profile", {}, 60.0))
+        await asyncio.sleep(0)
+        calls.end_all(APIError(503, "The server is shutting down.", code="shutdown"))
+        with pytest.raises(APIError) as e:
+            await call
+        return e.value, ended
+    error, ended = asyncio.run(scenario())
+    assert error.status == 503 and error.code == "shutdown" and ended == [True]
