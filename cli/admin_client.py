@@ -42,14 +42,28 @@ class AdminClient:
         return self._call("POST", f"/admin/models/{urllib.parse.quote(alias, safe='')}/weights",
                           {"weights": weights})
 
-    def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+    def debug(self, kind: str, worker_id: str | None, args: dict,
+              wait_s: float = 0.0) -> dict:
+        """A live look inside the gateway (no worker) or a worker: `kind` is stacks,
+        profile, memory or torch-profile (gateway/http/debug.py); `wait_s`: how long the
+        call itself runs (a profile's seconds), added to the timeout."""
+        timeout_s = self.timeout_s + wait_s + 60.0
+        if kind == "stacks":
+            query = "" if worker_id is None else "?" + urllib.parse.urlencode(
+                {"worker": worker_id})
+            return self._call("GET", "/admin/debug/stacks" + query, timeout_s=timeout_s)
+        body = dict(args) if worker_id is None else {**args, "worker": worker_id}
+        return self._call("POST", f"/admin/debug/{kind}", body, timeout_s=timeout_s)
+
+    def _call(self, method: str, path: str, body: dict | None = None,
+              timeout_s: float | None = None) -> dict:
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.url.rstrip("/") + path, data=data, method=method)
         request.add_header("content-type", "application/json")
         if self.key:
             request.add_header("authorization", f"Bearer {self.key}")
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as response:
                 return json.loads(response.read())
         except urllib.error.HTTPError as e:
             try:

@@ -25,6 +25,7 @@ from typing import Any
 
 import click
 
+from zeroserve.cli.debug import debug as debug_commands
 from zeroserve.worker.config import ATTENTION_BACKENDS, BatchingMode, EngineConfig
 
 ENV_PREFIX = "ZEROSERVE_"
@@ -1126,6 +1127,9 @@ def workers_restart(worker_id: str | None, restart_all: bool, **opts: Any) -> No
         return
     _admin_call(lambda: restart(client, worker_id, opts["deadline"], opts["timeout"],
                                 click.echo))
+
+
+main.add_command(debug_commands)  # `zeroserve debug ...` (cli/debug.py)
 
 
 @main.group()

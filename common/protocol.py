@@ -9,6 +9,8 @@ Sockets (see docs/protocol.md):
 - gateway ROUTER  <- worker DEALER : HELLO, HEARTBEAT, DRAIN, ERROR   (worker -> gateway)
                   -> worker DEALER : READY, SUBMIT, ABORT, CREDIT, HEARTBEAT, DRAIN, SHUTDOWN
 - gateway PULL    <- worker PUSH   : TOKENS (one message per engine step, all streams)
+- DEBUG_REQUEST (gateway -> worker) and DEBUG_REPLY (worker -> gateway) travel on the
+  ROUTER/DEALER pair and are answered by the worker's link (I/O) thread, not its engine.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class MsgType(enum.IntEnum):
     ERROR = 9
     SHUTDOWN = 10
     UNDRAIN = 11
+    DEBUG_REQUEST = 12
+    DEBUG_REPLY = 13
 
 
 class WorkerState(enum.Enum):
@@ -459,10 +463,69 @@ class Shutdown(Message):
     reason: str = ""
 
 
+# A live look inside a worker (common/introspection.py): what DEBUG_REQUEST may ask for.
+DEBUG_KINDS = ("stacks", "profile", "memory", "torch_profile")
+# Why a DEBUG_REPLY carries no result: busy (a profile runs already: the gateway's 409),
+# bad_args (400), failed (the worker could not do it), unavailable (e.g. no torch profiler).
+DEBUG_ERROR_CODES = ("busy", "bad_args", "failed", "unavailable", "timeout")
+MAX_DEBUG_TOKEN_CHARS = 64
+MAX_DEBUG_ARGS = 16
+# A reply's encoded body stays below this (the worker cuts or refuses a bigger answer).
+MAX_DEBUG_REPLY_BYTES = 12 * 1024 * 1024
+
+
+@dataclass
+class DebugRequest(Message):
+    """Gateway -> worker: look inside the process (stacks, a CPU or torch profile, memory).
+    `token` pairs the reply with the request; `args` are the kind's arguments by name
+    (numbers and strings only; the worker checks their ranges again)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.DEBUG_REQUEST
+    SCHEMA: ClassVar = {"token": _STR, "kind": _STR, "args": _DICT}
+    token: str
+    kind: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if not 0 < len(self.token) <= MAX_DEBUG_TOKEN_CHARS:
+            raise ProtocolError(f"token must have 1 to {MAX_DEBUG_TOKEN_CHARS} characters")
+        if self.kind not in DEBUG_KINDS:
+            raise ProtocolError(f"kind must be one of {DEBUG_KINDS}")
+        if len(self.args) > MAX_DEBUG_ARGS or not all(
+                isinstance(k, str) and len(k) <= 64 and (
+                    isinstance(v, (int, float, bool, type(None)))
+                    or (isinstance(v, str) and len(v) <= 4096))
+                for k, v in self.args.items()):
+            raise ProtocolError(f"args must map up to {MAX_DEBUG_ARGS} names to scalars")
+
+
+@dataclass
+class DebugReply(Message):
+    """Worker -> gateway: the answer to the DEBUG_REQUEST with the same `token`: `result`
+    (the kind's answer) when `ok`, else `error` and its `code` (one of DEBUG_ERROR_CODES)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.DEBUG_REPLY
+    SCHEMA: ClassVar = {"token": _STR, "ok": _BOOL, "result": _DICT, "error": _STR,
+                        "code": _STR}
+    token: str
+    ok: bool
+    result: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+    code: str = ""
+
+    def validate(self) -> None:
+        if not 0 < len(self.token) <= MAX_DEBUG_TOKEN_CHARS:
+            raise ProtocolError(f"token must have 1 to {MAX_DEBUG_TOKEN_CHARS} characters")
+        if not self.ok and self.code not in DEBUG_ERROR_CODES:
+            raise ProtocolError(f"a failed reply's code must be one of {DEBUG_ERROR_CODES}")
+        if len(self.error) > 4096:
+            raise ProtocolError("error must have at most 4096 characters")
+
+
 MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
     cls.TYPE: cls
     for cls in (Hello, Ready, Submit, Abort, Credit, Tokens, Heartbeat, Drain, Error, Shutdown,
-                Undrain)
+                Undrain, DebugRequest, DebugReply)
 }
 
 

@@ -21,6 +21,7 @@ from zeroserve.gateway.errors import APIError, invalid_api_key, server_error
 from zeroserve.gateway.http.admin import AdminApi
 from zeroserve.gateway.http.anthropic_errors import AnthropicErrorShape
 from zeroserve.gateway.http.auth import ApiKeyMiddleware, ApiKeys, warn_if_exposed
+from zeroserve.gateway.http.debug import DebugApi
 from zeroserve.gateway.http.error_response import error_response
 from zeroserve.gateway.http.health import HealthEndpoints
 from zeroserve.gateway.http.host_check import AllowedHosts, HostCheckMiddleware
@@ -131,6 +132,7 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None,
         log.exception("unhandled error", exc_info=exc)
         return error_response(server_error("Internal server error."))
 
+    admin = AdminApi(config, gateway)
     routes = [
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
@@ -144,7 +146,8 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None,
         *health.routes(),
         *([] if metrics is None else [
             Route("/metrics", metrics_endpoint(metrics, keys), methods=["GET"])]),
-        *AdminApi(config, gateway).routes(),
+        *admin.routes(),
+        *DebugApi(admin, gateway).routes(),
         *([] if config.disable_ui else ConsolePages().routes()),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,

@@ -60,6 +60,7 @@ from zeroserve.gateway.streams import (
     StreamTable,
     WorkerOutbox,
 )
+from zeroserve.gateway.workers.debug_calls import DebugCalls
 from zeroserve.gateway.workers.handle import WorkerStatus
 from zeroserve.gateway.workers.models import ModelCatalog, Target
 from zeroserve.gateway.workers.registry import WorkerRegistry
@@ -100,12 +101,14 @@ class Gateway:
             send_credit=lambda worker_id, grants: self.edge.send(worker_id, Credit(grants)),
             send_abort=lambda worker_id, rids, attempts: self.edge.send(
                 worker_id, Abort(rids, attempts)))
+        self.debug_calls = DebugCalls(self.edge.send)  # stacks/profiles of workers
         self._handlers = {
             MsgType.HELLO: self._on_hello,
             MsgType.HEARTBEAT: self._on_heartbeat,
             MsgType.DRAIN: self._on_drain,
             MsgType.ERROR: self._on_error,
             MsgType.TOKENS: self._on_tokens,
+            MsgType.DEBUG_REPLY: self.debug_calls.on_reply,
         }
         self._heartbeat_task: asyncio.Task | None = None
         self._resubmit_tasks: set[asyncio.Task] = set()
@@ -139,6 +142,7 @@ class Gateway:
         """End every open request with a 503 (an error event for a stream), and abort it on
         its worker: while their clients can still be told, not when the server cancels."""
         self.admission.close(shutting_down())
+        self.debug_calls.end_all(shutting_down())
         for task in list(self._resubmit_tasks):
             task.cancel()
         for state in list(self.streams.states.values()):

@@ -7,7 +7,9 @@ link's index, so the engine thread knows which gateway a message came from.
 It keeps liveness off the engine thread: heartbeats leave on their own clock even while a
 long engine step runs, HELLOs are held and retried until a connection takes them, and a
 watchdog ends the process when the engine thread stops making progress (a hung kernel or a
-deadlock that no step of ours can free), so its supervisor starts a fresh one.
+deadlock that no step of ours can free), so its supervisor starts a fresh one. It answers
+DEBUG_REQUESTs itself (worker/debug.py, on a thread of their own), never through the
+engine thread, so a hung engine still shows its stacks.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import zmq
 from zeroserve.common.keys import WorkerKeys, curve_client
 from zeroserve.common.protocol import (
     MAX_FRAME_BYTES,
+    DebugReply,
+    DebugRequest,
     Heartbeat,
     Message,
     MsgType,
@@ -35,6 +39,7 @@ from zeroserve.common.protocol import (
 )
 from zeroserve.common.socket_liveness import set_liveness_options
 from zeroserve.worker.config import WorkerConfig
+from zeroserve.worker.debug import WorkerDebug
 
 log = logging.getLogger("zeroserve.worker")
 
@@ -67,8 +72,10 @@ class GatewayLink(threading.Thread):
 
     def __init__(self, ctx: zmq.Context, config: WorkerConfig, route: bytes,
                  router_address: str, outbox_address: str, keys: WorkerKeys | None,
-                 inbox: queue.Queue[tuple[int, Message]], index: int = 0):
+                 inbox: queue.Queue[tuple[int, Message]], index: int = 0,
+                 debug: WorkerDebug | None = None):
         super().__init__(name=f"gateway-link-{index}", daemon=True)
+        self.debug = debug  # answers DEBUG_REQUESTs here, never on the engine thread
         self.config = config
         self.index = index  # which of the worker's gateways this link talks to
         self.inbox = inbox  # (index, message) for the engine thread; shared by all links
@@ -91,6 +98,7 @@ class GatewayLink(threading.Thread):
         self._dealer.connect(router_address)
         self._outbox = ctx.socket(zmq.PULL)
         self._outbox.bind(outbox_address)
+        self._ctx, self._outbox_address = ctx, outbox_address
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -144,10 +152,31 @@ class GatewayLink(threading.Thread):
                 return
             self.last_heard = time.monotonic()
             try:
-                self.inbox.put((self.index, decode(frames)))
+                msg = decode(frames)
             except ProtocolError as e:
                 log.warning("dropped a bad frame from the gateway: %s", e,
                             extra={"worker_id": self.config.worker_id})
+                continue
+            if isinstance(msg, DebugRequest) and self.debug is not None:
+                self.debug.handle(msg, self._reply_from_thread)
+            else:
+                self.inbox.put((self.index, msg))
+
+    def _reply_from_thread(self, reply: DebugReply) -> None:
+        """Send from another thread (a debug answer's): through the outbox, like the engine
+        thread, on a socket of its own (ZeroMQ sockets are not shared between threads)."""
+        sock = None
+        try:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, LINGER_MS)
+            sock.connect(self._outbox_address)
+            sock.send_multipart(encode(reply))
+        except zmq.ZMQError as e:  # the worker is exiting: the gateway's call times out
+            log.warning("could not send a debug reply: %s", e,
+                        extra={"worker_id": self.config.worker_id})
+        finally:
+            if sock is not None:
+                sock.close()
 
     def _forward_outbox(self) -> bool:
         """Send what the engine thread queued; False when it asked us to stop."""
@@ -225,7 +254,7 @@ class GatewayPeer:
 
     def __init__(self, ctx: zmq.Context, config: WorkerConfig, route: bytes, index: int,
                  router_address: str, tokens_address: str, keys: WorkerKeys | None,
-                 inbox: queue.Queue[tuple[int, Message]]):
+                 inbox: queue.Queue[tuple[int, Message]], debug: WorkerDebug | None = None):
         self.index = index
         self.state = LinkState.CONNECTING
         self.gateway_id: str | None = None  # the gateway process we serve here (from READY)
@@ -233,7 +262,7 @@ class GatewayPeer:
         self.endpoints = (router_address, tokens_address)
         outbox_address = f"inproc://worker-outbox-{id(self)}"
         self.link = GatewayLink(ctx, config, route, router_address, outbox_address, keys, inbox,
-                                index)
+                                index, debug)
         self._to_link = ctx.socket(zmq.PUSH)
         self._to_link.connect(outbox_address)
         tokens = ctx.socket(zmq.PUSH)

@@ -74,6 +74,7 @@ from zeroserve.common.protocol import (
     encode,
 )
 from zeroserve.worker.config import WorkerConfig
+from zeroserve.worker.debug import WorkerDebug
 from zeroserve.worker.discovery import GatewayDiscovery, GatewaysFound, Resolver
 from zeroserve.worker.grammar import GrammarSpec
 from zeroserve.worker.link import GatewayPeer, LinkState, new_route
@@ -189,6 +190,9 @@ class WorkerLoop:
         }
         # A request's grammar compiled off this thread: end the loop's wait for messages.
         engine.wake = lambda: self._inbox.put((None, _WAKE))
+        # Stacks, profiles, memory: answered by the link threads (worker/debug.py); only
+        # the torch profiler needs this thread (debug.torch.tick() in the loop).
+        self.debug = WorkerDebug(config.worker_id, engine.wake)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -220,6 +224,7 @@ class WorkerLoop:
                 self._check_drain()
                 self._ids_at = ids_at
                 self._step()  # publishes the load once its emit is done
+                self.debug.torch.tick()
                 progress_at = time.monotonic()
                 for gw in self.gateways.values():
                     gw.link.progress_at = progress_at
@@ -539,7 +544,7 @@ class WorkerLoop:
         index = self._next_index
         self._next_index += 1
         gw = GatewayPeer(self._ctx, self.config, self._route, index, router, tokens,
-                         self._keys, self._inbox)
+                         self._keys, self._inbox, self.debug)
         self.gateways[index] = gw
         gw.start()
         if say_hello:

@@ -147,6 +147,11 @@ class AdminApi:
 
     # --- who may call --------------------------------------------------------------------
 
+    def refusal(self, request: Request) -> APIError | None:
+        """Why this caller may not use an admin route (None: it may); for the admin routes
+        of other modules too (gateway/http/debug.py)."""
+        return self._refusal(request)
+
     def _refusal(self, request: Request) -> APIError | None:
         refusal = self._caller_refusal(request) or _cross_site_refusal(
             request, self.origins, self.keys.is_enabled)

@@ -14,6 +14,8 @@ from zeroserve.common.protocol import (
     PROTOCOL_VERSION,
     Abort,
     Credit,
+    DebugReply,
+    DebugRequest,
     Drain,
     Error,
     Heartbeat,
@@ -71,6 +73,10 @@ def sample_messages() -> list[Message]:
         Error("req-9", "internal", "boom"),
         Error("req-9", "internal", "boom", 2),
         Shutdown("operator asked"),
+        DebugRequest("a1b2", "stacks"),
+        DebugRequest("a1b2", "profile", {"seconds": 2.5, "hz": 100, "limit": 40}),
+        DebugReply("a1b2", True, {"threads": [{"name": "MainThread", "frames": []}]}),
+        DebugReply("a1b2", False, {}, "a profile is already running", "busy"),
     ]
 
 
@@ -165,6 +171,18 @@ BAD_FRAMES = {
                                             ["w", "ready", 0, 0, 0, 0, 0, 0.0, "", 0, 0.0, [1]]),
     "heartbeat infinite age": _frames(MsgType.HEARTBEAT,
                                       ["w", "ready", 0, 0, 0, 0, 0, 0.0, "", 0, float("inf")]),
+    "debug request empty token": _frames(MsgType.DEBUG_REQUEST, ["", "stacks", {}]),
+    "debug request long token": _frames(MsgType.DEBUG_REQUEST, ["t" * 65, "stacks", {}]),
+    "debug request unknown kind": _frames(MsgType.DEBUG_REQUEST, ["t", "exec", {}]),
+    "debug request nested arg": _frames(MsgType.DEBUG_REQUEST, ["t", "profile", {"a": [1]}]),
+    "debug request too many args": _frames(MsgType.DEBUG_REQUEST, [
+        "t", "profile", {f"a{i}": 1 for i in range(17)}]),
+    "debug request long arg": _frames(MsgType.DEBUG_REQUEST, ["t", "memory", {"a": "x" * 5000}]),
+    "debug request args not a map": _frames(MsgType.DEBUG_REQUEST, ["t", "stacks", []]),
+    "debug reply failed without a known code": _frames(MsgType.DEBUG_REPLY,
+                                                       ["t", False, {}, "no", "why"]),
+    "debug reply result not a map": _frames(MsgType.DEBUG_REPLY, ["t", True, "text"]),
+    "debug reply long error": _frames(MsgType.DEBUG_REPLY, ["t", False, {}, "e" * 5000, "failed"]),
     "tokens with too many outputs": _frames(
         MsgType.TOKENS, ["w", 1, [["r", [], None, 0, 0, 0, None, None]] * 70_000]),
 }
