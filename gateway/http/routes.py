@@ -262,7 +262,10 @@ class Api:
             "num_prompt_tokens": sum(group.prompt_lengths),
             "engine_request_ids": [c.state.request_id for c in group.choices]})
         try:
-            is_gone, _ = await race_disconnect(group.submit(), request.receive)
+            # At once when a worker can take it; else raced against the client leaving
+            # while it waits in the queue.
+            is_gone = False if group.submit_now() else \
+                (await race_disconnect(group.submit(), request.receive))[0]
         except APIError as e:
             group.close()
             self.gateway.metrics.on_refused(e)
