@@ -15,6 +15,7 @@ with credit and no output for `request_idle_timeout_s` fails.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import Any
@@ -189,8 +190,10 @@ class Gateway:
         sent = self.edge.send(worker.worker_id, Submit(
             state.request_id, state.prompt_token_ids, sampling, state.credit_limit,
             state.output_token_ids, params.get("grammar"), state.attempt))
-        log.debug("submitted", extra={"request_id": state.request_id,
-                                      "worker_id": worker.worker_id, "attempt": state.attempt})
+        if log.isEnabledFor(logging.DEBUG):  # (not even its fields built otherwise)
+            log.debug("submitted", extra={"request_id": state.request_id,
+                                          "worker_id": worker.worker_id,
+                                          "attempt": state.attempt})
         if not sent:
             self._fail(state, worker_failed(f"Could not reach worker {worker.worker_id}."))
 

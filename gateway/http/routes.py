@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable
 
@@ -257,10 +258,11 @@ class Api:
                           sampling.stop, sampling.skip_special_tokens, sampling.is_scoring,
                           None if reasoning is None else reasoning(), cache_key)
         self.gateway.metrics.on_api_request(ctx.endpoint)
-        log.info("request", extra={
-            "request_id": ctx.id, "kind": ctx.endpoint, "stream": stream,
-            "num_prompt_tokens": sum(group.prompt_lengths),
-            "engine_request_ids": [c.state.request_id for c in group.choices]})
+        if log.isEnabledFor(logging.INFO):  # (its fields are not built below that level)
+            log.info("request", extra={
+                "request_id": ctx.id, "kind": ctx.endpoint, "stream": stream,
+                "num_prompt_tokens": sum(group.prompt_lengths),
+                "engine_request_ids": [c.state.request_id for c in group.choices]})
         try:
             # At once when a worker can take it; else raced against the client leaving
             # while it waits in the queue.

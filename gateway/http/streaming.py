@@ -23,6 +23,7 @@ which ends the response as a failure in `events()` would have.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -71,6 +72,8 @@ def update_logprobs(tokenizer: TextTokenizer, ctx: ResponseContext, update: Choi
 
 
 def log_done(ctx: ResponseContext, group: RequestGroup) -> None:
+    if not log.isEnabledFor(logging.INFO):  # (its fields are not built below that level)
+        return
     log.info("request done", extra={
         "request_id": ctx.id, "elapsed_s": round(time.time() - ctx.created_at, 3),
         "finish_reasons": [c.finish_reason for c in group.choices],
