@@ -52,14 +52,10 @@ class Admission:
         `prompt_token_ids`: what the router places the request by (None: least loaded);
         `cache_key`: the client's conversation name, which breaks the router's ties;
         `target`: the model (and version) whose workers may take it (None: any)."""
-        if self._closed_with is not None:
-            raise self._closed_with
+        worker = self.try_acquire(request_id, prompt_token_ids, cache_key, target)
+        if worker is not None:
+            return worker
         prefix = None if prompt_token_ids is None else Prefix(prompt_token_ids, cache_key)
-        if not self._is_queued_for(target):
-            worker = self.registry.pick(prefix, target)
-            if worker is not None:
-                self.registry.assign(worker, request_id, prefix)
-                return worker
         if self.num_queued >= self.max_queued:
             raise queue_full(self.retry_after_s)
         future: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -79,6 +75,22 @@ class Admission:
                 self._left(target)
             if not is_handed_over:
                 self._give_back(future, request_id)
+
+    def try_acquire(self, request_id: str, prompt_token_ids: list[int] | None = None,
+                    cache_key: str | None = None, target: Target | None = None
+                    ) -> WorkerHandle | None:
+        """`acquire` without waiting: a worker with the request assigned to it, if one of
+        `target`'s can take it now and nobody waits ahead for the same workers (first come,
+        first served); None otherwise. Raises what `close` was given."""
+        if self._closed_with is not None:
+            raise self._closed_with
+        if self._is_queued_for(target):
+            return None
+        prefix = None if prompt_token_ids is None else Prefix(prompt_token_ids, cache_key)
+        worker = self.registry.pick(prefix, target)
+        if worker is not None:
+            self.registry.assign(worker, request_id, prefix)
+        return worker
 
     def close(self, error: APIError) -> None:
         """The server is stopping: the waiting requests fail with `error` now (they would

@@ -15,6 +15,7 @@ with credit and no output for `request_idle_timeout_s` fails.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import Any
@@ -61,7 +62,7 @@ from zeroserve.gateway.streams import (
     WorkerOutbox,
 )
 from zeroserve.gateway.workers.debug_calls import DebugCalls
-from zeroserve.gateway.workers.handle import WorkerStatus
+from zeroserve.gateway.workers.handle import WorkerHandle, WorkerStatus
 from zeroserve.gateway.workers.models import ModelCatalog, Target
 from zeroserve.gateway.workers.registry import WorkerRegistry
 from zeroserve.gateway.workers.zmq_io import Peer, ZmqEdge
@@ -169,6 +170,20 @@ class Gateway:
             self.registry.release(worker.worker_id, state.request_id)
             self.admission.wake()
             return
+        self._send_submit(state, worker)
+
+    def submit_now(self, state: RequestState, params: dict[str, Any]) -> bool:
+        """`submit` when a worker can take the request at once (nobody queued ahead): sent,
+        True; False: nothing was done, `submit` waits its turn. Raises APIError."""
+        worker = self.admission.try_acquire(state.request_id, state.prompt_token_ids,
+                                            state.cache_key, state.target)
+        if worker is None:
+            return False
+        state.params = params
+        self._send_submit(state, worker)
+        return True
+
+    def _send_submit(self, state: RequestState, worker: WorkerHandle) -> None:
         state.worker_id = worker.worker_id
         state.phase = RequestPhase.RUNNING
         # Pinned to this worker's model and version: a resubmission goes to the same pair.
@@ -180,13 +195,18 @@ class Gateway:
         state.missing_since = None
         # params holds the sampling fields and, for constrained decoding, "grammar"
         # ([kind, source]), which travels in SUBMIT's own field.
-        sampling = {k: v for k, v in params.items() if k != "grammar"}
+        params = state.params
+        assert params is not None
+        sampling = params if "grammar" not in params else \
+            {k: v for k, v in params.items() if k != "grammar"}
         state.num_credited = state.num_delivered  # a new worker gets the whole window
         sent = self.edge.send(worker.worker_id, Submit(
             state.request_id, state.prompt_token_ids, sampling, state.credit_limit,
             state.output_token_ids, params.get("grammar"), state.attempt))
-        log.debug("submitted", extra={"request_id": state.request_id,
-                                      "worker_id": worker.worker_id, "attempt": state.attempt})
+        if log.isEnabledFor(logging.DEBUG):  # (not even its fields built otherwise)
+            log.debug("submitted", extra={"request_id": state.request_id,
+                                          "worker_id": worker.worker_id,
+                                          "attempt": state.attempt})
         if not sent:
             self._fail(state, worker_failed(f"Could not reach worker {worker.worker_id}."))
 

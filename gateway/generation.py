@@ -173,6 +173,23 @@ class RequestGroup:
                                    created_at=self.gateway.clock(), reasoning=reasoning))
         self._params.append(params)
 
+    def submit_now(self) -> bool:
+        """Admit and send the request at once, with no task and no wait, when it is one
+        choice that a worker can take now (nobody queued ahead): True. False: nothing was
+        sent; `submit` admits it (it may wait). On a failure (503 while shutting down) it
+        raises and ends the choice."""
+        if len(self.choices) != 1:
+            return False
+        choice = self.choices[0]
+        try:
+            if not self.gateway.submit_now(choice.state, self._params[0]):
+                return False
+        except BaseException:
+            self.close()
+            raise
+        self._on_submitted()
+        return True
+
     async def submit(self) -> None:
         """Admit and send every choice; on any failure (429, 503) raise and end them all."""
         self.gateway.admission.check_room(len(self.choices))
@@ -186,6 +203,9 @@ class RequestGroup:
             await asyncio.gather(*tasks, return_exceptions=True)
             self.close()
             raise
+        self._on_submitted()
+
+    def _on_submitted(self) -> None:
         for c in self.choices:
             if c.state.num_submits:  # else it ended while it waited
                 c.submitted_at = c.state.submitted_at

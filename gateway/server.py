@@ -15,6 +15,7 @@ from zeroserve.gateway.config import GatewayConfig
 from zeroserve.gateway.core import Gateway
 from zeroserve.gateway.http.http_protocol import DEFAULT_MAX_HEAD_BYTES, guarded_protocol
 from zeroserve.gateway.logging import get_logger, setup_logging
+from zeroserve.gateway.observability.cpu_profile import CpuProfile
 
 STARTUP_FAILURE = 3
 log = get_logger("server")
@@ -61,9 +62,20 @@ class GatewayHttpServer(uvicorn.Server):
     error event. Here, as the shutdown starts, waiting and new requests get a 503 at once;
     streams still running shortly before the deadline end with an error event and [DONE]."""
 
-    def __init__(self, config: uvicorn.Config, gateway: Gateway):
+    def __init__(self, config: uvicorn.Config, gateway: Gateway,
+                 profile: CpuProfile | None = None):
         super().__init__(config)
         self.gateway = gateway
+        self.profile = profile  # ZEROSERVE_GATEWAY_CPU_PROFILE: written at shutdown
+
+    def run(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.profile is not None:
+            self.profile.start()
+        try:
+            super().run(sockets)
+        finally:
+            if self.profile is not None:
+                self.profile.stop()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.gateway.begin_shutdown()
@@ -75,12 +87,15 @@ class GatewayHttpServer(uvicorn.Server):
             await super().shutdown(sockets)
         finally:
             end.cancel()
+            if self.profile is not None:
+                self.profile.stop()
 
 
 def run_gateway(config: GatewayConfig) -> None:
     setup_logging(config.log_format, config.log_level)
     app = build_app(config)
-    server = GatewayHttpServer(uvicorn_config(app, config), app.state.gateway)
+    server = GatewayHttpServer(uvicorn_config(app, config), app.state.gateway,
+                               CpuProfile.from_env(config.gateway_index))
     sockets = None
     if config.reuse_port:
         try:

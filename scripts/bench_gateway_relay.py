@@ -274,6 +274,28 @@ def child_processes(pid: int) -> dict[int, str]:
     return children
 
 
+def threads_cpu_seconds(pids: list[int]) -> dict[str, float]:
+    """CPU seconds per thread name over the processes `pids` (Linux /proc): where a
+    gateway's CPU goes besides its event loop (ZeroMQ's I/O thread, the log writer)."""
+    used: dict[str, float] = {}
+    for pid in pids:
+        try:
+            tids = [entry.name for entry in Path(f"/proc/{pid}/task").iterdir()]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                task = Path(f"/proc/{pid}/task/{tid}")
+                name = (task / "comm").read_text().strip()
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            name = "loop" if tid == str(pid) else name
+            used[name] = used.get(name, 0.0) + \
+                (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return used
+
+
 def gateways_cpu_seconds(pids: list[int]) -> float | None:
     used = [cpu_seconds(pid) for pid in pids]
     return None if None in used else sum(used)
@@ -308,118 +330,50 @@ def steady_tokens_per_s(arrivals: list[list[float]]) -> float | None:
     return num / (t1 - t0)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--streams", type=int, default=1000)
-    ap.add_argument("--tokens", type=int, default=100, help="output tokens per stream")
-    ap.add_argument("--step-ms", type=float, default=50.0,
-                    help="fake engine step time (one token per stream per step)")
-    ap.add_argument("--worker", choices=["stamped", "fake", "serve"], default="stamped",
-                    help="serve: `zeroserve serve --backend fake` as a user runs it (its "
-                         "gateways and worker as its children, default flags but for "
-                         "--max-num-seqs)")
-    ap.add_argument("--gateways", type=int, default=1,
-                    help="gateway processes sharing the port (--worker fake only)")
-    ap.add_argument("--client", choices=["c", "python"], default="c",
-                    help="the load generator: c (scripts/relay_client.c, built with gcc; "
-                         "python where gcc is not found) or python (the asyncio client)")
-    ap.add_argument("--port", type=int, default=18765)
-    ap.add_argument("--credit-window", type=int, default=32)
-    ap.add_argument("--result-json", default=None)
-    ap.add_argument("--no-stamps", action="store_true",
-                    help="--worker fake: no --fake-stamps (a worker from before that flag)")
-    ap.add_argument("--gateway-arg", action="append", default=[],
-                    help="an extra flag for `zeroserve gateway` (repeatable), e.g. "
-                         "--gateway-arg=--disable-metrics")
-    args = ap.parse_args()
-    if args.gateways > 1 and args.worker == "stamped":
-        ap.error("--gateways N > 1 needs --worker fake or serve (the stamped worker has one "
-                 "link)")
-    if args.client == "c" and shutil.which("gcc") is None:
-        print("note: gcc not found, so the client is the Python one (--client python)",
-              file=sys.stderr)
-        args.client = "python"
+# Per round (--rounds): what each burst reports, and the figures whose median is given.
+_ROUND_KEYS = ("wall_s", "errors", "usage_tokens", "tokens_per_s", "steady_tokens_per_s",
+               "first_token_s", "cpu_s", "gateway_threads_cpu_s", "gateway_cpu_us_per_token",
+               "gateway_cpu_us_per_request", "gateway_loop_cpu_us_per_request", "load_average")
+_MEDIAN_KEYS = ("tokens_per_s", "steady_tokens_per_s", "gateway_cpu_us_per_token",
+                "gateway_cpu_us_per_request", "gateway_loop_cpu_us_per_request", "wall_s")
 
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 4 * args.streams + 256)),
-                                                hard))
-    from zeroserve.gateway.config import default_endpoints
 
-    router, tokens = default_endpoints(args.port)
-    tmp = tempfile.mkdtemp(prefix="relay-bench-")
-    client_exe = build_c_client(tmp) if args.client == "c" else None
-    # The servers' output is ours (no log file): a warning shows beside the result.
-    gateways = []
-    for index in range(args.gateways if args.worker != "serve" else 0):
-        shared = ["--reuse-port", *default_endpoint_args(args.port, index)] \
-            if args.gateways > 1 else []
-        gateways.append(start_server(command="gateway", args=(
-            "--port", str(args.port), "--log-level", "warning", "--max-queued-requests",
-            str(args.streams * 2), "--credit-window", str(args.credit_window), *shared,
-            *args.gateway_arg), port=args.port, wait=False))
-    procs = list(gateways)
-    stamps_path, stop_path = os.path.join(tmp, "stamps.json"), os.path.join(tmp, "stop")
-    stamped = None
-    try:
-        if args.worker == "stamped":
-            from zeroserve.gateway.text.tokenizer import load_tokenizer
+def measure_round(args: argparse.Namespace, client_exe: str | None, tmp: str,
+                  gateway_pids: list[int], worker_pid: int) -> dict:
+    """One burst: N streams opened at once, run to their end; what the client saw and the
+    CPU each process (and each gateway thread) used meanwhile."""
+    threads_before = threads_cpu_seconds(gateway_pids)
+    cpu_before = {"gateway": gateways_cpu_seconds(gateway_pids),
+                  "worker": cpu_seconds(worker_pid)}
+    load_before = os.getloadavg()[0]
+    if client_exe is not None:
+        (start, end, arrivals, usage, errors), client_cpu = run_c_client(
+            client_exe, args.port, args.streams, args.tokens,
+            os.path.join(tmp, "client.json"))
+    else:
+        client_before = time.process_time()
+        start, end, arrivals, usage, errors = run_loop(
+            run_clients(args.port, args.streams, args.tokens))
+        client_cpu = time.process_time() - client_before
+    load_after = os.getloadavg()[0]
+    gateway_threads = {name: round(used - threads_before.get(name, 0.0), 2)
+                       for name, used in threads_cpu_seconds(gateway_pids).items()}
+    cpu_used = {"gateway": gateways_cpu_seconds(gateway_pids),
+                "worker": cpu_seconds(worker_pid)}
+    cpu_used = {k: (v - cpu_before[k]) if v is not None and cpu_before[k] is not None
+                else None for k, v in cpu_used.items()}
+    cpu_used["client"] = client_cpu
+    return {"start": start, "end": end, "arrivals": arrivals, "usage": usage, "errors": errors,
+            "cpu_used": cpu_used, "gateway_threads": gateway_threads,
+            "load": (load_before, load_after)}
 
-            (word_id,) = load_tokenizer("default").encode(" hello", add_special_tokens=False)
-            ctx = multiprocessing.get_context("spawn")
-            stamped = ctx.Process(target=run_stamped_worker, args=(
-                router, tokens, args.step_ms / 1000, word_id, stamps_path, stop_path))
-            stamped.start()
-        elif args.worker == "serve":
-            procs.append(start_server(command="serve", args=(
-                "--port", str(args.port), "--gateways", str(args.gateways), "--backend",
-                "fake", "--fake-forward-ms", str(args.step_ms), "--max-num-seqs",
-                str(args.streams), "--credit-window", str(args.credit_window), "--log-level",
-                "warning", *args.gateway_arg), port=args.port, wait=False))
-        else:
-            procs.append(start_server(command="worker", args=(
-                "--port", str(args.port), "--gateways", str(args.gateways), "--backend",
-                "fake", "--fake-forward-ms", str(args.step_ms), "--max-num-seqs",
-                str(max(args.streams, 64)), "--max-num-batched-tokens",
-                str(max(args.streams, 512)), "--num-kv-blocks",
-                str(args.streams * (args.tokens // 16 + 3)), "--log-level", "warning",
-                *([] if args.no_stamps else ["--fake-stamps", stamps_path])),
-                port=args.port, wait=False))
-        # Every process in procs that speaks HTTP (the gateways, serve) answers on args.port.
-        procs[0].wait_answering(
-            num_in_a_row=1 if args.gateways == 1 else 10 * args.gateways)
-        worker_pid = stamped.pid if stamped is not None else procs[-1].process.pid
-        gateway_pids = [g.process.pid for g in gateways]
-        if args.worker == "serve":
-            children = child_processes(procs[-1].process.pid)
-            gateway_pids = [pid for pid, cmd in children.items() if " gateway " in cmd]
-            (worker_pid,) = [pid for pid, cmd in children.items() if "zeroserve.cli worker" in cmd]
-        cpu_before = {"gateway": gateways_cpu_seconds(gateway_pids),
-                      "worker": cpu_seconds(worker_pid)}
-        load_before = os.getloadavg()[0]
-        if client_exe is not None:
-            (start, end, arrivals, usage, errors), client_cpu = run_c_client(
-                client_exe, args.port, args.streams, args.tokens,
-                os.path.join(tmp, "client.json"))
-        else:
-            client_before = time.process_time()
-            start, end, arrivals, usage, errors = run_loop(
-                run_clients(args.port, args.streams, args.tokens))
-            client_cpu = time.process_time() - client_before
-        load_after = os.getloadavg()[0]
-        cpu_used = {"gateway": gateways_cpu_seconds(gateway_pids),
-                    "worker": cpu_seconds(worker_pid)}
-        cpu_used = {k: (v - cpu_before[k]) if v is not None and cpu_before[k] is not None
-                    else None for k, v in cpu_used.items()}
-        cpu_used["client"] = client_cpu
-    finally:
-        if stamped is not None:
-            Path(stop_path).touch()
-            stamped.join(30)
-        for p in reversed(procs):  # the worker first, so it does not miss its gateway
-            p.terminate()
-        for p in reversed(procs):
-            p.stop(timeout_s=10)
 
+def summarize(args: argparse.Namespace, measured: dict, stamps_path: str | None) -> dict:
+    """One round's result; with `stamps_path` (one round only) the added latency too."""
+    start, end, arrivals = measured["start"], measured["end"], measured["arrivals"]
+    usage, errors, cpu_used = measured["usage"], measured["errors"], measured["cpu_used"]
+    gateway_threads = measured["gateway_threads"]
+    load_before, load_after = measured["load"]
     wall = end - start
     num_tokens = sum(usage)
     num_chunks = sum(len(a) for a in arrivals)
@@ -452,14 +406,23 @@ def main() -> None:
     }
     # CPU per delivered token is robust to a shared, noisy machine, unlike tokens/s.
     result["cpu_s"] = {k: round(v, 2) for k, v in cpu_used.items() if v is not None}
+    # The gateways' CPU by thread ("loop": the event loop's, the main thread).
+    result["gateway_threads_cpu_s"] = {k: v for k, v in gateway_threads.items() if v > 0}
     if cpu_used.get("gateway") and num_tokens:
         result["gateway_cpu_us_per_token"] = round(cpu_used["gateway"] / num_tokens * 1e6, 1)
         result["gateway_tokens_per_cpu_s"] = round(num_tokens / cpu_used["gateway"], 1)
+    # Per stream: with a few tokens per stream (--tokens 2), what admitting one costs.
+    if cpu_used.get("gateway"):
+        result["gateway_cpu_us_per_request"] = round(cpu_used["gateway"] / args.streams * 1e6)
+    if gateway_threads.get("loop"):
+        result["gateway_loop_cpu_us_per_request"] = round(
+            gateway_threads["loop"] / args.streams * 1e6)
     if num_chunks:
         result["client_cpu_us_per_chunk"] = round(cpu_used["client"] / num_chunks * 1e6, 2)
     gaps = [b - a for times in arrivals for a, b in zip(times, times[1:], strict=False)]
     result["itl_ms"] = {q: round(pct(gaps, q) * 1000, 2) for q in (50, 90, 99)}
-    if args.worker in ("stamped", "fake") and os.path.exists(stamps_path):
+    if args.worker in ("stamped", "fake") and stamps_path is not None \
+            and os.path.exists(stamps_path):
         with open(stamps_path) as f:
             stamps = json.load(f)
         if args.worker == "fake":  # [first prompt token, output index, time made]
@@ -478,6 +441,121 @@ def main() -> None:
             result["worker_step_ms"] = {q: round(pct(periods, q) * 1000, 2) for q in (50, 90)}
     if errors:
         result["first_errors"] = errors[:3]
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--streams", type=int, default=1000)
+    ap.add_argument("--tokens", type=int, default=100, help="output tokens per stream")
+    ap.add_argument("--step-ms", type=float, default=50.0,
+                    help="fake engine step time (one token per stream per step)")
+    ap.add_argument("--worker", choices=["stamped", "fake", "serve"], default="stamped",
+                    help="serve: `zeroserve serve --backend fake` as a user runs it (its "
+                         "gateways and worker as its children, default flags but for "
+                         "--max-num-seqs)")
+    ap.add_argument("--gateways", type=int, default=1,
+                    help="gateway processes sharing the port (--worker fake only)")
+    ap.add_argument("--client", choices=["c", "python"], default="c",
+                    help="the load generator: c (scripts/relay_client.c, built with gcc; "
+                         "python where gcc is not found) or python (the asyncio client)")
+    ap.add_argument("--port", type=int, default=18765)
+    ap.add_argument("--credit-window", type=int, default=32)
+    ap.add_argument("--result-json", default=None)
+    ap.add_argument("--no-stamps", action="store_true",
+                    help="--worker fake: no --fake-stamps (a worker from before that flag)")
+    ap.add_argument("--gateway-arg", action="append", default=[],
+                    help="an extra flag for `zeroserve gateway` (repeatable), e.g. "
+                         "--gateway-arg=--disable-metrics")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="bursts of --streams streams, one after the other, on the same "
+                         "servers: per-round figures and their medians (no added latency)")
+    ap.add_argument("--profile-gateway", default=None, metavar="PATH",
+                    help="run the gateway(s) under cProfile, stats written to PATH "
+                         "(PATH.<index> for gateway index > 0) at the end; its CPU figures "
+                         "are then inflated")
+    args = ap.parse_args()
+    if args.gateways > 1 and args.worker == "stamped":
+        ap.error("--gateways N > 1 needs --worker fake or serve (the stamped worker has one "
+                 "link)")
+    if args.client == "c" and shutil.which("gcc") is None:
+        print("note: gcc not found, so the client is the Python one (--client python)",
+              file=sys.stderr)
+        args.client = "python"
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 4 * args.streams + 256)),
+                                                hard))
+    from zeroserve.gateway.config import default_endpoints
+
+    router, tokens = default_endpoints(args.port)
+    tmp = tempfile.mkdtemp(prefix="relay-bench-")
+    client_exe = build_c_client(tmp) if args.client == "c" else None
+    # The servers' output is ours (no log file): a warning shows beside the result.
+    gateways = []
+    profile_env = None if args.profile_gateway is None else {
+        "ZEROSERVE_GATEWAY_CPU_PROFILE": os.path.abspath(args.profile_gateway)}
+    for index in range(args.gateways if args.worker != "serve" else 0):
+        shared = ["--reuse-port", *default_endpoint_args(args.port, index)] \
+            if args.gateways > 1 else []
+        gateways.append(start_server(command="gateway", args=(
+            "--port", str(args.port), "--log-level", "warning", "--max-queued-requests",
+            str(args.streams * 2), "--credit-window", str(args.credit_window), *shared,
+            *args.gateway_arg), port=args.port, wait=False, env=profile_env))
+    procs = list(gateways)
+    stamps_path, stop_path = os.path.join(tmp, "stamps.json"), os.path.join(tmp, "stop")
+    stamped = None
+    try:
+        if args.worker == "stamped":
+            from zeroserve.gateway.text.tokenizer import load_tokenizer
+
+            (word_id,) = load_tokenizer("default").encode(" hello", add_special_tokens=False)
+            ctx = multiprocessing.get_context("spawn")
+            stamped = ctx.Process(target=run_stamped_worker, args=(
+                router, tokens, args.step_ms / 1000, word_id, stamps_path, stop_path))
+            stamped.start()
+        elif args.worker == "serve":
+            procs.append(start_server(command="serve", args=(
+                "--port", str(args.port), "--gateways", str(args.gateways), "--backend",
+                "fake", "--fake-forward-ms", str(args.step_ms), "--max-num-seqs",
+                str(args.streams), "--credit-window", str(args.credit_window), "--log-level",
+                "warning", *args.gateway_arg), port=args.port, wait=False, env=profile_env))
+        else:
+            procs.append(start_server(command="worker", args=(
+                "--port", str(args.port), "--gateways", str(args.gateways), "--backend",
+                "fake", "--fake-forward-ms", str(args.step_ms), "--max-num-seqs",
+                str(max(args.streams, 64)), "--max-num-batched-tokens",
+                str(max(args.streams, 512)), "--num-kv-blocks",
+                str(args.streams * (args.tokens // 16 + 3)), "--log-level", "warning",
+                *([] if args.no_stamps else ["--fake-stamps", stamps_path])),
+                port=args.port, wait=False))
+        # Every process in procs that speaks HTTP (the gateways, serve) answers on args.port.
+        procs[0].wait_answering(
+            num_in_a_row=1 if args.gateways == 1 else 10 * args.gateways)
+        worker_pid = stamped.pid if stamped is not None else procs[-1].process.pid
+        gateway_pids = [g.process.pid for g in gateways]
+        if args.worker == "serve":
+            children = child_processes(procs[-1].process.pid)
+            gateway_pids = [pid for pid, cmd in children.items() if " gateway " in cmd]
+            (worker_pid,) = [pid for pid, cmd in children.items() if "zeroserve.cli worker" in cmd]
+        rounds = [measure_round(args, client_exe, tmp, gateway_pids, worker_pid)
+                  for _ in range(args.rounds)]
+    finally:
+        if stamped is not None:
+            Path(stop_path).touch()
+            stamped.join(30)
+        for p in reversed(procs):  # the worker first, so it does not miss its gateway
+            p.terminate()
+        for p in reversed(procs):
+            p.stop(timeout_s=10)
+
+    results = [summarize(args, r, stamps_path if args.rounds == 1 else None) for r in rounds]
+    result = results[0]
+    if args.rounds > 1:
+        # Each burst of N streams on the same servers; the medians are what to compare.
+        result = {"rounds": [{k: v for k, v in r.items() if k in _ROUND_KEYS} for r in results]}
+        result["median"] = {k: round(statistics.median(r[k] for r in result["rounds"]), 3)
+                            for k in _MEDIAN_KEYS if all(k in r for r in result["rounds"])}
     print(json.dumps(result, indent=2))
     if args.result_json:
         Path(args.result_json).write_text(json.dumps(result, indent=2))

@@ -14,18 +14,22 @@ being paused or reaching the slow-client timeout.
 
 It also puts each request's uvicorn cycle in the ASGI scope (`CYCLE_SCOPE_KEY`): a streamed
 response writes its chunks straight to the cycle's transport when that cannot block
-(gateway/http/sse.py), which skips a coroutine and every middleware layer per chunk.
+(gateway/http/sse.py), which skips a coroutine and every middleware layer per chunk. And a
+setter for a callback run when the connection is lost (`ON_LOST_SCOPE_KEY`): a stream learns
+that its client left from it, without a task blocked on `receive()` for the whole stream.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Callable
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 DEFAULT_MAX_HEAD_BYTES = 64 * 1024  # request line and headers; h11's default is 16 KiB
 CYCLE_SCOPE_KEY = "zeroserve.cycle"
+ON_LOST_SCOPE_KEY = "zeroserve.on_connection_lost"  # set_on_lost(callback | None)
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -37,6 +41,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self.send_buffer_bytes:
             _cap_send_buffer(transport, self.send_buffer_bytes)
         self._head_timer: asyncio.TimerHandle | None = None
+        self._on_lost: Callable[[], None] | None = None
         self._start_head()
         super().connection_made(transport)
         self._arm_head_timer()
@@ -44,6 +49,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
         super().connection_lost(exc)
+        on_lost, self._on_lost = self._on_lost, None
+        if on_lost is not None:
+            on_lost()
+
+    def set_on_lost(self, callback: Callable[[], None] | None) -> None:
+        """Run `callback` (once) when the connection is lost; None: no longer."""
+        self._on_lost = callback
 
     def data_received(self, data: bytes) -> None:
         if self._is_reading_head and self._is_head_too_long(data):
@@ -62,6 +74,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if cycle is not None and cycle.scope is self.scope:  # not an upgrade
             self.scope[CYCLE_SCOPE_KEY] = cycle
+            self.scope[ON_LOST_SCOPE_KEY] = self.set_on_lost
 
     def on_message_complete(self) -> None:
         super().on_message_complete()

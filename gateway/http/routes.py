@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 
@@ -343,12 +344,16 @@ class Api:
         for choice in group.choices:
             choice.state.target = self.target
         self.gateway.metrics.on_api_request(ctx.endpoint)
-        log.info("request", extra={
-            "request_id": ctx.id, "kind": ctx.endpoint, "stream": stream,
-            "num_prompt_tokens": sum(group.prompt_lengths),
-            "engine_request_ids": [c.state.request_id for c in group.choices]})
+        if log.isEnabledFor(logging.INFO):  # (its fields are not built below that level)
+            log.info("request", extra={
+                "request_id": ctx.id, "kind": ctx.endpoint, "stream": stream,
+                "num_prompt_tokens": sum(group.prompt_lengths),
+                "engine_request_ids": [c.state.request_id for c in group.choices]})
         try:
-            is_gone, _ = await race_disconnect(group.submit(), request.receive)
+            # At once when a worker can take it; else raced against the client leaving
+            # while it waits in the queue.
+            is_gone = False if group.submit_now() else \
+                (await race_disconnect(group.submit(), request.receive))[0]
         except APIError as e:
             group.close()
             self.gateway.metrics.on_refused(e)

@@ -41,7 +41,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from zeroserve.gateway.http.http_protocol import CYCLE_SCOPE_KEY
+from zeroserve.gateway.http.http_protocol import CYCLE_SCOPE_KEY, ON_LOST_SCOPE_KEY
 from zeroserve.gateway.logging import get_logger
 
 log = get_logger("sse")
@@ -84,6 +84,25 @@ async def race_disconnect(work: Awaitable[Any], receive: Receive) -> tuple[bool,
     return True, None
 
 
+class LastChunk(bytes):
+    """What an event source yields as its last chunk (the end of a stream, or its failure):
+    the response ends with it, in one write, instead of a chunk and then an empty end.
+    Nothing may follow it."""
+
+
+async def _until_done(task: asyncio.Future) -> None:
+    """Wait for `task` to end however it ends (it is awaited again for its outcome); only
+    a cancellation of the waiting task itself goes through."""
+    try:
+        await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
+    except Exception:
+        pass
+
+
 class SSEResponse:
     """An ASGI response streaming `events` (already-encoded SSE bytes)."""
 
@@ -110,28 +129,45 @@ class SSEResponse:
         self._is_closed = False
         self._timer: asyncio.TimerHandle | None = None
         self._cycle = None  # uvicorn's RequestResponseCycle, for direct writes
+        self._is_body_ended = False  # a LastChunk was sent: the response is complete
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": _HEADERS})
         cycle = scope.get(CYCLE_SCOPE_KEY)
+        set_on_lost = None
         if cycle is not None and cycle.response_started and cycle.chunked_encoding:
             self._cycle = cycle
             self._flow, self._transport = cycle.flow, cycle.transport
+            set_on_lost = scope.get(ON_LOST_SCOPE_KEY)
         loop = asyncio.get_running_loop()
         pump = asyncio.ensure_future(self._pump(send))
-        watch = asyncio.ensure_future(wait_for_disconnect(receive))
+        # The client leaving: told by our protocol's callback, else by a task that waits
+        # for `http.disconnect` (any other server).
+        watch = None
+        if set_on_lost is not None:
+            set_on_lost(lambda: self._lost(pump))
+            if cycle.disconnected:  # gone before the callback was set
+                self._lost(pump)
+        else:
+            watch = asyncio.ensure_future(wait_for_disconnect(receive))
         self._marks.append((loop.time(), 0, 0.0))
         self._timer = loop.call_later(self._check_period_s, self._check_progress, pump)
         try:
-            await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if watch is None:
+                await _until_done(pump)
+            else:
+                await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            if set_on_lost is not None:
+                set_on_lost(None)
             self._is_closed = True
             self._cycle = None
             self._timer.cancel()
-            for task in (pump, watch):
+            tasks = (pump,) if watch is None else (pump, watch)
+            for task in tasks:
                 if not task.done():
                     task.cancel()
-            for task in (pump, watch):
+            for task in tasks:
                 try:
                     await task
                 except asyncio.CancelledError:
@@ -141,15 +177,26 @@ class SSEResponse:
                 except Exception:
                     log.exception("stream failed", extra={"request_id": self.request_id})
             await self.events.aclose()  # runs the source's cleanup (aborts what is left)
-        if self.is_disconnected or (watch.done() and not watch.cancelled()):
+        # (The watcher also returns once the response is complete: that is no disconnect.)
+        if self.is_disconnected or (watch is not None and watch.done()
+                                    and not watch.cancelled() and not self._is_body_ended):
             self.is_disconnected = True
             log.info("client disconnected", extra={"request_id": self.request_id})
             if self.on_disconnect is not None:
                 self.on_disconnect()
         elif self.is_slow_client:
             await self._final_write(send, self.on_slow_client())
-        else:
+        elif not self._is_body_ended:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _lost(self, pump: asyncio.Future) -> None:
+        """The client's connection is gone: the stream stops (its cleanup aborts the work).
+        After the last chunk a client may close at once: that is the response's end."""
+        if self._is_body_ended:
+            return
+        self.is_disconnected = True
+        if not pump.done():
+            pump.cancel()
 
     def can_write_now(self) -> bool:
         """Would a chunk go straight to the socket now, as `send` would put it, unblocked?
@@ -174,11 +221,15 @@ class SSEResponse:
     async def _pump(self, send: Send) -> None:
         loop = asyncio.get_running_loop()
         async for chunk in self.events:
+            # A LastChunk ends the body in the same write (no separate empty end).
+            is_last = type(chunk) is LastChunk
             started = self._send_started = loop.time()
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": chunk, "more_body": not is_last})
             self._send_started = None
             self._blocked_s += loop.time() - started
             self._num_bytes_sent += len(chunk)
+            if is_last:
+                self._is_body_ended = True
 
     def _check_progress(self, pump: asyncio.Future) -> None:
         """The watchdog: a few checks per window per stream, whatever the token rate."""

@@ -23,6 +23,7 @@ which ends the response as a failure in `events()` would have.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -47,7 +48,7 @@ from zeroserve.gateway.core import Gateway
 from zeroserve.gateway.errors import APIError, server_error
 from zeroserve.gateway.generation import ChoiceUpdate, RequestGroup
 from zeroserve.gateway.http.offload import CpuPool
-from zeroserve.gateway.http.sse import SSEResponse
+from zeroserve.gateway.http.sse import LastChunk, SSEResponse
 from zeroserve.gateway.logging import get_logger
 from zeroserve.gateway.streams import RequestState
 from zeroserve.gateway.text.tokenizer import TextTokenizer
@@ -71,6 +72,8 @@ def update_logprobs(tokenizer: TextTokenizer, ctx: ResponseContext, update: Choi
 
 
 def log_done(ctx: ResponseContext, group: RequestGroup) -> None:
+    if not log.isEnabledFor(logging.INFO):  # (its fields are not built below that level)
+        return
     log.info("request done", extra={
         "request_id": ctx.id, "elapsed_s": round(time.time() - ctx.created_at, 3),
         "finish_reasons": [c.finish_reason for c in group.choices],
@@ -134,13 +137,14 @@ class StreamedResponse:
                 self._grant(batch)
             if self._failure is not None:
                 raise self._failure
-            yield await self.tail()
+            yield LastChunk(await self.tail())
         except APIError as e:
             log.warning("stream failed", extra={"request_id": ctx.id, "error": e.message})
-            yield self.failed(e)
+            yield LastChunk(self.failed(e))
         except Exception:  # a bug rendering this stream: it ends as a failure, not cut short
             log.exception("stream failed", extra={"request_id": ctx.id})
-            yield self.failed(server_error("The server failed while streaming the response."))
+            yield LastChunk(self.failed(
+                server_error("The server failed while streaming the response.")))
         finally:
             group.sink.direct = None
             group.close()

@@ -218,6 +218,30 @@ def test_cancelled_waiter_leaves_the_queue():
     run(main())
 
 
+def test_try_acquire_takes_a_free_worker_at_once_but_never_jumps_the_queue():
+    """The request path's fast admission (no task, no wait) keeps first come, first served:
+    while anyone waits, a new request queues behind them even if a slot is free."""
+    async def main():
+        reg = WorkerRegistry(max_waiting_per_worker=0)
+        adm = Admission(reg, max_queued=10, timeout_s=5)
+        assert adm.try_acquire("r0") is None  # no worker: the caller must wait
+        reg.register(hello("a", max_num_seqs=1), route("a", max_num_seqs=1), 0.0)
+        assert adm.try_acquire("r1").worker_id == "a"
+        assert reg.get("a").request_ids == {"r1"}
+        assert adm.try_acquire("r2") is None  # full
+        waiter = asyncio.create_task(adm.acquire("r2"))
+        await asyncio.sleep(0.01)
+        reg.release("a", "r1")  # a slot frees up, but r2 waits ahead of r3
+        assert adm.try_acquire("r3") is None
+        adm.wake()
+        assert (await asyncio.wait_for(waiter, 1)).worker_id == "a"
+        assert reg.get("a").request_ids == {"r2"}
+        adm.close(APIError(503, "shutting down"))
+        with pytest.raises(APIError):
+            adm.try_acquire("r4")
+    run(main())
+
+
 def make_outbox(worker_ids: list[str]):
     """An outbox that logs what it sends, and one running request per worker id given."""
     from zeroserve.gateway.streams import RequestPhase, RequestState, WorkerOutbox
