@@ -27,6 +27,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -158,6 +159,35 @@ def remove_worktree(tree: Path) -> None:
 # -- serving -----------------------------------------------------------------------------------
 
 
+class Teardown:
+    """What must not outlive the script: the server being measured and the checkouts. On
+    SIGTERM or SIGINT it stops and removes them and exits at once (unwinding through the
+    benchmark's event loop would not reach the `finally`s promptly)."""
+
+    def __init__(self) -> None:
+        self.server: ServerProcess | None = None
+        self.trees: list[Path] = []
+        self.keep_trees = False
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self.on_signal)
+        signal.signal(signal.SIGINT, self.on_signal)
+
+    def on_signal(self, signum, frame) -> None:
+        print(f"signal {signum}: stopping the server and removing the checkouts", flush=True)
+        self.run()
+        os._exit(128 + signum)
+
+    def run(self) -> None:
+        if self.server is not None:
+            self.server.stop(timeout_s=10)
+            self.server = None
+        if not self.keep_trees:
+            for tree in self.trees:
+                remove_worktree(tree)
+            self.trees = []
+
+
 def wait_ready(server: ServerProcess, timeout_s: float) -> None:
     """/health/ready answers 200; a commit without it (404) is ready when /health is 200."""
     deadline = time.monotonic() + timeout_s
@@ -200,7 +230,7 @@ def process_tree_cpu_s(root_pid: int) -> float:
 
 
 def serve_and_measure(side: Side, repeat: int, cfg: BenchConfig, samples, log_dir: Path,
-                      startup_timeout_s: float) -> Run:
+                      startup_timeout_s: float, teardown: Teardown) -> Run:
     tree = side.tree or REPO_ROOT
     launcher = launcher_for(tree)
     port = free_port()
@@ -209,6 +239,7 @@ def serve_and_measure(side: Side, repeat: int, cfg: BenchConfig, samples, log_di
     print(f"[{side.name} {side.rev} #{repeat}] {shlex.join(argv)}", flush=True)
     server = ServerProcess(argv, port, log_dir / f"{side.name}-{repeat}.log",
                            env=server_env(launcher), cwd=tree)
+    teardown.server = server
     try:
         wait_ready(server, startup_timeout_s)
         server.workers()  # remember the worker pids, so stop() can make sure of them
@@ -218,6 +249,7 @@ def serve_and_measure(side: Side, repeat: int, cfg: BenchConfig, samples, log_di
         cpu_s = process_tree_cpu_s(server.process.pid) - cpu_before
     finally:
         server.stop(timeout_s=15)
+        teardown.server = None
     summary["server_command"] = shlex.join(argv)
     summary["loadavg"] = os.getloadavg()
     print(format_summary(summary), flush=True)
@@ -358,9 +390,13 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = parent / "logs"
     trees: dict[str, Path] = {}
     runs: list[Run] = []
+    teardown = Teardown()
+    teardown.keep_trees = a.keep_worktrees
+    teardown.install()
     try:
         for commit in {base_commit, head_commit} - {""}:
             trees[commit] = add_worktree(commit, parent)
+            teardown.trees.append(trees[commit])
         sides = (
             Side("base", a.base, a.serve_args + a.base_args, base_commit, trees.get(base_commit)),
             Side("head", a.head, a.serve_args + a.head_args, head_commit, trees.get(head_commit)),
@@ -373,11 +409,9 @@ def main(argv: list[str] | None = None) -> int:
         for repeat in range(a.repeats):
             for side in order(repeat, sides):
                 runs.append(serve_and_measure(side, repeat, cfg, samples, log_dir,
-                                              a.startup_timeout_s))
+                                              a.startup_timeout_s, teardown))
     finally:
-        if not a.keep_worktrees:
-            for tree in trees.values():
-                remove_worktree(tree)
+        teardown.run()
     summary = summarize(runs)
     text = table(runs, summary, sides)
     result = {
