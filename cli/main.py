@@ -190,8 +190,8 @@ ENGINE_OPTIONS = [
                 "~/.cache/zeroserve/weights]"),
     option("--batch-invariant/--no-batch-invariant",
            default=_default(EngineConfig, "batch_invariant"),
-           help="Each request's tokens the same whatever shares its batch (a failed-over "
-                "stream continues exactly), at a cost in throughput."),
+           help="Each request's tokens the same whatever else shares its batch, at a cost "
+                "in throughput (README: Batch invariance)."),
 ]
 
 # Who may call the HTTP API, and how often (gateway/http/auth.py, gateway/http/rate_limit.py).

@@ -182,6 +182,14 @@ def test_engine_args_round_trip(captured):
     assert captured["worker"].engine == EngineConfig()
 
 
+def test_batch_invariance_is_off_unless_asked_for(captured, monkeypatch):
+    assert invoke(["worker", "--device", "cpu"]).exit_code == 0
+    assert captured["worker"].engine.batch_invariant is False
+    monkeypatch.setenv("ZEROSERVE_BATCH_INVARIANT", "1")
+    assert invoke(["worker", "--device", "cpu"]).exit_code == 0
+    assert captured["worker"].engine.batch_invariant is True
+
+
 @pytest.mark.parametrize("device,num_workers,num_gpus,expected", [
     ("auto", None, 0, ["cpu"]),
     ("auto", None, 2, ["cuda:0", "cuda:1"]),
