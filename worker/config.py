@@ -43,8 +43,8 @@ class EngineConfig:
     weight_cache: bool = True
     weight_cache_dir: str | None = None
     # Exact batch invariance (docs/architecture.md, "Batch independence"): every row's result
-    # is the same whatever shares its step, at a cost in throughput; off, the kernels are
-    # chosen by the step's row count (worker/model/linear.py).
+    # is the same whatever shares its step, at a cost in throughput; off, the low-bit kernels
+    # are chosen by the step's row count where that is faster (worker/model/llama.py).
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:

@@ -35,7 +35,7 @@ class Linear:
         (None: all) go through the low-bit copy where there is one, the others through the
         dense weight; otherwise `num_packed_rows` is ignored and the row count decides.
 
-        The kernel is chosen per row, never by how many rows the step has: each kernel
+        Per row, the kernel never depends on how many rows the step has: each kernel
         computes a row on its own, so a row's output does not depend on what shares its batch
         (docs/architecture.md, "Batch independence"). The model passes its decode rows, which
         are bound by reading weights (the low-bit copy reads 4x less); prefill chunks are
