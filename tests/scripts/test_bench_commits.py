@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -99,13 +100,18 @@ def test_a_repeat_missing_a_side_gives_no_ratio():
 
 
 def test_cpu_time_counts_the_servers_children():
-    # A parent that sleeps while its child spins: the child's CPU time is the server's too.
-    spin = "import time\nend = time.time() + 0.6\nwhile time.time() < end: pass\n"
+    # A parent that waits while its child burns 0.3 s of CPU and then stays alive: the child's
+    # CPU time is the server's too (however loaded the machine, it gets there in the end).
+    burn = ("import time\nwhile time.process_time() < 0.3: pass\ntime.sleep(60)\n")
     parent = subprocess.Popen([sys.executable, "-c",
-                               f"import subprocess, sys; subprocess.run([sys.executable, '-c', {spin!r}])"])
+                               f"import subprocess, sys; subprocess.run([sys.executable, '-c', {burn!r}])"],
+                              start_new_session=True)
     try:
-        time.sleep(0.45)
-        assert process_tree_cpu_s(parent.pid) >= 0.2
+        deadline = time.monotonic() + 60
+        while process_tree_cpu_s(parent.pid) < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert process_tree_cpu_s(parent.pid) >= 0.3
         assert process_tree_cpu_s(os.getpid() + 10**7) == 0.0  # no such process
     finally:
+        os.killpg(parent.pid, signal.SIGKILL)
         parent.wait(timeout=10)
