@@ -116,11 +116,12 @@ class ServerProcess:
     """One server process (and, for `serve`, its supervised children) in its own session.
 
     Its output goes to `log_path` (appended, after a `$ command` line), or to ours when
-    `log_path` is None.
+    `log_path` is None. It runs in `cwd` (this checkout by default; another checkout for
+    scripts/bench_commits.py, whose `env` then makes that one importable).
     """
 
     def __init__(self, argv: list[str], port: int, log_path: Path | None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, cwd: Path | None = None):
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
@@ -132,7 +133,7 @@ class ServerProcess:
             self._log.flush()
         stderr = subprocess.STDOUT if self._log is not None else None
         # Its own process group, so teardown can take down everything it started directly.
-        self.process = subprocess.Popen(argv, cwd=REPO_ROOT, env=child_env(env),
+        self.process = subprocess.Popen(argv, cwd=cwd or REPO_ROOT, env=child_env(env),
                                         stdout=self._log, stderr=stderr, start_new_session=True)
         self.seen_worker_pids: set[int] = set()
         self._is_terminated = False

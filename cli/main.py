@@ -235,6 +235,10 @@ ENGINE_OPTIONS = [
     option("--weight-cache-dir", default=None,
            help="Where the weight cache lives. [default: $ZEROSERVE_CACHE_DIR/weights or "
                 "~/.cache/zeroserve/weights]"),
+    option("--batch-invariant/--no-batch-invariant",
+           default=_default(EngineConfig, "batch_invariant"),
+           help="Each request's tokens the same whatever else shares its batch, at a cost "
+                "in throughput (README: Batch invariance)."),
 ]
 
 # Who may call the HTTP API, and how often (gateway/http/auth.py, gateway/http/rate_limit.py).
@@ -464,6 +468,7 @@ def engine_config(opts: dict[str, Any], device: str | None = None) -> EngineConf
         num_threads=opts["num_threads"], seed=opts["seed"],
         attention_backend=opts["attention_backend"],
         weight_cache=opts["weight_cache"], weight_cache_dir=opts["weight_cache_dir"],
+        batch_invariant=opts["batch_invariant"],
     )
 
 

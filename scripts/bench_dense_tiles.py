@@ -40,8 +40,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    # The invariant mode: the one with tiles (the default mode has none to switch).
     engine = Engine(EngineConfig(device="cpu", dtype="bfloat16", enable_prefix_caching=False,
-                                 max_num_seqs=64, max_num_batched_tokens=512))
+                                 max_num_seqs=64, max_num_batched_tokens=512,
+                                 batch_invariant=True))
     tiles = dense_tile_rows(torch.bfloat16, torch.device("cpu"))
     print(f"this CPU's tile size: {tiles} (None: the dense kernel is row-independent here)")
     prompts = [[(7 * i + 13 * j) % 30000 + 100 for j in range(args.prompt_tokens)]

@@ -42,6 +42,10 @@ class EngineConfig:
     # (worker/weight_cache.py). None: $ZEROSERVE_CACHE_DIR/weights or ~/.cache/zeroserve/weights.
     weight_cache: bool = True
     weight_cache_dir: str | None = None
+    # Exact batch invariance (docs/architecture.md, "Batch independence"): every row's result
+    # is the same whatever shares its step, at a cost in throughput; off, the low-bit kernels
+    # are chosen by the step's row count where that is faster (worker/model/llama.py).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -59,7 +59,8 @@ class ModelRunner:
                 torch.cuda.set_device(self.device)
             self.dtype = resolve_dtype(config.dtype, self.device)
         self.model, self.info = load_model(config.model, self.device, self.dtype,
-                                           config.max_model_len, _weight_cache(config), timer)
+                                           config.max_model_len, _weight_cache(config), timer,
+                                           config.batch_invariant)
         self.block_size = config.block_size
         with timer.phase("kv_cache"):
             self.num_kv_blocks = self._pool_size(config, self.info)

@@ -175,11 +175,19 @@ def test_engine_args_round_trip(captured):
                           max_num_batched_tokens=99, max_model_len=77, block_size=8,
                           num_kv_blocks=12, kv_cache_memory=4096, enable_prefix_caching=False,
                           batching_mode=BatchingMode.STATIC, batch_wait_ms=1.5,
-                          num_threads=3, seed=11)
+                          num_threads=3, seed=11, batch_invariant=True)
     assert invoke(["worker", *cli.engine_args(config)]).exit_code == 0
     assert captured["worker"].engine == config
     assert invoke(["worker", *cli.engine_args(EngineConfig())]).exit_code == 0
     assert captured["worker"].engine == EngineConfig()
+
+
+def test_batch_invariance_is_off_unless_asked_for(captured, monkeypatch):
+    assert invoke(["worker", "--device", "cpu"]).exit_code == 0
+    assert captured["worker"].engine.batch_invariant is False
+    monkeypatch.setenv("ZEROSERVE_BATCH_INVARIANT", "1")
+    assert invoke(["worker", "--device", "cpu"]).exit_code == 0
+    assert captured["worker"].engine.batch_invariant is True
 
 
 @pytest.mark.parametrize("device,num_workers,num_gpus,expected", [

@@ -63,9 +63,10 @@ def prompts(tokenizer) -> list[list[int]]:
 def engine() -> Engine:
     if not int4_kernels_available():
         pytest.skip("torch has no CPU int4/int8 weight kernels here")
+    # The invariant mode: its tokens alone and beside others are what these tests hold to.
     engine = Engine(EngineConfig(device="cpu", dtype="bfloat16", attention_backend="native",
                                  num_kv_blocks=1024, max_model_len=1024, max_num_seqs=64,
-                                 enable_prefix_caching=False))
+                                 enable_prefix_caching=False, batch_invariant=True))
     layer = engine.runner.model.layers[0]
     assert isinstance(layer.qkv.packed, PackedInt4)  # the production path, not a fallback
     assert isinstance(engine.runner.model.lm_head.packed, PackedInt8)

@@ -11,9 +11,14 @@ from zeroserve.worker.model.quant import PackedInt4, PackedInt8
 
 class Linear:
     def __init__(self, dense: torch.Tensor, packed: PackedInt4 | PackedInt8 | None = None,
-                 tile_rows: int | None = None):
+                 tile_rows: int | None = None, per_row: bool = True):
         self.dense = dense  # [out, in]
         self.packed = packed
+        # True: the kernel is chosen per row (below), so no row's result depends on its batch
+        # (what --batch-invariant needs). False: by the call's row count, the faster choice
+        # where the dense kernel is native: the low-bit copy while reading weights dominates
+        # (up to packed.max_rows rows), the dense kernel beyond (LlamaModel decides).
+        self.per_row = per_row
         # Dense calls of exactly this many rows where the dense kernel's result for a row
         # depends on how many rows share the call (worker.model.batch_invariance); None: one
         # call. Only beside a low-bit copy: then the dense path takes prefill rows alone, and
@@ -26,16 +31,21 @@ class Linear:
         return tiled_linear(x, self.dense, self.tile_rows)
 
     def __call__(self, x: torch.Tensor, num_packed_rows: int | None = None) -> torch.Tensor:
-        """x [num_tokens, in] -> [num_tokens, out]. The first `num_packed_rows` rows (None: all)
-        go through the low-bit copy where there is one, the others through the dense weight.
+        """x [num_tokens, in] -> [num_tokens, out]. Per row, the first `num_packed_rows` rows
+        (None: all) go through the low-bit copy where there is one, the others through the
+        dense weight; otherwise `num_packed_rows` is ignored and the row count decides.
 
-        The kernel is chosen per row, never by how many rows the step has: each kernel
+        Per row, the kernel never depends on how many rows the step has: each kernel
         computes a row on its own, so a row's output does not depend on what shares its batch
         (docs/architecture.md, "Batch independence"). The model passes its decode rows, which
         are bound by reading weights (the low-bit copy reads 4x less); prefill chunks are
         compute-bound, where oneDNN's dense path wins.
         """
         rows = x.shape[0]
+        if not self.per_row:
+            if self.packed is not None and rows <= self.packed.max_rows:
+                return self.packed.mm(x)
+            return F.linear(x, self.dense)
         num_packed = rows if num_packed_rows is None else min(num_packed_rows, rows)
         if self.packed is None or num_packed == 0:
             return self._dense(x)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from zeroserve.worker.attention import AttentionMetadata, PrefillSpan, causal_mask, paged_attention
+from zeroserve.worker.device import cpu_supports_bf16
 from zeroserve.worker.model.batch_invariance import dense_tile_rows
 from zeroserve.worker.model.linear import Linear
 from zeroserve.worker.model.llama_config import LlamaConfig
@@ -55,13 +56,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def load_linear(tensors: dict[str, torch.Tensor], name: str, device: torch.device,
-                tile_rows: int | None = None) -> Linear:
+                tile_rows: int | None = None, per_row: bool = True) -> Linear:
     """A prepared projection (worker.model.prepare) and its int4 copy if it has one."""
     packed = None
     if f"{name}.int4.weight" in tensors:
         packed = PackedInt4(tensors[f"{name}.int4.weight"],
                             tensors[f"{name}.int4.scales_and_zeros"])
-    return Linear(tensors[name].to(device), packed, tile_rows)
+    return Linear(tensors[name].to(device), packed, tile_rows, per_row)
 
 
 def _optional(tensors: dict[str, torch.Tensor], name: str,
@@ -71,15 +72,15 @@ def _optional(tensors: dict[str, torch.Tensor], name: str,
 
 class LlamaLayer:
     def __init__(self, config: LlamaConfig, tensors: dict[str, torch.Tensor], index: int,
-                 device: torch.device, tile_rows: int | None = None):
+                 device: torch.device, tile_rows: int | None = None, per_row: bool = True):
         prefix = f"layers.{index}."
         self.config = config
         self.input_norm = tensors[prefix + "input_norm"].to(device)
-        self.qkv = load_linear(tensors, prefix + "qkv", device, tile_rows)
-        self.o_proj = load_linear(tensors, prefix + "o_proj", device, tile_rows)
+        self.qkv = load_linear(tensors, prefix + "qkv", device, tile_rows, per_row)
+        self.o_proj = load_linear(tensors, prefix + "o_proj", device, tile_rows, per_row)
         self.post_norm = tensors[prefix + "post_norm"].to(device)
-        self.gate_up = load_linear(tensors, prefix + "gate_up", device, tile_rows)
-        self.down = load_linear(tensors, prefix + "down", device, tile_rows)
+        self.gate_up = load_linear(tensors, prefix + "gate_up", device, tile_rows, per_row)
+        self.down = load_linear(tensors, prefix + "down", device, tile_rows, per_row)
         self.qkv_bias = _optional(tensors, prefix + "qkv_bias", device)  # [q_size + 2 kv_size]
         self.o_bias = _optional(tensors, prefix + "o_bias", device)
         self.q_norm = _optional(tensors, prefix + "q_norm", device)  # [head_dim]
@@ -117,9 +118,11 @@ class LlamaLayer:
 
 class LlamaModel:
     def __init__(self, prepared: PreparedWeights, max_len: int, device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, batch_invariant: bool = True):
         """`prepared` holds CPU tensors already in `dtype`; on the CPU they are used in place
-        (memory-mapped from the weight cache, shared by every worker that maps the file)."""
+        (memory-mapped from the weight cache, shared by every worker that maps the file).
+        `batch_invariant`: kernels chosen per row and dense rows tiled where needed, so a row's
+        result does not depend on its batch (EngineConfig.batch_invariant)."""
         config = prepared.config
         tensors = prepared.tensors
         self.config = config
@@ -128,15 +131,19 @@ class LlamaModel:
         self.embed = tensors["embed"].to(device)
         # Where the dense kernel is not row-independent (a CPU without native bf16), prefill
         # rows run in fixed tiles, so no row's result depends on its batch.
-        tile_rows = dense_tile_rows(dtype, device)
-        self.layers = [LlamaLayer(config, tensors, i, device, tile_rows)
+        tile_rows = dense_tile_rows(dtype, device) if batch_invariant else None
+        # The kernels are chosen per row for batch invariance, and also where the dense bf16
+        # kernel is emulated (a CPU without native bf16): there the low-bit kernels are faster
+        # for decode rows at every batch size measured, so the row-count rule would only lose.
+        per_row = batch_invariant or not cpu_supports_bf16()
+        self.layers = [LlamaLayer(config, tensors, i, device, tile_rows, per_row)
                        for i in range(config.num_layers)]
         self.norm = tensors["norm"].to(device)
         lm_head = tensors["lm_head"].to(device) if "lm_head" in tensors else self.embed
         packed = None
         if "lm_head.int8.weight" in tensors:
             packed = PackedInt8(tensors["lm_head.int8.weight"], tensors["lm_head.int8.scales"])
-        self.lm_head = Linear(lm_head, packed, tile_rows)
+        self.lm_head = Linear(lm_head, packed, tile_rows, per_row)
         self.rotary = RotaryEmbedding(config, max_len, device, tensors.get(ROPE_FREQS))
         self.windows = sorted({layer.window for layer in self.layers} - {None})
 

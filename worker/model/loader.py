@@ -78,7 +78,8 @@ def prepared_weights(path: Path, device: torch.device, dtype: torch.dtype,
 
 def load_model(model: str, device: torch.device, dtype: torch.dtype,
                max_model_len: int | None = None, cache: WeightCache | None = None,
-               timer: StartupTimer | None = None) -> tuple[LlamaModel, ModelInfo]:
+               timer: StartupTimer | None = None,
+               batch_invariant: bool = False) -> tuple[LlamaModel, ModelInfo]:
     """`model` as EngineConfig.model ("default", a .gguf path or a HF directory).
 
     The context in effect is the smaller of max_model_len and the model's own.
@@ -108,4 +109,4 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype,
         dtype=dtype_name(dtype),
     )
     with timer.phase("model"):
-        return LlamaModel(prepared, context_len, device, dtype), info
+        return LlamaModel(prepared, context_len, device, dtype, batch_invariant), info

@@ -69,12 +69,16 @@ def int4_blocks_from_gguf(raw: np.ndarray, qtype) -> Int4Blocks | None:
 class PackedInt4:
     """An Int4Blocks matrix in torch's CPU int4 kernel layout."""
 
-    # Decode rows take this kernel however many there are (worker.model.linear: the choice
-    # is per row, so a row's result never depends on its batch). Cost against dense bf16,
+    # Batch-invariant, decode rows take this kernel however many there are (worker.model.linear:
+    # the choice is per row, so a row's result never depends on its batch). Cost against dense bf16,
     # all 30 SmolLM2 layers' weights streaming from memory, 2 threads: 2.4 vs 10.8 ms at
     # 1 row, 10.5 vs 14.2 at 16, 15.1 vs 15.7 at 24, 19.7 vs 18.0 at 32; beyond, the dense
     # path is cheaper per row (a price paid for batch independence). (One layer timed over
     # and over keeps its weights in cache and favours dense.)
+
+    # Without batch invariance, calls of up to this many rows take this kernel, larger ones
+    # the dense path (the crossover above).
+    max_rows = 24
 
     def __init__(self, weight: torch.Tensor, scales_and_zeros: torch.Tensor):
         self.weight = weight  # the kernel's packed layout
@@ -97,9 +101,11 @@ class PackedInt4:
 class PackedInt8:
     """Per-row symmetric int8 (for the lm_head, which GGUF keeps at 8 bits or more)."""
 
-    # Every sampled row takes this kernel, however many there are (per row, as PackedInt4).
+    # Batch-invariant, every sampled row takes this kernel, however many (per row, as PackedInt4).
     # torch's int8 kernel wins for few rows (49152 x 576 lm_head, 2 threads: 0.7 vs 2.3 ms at
     # 1 row, 1.6 vs 2.8 at 8, 2.3 vs 3.2 at 12, 3.2 vs 3.5 at 16, 4.9 vs 4.0 at 24).
+
+    max_rows = 12  # without batch invariance, as PackedInt4.max_rows
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor):
         self.weight = weight  # [rows, cols] int8
