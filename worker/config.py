@@ -42,6 +42,12 @@ class EngineConfig:
     # (worker/weight_cache.py). None: $ZEROSERVE_CACHE_DIR/weights or ~/.cache/zeroserve/weights.
     weight_cache: bool = True
     weight_cache_dir: str | None = None
+    # The decode step with each layer's small ops fused (worker/model/compiled.py): True runs
+    # eagerly, False compiles (inductor on the CPU, CUDA graphs on CUDA), None decides by
+    # device (CUDA graphs on CUDA, eager on the CPU, where compiling does not pay).
+    enforce_eager: bool | None = None
+    # Decode batches up to this many rows run compiled, larger ones eagerly; None: max_num_seqs.
+    max_capture_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -58,6 +64,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}")
         if self.batch_wait_ms < 0:
             raise ValueError("batch_wait_ms must be >= 0")
+        if self.max_capture_batch_size is not None and self.max_capture_batch_size < 1:
+            raise ValueError("max_capture_batch_size must be >= 1")
 
 
 BACKENDS = ("model", "fake")
