@@ -16,8 +16,9 @@ worker loads the compiled code instead of compiling again.
 
 `EngineConfig.enforce_eager` (`--enforce-eager`): True never compiles, False always does,
 None (the default) decides by device: CUDA graphs on CUDA; on the CPU eager, because on the
-CPUs measured the fused segments do not make a step faster and a cold compile costs about two
-minutes of start-up (docs/benchmarks.md, "A compiled decode step").
+CPU measured the fused segments did not make a step faster, a first compile costs 45-120 s
+of start-up and a start with the cache in place still 5-30 s (importing inductor, dynamo
+tracing), over the 3 s restart budget (docs/benchmarks.md, "A compiled decode step").
 """
 
 from __future__ import annotations
@@ -37,6 +38,16 @@ from zeroserve.worker.model.sliding_window import windowed
 logger = logging.getLogger(__name__)
 
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+INDUCTOR_OPTIONS = {
+    # Round every intermediate to the model dtype where eager does (bf16 after each op):
+    # fused code would otherwise keep fp32 between ops and differ from the eager path by
+    # more than the last bit (reductions may still round differently).
+    "emulate_precision_casts": True,
+    # One thread in the fused loops: a decode step's elementwise work is a few thousand values
+    # a row, and the row count is unknown at compile time, so inductor would otherwise fork
+    # OpenMP threads for every loop (the projections, extern kernels, keep torch's threads).
+    "cpp.threads": 1,
+}
 
 
 def wants_compiled(enforce_eager: bool | None, device: torch.device) -> bool:
@@ -71,8 +82,10 @@ class CompiledDecode:
         self.layers = [LayerTensors.of(layer) for layer in model.layers]
         attention_in, attention_out = make_segments(model.config)
         # fullgraph: a graph break would silently bring Python dispatch back.
-        self._attention_in = torch.compile(attention_in, fullgraph=True, dynamic=False)
-        self._attention_out = torch.compile(attention_out, fullgraph=True, dynamic=False)
+        self._attention_in = torch.compile(attention_in, fullgraph=True, dynamic=False,
+                                           options=INDUCTOR_OPTIONS)
+        self._attention_out = torch.compile(attention_out, fullgraph=True, dynamic=False,
+                                            options=INDUCTOR_OPTIONS)
 
     def can_run(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         """A pure decode step (every row a single token) of a captured size."""
