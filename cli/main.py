@@ -239,6 +239,13 @@ ENGINE_OPTIONS = [
            default=_default(EngineConfig, "batch_invariant"),
            help="Each request's tokens the same whatever else shares its batch, at a cost "
                 "in throughput (README: Batch invariance)."),
+    option("--enforce-eager/--no-enforce-eager", default=None,
+           help="Run the decode step eagerly, or compile it (inductor on the CPU, cached in "
+                "$ZEROSERVE_CACHE_DIR/inductor; CUDA graphs on CUDA). [default: CUDA graphs "
+                "on CUDA, eager on the CPU]"),
+    option("--max-capture-batch-size", type=click.IntRange(min=1), default=None,
+           help="Compiled decode steps up to this many sequences; larger ones run eagerly. "
+                "[default: --max-num-seqs]"),
 ]
 
 # Who may call the HTTP API, and how often (gateway/http/auth.py, gateway/http/rate_limit.py).
@@ -469,6 +476,7 @@ def engine_config(opts: dict[str, Any], device: str | None = None) -> EngineConf
         attention_backend=opts["attention_backend"],
         weight_cache=opts["weight_cache"], weight_cache_dir=opts["weight_cache_dir"],
         batch_invariant=opts["batch_invariant"],
+        enforce_eager=opts["enforce_eager"], max_capture_batch_size=opts["max_capture_batch_size"],
     )
 
 

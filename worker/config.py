@@ -46,6 +46,12 @@ class EngineConfig:
     # is the same whatever shares its step, at a cost in throughput; off, the low-bit kernels
     # are chosen by the step's row count where that is faster (worker/model/llama.py).
     batch_invariant: bool = False
+    # The decode step with each layer's small ops fused (worker/model/compiled.py): True runs
+    # eagerly, False compiles (inductor on the CPU, CUDA graphs on CUDA), None: eager for now
+    # (the CPU: compiling does not pay; CUDA: the graphs have not yet run on a GPU).
+    enforce_eager: bool | None = None
+    # Decode batches up to this many rows run compiled, larger ones eagerly; None: max_num_seqs.
+    max_capture_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -62,6 +68,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}")
         if self.batch_wait_ms < 0:
             raise ValueError("batch_wait_ms must be >= 0")
+        if self.max_capture_batch_size is not None and self.max_capture_batch_size < 1:
+            raise ValueError("max_capture_batch_size must be >= 1")
 
 
 BACKENDS = ("model", "fake")

@@ -21,6 +21,7 @@ from zeroserve.worker.attention import (
 )
 from zeroserve.worker.config import EngineConfig
 from zeroserve.worker.device import default_kv_cache_bytes, resolve_device, resolve_dtype
+from zeroserve.worker.model import compiled
 from zeroserve.worker.model.info import ModelInfo
 from zeroserve.worker.model.llama import KVCache
 from zeroserve.worker.model.loader import load_model
@@ -70,15 +71,22 @@ class ModelRunner:
         self.group = self.model.config.num_queries_per_kv
         with timer.phase("kernel"):
             self.decode_kernel = self._decode_kernel(config.attention_backend)
+        with timer.phase("compile"):
+            # Pure decode steps through fused layer segments, or None: all steps eager.
+            self.decode_step = compiled.build(
+                self.model, config.enforce_eager,
+                config.max_capture_batch_size or config.max_num_seqs,
+                weight_cache.default_directory().parent / "inductor")
         self.last_timing = StepTiming()
         self.last_prompt_logprobs: dict[str, tuple[int, list]] = {}
         logger.info(
             "loaded %s on %s (%s) in %.1fs: %d KV blocks of %d tokens, context %d, "
-            "%s decode attention, weight cache %s",
+            "%s decode attention, weight cache %s, %s decode step",
             self.info.name, self.info.device, self.info.dtype, time.perf_counter() - started,
             self.num_kv_blocks, self.block_size, self.info.max_model_len,
             "native" if self.decode_kernel is not None else "torch",
             timer.notes.get("weight_cache", "off"),
+            "eager" if self.decode_step is None else type(self.decode_step).__name__,
         )
 
     def _decode_kernel(self, backend: str) -> DecodeKernel | None:
@@ -142,8 +150,11 @@ class ModelRunner:
         inputs = self._prepare(plan.chunks)
         self.sampler.prepare(inputs.sample_chunks)  # grammar masks, while the model runs
         prepared = time.perf_counter()
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta,
-                                    self.kv_caches)
+        forward = self.model.forward
+        if self.decode_step is not None and self.decode_step.can_run(
+                inputs.meta, inputs.input_ids.shape[0]):
+            forward = self.decode_step.forward
+        hidden = forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
         logits = None
         if inputs.sample_chunks:
             logits = self.model.compute_logits(hidden[inputs.sample_rows])

@@ -4,7 +4,9 @@ Phases (seconds): `boot` (interpreter start to the engine's first line: Python, 
 ZeroMQ), `import` (torch and the model code), `device`, `load_weights` (weight cache hit:
 map and verify the file; miss: parse the model file and dequantize), `quantize` (miss only:
 fuse, convert, pack), `cache_write` (miss only), `model`, `kv_cache`, `kernel` (the native
-attention kernel: load, or build on the first start), `total` (process start to engine ready).
+attention kernel: load, or build on the first start), `compile` (the compiled decode step,
+worker/model/compiled.py: inductor's cached code loaded, or compiled on the first start;
+CUDA graphs captured), `total` (process start to engine ready).
 """
 
 from __future__ import annotations

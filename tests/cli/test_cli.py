@@ -278,3 +278,20 @@ def test_reasoning_tool_argument_and_store_flags_reach_the_gateway_and_its_child
     assert not captured["gateway"].allow_extra_tool_arguments
     result = CliRunner().invoke(cli.main, ["gateway", "--reasoning-parser", "gpt"])
     assert result.exit_code == 2 and "reasoning-parser" in result.output
+
+
+@pytest.mark.parametrize("args, env, expected", [
+    ([], {}, None),  # decided by device (worker/model/compiled.py)
+    (["--enforce-eager"], {}, True),
+    (["--no-enforce-eager"], {}, False),
+    ([], {"ZEROSERVE_ENFORCE_EAGER": "1"}, True),
+    ([], {"ZEROSERVE_ENFORCE_EAGER": "false"}, False),
+])
+def test_enforce_eager_flag_and_variable(captured, args, env, expected):
+    base = ["worker", "--worker-id", "w", "--router-address", "ipc:///tmp/r",
+            "--tokens-address", "ipc:///tmp/t"]
+    assert invoke([*base, *args, "--max-capture-batch-size", "8"], env=env).exit_code == 0
+    engine = captured["worker"].engine
+    assert (engine.enforce_eager, engine.max_capture_batch_size) == (expected, 8)
+    assert invoke(["worker", *cli.engine_args(engine), *base[1:]]).exit_code == 0
+    assert captured["worker"].engine == engine

@@ -1,0 +1,122 @@
+"""A decoder layer's decode-row work between its attention calls, as two plain functions.
+
+A decode step spends its time in four projections per layer and, around them, about fifteen
+small ops (RMSNorm's pow/mean/rsqrt/mul, rotary's slices and cat, biases, residual adds,
+SwiGLU's silu and mul). Written as functions of tensors only (weights are arguments, layer
+variants are arguments that may be None), one traced or captured copy of each serves every
+layer of the same kind: `attention_in` (input norm, QKV projection, bias, Q/K norms, rotary)
+and `attention_out` (output projection, bias, residual, post norm, gate/up, SwiGLU, down,
+residual). worker/model/compiled.py hands them to inductor on the CPU and
+worker/model/cuda_graphs.py captures them in CUDA graphs; attention, which reads the paged
+cache through per-step block tables, runs eagerly between the two.
+
+The math is LlamaLayer.forward's for rows that are all decodes (every projection takes its
+low-bit copy where it has one, as Linear does for decode rows), so the segments compute the
+same values; a fused kernel may round differently in the last bit, and every row is computed
+on its own (tests/worker/test_compiled.py checks both against the eager layer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from zeroserve.worker.model.linear import Linear
+from zeroserve.worker.model.llama import LlamaLayer
+from zeroserve.worker.model.llama_config import LlamaConfig
+from zeroserve.worker.model.quant import GROUP_SIZE, PackedInt4, PackedInt8
+
+# (dense [out, in], int4 weight, int4 scales_and_zeros, int8 weight, int8 scales): the low-bit
+# pair that exists is used, else the dense weight.
+LinearTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                      torch.Tensor | None, torch.Tensor | None]
+
+
+def linear_tensors(linear: Linear) -> LinearTensors:
+    packed = linear.packed
+    if isinstance(packed, PackedInt4):
+        return linear.dense, packed.weight, packed.scales_and_zeros, None, None
+    if isinstance(packed, PackedInt8):
+        return linear.dense, None, None, packed.weight, packed.scales
+    return linear.dense, None, None, None, None
+
+
+def decode_rows(x: torch.Tensor, weights: LinearTensors) -> torch.Tensor:
+    """x [rows, in] -> [rows, out] as Linear computes decode rows: the low-bit copy if any."""
+    dense, int4, int4_scales, int8, int8_scales = weights
+    if int4 is not None:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4, GROUP_SIZE, int4_scales)
+    if int8 is not None:
+        return torch._weight_int8pack_mm(x, int8, int8_scales)
+    return F.linear(x, dense)
+
+
+@dataclass(frozen=True)
+class LayerTensors:
+    """One layer's weights as the segments take them (None where the layer has none)."""
+
+    input_norm: torch.Tensor
+    qkv: LinearTensors
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_proj: LinearTensors
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: LinearTensors
+    down: LinearTensors
+
+    @classmethod
+    def of(cls, layer: LlamaLayer) -> LayerTensors:
+        return cls(layer.input_norm, linear_tensors(layer.qkv), layer.qkv_bias, layer.q_norm,
+                   layer.k_norm, linear_tensors(layer.o_proj), layer.o_bias, layer.post_norm,
+                   linear_tensors(layer.gate_up), linear_tensors(layer.down))
+
+    def attention_in_args(self) -> tuple:
+        return self.input_norm, self.qkv, self.qkv_bias, self.q_norm, self.k_norm
+
+    def attention_out_args(self) -> tuple:
+        return self.o_proj, self.o_bias, self.post_norm, self.gate_up, self.down
+
+
+def make_segments(cfg: LlamaConfig):
+    """(attention_in, attention_out) for this model shape; the shape's numbers are constants
+    of the functions, so a compiler specializes on them."""
+    hidden, eps, head_dim = cfg.hidden_size, cfg.rms_norm_eps, cfg.head_dim
+    num_heads, num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+    qk_size = cfg.q_size + cfg.kv_size
+    half = head_dim // 2
+
+    def attention_in(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     input_norm: torch.Tensor, qkv_weights: LinearTensors,
+                     qkv_bias: torch.Tensor | None, q_norm: torch.Tensor | None,
+                     k_norm: torch.Tensor | None):
+        """x [rows, hidden], cos/sin [rows, 1, head_dim] -> q [rows, heads, head_dim], k and
+        v [rows, kv_heads, head_dim]."""
+        n = x.shape[0]
+        h = F.rms_norm(x, (hidden,), input_norm, eps)
+        qkv = decode_rows(h, qkv_weights)  # [rows, q_size + 2 * kv_size]
+        if qkv_bias is not None:
+            qkv = qkv + qkv_bias
+        qk = qkv[:, :qk_size].view(n, -1, head_dim)
+        if q_norm is not None:
+            qk = torch.cat([F.rms_norm(qk[:, :num_heads], (head_dim,), q_norm, eps),
+                            F.rms_norm(qk[:, num_heads:], (head_dim,), k_norm, eps)], dim=1)
+        swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
+        qk = qk * cos + swapped * sin  # worker.model.llama.apply_rotary
+        v = qkv[:, qk_size:].view(n, num_kv_heads, head_dim)
+        return qk[:, :num_heads], qk[:, num_heads:], v
+
+    def attention_out(x: torch.Tensor, attn: torch.Tensor, o_weights: LinearTensors,
+                      o_bias: torch.Tensor | None, post_norm: torch.Tensor,
+                      gate_up_weights: LinearTensors, down_weights: LinearTensors):
+        """x [rows, hidden], attn [rows, heads * head_dim] -> the layer's output x."""
+        out = decode_rows(attn, o_weights)
+        x = x + (out if o_bias is None else out + o_bias)
+        h = F.rms_norm(x, (hidden,), post_norm, eps)
+        gate, up = decode_rows(h, gate_up_weights).chunk(2, dim=-1)
+        return x + decode_rows(F.silu(gate) * up, down_weights)
+
+    return attention_in, attention_out
