@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from zeroserve.common.keys import check_plane_security, is_worker_id_valid
 from zeroserve.worker.discovery import GatewayDns
+from zeroserve.worker.speculative import SpeculativeConfig
 
 
 class BatchingMode(enum.Enum):
@@ -42,6 +43,8 @@ class EngineConfig:
     # (worker/weight_cache.py). None: $ZEROSERVE_CACHE_DIR/weights or ~/.cache/zeroserve/weights.
     weight_cache: bool = True
     weight_cache_dir: str | None = None
+    # n-gram speculative decoding (worker/speculative.py); None: off.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

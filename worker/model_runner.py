@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zeroserve.worker import cpu_kernels, weight_cache
+from zeroserve.worker import cpu_kernels, verify, weight_cache
 from zeroserve.worker.attention import (
     AttentionMetadata,
     DecodeGroup,
@@ -139,7 +139,9 @@ class ModelRunner:
             return []
         started = time.perf_counter()
         inputs = self._prepare(plan.chunks)
-        self.sampler.prepare(inputs.sample_chunks)  # grammar masks, while the model runs
+        # One sampled row per chunk, or 1 + k for a chunk with k drafts (worker/verify.py).
+        row_chunks, row_counts = verify.expand(inputs.sample_chunks)
+        self.sampler.prepare(row_chunks)  # grammar masks, while the model runs
         prepared = time.perf_counter()
         hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta,
                                     self.kv_caches)
@@ -151,7 +153,9 @@ class ModelRunner:
             # as sampling (the sampler's first .tolist() waits for it anyway).
             torch.cuda.synchronize(self.device)
         forwarded = time.perf_counter()
-        sampled = [] if logits is None else self.sampler.sample(logits, inputs.sample_chunks)
+        sampled = [] if logits is None else self.sampler.sample(logits, row_chunks)
+        if len(row_chunks) != len(inputs.sample_chunks):
+            sampled = verify.accept(inputs.sample_chunks, row_counts, sampled)
         # request id -> (first prompt position, entries); see Engine.step.
         self.last_prompt_logprobs = self.sampler.prompt_logprobs(
             self.model.compute_logits, hidden, inputs.prompt_rows)
@@ -200,7 +204,9 @@ class ModelRunner:
             meta.prefills.append(self._prefill_span(chunk, row))
             row += len(chunk.token_ids)
         sample_chunks = [c for c in chunks if c.do_sample]
-        sample_rows = [last_row[id(c)] for c in sample_chunks]
+        # A chunk with drafts samples at each of its last 1 + k rows (worker/verify.py).
+        sample_rows = [r for c in sample_chunks for r in range(
+            last_row[id(c)] - len(c.draft_token_ids or ()), last_row[id(c)] + 1)]
         return self._to_device(StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long),
             positions=positions_t,
