@@ -44,7 +44,7 @@ class EngineConfig:
     weight_cache: bool = True
     weight_cache_dir: str | None = None
     # n-gram speculative decoding (worker/speculative.py); None: off.
-    speculative: SpeculativeConfig | None = None
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

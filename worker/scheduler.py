@@ -213,7 +213,7 @@ class Scheduler:
         # crossing a block boundary allocates.
         block_size = self.block_manager.block_size
         under_way: list[Sequence] = []  # running but not decoding: step 2's candidates
-        speculative = self.config.speculative
+        speculative = self.config.speculative_config
         if speculative is not None and speculative.is_active(len(self.running)):
             made = self._drop_next_decodes()  # drafts are proposed below, one by one
         else:
@@ -442,7 +442,7 @@ class Scheduler:
         sampling_seqs = plan_seqs[:num_decodes]
         tokens = sampled[:num_decodes]
         nums_new = [1] * num_decodes
-        if self.config.speculative is not None:
+        if self.config.speculative_config is not None:
             for k, chunk in enumerate(plan.chunks[:num_decodes]):
                 if chunk.draft_token_ids:
                     nums_new[k] = len(chunk.token_ids)

@@ -20,6 +20,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from zeroserve.common.protocol import SPEC_DECODE_PER_POS_COUNTER
+
 METHODS = ("ngram",)
 # At most this many drafts per step: each position's acceptance is its own worker counter
 # (common/protocol.py: MAX_COUNTERS), and longer guesses are rarely all right.
@@ -143,3 +145,16 @@ class SpecDecodeStats:
         if not self.num_draft_tokens:
             return None
         return self.num_accepted_tokens / self.num_draft_tokens
+
+
+def spec_decode_counters(stats: SpecDecodeStats) -> dict[str, int]:
+    """The heartbeat counters (common/protocol.py's names) of stats; none before the first
+    verified draft, so a worker that never speculates adds nothing to its heartbeats."""
+    if not stats.num_drafts:
+        return {}
+    counters = {"spec_decode_num_drafts": stats.num_drafts,
+                "spec_decode_num_draft_tokens": stats.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": stats.num_accepted_tokens}
+    for i, n in enumerate(stats.num_accepted_tokens_per_pos):
+        counters[f"{SPEC_DECODE_PER_POS_COUNTER}{i}"] = n
+    return counters

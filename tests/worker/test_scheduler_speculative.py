@@ -19,7 +19,7 @@ SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_l
 def copy_engine(speculative: SpeculativeConfig | None = SPEC, **overrides) -> Engine:
     """An engine whose fake model copies its context (input-grounded): drafts are proposed,
     often accepted and sometimes rejected."""
-    return make_engine({"copy_context": True}, speculative=speculative, **overrides)
+    return make_engine({"copy_context": True}, speculative_config=speculative, **overrides)
 
 
 def random_prompts(num: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -128,7 +128,7 @@ def test_drafts_never_exceed_the_credit_window():
 
 
 def test_credit_caps_the_number_of_drafts():
-    scheduler, runner = make_scheduler(speculative=SPEC)
+    scheduler, runner = make_scheduler(speculative_config=SPEC)
     seq = make_seq(prompt_token_ids=list(range(10, 20)) * 2, max_tokens=50)
     scheduler.add(seq)
     scheduler.update(plan := scheduler.schedule(), runner.execute(plan))  # the prefill
@@ -161,7 +161,7 @@ def test_a_stop_token_inside_accepted_drafts_ends_the_stream_there():
 
 
 def test_paused_mid_step_gives_back_the_draft_blocks():
-    scheduler, runner = make_scheduler(speculative=SPEC)
+    scheduler, runner = make_scheduler(speculative_config=SPEC)
     seq = make_seq(prompt_token_ids=list(range(10, 20)) * 2, max_tokens=50)
     scheduler.add(seq)
     scheduler.update(plan := scheduler.schedule(), runner.execute(plan))
@@ -202,7 +202,7 @@ def test_large_batches_decode_without_drafts():
 def test_constrained_requests_do_not_speculate():
     from zeroserve.worker.grammar import GrammarSpec, GrammarState
 
-    scheduler, runner = make_scheduler(speculative=SPEC)
+    scheduler, runner = make_scheduler(speculative_config=SPEC)
     seq = make_seq(prompt_token_ids=list(range(10, 20)) * 2, max_tokens=50)
     seq.params = SamplingParams(max_tokens=50, temperature=0.0,
                                 grammar=GrammarState(GrammarSpec("regex", "a+")))

@@ -26,7 +26,7 @@ def engine_for(path, speculative: SpeculativeConfig | None) -> Engine:
     return Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", block_size=4,
                                num_kv_blocks=256, max_num_batched_tokens=16,
                                max_model_len=256, weight_cache=False,
-                               speculative=speculative))
+                               speculative_config=speculative))
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral"])
