@@ -175,9 +175,16 @@ class ModelRunner:
         return slots[:, :length]
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
-        # Decodes first, shortest context first, so that similar lengths sit together.
-        decodes = sorted((c for c in chunks if len(c.token_ids) == 1), key=lambda c: c.start_pos)
-        prefills = [c for c in chunks if len(c.token_ids) != 1]
+        # Decodes first, shortest context first, so that similar lengths sit together. A
+        # chunk with k drafts runs as 1 + k decode rows (row i at start_pos + i, attending
+        # to the K/V its earlier rows write in the same layer): each row is computed exactly
+        # as plain decoding computes that position (the same kernels, batch-independent),
+        # so greedy tokens with speculation are the tokens without it.
+        verify_rows = {id(c): _verify_rows(c) for c in chunks if c.draft_token_ids}
+        decodes = sorted((r for c in chunks for r in (
+            verify_rows.get(id(c)) or ((c,) if len(c.token_ids) == 1 else ()))),
+            key=lambda c: c.start_pos)
+        prefills = [c for c in chunks if len(c.token_ids) != 1 and id(c) not in verify_rows]
         ordered = decodes + prefills
         input_ids: list[int] = []
         positions: list[int] = []
@@ -204,9 +211,9 @@ class ModelRunner:
             meta.prefills.append(self._prefill_span(chunk, row))
             row += len(chunk.token_ids)
         sample_chunks = [c for c in chunks if c.do_sample]
-        # A chunk with drafts samples at each of its last 1 + k rows (worker/verify.py).
-        sample_rows = [r for c in sample_chunks for r in range(
-            last_row[id(c)] - len(c.draft_token_ids or ()), last_row[id(c)] + 1)]
+        # A chunk with drafts samples at each of its 1 + k rows (worker/verify.py).
+        sample_rows = [last_row[id(r)] for c in sample_chunks
+                       for r in verify_rows.get(id(c), (c,))]
         return self._to_device(StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long),
             positions=positions_t,
@@ -214,7 +221,7 @@ class ModelRunner:
             sample_rows=torch.tensor(sample_rows, dtype=torch.long),
             sample_chunks=sample_chunks,
             prompt_rows=[(c, last_row[id(c)] - len(c.token_ids) + 1) for c in chunks
-                         if c.params.prompt_logprobs is not None],
+                         if c.params.prompt_logprobs is not None and id(c) not in verify_rows],
         ))
 
     def _paged_decode(self, decodes: list[ScheduledChunk]) -> PagedDecode | None:
@@ -289,6 +296,13 @@ def _weight_cache(config: EngineConfig) -> WeightCache | None:
 def _padded_tables(block_tables: list[list[int]], num_blocks: int) -> list[list[int]]:
     """Each table's first num_blocks entries, padded with block 0 (never read unmasked)."""
     return [t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks])) for t in block_tables]
+
+
+def _verify_rows(chunk: ScheduledChunk) -> list[ScheduledChunk]:
+    """A chunk with drafts as one single-token decode chunk per token, in order."""
+    return [ScheduledChunk(chunk.request_id, [token], chunk.start_pos + i, chunk.block_table,
+                           True, chunk.params, chunk.prompt_token_ids, chunk.output_token_ids)
+            for i, token in enumerate(chunk.token_ids)]
 
 
 def _row_blocks(chunk: ScheduledChunk, block_size: int) -> list[int]:

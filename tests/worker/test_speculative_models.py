@@ -72,3 +72,37 @@ def test_seeded_sampling_and_logprobs_are_the_same_with_speculation(model_dir):
     for (tokens, logprobs), (_, want) in zip(got, expected, strict=True):
         assert len(logprobs) == len(tokens)  # one entry per token, accepted drafts included
         assert [lp for lp, _ in logprobs] == pytest.approx([lp for lp, _ in want], abs=1e-4)
+
+
+PASSAGE = ("The committee met on Tuesday to review the budget. After a long discussion, the "
+           "members agreed to fund the new library, repair the bridge on Mill Street, and "
+           "hire two more teachers for the primary school.")
+GROUNDED = [f"Repeat the following text exactly, word for word:\n\n{PASSAGE}",
+            f"Rewrite this text in the past tense:\n\n{PASSAGE}",
+            f"List the three things the members agreed to in this text:\n\n{PASSAGE}"]
+
+
+@pytest.mark.slow
+def test_real_model_greedy_tokens_are_the_same_with_speculation():
+    """The default model on the production path (bfloat16, low-bit decode kernels, native
+    decode attention where it builds): input-grounded prompts, greedy, alone and in a batch
+    beside unrelated requests, with and without n-gram speculation."""
+    from tests.worker.conftest import default_reference_tokenizer, encode_prompts
+
+    tokenizer = default_reference_tokenizer()
+    prompts = encode_prompts(tokenizer, ["Once upon a time,"], GROUNDED[:2])
+
+    def engine(speculative: SpeculativeConfig | None) -> Engine:
+        return Engine(EngineConfig(device="cpu", num_kv_blocks=512, max_model_len=1024,
+                                   speculative_config=speculative))
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=32)
+    plain = engine(None)
+    expected_batch = plain.generate(prompts, greedy)
+    expected_alone = plain.generate([prompts[1]], greedy)
+    del plain
+    spec = engine(SpeculativeConfig(num_speculative_tokens=4))
+    assert spec.generate(prompts, greedy) == expected_batch
+    assert spec.generate([prompts[1]], greedy) == expected_alone
+    stats = spec.stats().spec_decode
+    assert stats.num_accepted_tokens > 0.3 * stats.num_draft_tokens  # input-grounded
