@@ -216,3 +216,19 @@ def test_constrained_requests_do_not_speculate():
     scheduler.update(plan := scheduler.schedule(), runner.execute(plan))
     seq.output_token_ids[-1] = 10
     assert scheduler.schedule().chunks[0].draft_token_ids is None
+
+
+def test_a_failed_over_stream_speculates_again_from_its_context():
+    """Failover resubmits prompt + the tokens so far: the new engine proposes drafts from
+    that context at once, and the continuation equals the undisturbed run's."""
+    prompt = random_prompts(1, 16, seed=3)[0] + list(range(10, 30)) * 2
+    params = make_params(max_tokens=40)
+    [whole] = run(copy_engine(), [prompt], [params])
+    moved = copy_engine()
+    moved.add_request("r", prompt, params, output_token_ids=whole[:15])
+    rest: list[int] = []
+    while moved.has_unfinished():
+        for out in moved.step():
+            rest += out.new_token_ids
+    assert whole[:15] + rest == whole
+    assert moved.stats().spec_decode.num_accepted_tokens > 0
