@@ -329,7 +329,8 @@ class Scheduler:
         """Put n-gram drafts after a decode chunk's token (worker/speculative.py), as many
         as every limit allows: k, the token budget, max_tokens and the context (the token
         after the drafts must fit too), the stream's credit, and free blocks (drafts never
-        preempt anyone). Constrained requests do not speculate."""
+        preempt anyone). A constrained request's drafts end before the first token its
+        grammar forbids."""
         params = seq.params
         num_output = len(seq.output_token_ids)
         num_tokens = seq.num_prompt_tokens + num_output
@@ -337,10 +338,12 @@ class Scheduler:
                 self.max_model_len - num_tokens - 1)
         if seq.credit_limit is not None:
             k = min(k, seq.credit_limit - num_output - 1)
-        if k < 1 or params.grammar is not None:
+        if k < 1:
             return
         drafts = propose_ngram(seq.all_token_ids, config.prompt_lookup_min,
                                config.prompt_lookup_max, k)
+        if drafts and params.grammar is not None:
+            drafts = drafts[:params.grammar.num_allowed(seq.output_token_ids, drafts)]
         if not drafts:
             return
         bm = self.block_manager

@@ -9,11 +9,24 @@ import random
 import pytest
 
 from tests.worker.factories import make_engine, make_params, make_scheduler, make_seq
+from tests.worker.test_grammar import EOS, VOCAB
+from zeroserve.common.model_files import default_model_path
 from zeroserve.worker.engine import Engine
+from zeroserve.worker.grammar import GGUFVocabulary, GrammarCompiler
 from zeroserve.worker.sequence import FinishReason, SamplingParams, SequenceStatus
 from zeroserve.worker.speculative import SpeculativeConfig
 
 SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+
+
+@pytest.fixture(scope="module")
+def vocabulary() -> GGUFVocabulary:
+    return GGUFVocabulary.read(default_model_path(), [EOS])
+
+
+@pytest.fixture(scope="module")
+def compiler() -> GrammarCompiler:
+    return GrammarCompiler(default_model_path(), VOCAB, (EOS,))
 
 
 def copy_engine(speculative: SpeculativeConfig | None = SPEC, **overrides) -> Engine:
@@ -205,17 +218,21 @@ def test_large_batches_decode_without_drafts():
     assert engine.stats().spec_decode.num_drafts == num_drafts  # three running: no drafts
 
 
-def test_constrained_requests_do_not_speculate():
-    from zeroserve.worker.grammar import GrammarSpec, GrammarState
+def test_constrained_drafts_end_at_the_first_token_the_grammar_forbids(compiler, vocabulary):
+    from zeroserve.worker.grammar import GrammarSpec
 
+    ab, cd, x, z = (vocabulary(t)[0] for t in ("ab", "cd", "x", "z"))
     scheduler, runner = make_scheduler(speculative_config=SPEC)
-    seq = make_seq(prompt_token_ids=list(range(10, 20)) * 2, max_tokens=50)
-    seq.params = SamplingParams(max_tokens=50, temperature=0.0,
-                                grammar=GrammarState(GrammarSpec("regex", "a+")))
+    # Context "z ab cd x z" + the output "ab": "z ab" recurs, so the proposal is cd x z ab.
+    seq = make_seq(prompt_token_ids=[z, ab, cd, x, z], max_tokens=50)
+    state = compiler.attach(GrammarSpec("regex", "(ab|cd)+"))
+    seq.params = SamplingParams(max_tokens=50, temperature=0.0, grammar=state)
     scheduler.add(seq)
     scheduler.update(plan := scheduler.schedule(), runner.execute(plan))
-    seq.output_token_ids[-1] = 10
-    assert scheduler.schedule().chunks[0].draft_token_ids is None
+    seq.output_token_ids[-1] = ab
+    plan = scheduler.schedule()
+    assert plan.chunks[0].draft_token_ids == [cd]  # x is not allowed after "ab cd": cut
+    assert state.failed is None and state.num_consumed == 1  # validated, not consumed
 
 
 def test_a_failed_over_stream_speculates_again_from_its_context():
