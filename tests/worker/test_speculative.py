@@ -86,3 +86,28 @@ def test_stats_count_acceptance_per_position():
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 9, 5)
     assert stats.num_accepted_tokens_per_pos == [2, 2, 1, 0]
     assert stats.acceptance_rate == pytest.approx(5 / 9)
+
+
+def reference_ngram(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The rule as stated, by brute force: n from max_n down, the latest earlier match."""
+    for n in range(max_n, min_n - 1, -1):
+        if n >= len(tokens):
+            continue
+        pattern = tokens[len(tokens) - n:]
+        for end in range(len(tokens) - 1, n - 1, -1):
+            if tokens[end - n:end] == pattern:
+                return tokens[end:end + k] if k > 0 else []
+    return []
+
+
+def test_the_proposer_follows_the_rule_on_random_contexts():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(0, 30))]
+        min_n = rng.randrange(1, 4)
+        max_n = rng.randrange(min_n, 6)
+        k = rng.randrange(0, 5)
+        assert propose_ngram(tokens, min_n, max_n, k) == reference_ngram(
+            tokens, min_n, max_n, k), (tokens, min_n, max_n, k)
