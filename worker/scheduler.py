@@ -349,7 +349,7 @@ class Scheduler:
         bm = self.block_manager
         num_slots = len(seq.block_table) * bm.block_size - chunk.start_pos
         num_free = num_slots + bm.num_free_blocks * bm.block_size
-        drafts = drafts[:num_free - 1]
+        drafts = drafts[:max(0, num_free - 1)]  # the last token's slot first
         if drafts:
             chunk.token_ids = chunk.token_ids + drafts
             chunk.draft_token_ids = drafts

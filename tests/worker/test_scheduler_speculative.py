@@ -249,3 +249,22 @@ def test_a_failed_over_stream_speculates_again_from_its_context():
             rest += out.new_token_ids
     assert whole[:15] + rest == whole
     assert moved.stats().spec_decode.num_accepted_tokens > 0
+
+
+def test_drafts_never_preempt_anyone():
+    """With the pool full, a decode gets no drafts: its own token may still preempt
+    someone, as without speculation, but never for a draft."""
+    scheduler, runner = make_scheduler(speculative_config=SPEC, num_kv_blocks=6)
+    seq = make_seq(prompt_token_ids=list(range(10, 18)) * 2 + [10, 11, 12, 13], max_tokens=4)
+    filler = make_seq(prompt_token_ids=[99] * 4, max_tokens=4)
+    scheduler.add(seq)
+    scheduler.add(filler)
+    scheduler.update(plan := scheduler.schedule(), runner.execute(plan))
+    bm = scheduler.block_manager
+    assert seq.num_computed_tokens == 20 and len(seq.block_table) == 5  # all full
+    assert bm.num_free_blocks == 0
+    seq.output_token_ids[-1] = 14  # [.., 13, 14] recurs: drafts would be 15, 16, ...
+    plan = scheduler.schedule()
+    assert plan.chunks[0].request_id == seq.request_id
+    assert plan.chunks[0].draft_token_ids is None
+    assert len(seq.block_table) == 6  # one block, for its own token
