@@ -3,7 +3,7 @@ on a small vocabulary with many samples, the tokens that come out with drafts fo
 target's processed distribution (temperature, top-k, penalties as the sampler applies
 them); a draft d is accepted with probability p(d), and a rejection samples from p without d,
 renormalized. Tolerance: a total variation distance of at most 4x the sampling noise's
-bound, 0.5 sqrt(2 V / (pi n)) for n samples over V tokens: 0.028 for 20,000 samples."""
+bound, 0.5 sqrt(2 V / (pi n)) for n samples over V tokens: 0.039 for 10,000 samples."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from zeroserve.worker.sampler import Sampler
 from zeroserve.worker.sequence import SamplingParams
 
 VOCAB = 6
-NUM_SAMPLES = 20_000
+NUM_SAMPLES = 10_000
 
 
 def tolerance(num_samples: int) -> float:
@@ -99,7 +99,7 @@ def test_processed_distribution_with_temperature_top_k_and_penalties():
 
 
 def test_seeded_rows_follow_the_target_and_match_plain_decoding():
-    num = 5_000  # a generator per seeded row: fewer samples, a wider tolerance
+    num = 3_000  # a generator per seeded row: fewer samples, a wider tolerance
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=8) for s in range(num)]
     results = run(params, [1], LOGITS)
     assert tv(histogram(first_tokens(results)), target(LOGITS[0])) < tolerance(num)
