@@ -220,7 +220,9 @@ class Engine:
     def set_credit_limit(self, request_id: str, limit: int) -> None:
         """The output tokens (in all) a stream may have before it pauses: speculative drafts
         never run past it."""
-        seq = self.scheduler.get(request_id)  # (one still compiling its grammar: no drafts)
+        seq = self.scheduler.get(request_id)
+        if seq is None and self._grammars is not None:
+            seq = self._grammars.get(request_id)  # still compiling its grammar
         if seq is not None:
             seq.credit_limit = limit
 

@@ -268,3 +268,16 @@ def test_drafts_never_preempt_anyone():
     assert plan.chunks[0].request_id == seq.request_id
     assert plan.chunks[0].draft_token_ids is None
     assert len(seq.block_table) == 6  # one block, for its own token
+
+
+def test_the_credit_limit_reaches_a_request_still_compiling_its_grammar():
+    from zeroserve.worker.grammar import GrammarCompiler, GrammarSpec
+
+    engine = copy_engine()
+    engine.grammar_compiler = GrammarCompiler(default_model_path(), VOCAB, (EOS,))
+    engine.add_request("g", [1, 2, 3], make_params(max_tokens=8),
+                       grammar=GrammarSpec("regex", "[0-9]{1,3}q" * 7))
+    engine.set_credit_limit("g", 5)
+    seq = engine._grammars.get("g") or engine.scheduler.get("g")
+    assert seq is not None and seq.credit_limit == 5
+    engine.abort("g")
