@@ -27,6 +27,7 @@ import click
 
 from zeroserve.cli.debug import debug as debug_commands
 from zeroserve.worker.config import ATTENTION_BACKENDS, BatchingMode, EngineConfig
+from zeroserve.worker.speculative import SpeculativeConfig
 
 ENV_PREFIX = "ZEROSERVE_"
 LOG_FORMATS = ("text", "json")
@@ -187,6 +188,16 @@ def _fetch_hub_model(opts: dict[str, Any]) -> None:
     except ModelNotFoundError as e:
         raise click.ClickException(str(e)) from None
 
+def _speculative_config(ctx: click.Context, param: click.Parameter,
+                        value: str | None) -> SpeculativeConfig | None:
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    try:
+        return SpeculativeConfig.from_json(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 LOG_OPTIONS = [
     option("--log-format", type=click.Choice(LOG_FORMATS), default="text",
            help="text for terminals, json for one object a line."),
@@ -230,6 +241,12 @@ ENGINE_OPTIONS = [
     option("--seed", type=int, default=_default(EngineConfig, "seed")),
     option("--fake-forward-ms", type=click.FloatRange(min=0), default=0.0,
            help="--backend fake only: simulated milliseconds per forward."),
+    option("--speculative-config", default=None, callback=_speculative_config,
+           help="Speculative decoding, as vLLM's JSON: '{\"method\": \"ngram\", "
+                "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
+                "\"prompt_lookup_min\": 2, \"disable_by_batch_size\": 8}' (n-gram "
+                "prompt lookup; steps with more running requests than disable_by_batch_size "
+                "decode normally). 'null' turns it off. [default: off]"),
     option("--weight-cache/--no-weight-cache", default=_default(EngineConfig, "weight_cache"),
            help="Write the prepared weights once and memory-map them on later starts."),
     option("--weight-cache-dir", default=None,
@@ -477,6 +494,7 @@ def engine_config(opts: dict[str, Any], device: str | None = None) -> EngineConf
         weight_cache=opts["weight_cache"], weight_cache_dir=opts["weight_cache_dir"],
         batch_invariant=opts["batch_invariant"],
         enforce_eager=opts["enforce_eager"], max_capture_batch_size=opts["max_capture_batch_size"],
+        speculative_config=opts["speculative_config"],
     )
 
 
@@ -622,6 +640,9 @@ def engine_args(config: EngineConfig) -> list[str]:
     args = []
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
+        if f.name == "speculative_config":  # always given: off must not fall back to a default
+            args += ["--speculative-config", "null" if value is None else value.to_json()]
+            continue
         if value is None:
             continue
         if isinstance(value, bool):  # --enable-prefix-caching / --no-enable-prefix-caching

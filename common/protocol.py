@@ -71,8 +71,14 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 POISON_REQUEST = "poison_request"
 
 # Heartbeat.counters a worker reports (others are ignored): prompt tokens looked up in the
-# prefix cache and found there (at each request's first admission), and sequences preempted.
-COUNTER_NAMES = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
+# prefix cache and found there (at each request's first admission), sequences preempted, and
+# speculative decoding's verified drafts, their tokens and the accepted ones.
+COUNTER_NAMES = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+                 "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                 "spec_decode_num_accepted_tokens")
+# ... and the accepted drafts at each position of a proposal: this prefix + the position
+# (0, 1, ...: at most worker.speculative.MAX_SPECULATIVE_TOKENS of them).
+SPEC_DECODE_PER_POS_COUNTER = "spec_decode_num_accepted_tokens_per_pos_"
 
 
 @dataclass

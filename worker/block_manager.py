@@ -167,6 +167,22 @@ class BlockManager:
         for _ in range(num_needed):
             seq.block_table.append(self._take_free_block())
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Shrink seq's block table to the blocks num_tokens tokens need (speculative drafts
+        rejected). The blocks dropped were allocated for tokens never verified: private
+        (never shared or registered: the cache only holds blocks of computed tokens), so
+        they go straight back to the free pool."""
+        keep = self.num_blocks_for(num_tokens)
+        table = seq.block_table
+        while len(table) > keep:
+            block = self._blocks[table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is None:
+                    self._free_uncached.append(block.block_id)
+                else:
+                    self._evictable[block.block_id] = None
+
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks (finish, abort or preemption); computed K/V stays findable."""
         # Tail blocks first, so a sequence's last blocks are evicted before its first ones.

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from zeroserve.common.keys import check_plane_security, is_worker_id_valid
 from zeroserve.worker.discovery import GatewayDns
+from zeroserve.worker.speculative import SpeculativeConfig
 
 
 class BatchingMode(enum.Enum):
@@ -52,6 +53,8 @@ class EngineConfig:
     enforce_eager: bool | None = None
     # Decode batches up to this many rows run compiled, larger ones eagerly; None: max_num_seqs.
     max_capture_batch_size: int | None = None
+    # n-gram speculative decoding (worker/speculative.py); None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

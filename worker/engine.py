@@ -217,6 +217,15 @@ class Engine:
     def resume(self, request_id: str) -> bool:
         return self.scheduler.resume(request_id)
 
+    def set_credit_limit(self, request_id: str, limit: int) -> None:
+        """The output tokens (in all) a stream may have before it pauses: speculative drafts
+        never run past it."""
+        seq = self.scheduler.get(request_id)
+        if seq is None and self._grammars is not None:
+            seq = self._grammars.get(request_id)  # still compiling its grammar
+        if seq is not None:
+            seq.credit_limit = limit
+
     def has_unfinished(self) -> bool:
         """Something for the next step to do. A request whose grammar is still compiling
         is not (`wake` tells when it is)."""
@@ -316,6 +325,7 @@ class Engine:
             num_prefix_hits=self.block_manager.num_prefix_hits,
             num_steps=self._num_steps,
             last_step=self._last_step,
+            spec_decode=scheduler.spec_stats,
         )
 
     def generate(
@@ -384,6 +394,8 @@ class Engine:
         logprobs = None
         if token is not None and token.logprob is not None and new_token_ids:
             logprobs = [(token.logprob, list(token.top_logprobs or []))]
+            if token.accepted_logprobs:  # accepted drafts first; a stop may cut them short
+                logprobs = (token.accepted_logprobs + logprobs)[:len(new_token_ids)]
         prompt_logprobs = None
         if seq.prompt_logprobs is not None and not seq.is_prompt_logprobs_sent and (
                 new_token_ids or seq.finish_reason is not None):

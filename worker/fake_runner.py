@@ -15,6 +15,7 @@ import atexit
 import json
 import time
 
+from zeroserve.worker import verify
 from zeroserve.worker.config import BatchingMode, EngineConfig
 from zeroserve.worker.model.info import ModelInfo
 from zeroserve.worker.outputs import StepTiming
@@ -47,6 +48,10 @@ class FakeRunner:
         # token made, written as JSON to this path at exit (the relay benchmark's added
         # latency is a client's receive time minus this).
         stamps_path: str | None = None,
+        # An input-grounded fake: the next token is the one that followed the latest earlier
+        # occurrence of the last token in the context (copying, as a model rewriting a text
+        # does), where there is one. Speculative decoding's tests use it.
+        copy_context: bool = False,
     ) -> None:
         self.config = config
         self.block_size = config.block_size
@@ -69,6 +74,7 @@ class FakeRunner:
         self.forward_time_s = forward_time_s
         self.per_token_time_s = per_token_time_s
         self.eos_after = eos_after
+        self.copy_context = copy_context
         self.check_plans = check_plans
         self.num_steps = 0
         self.num_computed_tokens = 0
@@ -139,17 +145,37 @@ class FakeRunner:
         num_output = len(chunk.output_token_ids)
         if self.eos_after is not None and num_output == self.eos_after:
             return EOS_TOKEN_ID
+        if self.copy_context:
+            known = chunk.prompt_token_ids + chunk.output_token_ids
+            last = known[-1]
+            for j in range(len(known) - 2, -1, -1):
+                if known[j] == last:
+                    return known[j + 1]
         seed = self.config.seed + (chunk.params.seed or 0)
         return _token_after(chunk.token_ids[-1], chunk.context_len - 1, seed)
 
     # ---- internals ----------------------------------------------------------------------------
 
+    def _sample_drafted(self, chunk: ScheduledChunk) -> SampledToken:
+        """A chunk with drafts: a token at each of its rows (row i as if drafts[:i] were
+        outputs already), then the drafts kept as worker/verify.py keeps them."""
+        rows, counts = verify.expand([chunk])
+        sampled = []
+        for i, row in enumerate(rows):
+            # The row's own view: its token is the chunk's i-th, at position start_pos + i.
+            row.token_ids = chunk.token_ids[:i + 1]
+            row.start_pos = chunk.start_pos
+            sampled.append(self._sample(row))
+        return verify.accept([chunk], counts, sampled)[0]
+
     def _sample_all(self, chunks: list[ScheduledChunk]) -> list[SampledToken]:
         """_sample for every chunk that samples. Plain chunks (no logprobs, no forced EOS: a
         benchmark's 1,000 decode streams) take an inlined next_token: this loop runs once a
         step per stream, beside a forward that is only a sleep."""
-        if self.eos_after is not None:
-            return [self._sample(chunk) for chunk in chunks if chunk.do_sample]
+        if (self.eos_after is not None or self.copy_context
+                or any(c.draft_token_ids for c in chunks)):
+            return [self._sample_drafted(chunk) if chunk.draft_token_ids else
+                    self._sample(chunk) for chunk in chunks if chunk.do_sample]
         base_seed = self.config.seed
         sampled = []
         for chunk in chunks:
@@ -205,7 +231,8 @@ class FakeRunner:
 
     def _check_chunk(self, chunk: ScheduledChunk) -> None:
         rid = chunk.request_id
-        num_known = len(chunk.prompt_token_ids) + len(chunk.output_token_ids)
+        drafts = chunk.draft_token_ids or []
+        num_known = len(chunk.prompt_token_ids) + len(chunk.output_token_ids) + len(drafts)
         _require(len(chunk.token_ids) > 0, f"{rid}: empty chunk")
         _require(0 <= chunk.start_pos and chunk.context_len <= num_known, f"{rid}: bad positions")
         _require(
@@ -222,7 +249,7 @@ class FakeRunner:
             chunk.do_sample == (chunk.context_len == num_known),
             f"{rid}: do_sample must be set exactly when the chunk reaches the end",
         )
-        known = chunk.prompt_token_ids + chunk.output_token_ids
+        known = chunk.prompt_token_ids + chunk.output_token_ids + drafts
         _require(
             chunk.token_ids == known[chunk.start_pos : chunk.context_len],
             f"{rid}: chunk tokens are not the sequence's tokens",

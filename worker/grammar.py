@@ -33,6 +33,11 @@ MAX_CACHED_GRAMMARS = 64  # compiled matchers kept (each may hold a large lexer)
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+# Consumed tokens a sequence's matcher can give back (speculative drafts, at most 16, then
+# rejected); more than that starts the matcher over from the outputs.
+ROLLBACK_WINDOW = 32
+
+
 class GrammarError(ValueError):
     """A grammar the engine refuses (invalid, too large, or no vocabulary to apply it to)."""
 
@@ -67,22 +72,52 @@ class GrammarState:
     matcher: Any = None  # llguidance.LLMatcher, attached by GrammarCompiler.attach
     num_consumed: int = 0  # output tokens the matcher has consumed
     failed: str | None = field(default=None)  # the matcher's error, once it has one
+    # The last consumed tokens (at most ROLLBACK_WINDOW): speculative rows consume drafts
+    # that may then be rejected, and the next sync rolls back to where they part.
+    recent: list[int] = field(default_factory=list)
 
     def sync(self, output_token_ids: list[int]) -> None:
         """Advance the matcher over the outputs it has not seen (normally the one token
-        sampled last step; after a failover, every token the stream already had)."""
-        new = output_token_ids[self.num_consumed:]
-        if len(output_token_ids) < self.num_consumed:  # never expected: start over
-            self.matcher.reset()
-            self.num_consumed = 0
-            new = output_token_ids
+        sampled last step; after a failover, every token the stream already had). Tokens it
+        consumed that are not the outputs' (rejected speculative drafts) are rolled back
+        first."""
+        n = self.num_consumed
+        recent = self.recent
+        start = n - len(recent)
+        if len(output_token_ids) < n or output_token_ids[start:n] != recent:
+            same = start
+            limit = min(n, len(output_token_ids))
+            while same < limit and output_token_ids[same] == recent[same - start]:
+                same += 1
+            matcher = self.matcher
+            if (same > start or start == 0) and self.failed is None \
+                    and not matcher.is_stopped() and matcher.rollback(n - same):
+                del recent[same - start:]
+            else:  # beyond the window, or a stopped or failed matcher: start over
+                matcher.reset()
+                self.failed = None
+                recent.clear()
+                same = 0
+            self.num_consumed = n = same
+        new = output_token_ids[n:]
         for token in new:
             if self.matcher.is_stopped():
                 break  # the grammar is complete: only EOS follows (and ends the sequence)
             if not self.matcher.consume_token(token):
                 self.failed = self.matcher.get_error() or "token rejected by the grammar"
                 break
+        recent += new
+        if len(recent) > ROLLBACK_WINDOW:
+            del recent[:-ROLLBACK_WINDOW]
         self.num_consumed = len(output_token_ids)
+
+    def num_allowed(self, output_token_ids: list[int], tokens: list[int]) -> int:
+        """How many of `tokens`, following the outputs, the grammar allows in a row (the
+        matcher is synced to the outputs; the tokens are not consumed)."""
+        self.sync(output_token_ids)
+        if self.is_done:
+            return 0
+        return self.matcher.validate_tokens(tokens)
 
     @property
     def is_done(self) -> bool:

@@ -45,6 +45,10 @@ class PendingGrammars:
     def __len__(self) -> int:
         return len(self._waiting)
 
+    def get(self, request_id: str) -> Sequence | None:
+        entry = self._waiting.get(request_id)
+        return None if entry is None else entry[0]
+
     def add(self, seq: Sequence, spec: GrammarSpec) -> None:
         """Hold `seq` until `spec` is compiled."""
         future = self._compiling.get(spec)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zeroserve.worker import cpu_kernels, weight_cache
+from zeroserve.worker import cpu_kernels, verify, weight_cache
 from zeroserve.worker.attention import (
     AttentionMetadata,
     DecodeGroup,
@@ -148,7 +148,9 @@ class ModelRunner:
             return []
         started = time.perf_counter()
         inputs = self._prepare(plan.chunks)
-        self.sampler.prepare(inputs.sample_chunks)  # grammar masks, while the model runs
+        # One sampled row per chunk, or 1 + k for a chunk with k drafts (worker/verify.py).
+        row_chunks, row_counts = verify.expand(inputs.sample_chunks)
+        self.sampler.prepare(row_chunks)  # grammar masks, while the model runs
         prepared = time.perf_counter()
         forward = self.model.forward
         if self.decode_step is not None and self.decode_step.can_run(
@@ -163,7 +165,9 @@ class ModelRunner:
             # as sampling (the sampler's first .tolist() waits for it anyway).
             torch.cuda.synchronize(self.device)
         forwarded = time.perf_counter()
-        sampled = [] if logits is None else self.sampler.sample(logits, inputs.sample_chunks)
+        sampled = [] if logits is None else self.sampler.sample(logits, row_chunks)
+        if len(row_chunks) != len(inputs.sample_chunks):
+            sampled = verify.accept(inputs.sample_chunks, row_counts, sampled)
         # request id -> (first prompt position, entries); see Engine.step.
         self.last_prompt_logprobs = self.sampler.prompt_logprobs(
             self.model.compute_logits, hidden, inputs.prompt_rows)
@@ -183,9 +187,16 @@ class ModelRunner:
         return slots[:, :length]
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
-        # Decodes first, shortest context first, so that similar lengths sit together.
-        decodes = sorted((c for c in chunks if len(c.token_ids) == 1), key=lambda c: c.start_pos)
-        prefills = [c for c in chunks if len(c.token_ids) != 1]
+        # Decodes first, shortest context first, so that similar lengths sit together. A
+        # chunk with k drafts runs as 1 + k decode rows (row i at start_pos + i, attending
+        # to the K/V its earlier rows write in the same layer): each row is computed exactly
+        # as plain decoding computes that position (the same kernels, batch-independent),
+        # so greedy tokens with speculation are the tokens without it.
+        verify_rows = {id(c): _verify_rows(c) for c in chunks if c.draft_token_ids}
+        decodes = sorted((r for c in chunks for r in (
+            verify_rows.get(id(c)) or ((c,) if len(c.token_ids) == 1 else ()))),
+            key=lambda c: c.start_pos)
+        prefills = [c for c in chunks if len(c.token_ids) != 1 and id(c) not in verify_rows]
         ordered = decodes + prefills
         input_ids: list[int] = []
         positions: list[int] = []
@@ -212,7 +223,9 @@ class ModelRunner:
             meta.prefills.append(self._prefill_span(chunk, row))
             row += len(chunk.token_ids)
         sample_chunks = [c for c in chunks if c.do_sample]
-        sample_rows = [last_row[id(c)] for c in sample_chunks]
+        # A chunk with drafts samples at each of its 1 + k rows (worker/verify.py).
+        sample_rows = [last_row[id(r)] for c in sample_chunks
+                       for r in verify_rows.get(id(c), (c,))]
         return self._to_device(StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long),
             positions=positions_t,
@@ -220,7 +233,7 @@ class ModelRunner:
             sample_rows=torch.tensor(sample_rows, dtype=torch.long),
             sample_chunks=sample_chunks,
             prompt_rows=[(c, last_row[id(c)] - len(c.token_ids) + 1) for c in chunks
-                         if c.params.prompt_logprobs is not None],
+                         if c.params.prompt_logprobs is not None and id(c) not in verify_rows],
         ))
 
     def _paged_decode(self, decodes: list[ScheduledChunk]) -> PagedDecode | None:
@@ -295,6 +308,13 @@ def _weight_cache(config: EngineConfig) -> WeightCache | None:
 def _padded_tables(block_tables: list[list[int]], num_blocks: int) -> list[list[int]]:
     """Each table's first num_blocks entries, padded with block 0 (never read unmasked)."""
     return [t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks])) for t in block_tables]
+
+
+def _verify_rows(chunk: ScheduledChunk) -> list[ScheduledChunk]:
+    """A chunk with drafts as one single-token decode chunk per token, in order."""
+    return [ScheduledChunk(chunk.request_id, [token], chunk.start_pos + i, chunk.block_table,
+                           True, chunk.params, chunk.prompt_token_ids, chunk.output_token_ids)
+            for i, token in enumerate(chunk.token_ids)]
 
 
 def _row_blocks(chunk: ScheduledChunk, block_size: int) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from zeroserve.worker.sequence import FinishReason
+from zeroserve.worker.speculative import SpecDecodeStats
 
 
 @dataclass(slots=True)  # one per stream per step
@@ -61,3 +62,4 @@ class EngineStats:
     num_prefix_queries: int = 0  # prompt tokens looked up in the prefix cache (first admission)
     num_prefix_hits: int = 0  # ... and found there
     last_step: StepTiming = field(default_factory=StepTiming)
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # cumulative

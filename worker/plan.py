@@ -29,6 +29,10 @@ class ScheduledChunk:
     # Tokens generated so far (for penalties) and the prompt (for repetition penalty).
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
+    # Speculative decoding: the guessed tokens after the sequence's last one, which are the
+    # rest of token_ids (token_ids = [last token, *drafts]); the runner samples a token at
+    # every row and keeps the drafts it agrees with (worker/verify.py). None: no drafts.
+    draft_token_ids: list[int] | None = None
 
     @property
     def context_len(self) -> int:
@@ -60,3 +64,7 @@ class SampledToken:
     token_id: int
     logprob: float | None = None  # logprob of token_id, when params.logprobs is not None
     top_logprobs: list[tuple[int, float]] | None = None  # top-N (token id, logprob)
+    # A chunk with drafts: the drafts accepted, which come before token_id (the token
+    # sampled after them), and their (logprob, top-N) entries when logprobs are asked for.
+    accepted_token_ids: list[int] | None = None
+    accepted_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None

@@ -80,6 +80,7 @@ from zeroserve.worker.grammar import GrammarSpec
 from zeroserve.worker.link import GatewayPeer, LinkState, new_route
 from zeroserve.worker.outputs import RequestOutput
 from zeroserve.worker.sequence import RequestError, SamplingParams
+from zeroserve.worker.speculative import spec_decode_counters
 
 if TYPE_CHECKING:
     from zeroserve.worker.engine import Engine
@@ -377,6 +378,7 @@ class WorkerLoop:
         stream = self.streams[rid] = _Stream(credit_limit=msg.credit, gateway=gw.index,
                                              attempt=msg.attempt,
                                              num_sent=len(msg.output_token_ids))
+        self.engine.set_credit_limit(rid, stream.credit_limit)  # speculative drafts stop there
         if not stream.has_credit:
             # A failover of a stream whose client read nothing of its last window: the
             # gateway holds a window already. Paused before its first step, or that step's
@@ -434,6 +436,7 @@ class WorkerLoop:
                     len(grant) == 3 and grant[2] != stream.attempt):
                 continue  # finished while the credit was on its way (or not this gateway's)
             stream.credit_limit = max(stream.credit_limit, limit)  # old or repeated: no-op
+            self.engine.set_credit_limit(rid, stream.credit_limit)
             if stream.is_paused and stream.has_credit:
                 self.engine.resume(rid)
                 stream.is_paused = False
@@ -656,7 +659,8 @@ class WorkerLoop:
                 attempts_by_gateway[stream.gateway].append(stream.attempt)
         counters = {"prefix_cache_queries": stats.num_prefix_queries,
                     "prefix_cache_hits": stats.num_prefix_hits,
-                    "num_preemptions": stats.num_preemptions}
+                    "num_preemptions": stats.num_preemptions,
+                    **spec_decode_counters(stats.spec_decode)}
         for index, request_ids in ids_by_gateway.items():
             gw = self.gateways[index]
             attempts = attempts_by_gateway[index]

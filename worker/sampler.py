@@ -265,18 +265,17 @@ class GrammarMasks:
             return
         if pending is not None and len(pending[0]) == len(chunks) and all(
                 a is b for a, b in zip(pending[0], chunks, strict=True)):
-            rows, bitmask = pending[1].result()
+            rows, bitmask, done = pending[1].result()
         else:
-            rows, bitmask = self._compute(list(chunks), logits.shape[1])
+            rows, bitmask, done = self._compute(list(chunks), logits.shape[1])
         vocab = logits.shape[1]
         # numpy, single-threaded: microseconds, where torch's threaded bit ops on a loaded
         # machine took milliseconds. Bit k of word w is token 32 w + k (little endian).
         allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab,
                                 bitorder="little").view(np.bool_)  # [num_rows, vocab]
         eos = [t for t in eos_token_ids if 0 <= t < vocab]
-        for j, i in enumerate(rows):
-            state: GrammarState = chunks[i].params.grammar
-            if state.is_done or not allowed[j].any():
+        for j in range(len(rows)):
+            if done[j] or not allowed[j].any():
                 allowed[j] = False
                 allowed[j, eos] = True
         if (logits.device.type == "cpu" and logits.is_contiguous()
@@ -295,18 +294,31 @@ class GrammarMasks:
         logits[index] = sub
 
     def _compute(self, chunks: list[ScheduledChunk], vocab_size: int
-                 ) -> tuple[list[int], np.ndarray]:
-        """Rows of the constrained chunks and their bitmasks [rows, ceil(vocab / 32)]."""
+                 ) -> tuple[list[int], np.ndarray, list[bool]]:
+        """Rows of the constrained chunks, their bitmasks [rows, ceil(vocab / 32)], and
+        whether each row's grammar was done (allows only EOS).
+
+        A drafted chunk's rows (worker/verify.py) share one state, each row's outputs one
+        draft longer: their masks are computed one after the other, each right after its
+        sync, since the next row's sync advances the same matcher."""
         import llguidance
 
         rows = [i for i, c in enumerate(chunks) if c.params.grammar is not None]
         words = (vocab_size + 31) // 32
         bitmask = np.zeros((len(rows), words), dtype=np.int32)
+        done = [False] * len(rows)
         live = []
+        states = [chunks[i].params.grammar for i in rows]
+        shared = {id(s) for k, s in enumerate(states) if k and states[k - 1] is s}
         for j, i in enumerate(rows):
-            state: GrammarState = chunks[i].params.grammar
+            state: GrammarState = states[j]
             state.sync(chunks[i].output_token_ids)
-            if not state.is_done:
+            done[j] = state.is_done
+            if done[j]:
+                continue
+            if id(state) in shared:
+                state.matcher.unsafe_compute_mask_ptr(bitmask[j].ctypes.data, words * 4)
+            else:
                 live.append((state.matcher, j))
         if live and not self.overlap:
             # On the calling thread, one matcher after the other: on the CPU a pool of
@@ -318,7 +330,7 @@ class GrammarMasks:
                 self._executor = llguidance.LLExecutor()
             self._executor.unsafe_compute_mask_ptr(live, bitmask.ctypes.data, words * 4,
                                                    len(rows))
-        return rows, bitmask
+        return rows, bitmask, done
 
 
 # Prompt logprobs are computed this many rows at a time ([rows, vocab] floats each).

@@ -29,6 +29,7 @@ from zeroserve.worker.block_manager import BlockManager
 from zeroserve.worker.config import BatchingMode, EngineConfig
 from zeroserve.worker.plan import SampledToken, ScheduledChunk, SchedulerOutput
 from zeroserve.worker.sequence import FinishReason, RequestError, Sequence, SequenceStatus
+from zeroserve.worker.speculative import SpecDecodeStats, SpeculativeConfig, propose_ngram
 
 
 class RunQueue:
@@ -96,6 +97,7 @@ class Scheduler:
         self._next_under_way: list[Sequence] = []
         self._next_version: int | None = None
         self._num_decodes = 0  # how many of the last plan's first chunks are decodes
+        self.spec_stats = SpecDecodeStats()  # speculative decoding's counters
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -211,7 +213,12 @@ class Scheduler:
         # crossing a block boundary allocates.
         block_size = self.block_manager.block_size
         under_way: list[Sequence] = []  # running but not decoding: step 2's candidates
-        made = self._next_decodes(budget, max_seqs)
+        speculative = self.config.speculative_config
+        if speculative is not None and speculative.is_active(len(self.running)):
+            made = self._drop_next_decodes()  # drafts are proposed below, one by one
+        else:
+            speculative = None
+            made = self._next_decodes(budget, max_seqs)
         if made is not None:
             chunks, scheduled, under_way = made
             budget -= len(chunks)
@@ -224,11 +231,14 @@ class Scheduler:
             if chunk is None:
                 under_way.append(seq)
                 continue
-            if (chunk.start_pos < len(seq.block_table) * block_size
-                    or self._reserve(seq, 1, scheduled, preempted)):
+            if speculative is not None:
+                self._add_drafts(seq, chunk, speculative, budget)
+            num_new = len(chunk.token_ids)
+            if (chunk.start_pos + num_new <= len(seq.block_table) * block_size
+                    or self._reserve(seq, num_new, scheduled, preempted)):
                 chunks.append(chunk)
                 scheduled.append(seq)
-                budget -= 1
+                budget -= num_new
 
         # 2. Prefills already under way (chunked prompts, recomputes), as much as fits. Step 1
         # saw every running sequence unless it stopped early, and then this stops at once too.
@@ -307,6 +317,42 @@ class Scheduler:
         for seq in needing_block:
             bm.allocate(seq, 1)  # one block each, and the pool has them: no preemption
         return chunks, seqs, under_way
+
+    def _drop_next_decodes(self) -> None:
+        """Forget what update() made for this step (the loop plans from scratch)."""
+        self._next_version = None
+        self._next_chunks, self._next_seqs = [], []
+        self._next_needing_block, self._next_under_way = [], []
+
+    def _add_drafts(self, seq: Sequence, chunk: ScheduledChunk, config: SpeculativeConfig,
+                    budget: int) -> None:
+        """Put n-gram drafts after a decode chunk's token (worker/speculative.py), as many
+        as every limit allows: k, the token budget, max_tokens and the context (the token
+        after the drafts must fit too), the stream's credit, and free blocks (drafts never
+        preempt anyone). A constrained request's drafts end before the first token its
+        grammar forbids."""
+        params = seq.params
+        num_output = len(seq.output_token_ids)
+        num_tokens = seq.num_prompt_tokens + num_output
+        k = min(config.num_speculative_tokens, budget - 1, params.max_tokens - num_output - 1,
+                self.max_model_len - num_tokens - 1)
+        if seq.credit_limit is not None:
+            k = min(k, seq.credit_limit - num_output - 1)
+        if k < 1:
+            return
+        drafts = propose_ngram(seq.all_token_ids, config.prompt_lookup_min,
+                               config.prompt_lookup_max, k)
+        if drafts and params.grammar is not None:
+            drafts = drafts[:params.grammar.num_allowed(seq.output_token_ids, drafts)]
+        if not drafts:
+            return
+        bm = self.block_manager
+        num_slots = len(seq.block_table) * bm.block_size - chunk.start_pos
+        num_free = num_slots + bm.num_free_blocks * bm.block_size
+        drafts = drafts[:max(0, num_free - 1)]  # the last token's slot first
+        if drafts:
+            chunk.token_ids = chunk.token_ids + drafts
+            chunk.draft_token_ids = drafts
 
     def _follow_changes(self, chunks: list[ScheduledChunk], seqs: list[Sequence],
                         needing_block: list[Sequence], under_way: list[Sequence]) -> bool:
@@ -399,6 +445,10 @@ class Scheduler:
         sampling_seqs = plan_seqs[:num_decodes]
         tokens = sampled[:num_decodes]
         nums_new = [1] * num_decodes
+        if self.config.speculative_config is not None:
+            for k, chunk in enumerate(plan.chunks[:num_decodes]):
+                if chunk.draft_token_ids:
+                    nums_new[k] = len(chunk.token_ids)
         # 1. The other chunks (prefill chunks, and every chunk of the batch modes): those
         # that sample go to step 2; the others are prompts still being prefilled.
         i = num_decodes
@@ -430,6 +480,13 @@ class Scheduler:
         for seq, token, num_new in zip(sampling_seqs, tokens, nums_new, strict=True):
             if token.request_id != seq.request_id:
                 raise ValueError("sampled tokens must match the plan's do_sample chunks")
+            if num_new > 1 and token.accepted_token_ids is not None:
+                # A decode with drafts: its own path (rarer than the plain decode below).
+                if self._update_speculative(seq, token, num_new):
+                    changed.append(seq)
+                    if seq.status is running:
+                        self._plan_next(seq, next_chunks, next_seqs, needing_block, under_way)
+                continue
             if seq.status is not running:
                 continue  # paused while its token was being computed: it computes it again
             num_computed = seq.num_computed_tokens = seq.num_computed_tokens + num_new
@@ -465,6 +522,41 @@ class Scheduler:
             self._next_version = self.running.version
         self.running.joined = []
         return changed
+
+    def _update_speculative(self, seq: Sequence, token: SampledToken, num_new: int) -> bool:
+        """Apply a decode chunk with drafts: its last token and the accepted drafts are
+        computed, the rejected drafts' K/V slots are given back (the block table shrinks to
+        the verified tokens; blocks taken only for rejected ones return to the pool), then
+        the accepted drafts and the sampled token are appended one by one, each checked for
+        a stop or a limit as plain decoding checks it. False if seq is no longer running
+        (paused or preempted meanwhile: it recomputes its last token)."""
+        bm = self.block_manager
+        accepted = token.accepted_token_ids or []
+        if seq.status is not SequenceStatus.RUNNING:
+            if seq.block_table:  # paused: keep room for the token it computes again
+                bm.truncate(seq, seq.num_computed_tokens + 1)
+            return False
+        self.spec_stats.record(num_new - 1, len(accepted))
+        outputs = seq.output_token_ids
+        params = seq.params
+        reason = None
+        for token_id in (*accepted, token.token_id):
+            outputs.append(token_id)
+            if (len(outputs) >= params.max_tokens or token_id in self.eos_token_ids
+                    or token_id in params.stop_token_ids
+                    or seq.num_tokens >= self.max_model_len):
+                reason = self._finish_reason(seq, token_id)
+                if reason is not None:
+                    break
+        # Computed: the last token and the accepted drafts (fewer where a stop cut them).
+        seq.num_computed_tokens = min(seq.num_computed_tokens + 1 + len(accepted),
+                                      seq.num_tokens - 1)
+        bm.truncate(seq, seq.num_computed_tokens)
+        bm.cache_full_blocks(seq)  # verified tokens only, now in the token lists
+        if reason is not None:
+            self._remove_from_queues(seq)
+            self._finish(seq, reason)
+        return True
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.params

@@ -128,6 +128,9 @@ class Sequence:
     # Scheduler clock: when it first got KV blocks, and when it first produced a token here.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # Output tokens (in all, counting earlier ones) this stream may have before it must
+    # pause for credit (the worker process sets it); caps speculative drafts. None: no cap.
+    credit_limit: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

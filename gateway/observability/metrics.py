@@ -39,7 +39,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from zeroserve.common.protocol import COUNTER_NAMES
+from zeroserve.common.protocol import COUNTER_NAMES, SPEC_DECODE_PER_POS_COUNTER
 from zeroserve.gateway.errors import APIError
 from zeroserve.gateway.observability.loop_monitor import LoopLagMonitor
 from zeroserve.gateway.observability.tier_metrics import WRITE_INTERVAL_S, TierMetrics
@@ -74,7 +74,13 @@ _WORKER_COUNTER_DOCS = {
                             "request's first admission).",
     "prefix_cache_hits": "Prompt tokens found in a worker's prefix cache.",
     "num_preemptions": "Sequences a worker preempted for want of KV blocks.",
+    "spec_decode_num_drafts": "Speculative proposals a worker verified.",
+    "spec_decode_num_draft_tokens": "Draft tokens of the verified speculative proposals.",
+    "spec_decode_num_accepted_tokens": "Draft tokens the model accepted.",
 }
+# The worker counters of accepted drafts per position (common/protocol.py), as one family
+# labelled by position, vLLM's spec_decode_num_accepted_tokens_per_pos.
+MAX_SPEC_POSITIONS = 16
 ITL_BATCH = 4096  # inter-chunk gaps kept before they are bucketed (at the latest: a scrape)
 # The size histograms' top bucket when the model files do not say the context length.
 DEFAULT_MAX_MODEL_LEN = 131072
@@ -212,6 +218,9 @@ class RequestMetrics:
             name: counter(name, _WORKER_COUNTER_DOCS[name], ["model_name", "worker_id"])
             for name in COUNTER_NAMES}
         self._last_counters: dict[str, tuple[bytes, dict[str, int]]] = {}
+        self._spec_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos", "Draft tokens the model accepted, by "
+            "their position in the proposal (0 first).", ["model_name", "worker_id", "position"])
         sizes = token_buckets(max_model_len)
         self.prompt_size = histogram("request_prompt_tokens", "Prompt tokens per request.",
                                      sizes)
@@ -286,6 +295,15 @@ class RequestMetrics:
             child = family.labels(self.model_name, worker_id)  # exposed from the first beat
             if delta:
                 child.inc(delta)
+        for name, value in counters.items():
+            position = name.removeprefix(SPEC_DECODE_PER_POS_COUNTER)
+            if position == name or not position.isdigit() or \
+                    int(position) >= MAX_SPEC_POSITIONS:
+                continue
+            before = previous.get(name, 0)
+            delta = value - before if value >= before else value
+            if delta:
+                self._spec_per_pos.labels(self.model_name, worker_id, position).inc(delta)
         self._last_counters[worker_id] = (route, dict(counters))
 
     def on_routed(self, model: str, version: str) -> None:

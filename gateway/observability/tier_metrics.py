@@ -43,7 +43,9 @@ PREFIX = "zeroserve:"
 WORKER_FAMILIES = frozenset(PREFIX + name for name in (
     "num_requests_running", "num_requests_waiting", "num_requests_paused",
     "kv_cache_usage_perc", "workers", "prefix_cache_queries", "prefix_cache_hits",
-    "num_preemptions", "worker_events"))
+    "num_preemptions", "worker_events", "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+    "spec_decode_num_accepted_tokens_per_pos"))
 
 
 class TierMetrics:

@@ -295,3 +295,32 @@ def test_enforce_eager_flag_and_variable(captured, args, env, expected):
     assert (engine.enforce_eager, engine.max_capture_batch_size) == (expected, 8)
     assert invoke(["worker", *cli.engine_args(engine), *base[1:]]).exit_code == 0
     assert captured["worker"].engine == engine
+def test_speculative_config_flag_and_variable(captured):
+    from zeroserve.worker.speculative import SpeculativeConfig
+
+    text = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5, '
+            '"prompt_lookup_min": 2, "disable_by_batch_size": 4}')
+    assert invoke(["worker", "--speculative-config", text]).exit_code == 0
+    expected = SpeculativeConfig("ngram", 3, 5, 2, 4)
+    assert captured["worker"].engine.speculative_config == expected
+    assert invoke(["worker"], {"ZEROSERVE_SPECULATIVE_CONFIG": text}).exit_code == 0
+    assert captured["worker"].engine.speculative_config == expected
+    assert invoke(["worker", "--speculative-config", "null"], {
+        "ZEROSERVE_SPECULATIVE_CONFIG": text}).exit_code == 0
+    assert captured["worker"].engine.speculative_config is None
+    # Children get it explicitly, on or off.
+    for value in (expected, None):
+        config = EngineConfig(speculative_config=value)
+        assert invoke(["worker", *cli.engine_args(config)]).exit_code == 0
+        assert captured["worker"].engine == config
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("{not json", "not valid JSON"),
+    ('{"method": "eagle"}', "method"),
+    ('{"num_speculative_tokens": 0}', "num_speculative_tokens"),
+])
+def test_bad_speculative_configs_are_usage_errors(captured, text, fragment):
+    result = CliRunner().invoke(cli.main, ["worker", "--speculative-config", text])
+    assert result.exit_code == 2, result.output
+    assert fragment in result.output and "Traceback" not in result.output

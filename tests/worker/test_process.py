@@ -90,6 +90,9 @@ class ScriptedEngine:
         self.reqs[request_id].is_paused = False
         return True
 
+    def set_credit_limit(self, request_id, limit):
+        pass  # this fake makes one token a step: the process's pause is its only limit
+
     def has_unfinished(self):
         return bool(self.reqs or self.aborted or self.held)
 

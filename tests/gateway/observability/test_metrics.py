@@ -260,3 +260,26 @@ def test_promtool_accepts_the_exposition():
     problems = [line for line in (check.stdout + check.stderr).splitlines()
                 if line.strip() and "metric names should not contain ':'" not in line]
     assert problems == []
+
+
+def test_speculative_decoding_counters_come_from_heartbeats():
+    """A worker's speculative-decoding counters (worker/speculative.py's heartbeat names)
+    show as vLLM's spec_decode families, the per-position one labelled by position."""
+    from zeroserve.worker.speculative import SpecDecodeStats, spec_decode_counters
+
+    stats = SpecDecodeStats()
+    for num_drafts, num_accepted in ((4, 4), (4, 1), (3, 0)):
+        stats.record(num_drafts, num_accepted)
+    with GatewayServer() as gw:
+        worker = gw.worker(worker_id="w0", counters=spec_decode_counters(stats)).start()
+        assert worker.ready.wait(5)
+        name = "zeroserve:spec_decode_num_drafts_total"
+        assert wait_until(lambda: value(scrape(gw), name, worker_id="w0") == 3)
+        samples = scrape(gw)
+        worker.stop()
+    assert value(samples, "zeroserve:spec_decode_num_draft_tokens_total", worker_id="w0") == 11
+    assert value(samples, "zeroserve:spec_decode_num_accepted_tokens_total",
+                 worker_id="w0") == 5
+    per_pos = [value(samples, "zeroserve:spec_decode_num_accepted_tokens_per_pos_total",
+                     worker_id="w0", position=str(i)) for i in range(4)]
+    assert per_pos == [2, 1, 1, 1]
