@@ -39,6 +39,47 @@ class ChatSample:
     num_reference_output_tokens: int  # the dataset's reply length (>= 1); callers cap it
 
 
+# An input-grounded workload (the issue's "summarize, extract, edit or rewrite a given text"):
+# the output repeats the input, where n-gram speculation pays. Instructions x passages.
+GROUNDED_PASSAGES = [
+    "The committee met on Tuesday to review the budget. After a long discussion, the members "
+    "agreed to fund the new library, repair the bridge on Mill Street, and hire two more "
+    "teachers for the primary school. The mayor thanked everyone for their patience.",
+    "def average(values):\n    total = 0\n    for value in values:\n        total += value\n"
+    "    return total / len(values)\n\n\ndef largest(values):\n    best = values[0]\n"
+    "    for value in values:\n        if value > best:\n            best = value\n"
+    "    return best\n",
+    "Order #4471 was shipped on March 3 to Anna Berg, 12 Harbor Road, Portland. It contains "
+    "two blue notebooks, one black pen and a desk lamp. The invoice total is 58.40 dollars, "
+    "paid by card. Delivery is expected within five working days.",
+    "The river rises in the hills above Carlow and runs south for ninety kilometres before it "
+    "meets the sea at Wexford. Salmon return to it every autumn, and the old mill at Bagenalstown "
+    "still turns when the water is high. Anglers need a permit from the county office.",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+    "        self.items.append(item)\n\n    def pop(self):\n        if not self.items:\n"
+    "            raise IndexError(\"pop from an empty stack\")\n        return self.items.pop()\n",
+    "Meeting notes, 14 May: Priya will send the draft contract to the supplier by Friday. Tom "
+    "checks the warehouse inventory on Monday and reports the missing pallets. The next review "
+    "is on 28 May at 10:00 in room 3B; bring the updated cost sheet.",
+]
+GROUNDED_INSTRUCTIONS = [
+    "Repeat the following text exactly, word for word:",
+    "Rewrite the following text, keeping every detail but fixing nothing:",
+    "Copy the following text and then summarize it in one sentence:",
+]
+
+
+def grounded_samples(num: int) -> list[ChatSample]:
+    """`num` input-grounded chat requests: every instruction with every passage, in turn."""
+    pairs = [(i, p) for p in GROUNDED_PASSAGES for i in GROUNDED_INSTRUCTIONS]
+    out = []
+    for k in range(num):
+        instruction, passage = pairs[k % len(pairs)]
+        text = f"{instruction}\n\n{passage}"
+        out.append(ChatSample([{"role": "user", "content": text}], len(text.split()), 128))
+    return out
+
+
 class DatasetMissingError(RuntimeError):
     pass
 

@@ -30,30 +30,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from zeroserve.cli.harness import start_server  # noqa: E402
 
-PASSAGES = [
-    "The committee met on Tuesday to review the budget. After a long discussion, the members "
-    "agreed to fund the new library, repair the bridge on Mill Street, and hire two more "
-    "teachers for the primary school. The mayor thanked everyone for their patience.",
-    "def average(values):\n    total = 0\n    for value in values:\n        total += value\n"
-    "    return total / len(values)\n\n\ndef largest(values):\n    best = values[0]\n"
-    "    for value in values:\n        if value > best:\n            best = value\n"
-    "    return best\n",
-    "Order #4471 was shipped on March 3 to Anna Berg, 12 Harbor Road, Portland. It contains "
-    "two blue notebooks, one black pen and a desk lamp. The invoice total is 58.40 dollars, "
-    "paid by card. Delivery is expected within five working days.",
-]
-INSTRUCTIONS = [
-    "Repeat the following text exactly, word for word:",
-    "Rewrite the following text, keeping every detail but fixing nothing:",
-    "Copy the following text and then summarize it in one sentence:",
-]
 DEFAULT_SPEC = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
                 '"prompt_lookup_min": 2}')
 
 
 def grounded_messages() -> list[list[dict]]:
+    from scripts.bench_data import GROUNDED_INSTRUCTIONS, GROUNDED_PASSAGES
+
     return [[{"role": "user", "content": f"{instruction}\n\n{passage}"}]
-            for instruction, passage in zip(INSTRUCTIONS, PASSAGES, strict=True)]
+            for instruction, passage in zip(GROUNDED_INSTRUCTIONS, GROUNDED_PASSAGES[:3],
+                                            strict=True)]
 
 
 def chat_messages(num: int) -> list[list[dict]]:

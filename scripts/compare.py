@@ -33,7 +33,7 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts.bench_data import load_chat_samples  # noqa: E402
+from scripts.bench_data import grounded_samples, load_chat_samples  # noqa: E402
 from scripts.bench_serving import BenchConfig, format_summary, run  # noqa: E402
 from zeroserve.cli.harness import (  # noqa: E402
     ServerError,
@@ -436,6 +436,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Plan, argparse.Namespace]
                     help="stop sending new requests at one level after this long")
     ap.add_argument("--zeroserve-args", default="", help="extra flags for `zeroserve serve`")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workload", choices=["chat", "grounded"], default="chat",
+                    help="chat: the ShareGPT mix; grounded: repeat/rewrite/summarize a given "
+                         "text (scripts/bench_data.py), where the output repeats the input")
     ap.add_argument("--section", default="",
                     help="name of the docs section to write (a rerun replaces the same name)")
     ap.add_argument("--out-dir", type=Path, default=BENCH_DIR / "results")
@@ -490,8 +493,9 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     loadavg = os.getloadavg()
-    pool = load_chat_samples(sum(plan.num_prompts(lv) for lv in plan.levels), plan.seed,
-                             max_prompt_tokens=plan.max_prompt_tokens)
+    num_samples = sum(plan.num_prompts(lv) for lv in plan.levels)
+    pool = grounded_samples(num_samples) if a.workload == "grounded" else \
+        load_chat_samples(num_samples, plan.seed, max_prompt_tokens=plan.max_prompt_tokens)
     samples, start = {}, 0
     for lv in plan.levels:
         samples[lv.key] = pool[start:start + plan.num_prompts(lv)]
