@@ -6,7 +6,6 @@ worker's streams staying on its model. One server for the module."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -15,33 +14,9 @@ import time
 import httpx
 import pytest
 
-from tests.worker.conftest import make_tiny_hf_model, save_hf_dir
+from tests.worker.conftest import write_tiny_chat_model as write_tiny_model
 
 pytestmark = pytest.mark.slow
-
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def write_tiny_model(folder, seed: int):
-    """A 2-layer Llama over a byte-level vocabulary (256 bytes + 2 ChatML markers)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-
-    save_hf_dir(make_tiny_hf_model(seed, vocab_size=258, bos_token_id=256, eos_token_id=257),
-                folder)
-    alphabet = ByteLevel.alphabet()
-    spell = sorted(alphabet, key=lambda c: ord(c))  # any 256 distinct symbols will do
-    tk = Tokenizer(models.BPE({spell[b]: b for b in range(256)}, [], fuse_unk=False))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens([AddedToken("<|im_start|>", special=True),
-                           AddedToken("<|im_end|>", special=True)])
-    tk.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": CHATML, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}))
-    return folder
-
 
 @pytest.fixture(scope="module")
 def server(module_servers, tmp_path_factory):

@@ -164,13 +164,18 @@ def test_hf_server_generates_exactly_the_requested_tokens(tmp_path):
     import urllib.request
     from pathlib import Path
 
+    from tests.worker.conftest import write_tiny_chat_model
+
     root = Path(__file__).resolve().parents[2]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(tmp_path / "hf.log", "wb")  # noqa: SIM115
+    # A tiny HF model folder (the default model's GGUF takes most of a minute to dequantize).
+    model = write_tiny_chat_model(tmp_path / "model")
     proc = subprocess.Popen([sys.executable, str(root / "scripts" / "hf_server.py"), "--port",
-                             str(port), "--batch-window-ms", "200"], cwd=root, stdout=log,
+                             str(port), "--batch-window-ms", "200", "--model", str(model)],
+                            cwd=root, stdout=log,
                             stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 240

@@ -7,6 +7,7 @@ inverse, so a loader bug in either direction shows up as a logits mismatch.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from dataclasses import dataclass, field
@@ -97,9 +98,10 @@ def add_gguf_hparams(writer: gguf.GGUFWriter, cfg) -> None:
     writer.add_vocab_size(cfg.vocab_size)
 
 
+@functools.cache
 def default_reference_tokenizer():
-    """transformers' tokenizer for the default model (read from its GGUF), for the tests that
-    hold the engine to transformers."""
+    """transformers' tokenizer for the default model (read from its GGUF, ~10 s), for the tests
+    that hold the engine to transformers: one for the session, which callers only read."""
     from transformers import AutoTokenizer
 
     from zeroserve.common.model_files import default_model_path
@@ -153,6 +155,43 @@ def _weight_cache_in_tmp(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("ZEROSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("zeroserve-cache")))
         yield
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_tiny_chat_model(folder: Path, seed: int = 0) -> Path:
+    """A 2-layer Llama over a byte-level vocabulary (256 bytes + 2 ChatML markers)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    save_hf_dir(make_tiny_hf_model(seed, vocab_size=258, bos_token_id=256, eos_token_id=257),
+                folder)
+    alphabet = ByteLevel.alphabet()
+    spell = sorted(alphabet, key=lambda c: ord(c))  # any 256 distinct symbols will do
+    tk = Tokenizer(models.BPE({spell[b]: b for b in range(256)}, [], fuse_unk=False))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens([AddedToken("<|im_start|>", special=True),
+                           AddedToken("<|im_end|>", special=True)])
+    tk.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": CHATML, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def hf_reference_model():
+    """transformers' float32 model of the default GGUF: the correctness reference. Loaded once
+    for the session (dequantizing the GGUF takes 20-60 s on two cores); callers only read it."""
+    from transformers import AutoModelForCausalLM
+
+    from zeroserve.common.model_files import default_model_path
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")

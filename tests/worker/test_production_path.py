@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from tests.worker.conftest import default_reference_tokenizer, encode_prompts
-from zeroserve.common.model_files import default_model_path
 from zeroserve.worker.config import EngineConfig
 from zeroserve.worker.engine import Engine
 from zeroserve.worker.model.quant import PackedInt4, PackedInt8, int4_kernels_available
@@ -100,12 +99,8 @@ def test_requests_get_the_same_tokens_alone_and_beside_31_others(engine, prompts
 
 
 @pytest.fixture(scope="module")
-def reference_model():
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                dtype=torch.float32).eval()
+def reference_model(hf_reference_model):
+    return hf_reference_model
 
 
 def test_greedy_tokens_agree_with_transformers(engine, prompts, reference_model):

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from tests.worker.conftest import default_reference_tokenizer, encode_prompts
-from zeroserve.common.model_files import default_model_path
 from zeroserve.worker.config import EngineConfig
 from zeroserve.worker.engine import Engine
 from zeroserve.worker.sequence import SamplingParams
@@ -56,18 +55,13 @@ def prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_tokens(prompts, tokenizer) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 dtype=torch.float32).eval()
+def hf_tokens(prompts, tokenizer, hf_reference_model) -> list[list[int]]:
+    model = hf_reference_model
     eos = tokenizer.eos_token_id
     out = []
     # Unpadded, a few at a time of equal length would be faster, but left padding changes
     # nothing in greedy results of a correct reference; batch all for speed.
-    tokenizer.padding_side = "left"
-    batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
+    batch = tokenizer.pad({"input_ids": prompts}, padding_side="left", return_tensors="pt")
     with torch.no_grad():
         generated = model.generate(**batch, max_new_tokens=NUM_TOKENS, do_sample=False,
                                    pad_token_id=eos)
