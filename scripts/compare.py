@@ -260,7 +260,9 @@ def markdown(plan: Plan, table: dict, command: str, started: str, loadavg: tuple
         markers(section)[0],
         "",
         f"Run {started} on {os.cpu_count()} CPU cores (load average at start "
-        f"{loadavg[0]:.1f}); SmolLM2-135M-Instruct Q4_1, ShareGPT chat mix, "
+        f"{loadavg[0]:.1f}); SmolLM2-135M-Instruct Q4_1, "
+        + ("input-grounded prompts (scripts/bench_data.py: repeat, rewrite, summarize a given "
+           "text), " if "--workload grounded" in command else "ShareGPT chat mix, ")
         + (f"{plan.output_len} output tokens per request" if plan.output_len_mode == "fixed"
            else f"output lengths from the dataset's replies, at most {plan.output_len}")
         + " (`ignore_eos`), medians of "
