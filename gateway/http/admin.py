@@ -100,7 +100,7 @@ class AdminApi:
             return error_response(refusal)
         name = request.path_params["alias"]
         try:
-            body = _json_body(await request.body())
+            body = json_object_body(await request.body())
             alias = alias_from_weights(name, body.get("weights"))
             self.gateway.models.set_alias(alias)
         except APIError as e:
@@ -214,9 +214,13 @@ def _cross_site_refusal(request: Request, origins: frozenset[str],
     return None
 
 
-def _json_body(raw: bytes) -> dict:
+def json_object_body(raw: bytes, allow_empty: bool = False) -> dict:
+    """An admin call's body: a JSON object of at most 4 KiB (413, 400 otherwise); with
+    `allow_empty`, a blank body is {}."""
     if len(raw) > _MAX_BODY_BYTES:
         raise APIError(413, "The request body is too large.", code="request_too_large")
+    if allow_empty and not raw.strip():
+        return {}
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError):

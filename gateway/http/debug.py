@@ -46,14 +46,13 @@ from zeroserve.common.introspection import (
 from zeroserve.common.protocol import MAX_NAME_CHARS
 from zeroserve.gateway.core import Gateway
 from zeroserve.gateway.errors import APIError, invalid_request
-from zeroserve.gateway.http.admin import AdminApi
+from zeroserve.gateway.http.admin import AdminApi, json_object_body
 from zeroserve.gateway.http.error_response import error_response
 from zeroserve.gateway.observability.debug_view import GatewayDebug
 
 STACKS_TIMEOUT_S = 10.0
 REPLY_MARGIN_S = 15.0  # beyond a timed call's seconds, for the reply to arrive
 TORCH_GRACE_S = 75.0  # the worker waits 60 s for its engine thread, then replies
-_MAX_BODY_BYTES = 4096
 _FORMATS = ("json", "collapsed", "top")
 
 
@@ -188,17 +187,7 @@ def _parse(parse, body: dict):
 
 
 async def _body(request: Request, allowed: set[str]) -> dict:
-    raw = await request.body()
-    if len(raw) > _MAX_BODY_BYTES:
-        raise APIError(413, "The request body is too large.", code="request_too_large")
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise invalid_request("The request body is not valid JSON.") from None
-    if not isinstance(body, dict):
-        raise invalid_request("The request body must be a JSON object.")
+    body = json_object_body(await request.body(), allow_empty=True)
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise invalid_request(f"Unknown field {unknown[0][:64]!r}; this call takes "

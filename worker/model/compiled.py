@@ -34,7 +34,7 @@ import torch
 
 from zeroserve.worker.attention import AttentionMetadata, paged_attention
 from zeroserve.worker.model.llama import KVCache, LlamaModel
-from zeroserve.worker.model.segments import LayerTensors, make_segments
+from zeroserve.worker.model.segments import LayerTensors, is_pure_decode, make_segments
 from zeroserve.worker.model.sliding_window import windowed
 
 logger = logging.getLogger(__name__)
@@ -90,9 +90,7 @@ class CompiledDecode:
                                             options=INDUCTOR_OPTIONS)
 
     def can_run(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        """A pure decode step (every row a single token) of a captured size."""
-        return (not meta.prefills and meta.num_decode == num_tokens
-                and 1 <= num_tokens <= self.max_batch_size)
+        return is_pure_decode(meta, num_tokens, self.max_batch_size)
 
     @torch.inference_mode()
     def warm_up(self) -> None:

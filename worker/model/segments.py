@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from zeroserve.worker.attention import AttentionMetadata
 from zeroserve.worker.model.linear import Linear
 from zeroserve.worker.model.llama import LlamaLayer
 from zeroserve.worker.model.llama_config import LlamaConfig
@@ -79,6 +80,12 @@ class LayerTensors:
 
     def attention_out_args(self) -> tuple:
         return self.o_proj, self.o_bias, self.post_norm, self.gate_up, self.down
+
+
+def is_pure_decode(meta: AttentionMetadata, num_tokens: int, max_batch_size: int) -> bool:
+    """A step the fused segments can run: every row a single decode token, at most
+    `max_batch_size` of them (the compiled and the CUDA-graph step alike)."""
+    return not meta.prefills and meta.num_decode == num_tokens and 1 <= num_tokens <= max_batch_size
 
 
 def make_segments(cfg: LlamaConfig):
