@@ -1,9 +1,10 @@
 """Native CPU kernels (worker/csrc), compiled on first use for this machine's CPU.
 
-torch's C++ extension loader builds `csrc/decode_attention.cpp` with the system compiler and
-ninja into torch's extension cache (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR),
-once per source version and CPU (about 15 s on 2 cores); later processes load the cached
-library. Concurrent workers share one build through the loader's lock file.
+torch's C++ extension loader builds the sources of `csrc/` (decode attention over the paged
+pool; matrix products with the file's 4-bit and 8-bit blocks; the module) with the system
+compiler and ninja into torch's extension cache (~/.cache/torch_extensions, or
+$TORCH_EXTENSIONS_DIR), once per source version and CPU (about 30 s on 2 cores); later
+processes load the cached library. Concurrent workers share one build through the loader's lock file.
 
 The build uses `-march=native`, so the library only runs on CPUs with the builder's
 instruction set. The loader keys its cache by name, sources and flags, not by CPU: the name
@@ -26,7 +27,8 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_attention.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = [CSRC / "decode_attention.cpp", CSRC / "lowbit_matmul.cpp", CSRC / "module.cpp"]
 # -fopenmp: at::parallel_for is inline OpenMP in torch's headers, serial without it. The
 # libgomp it links is the one torch already loaded (same soname), so they share one pool.
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
@@ -62,12 +64,12 @@ def _build() -> ModuleType | KernelBuildError:
 
     try:
         return cpp_extension.load(
-            name=f"zeroserve_decode_attention_{cpu_tag()}", sources=[str(SOURCE)],
+            name=f"zeroserve_cpu_kernels_{cpu_tag()}", sources=[str(p) for p in SOURCES],
             extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False,
         )
     except Exception as exc:  # compiler, ninja or linker missing or failing
-        logger.warning("native CPU attention kernel unavailable (%s); using the torch path", exc)
-        return KernelBuildError(f"could not build {SOURCE.name}: {exc}")
+        logger.warning("native CPU kernels unavailable (%s); using the torch paths", exc)
+        return KernelBuildError(f"could not build the native CPU kernels: {exc}")
 
 
 def load(required: bool = False) -> ModuleType | None:

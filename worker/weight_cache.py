@@ -46,7 +46,9 @@ from zeroserve.worker.model.weights import PreparedWeights
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: architectures (biases, q/k norms, rope_freqs, windows in the config)
+# 2: architectures (biases, q/k norms, rope_freqs, windows in the config); 3: fp32 keeps the
+# file's Q4/Q8_0 blocks for the native kernels.
+FORMAT_VERSION = 3
 _PROBE_BYTES = 64 << 10  # hashed from each end of every model file
 _LOCK_TIMEOUT_S = 600.0  # then build without the lock (the rename keeps it safe anyway)
 
@@ -99,7 +101,7 @@ class WeightCache:
         self.directory = Path(directory)
 
     def entry(self, model_path: Path, dtype: torch.dtype, device: torch.device,
-              pack: bool) -> CacheEntry:
+              pack: str) -> CacheEntry:
         model_path = model_path.resolve()
         slot = {"model": str(model_path), "dtype": str(dtype), "device": device.type,
                 "pack": pack}

@@ -16,7 +16,7 @@ from tests.worker.conftest import make_tiny_hf_model, write_gguf
 from zeroserve.worker.config import EngineConfig
 from zeroserve.worker.engine import Engine
 from zeroserve.worker.model.loader import prepared_weights
-from zeroserve.worker.model.prepare import should_pack
+from zeroserve.worker.model.prepare import BLOCKS, INT4, packing
 from zeroserve.worker.sequence import SamplingParams
 from zeroserve.worker.startup import StartupTimer
 from zeroserve.worker.weight_cache import WeightCache
@@ -25,7 +25,8 @@ Q = gguf.GGMLQuantizationType
 CPU = torch.device("cpu")
 PROMPTS = [[1, 5, 9, 200, 17], [1, 44, 3, 3, 7]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
-# bf16 takes the packing path (int4 / int8 copies) where the kernels exist; fp32 the plain one.
+# bf16 takes torch's int4 / int8 copies where the kernels exist; fp32 the file's own blocks
+# for the native kernels where they build.
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -76,9 +77,11 @@ def test_a_hit_gives_the_weights_of_a_fresh_load(q4_model, tmp_path, dtype):
     assert note.startswith("hit")
     assert_same_weights(built, fresh)
     assert_same_weights(mapped, fresh)
-    if should_pack(CPU, dtype):
+    if packing(CPU, dtype) == INT4:
         assert any(name.endswith(".int4.weight") for name in mapped.tensors)
         assert "lm_head.int8.weight" in mapped.tensors
+    if packing(CPU, dtype) == BLOCKS:
+        assert any(name.endswith(".q4.nibbles") for name in mapped.tensors)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -18,7 +18,7 @@ import torch
 from zeroserve.worker.model.arch import Architecture, for_gguf_arch
 from zeroserve.worker.model.kquant import int4_blocks
 from zeroserve.worker.model.llama_config import LlamaConfig, UnsupportedModelError
-from zeroserve.worker.model.quant import Int4Blocks
+from zeroserve.worker.model.quant import Int4Blocks, Int8Blocks, int8_blocks_from_gguf
 from zeroserve.worker.model.weights import ROPE_FREQS, ModelWeights
 
 _LAYER_TENSORS = {
@@ -109,9 +109,10 @@ def read_config(reader: gguf.GGUFReader) -> LlamaConfig:
 
 
 def _read_tensors(reader: gguf.GGUFReader, config: LlamaConfig, arch: Architecture
-                  ) -> tuple[dict[str, torch.Tensor], dict[str, Int4Blocks]]:
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, Int4Blocks], dict[str, Int8Blocks]]:
     tensors: dict[str, torch.Tensor] = {}
     int4: dict[str, Int4Blocks] = {}
+    int8: dict[str, Int8Blocks] = {}
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
         if name is None:  # never drop a tensor we do not know: the text would be wrong
@@ -125,18 +126,23 @@ def _read_tensors(reader: gguf.GGUFReader, config: LlamaConfig, arch: Architectu
             ) from exc
         array = np.asarray(array, dtype=np.float32).reshape(tuple(reversed(tensor.shape.tolist())))
         blocks = int4_blocks(tensor.data, tensor.tensor_type)
+        blocks8 = int8_blocks_from_gguf(tensor.data, tensor.tensor_type)
         module = name.split(".")[-2] if "." in name else name
         heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(module)
         if heads is not None and arch.gguf_permuted_qk:
             array = unpermute_qk(array, heads)
             if blocks is not None:
                 blocks = blocks.map_rows(lambda rows, h=heads: unpermute_qk(rows, h))
+            if blocks8 is not None:
+                blocks8 = blocks8.map_rows(lambda rows, h=heads: unpermute_qk(rows, h))
         if not array.flags.writeable or not array.flags.c_contiguous:
             array = array.copy()  # F32 tensors come back as views of the read-only mmap
         tensors[name] = torch.from_numpy(array)
         if blocks is not None:
             int4[name] = blocks
-    return tensors, int4
+        if blocks8 is not None:
+            int8[name] = blocks8
+    return tensors, int4, int8
 
 
 def _special_ids(reader: gguf.GGUFReader) -> tuple[tuple[int, ...], int | None]:
@@ -154,7 +160,7 @@ def load_gguf(path: Path) -> ModelWeights:
     reader = gguf.GGUFReader(str(path))
     config = read_config(reader)
     eos_ids, bos_id = _special_ids(reader)
-    tensors, int4 = _read_tensors(reader, config, for_gguf_arch(_field(reader, "general.architecture")))
+    tensors, int4, int8 = _read_tensors(reader, config, for_gguf_arch(_field(reader, "general.architecture")))
     types = Counter(t.tensor_type.name for t in reader.tensors)
     return ModelWeights(config=config, tensors=tensors, eos_token_ids=eos_ids,
-                        bos_token_id=bos_id, int4=int4, tensor_types=dict(types))
+                        bos_token_id=bos_id, int4=int4, int8=int8, tensor_types=dict(types))

@@ -20,7 +20,7 @@ from zeroserve.worker.device import cpu_supports_bf16
 from zeroserve.worker.model.batch_invariance import dense_tile_rows
 from zeroserve.worker.model.linear import Linear
 from zeroserve.worker.model.llama_config import LlamaConfig
-from zeroserve.worker.model.quant import PackedInt4, PackedInt8
+from zeroserve.worker.model.quant import BlockQ4, BlockQ8, PackedInt4, PackedInt8
 from zeroserve.worker.model.rope import inv_freq
 from zeroserve.worker.model.sliding_window import windowed
 from zeroserve.worker.model.weights import ROPE_FREQS, PreparedWeights
@@ -57,12 +57,23 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def load_linear(tensors: dict[str, torch.Tensor], name: str, device: torch.device,
                 tile_rows: int | None = None, per_row: bool = True) -> Linear:
-    """A prepared projection (worker.model.prepare) and its int4 copy if it has one."""
-    packed = None
+    """A prepared projection (worker.model.prepare) and its low-bit copy if it has one."""
+    return Linear(tensors[name].to(device), low_bit_copy(tensors, name), tile_rows, per_row)
+
+
+def low_bit_copy(tensors: dict[str, torch.Tensor], name: str
+                 ) -> PackedInt4 | PackedInt8 | BlockQ4 | BlockQ8 | None:
+    """The copy worker.model.prepare made of `name` for decode rows, if any."""
     if f"{name}.int4.weight" in tensors:
-        packed = PackedInt4(tensors[f"{name}.int4.weight"],
-                            tensors[f"{name}.int4.scales_and_zeros"])
-    return Linear(tensors[name].to(device), packed, tile_rows, per_row)
+        return PackedInt4(tensors[f"{name}.int4.weight"], tensors[f"{name}.int4.scales_and_zeros"])
+    if f"{name}.int8.weight" in tensors:
+        return PackedInt8(tensors[f"{name}.int8.weight"], tensors[f"{name}.int8.scales"])
+    if f"{name}.q4.nibbles" in tensors:
+        return BlockQ4(tensors[f"{name}.q4.nibbles"], tensors[f"{name}.q4.scales"],
+                       tensors[f"{name}.q4.offsets"])
+    if f"{name}.q8.values" in tensors:
+        return BlockQ8(tensors[f"{name}.q8.values"], tensors[f"{name}.q8.scales"])
+    return None
 
 
 def _optional(tensors: dict[str, torch.Tensor], name: str,
@@ -140,10 +151,7 @@ class LlamaModel:
                        for i in range(config.num_layers)]
         self.norm = tensors["norm"].to(device)
         lm_head = tensors["lm_head"].to(device) if "lm_head" in tensors else self.embed
-        packed = None
-        if "lm_head.int8.weight" in tensors:
-            packed = PackedInt8(tensors["lm_head.int8.weight"], tensors["lm_head.int8.scales"])
-        self.lm_head = Linear(lm_head, packed, tile_rows, per_row)
+        self.lm_head = Linear(lm_head, low_bit_copy(tensors, "lm_head"), tile_rows, per_row)
         self.rotary = RotaryEmbedding(config, max_len, device, tensors.get(ROPE_FREQS))
         self.windows = sorted({layer.window for layer in self.layers} - {None})
 

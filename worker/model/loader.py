@@ -17,7 +17,7 @@ from zeroserve.worker.device import dtype_name
 from zeroserve.worker.model.info import ModelInfo
 from zeroserve.worker.model.llama import LlamaModel
 from zeroserve.worker.model.llama_config import UnsupportedModelError
-from zeroserve.worker.model.prepare import prepare_weights, should_pack
+from zeroserve.worker.model.prepare import packing, prepare_weights
 from zeroserve.worker.model.weights import ModelWeights, PreparedWeights
 from zeroserve.worker.startup import StartupTimer
 from zeroserve.worker.weight_cache import WeightCache
@@ -39,7 +39,7 @@ def load_weights(path: Path) -> ModelWeights:
     raise UnsupportedModelError(f"{path} is neither a .gguf file nor a Hugging Face directory")
 
 
-def _read_and_prepare(path: Path, dtype: torch.dtype, pack: bool,
+def _read_and_prepare(path: Path, dtype: torch.dtype, pack: str,
                       timer: StartupTimer) -> PreparedWeights:
     with timer.phase("load_weights"):
         weights = load_weights(path)
@@ -54,7 +54,7 @@ def prepared_weights(path: Path, device: torch.device, dtype: torch.dtype,
                      timer: StartupTimer | None = None) -> PreparedWeights:
     """The model's prepared tensors: mapped from the cache, or read, prepared and cached."""
     timer = timer or StartupTimer()
-    pack = should_pack(device, dtype)
+    pack = packing(device, dtype)
     if cache is None:
         timer.notes["weight_cache"] = "off"
         return _read_and_prepare(path, dtype, pack, timer)

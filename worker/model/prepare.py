@@ -1,13 +1,16 @@
 """Preparing weights for serving: what a loader read -> the tensors the model computes with.
 
 Q/K/V and gate/up are fused into one matrix each, everything is converted to the compute
-dtype, and on the CPU in bfloat16 the small-batch copies are made: int4 from GGUF Q4 blocks
-(the dense copy then holds the very values the int4 kernel uses) and int8 for the lm_head.
+dtype, and on the CPU the small-batch copies are made. In bfloat16 for torch's kernels: int4
+from GGUF Q4 blocks (the dense copy then holds the very values the int4 kernel uses) and int8
+for the lm_head. In float32 for the native block kernels (worker/csrc/lowbit_matmul.cpp): the
+file's own Q4 and Q8_0 blocks, the lm_head's included; the dense copy stays the file's values.
 This is the slow part of a start after parsing the file; the result is plain CPU tensors, so
 the weight cache (worker/weight_cache.py) can store it once and map it on later starts.
 
-Names: `embed`, `norm`, `lm_head` (absent when tied to `embed`), `lm_head.int8.*`, and per
-layer `layers.{i}.{input_norm,post_norm,qkv,o_proj,gate_up,down}` with `.int4.*` copies;
+Names: `embed`, `norm`, `lm_head` (absent when tied to `embed`), `lm_head.int8.*` (or
+`.q4.*`/`.q8.*`), and per layer `layers.{i}.{input_norm,post_norm,qkv,o_proj,gate_up,down}` with
+`.int4.*` copies (or `.q4.{nibbles,scales,offsets}` / `.q8.{values,scales}`);
 where the architecture has them, `layers.{i}.{qkv_bias,o_bias,q_norm,k_norm}` and the GGUF
 rope factors `rope_freqs` (fp32). A tensor of the file that none of these uses is refused:
 a model that ignored part of its weights would serve wrong text.
@@ -18,7 +21,16 @@ from __future__ import annotations
 import torch
 
 from zeroserve.worker.model.llama_config import UnsupportedModelError
-from zeroserve.worker.model.quant import Int4Blocks, PackedInt4, PackedInt8, int4_kernels_available
+from zeroserve.worker.model.quant import (
+    BlockQ4,
+    BlockQ8,
+    Int4Blocks,
+    Int8Blocks,
+    PackedInt4,
+    PackedInt8,
+    block_kernels_available,
+    int4_kernels_available,
+)
 from zeroserve.worker.model.weights import ROPE_FREQS, ModelWeights, PreparedWeights
 
 # Fused projection -> the Hugging Face projections it concatenates, row-wise in this order.
@@ -34,21 +46,49 @@ QK_NORMS = {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def should_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Low-bit copies for small batches only where the kernels exist and the dense path is
-    bf16 anyway; fp32 stays bit-faithful to the file (the reference path)."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and int4_kernels_available()
+INT4 = "int4"  # torch's int4/int8 kernels, bf16 on the CPU
+BLOCKS = "blocks"  # the native kernels on the file's Q4/Q8_0 blocks, fp32 on the CPU
 
 
-def prepare_weights(weights: ModelWeights, dtype: torch.dtype, pack: bool) -> PreparedWeights:
+def packing(device: torch.device, dtype: torch.dtype, native: bool = True) -> str:
+    """Which low-bit copies decode rows get: INT4, BLOCKS, or "" (none: the dense weights
+    only, as on a GPU). `native` False keeps fp32 on the dense path (`--weight-kernels
+    dense`): bit-faithful to the file's values with torch's own summation."""
+    if device.type != "cpu":
+        return ""
+    if dtype == torch.bfloat16:
+        return INT4 if int4_kernels_available() else ""
+    if dtype == torch.float32 and native and block_kernels_available():
+        return BLOCKS
+    return ""
+
+
+def prepare_weights(weights: ModelWeights, dtype: torch.dtype, pack: str) -> PreparedWeights:
     """Consumes `weights` (each tensor is taken as it is used, so memory stays flat)."""
     config = weights.config
     tensors: dict[str, torch.Tensor] = {}
 
+    def blocks_copy(name: str, hf_names: list[str]) -> None:
+        """`name`'s block copy for the native kernels, where all its parts have blocks of
+        one kind (a projection whose parts mix Q4 and Q8_0 keeps only the dense copy)."""
+        int4 = [weights.int4.pop(n, None) for n in hf_names]
+        int8 = [weights.int8.pop(n, None) for n in hf_names]
+        if all(b is not None for b in int4):
+            nibbles, scales, offsets = BlockQ4.tensors(Int4Blocks.concat(int4))
+            tensors.update({f"{name}.q4.nibbles": nibbles, f"{name}.q4.scales": scales,
+                            f"{name}.q4.offsets": offsets})
+        elif all(b is not None for b in int8):
+            values, scales = BlockQ8.tensors(Int8Blocks.concat(int8))
+            tensors.update({f"{name}.q8.values": values, f"{name}.q8.scales": scales})
+
     def linear(name: str, hf_names: list[str]) -> None:
+        if pack == BLOCKS:
+            blocks_copy(name, hf_names)
+            tensors[name] = torch.cat([weights.take(n) for n in hf_names]).to(dtype).contiguous()
+            return
         blocks = [weights.int4.pop(n, None) for n in hf_names]
         dense = torch.cat([weights.take(n) for n in hf_names])
-        if pack and all(b is not None for b in blocks):
+        if pack == INT4 and all(b is not None for b in blocks):
             merged = Int4Blocks.concat(blocks)
             packed = PackedInt4.from_blocks(merged, dtype)
             tensors[f"{name}.int4.weight"] = packed.weight
@@ -65,6 +105,11 @@ def prepare_weights(weights: ModelWeights, dtype: torch.dtype, pack: bool) -> Pr
             linear(f"layers.{i}.{name}", [f"{hf_prefix}{n}.weight" for n in hf_names])
         _attention_extras(weights, tensors, i, dtype)
     tensors["norm"] = weights.take("model.norm.weight").to(dtype)
+    if pack == BLOCKS:
+        tied = config.tie_word_embeddings or "lm_head.weight" not in weights.tensors
+        blocks_copy("lm_head", ["model.embed_tokens.weight" if tied else "lm_head.weight"])
+    weights.int4.clear()  # blocks no copy uses (the embedding's, when not tied)
+    weights.int8.clear()
     lm_head = tensors["embed"]
     if not config.tie_word_embeddings and "lm_head.weight" in weights.tensors:
         lm_head = tensors["lm_head"] = weights.take("lm_head.weight").to(dtype).contiguous()
@@ -73,7 +118,7 @@ def prepare_weights(weights: ModelWeights, dtype: torch.dtype, pack: bool) -> Pr
     if config.tie_word_embeddings:
         weights.tensors.pop("lm_head.weight", None)  # a saved copy of the tied embedding
     _check_all_used(weights)
-    if pack:
+    if pack == INT4:
         packed8 = PackedInt8.quantize(lm_head, dtype)
         tensors["lm_head.int8.weight"] = packed8.weight
         tensors["lm_head.int8.scales"] = packed8.scales

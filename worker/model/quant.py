@@ -1,5 +1,11 @@
 """4-bit and 8-bit weight-only kernels for small batches on the CPU.
 
+Two families. In bf16, torch's own kernels (PackedInt4, PackedInt8), below. In fp32 (a CPU
+without native bf16), torch's low-bit kernels have no vectorized path (30-60x slower than
+dense at one row), so the native kernels of worker/csrc/lowbit_matmul.cpp run the file's
+blocks as they are (BlockQ4, BlockQ8): 6-8x less to read than the fp32 weights and the same
+weight values, so decode rows keep the reference path's numbers up to summation order.
+
 A decode step with few sequences is bound by reading the weights (a bf16 matrix-vector product
 runs at ~5 GB/s here), so it pays to read 4-bit weights instead: torch's CPU int4 kernel
 (`_weight_int4pack_mm_for_cpu`) is ~5x faster than bf16 at one row. GGUF Q4_0/Q4_1 tensors are
@@ -11,6 +17,7 @@ kernel is chosen per row (decode or prefill), not by the step's size (worker.mod
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +50,35 @@ class Int4Blocks:
     def concat(parts: list[Int4Blocks]) -> Int4Blocks:
         return Int4Blocks(*(np.concatenate(a) for a in zip(*((p.q, p.scale, p.zero) for p in parts),
                                                            strict=True)))
+
+
+@dataclass
+class Int8Blocks:
+    """w[r, c] = q[r, c] * scale[r, c // 32] (GGUF Q8_0), rows in HF layout."""
+
+    q: np.ndarray  # [rows, cols] int8
+    scale: np.ndarray  # [rows, cols / 32] float32
+
+    def map_rows(self, fn) -> Int8Blocks:
+        return Int8Blocks(fn(self.q), fn(self.scale))
+
+    @staticmethod
+    def concat(parts: list[Int8Blocks]) -> Int8Blocks:
+        return Int8Blocks(np.concatenate([p.q for p in parts]),
+                          np.concatenate([p.scale for p in parts]))
+
+
+def int8_blocks_from_gguf(raw: np.ndarray, qtype) -> Int8Blocks | None:
+    """Unpack Q8_0 blocks (d fp16, 32 int8); None for other types."""
+    from gguf import GGMLQuantizationType as Q
+
+    if qtype != Q.Q8_0:
+        return None
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, 2 + GROUP_SIZE)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
+    return Int8Blocks(q, d)
 
 
 def int4_blocks_from_gguf(raw: np.ndarray, qtype) -> Int4Blocks | None:
@@ -120,6 +156,93 @@ class PackedInt8:
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x, self.weight, self.scales)
+
+
+class BlockQ4:
+    """An Int4Blocks matrix for worker/csrc's q4_matmul: each row's blocks as the file packs
+    them (16 bytes, elements 0..15 in the low nibbles), w = q * scale + offset."""
+
+    # Calls of up to this many rows take this kernel where the choice is by the call's row
+    # count (LlamaModel's per_row False), larger ones the dense path. The kernel reads 6-7x
+    # less than fp32 dense and wins while reading dominates: all 30 layers of SmolLM2, 2
+    # threads (scripts/bench_kernel_choice.py --kernels blocks): see docs/benchmarks.md.
+    max_rows = 16
+
+    def __init__(self, nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor):
+        self.nibbles = nibbles  # [rows, cols / 2] uint8
+        self.scales = scales  # [rows, cols / 32] fp32
+        self.offsets = offsets  # [rows, cols / 32] fp32
+        self._kernel = _native().q4_matmul
+
+    @staticmethod
+    def tensors(blocks: Int4Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows, cols = blocks.q.shape
+        q = blocks.q.reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
+        nibbles = (q[..., :16] | (q[..., 16:] << 4)).reshape(rows, cols // 2)
+        scale = blocks.scale.astype(np.float32)
+        offset = blocks.zero.astype(np.float32) - 8 * scale  # (q - 8) s + z = q s + (z - 8 s)
+        return (torch.from_numpy(np.ascontiguousarray(nibbles, dtype=np.uint8)),
+                torch.from_numpy(np.ascontiguousarray(scale)),
+                torch.from_numpy(np.ascontiguousarray(offset)))
+
+    def dequantize(self) -> torch.Tensor:
+        """[rows, cols] fp32: the weights the kernel computes with."""
+        rows = self.nibbles.shape[0]
+        packed = self.nibbles.view(rows, -1, 16)
+        q = torch.cat([packed & 0xF, packed >> 4], dim=-1).float()  # [rows, blocks, 32]
+        return (q * self.scales[..., None] + self.offsets[..., None]).view(rows, -1)
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernel(x, self.nibbles, self.scales, self.offsets)
+
+
+class BlockQ8:
+    """An Int8Blocks matrix (GGUF Q8_0: the tied embedding and lm_head of most files) for
+    worker/csrc's q8_matmul."""
+
+    max_rows = 16  # as BlockQ4.max_rows
+
+    def __init__(self, values: torch.Tensor, scales: torch.Tensor):
+        self.values = values  # [rows, cols] int8
+        self.scales = scales  # [rows, cols / 32] fp32
+        self._kernel = _native().q8_matmul
+
+    @staticmethod
+    def tensors(blocks: Int8Blocks) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.from_numpy(np.ascontiguousarray(blocks.q)),
+                torch.from_numpy(np.ascontiguousarray(blocks.scale, dtype=np.float32)))
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernel(x, self.values, self.scales)
+
+
+def _native():
+    from zeroserve.worker import cpu_kernels  # builds (or loads) the kernels on first use
+
+    module = cpu_kernels.load(required=True)
+    _register_shapes()
+    return module
+
+
+@functools.cache
+def _register_shapes() -> None:
+    """Output shapes of torch.ops.zeroserve.q4_matmul / q8_matmul, for tracing (the module
+    registers the operators when it loads)."""
+
+    @torch.library.register_fake("zeroserve::q4_matmul")
+    def _q4(x, nibbles, scales, offsets):
+        return x.new_empty(x.shape[0], nibbles.shape[0])
+
+    @torch.library.register_fake("zeroserve::q8_matmul")
+    def _q8(x, values, scales):
+        return x.new_empty(x.shape[0], values.shape[0])
+
+
+def block_kernels_available() -> bool:
+    """True where worker/csrc builds (a compiler and ninja) on this machine."""
+    from zeroserve.worker import cpu_kernels
+
+    return cpu_kernels.load() is not None
 
 
 def int4_kernels_available() -> bool:

@@ -27,30 +27,37 @@ from zeroserve.worker.attention import AttentionMetadata
 from zeroserve.worker.model.linear import Linear
 from zeroserve.worker.model.llama import LlamaLayer
 from zeroserve.worker.model.llama_config import LlamaConfig
-from zeroserve.worker.model.quant import GROUP_SIZE, PackedInt4, PackedInt8
+from zeroserve.worker.model.quant import GROUP_SIZE, BlockQ4, BlockQ8, PackedInt4, PackedInt8
 
-# (dense [out, in], int4 weight, int4 scales_and_zeros, int8 weight, int8 scales): the low-bit
-# pair that exists is used, else the dense weight.
-LinearTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
-                      torch.Tensor | None, torch.Tensor | None]
+# (dense [out, in], kind, low-bit tensors): kind names the low-bit copy decode rows use
+# ("int4", "int8": torch's kernels; "q4", "q8": the native block kernels; None: the dense weight).
+LinearTensors = tuple[torch.Tensor, str | None, tuple[torch.Tensor, ...]]
 
 
 def linear_tensors(linear: Linear) -> LinearTensors:
     packed = linear.packed
     if isinstance(packed, PackedInt4):
-        return linear.dense, packed.weight, packed.scales_and_zeros, None, None
+        return linear.dense, "int4", (packed.weight, packed.scales_and_zeros)
     if isinstance(packed, PackedInt8):
-        return linear.dense, None, None, packed.weight, packed.scales
-    return linear.dense, None, None, None, None
+        return linear.dense, "int8", (packed.weight, packed.scales)
+    if isinstance(packed, BlockQ4):
+        return linear.dense, "q4", (packed.nibbles, packed.scales, packed.offsets)
+    if isinstance(packed, BlockQ8):
+        return linear.dense, "q8", (packed.values, packed.scales)
+    return linear.dense, None, ()
 
 
 def decode_rows(x: torch.Tensor, weights: LinearTensors) -> torch.Tensor:
     """x [rows, in] -> [rows, out] as Linear computes decode rows: the low-bit copy if any."""
-    dense, int4, int4_scales, int8, int8_scales = weights
-    if int4 is not None:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4, GROUP_SIZE, int4_scales)
-    if int8 is not None:
-        return torch._weight_int8pack_mm(x, int8, int8_scales)
+    dense, kind, low_bit = weights
+    if kind == "int4":
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, low_bit[0], GROUP_SIZE, low_bit[1])
+    if kind == "int8":
+        return torch._weight_int8pack_mm(x, *low_bit)
+    if kind == "q4":
+        return torch.ops.zeroserve.q4_matmul(x, *low_bit)
+    if kind == "q8":
+        return torch.ops.zeroserve.q8_matmul(x, *low_bit)
     return F.linear(x, dense)
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zeroserve.worker.model.llama_config import LlamaConfig, UnsupportedModelError
-from zeroserve.worker.model.quant import Int4Blocks
+from zeroserve.worker.model.quant import Int4Blocks, Int8Blocks
 
 # A GGUF file's Llama 3 rope factors (llama.cpp's rope_freqs tensor) under this name.
 ROPE_FREQS = "rope_freqs"
@@ -24,6 +24,8 @@ class ModelWeights:
     # The original 4-bit blocks of GGUF Q4_0/Q4_1 tensors (same names, HF layout), for the
     # small-batch int4 kernels; `tensors` holds their dequantized values as well.
     int4: dict[str, Int4Blocks] = field(default_factory=dict)
+    # Likewise the 8-bit blocks of Q8_0 tensors, for the native fp32 block kernels.
+    int8: dict[str, Int8Blocks] = field(default_factory=dict)
     # How the file stored its tensors: type name ("Q4_K", "F32", "bfloat16") -> count.
     tensor_types: dict[str, int] = field(default_factory=dict)
 
@@ -51,7 +53,8 @@ class PreparedWeights:
         """'540.2 MiB (dense 480.0, int4 52.1, int8 8.1)': what the weights take in memory."""
         kinds = {"dense": 0, "int4": 0, "int8": 0}
         for name, tensor in self.tensors.items():
-            kind = "int4" if ".int4." in name else "int8" if ".int8." in name else "dense"
+            kind = ("int4" if ".int4." in name or ".q4." in name
+                    else "int8" if ".int8." in name or ".q8." in name else "dense")
             kinds[kind] += tensor.nbytes
         mib = 1 << 20
         parts = ", ".join(f"{k} {v / mib:.1f}" for k, v in kinds.items() if v)

@@ -1,0 +1,98 @@
+"""The native block kernels (worker/csrc/lowbit_matmul.cpp) that fp32 decode rows use: the
+file's Q4 / Q8_0 blocks times x, against the dense product of the same weights, per row
+independent of the batch, and refusing inputs they cannot read."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from zeroserve.worker import cpu_kernels
+from zeroserve.worker.model.quant import BlockQ4, BlockQ8, Int4Blocks, Int8Blocks
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    cpu_kernels.load(required=True)
+
+
+def q4_blocks(rows: int, cols: int, seed: int = 0) -> Int4Blocks:
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, 16, (rows, cols), dtype=np.uint8)
+    scale = rng.uniform(0.001, 0.02, (rows, cols // 32)).astype(np.float32)
+    zero = rng.normal(0, 0.01, (rows, cols // 32)).astype(np.float32)
+    return Int4Blocks(q, scale, zero)
+
+
+def q8_blocks(rows: int, cols: int, seed: int = 0) -> Int8Blocks:
+    rng = np.random.default_rng(seed)
+    q = rng.integers(-127, 128, (rows, cols), dtype=np.int8)
+    return Int8Blocks(q, rng.uniform(0.001, 0.02, (rows, cols // 32)).astype(np.float32))
+
+
+def dense_q8(blocks: Int8Blocks) -> torch.Tensor:
+    q = torch.from_numpy(blocks.q).float()
+    scale = torch.from_numpy(blocks.scale).repeat_interleave(32, dim=1)
+    return q * scale
+
+
+@pytest.mark.parametrize("shape", [(96, 64), (200, 576), (33, 1536)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+def test_q4_matches_the_dense_product_of_the_file_values(kernels, shape, rows):
+    blocks = q4_blocks(*shape)
+    packed = BlockQ4(*BlockQ4.tensors(blocks))
+    weight = blocks.dequantize(torch.float32)  # (q - 8) * scale + zero, as the file means it
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(1))
+    expected = (x.double() @ weight.double().t()).float()
+    torch.testing.assert_close(packed.mm(x), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed.dequantize(), weight, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_q8_matches_the_dense_product_of_the_file_values(kernels, rows):
+    blocks = q8_blocks(300, 576)
+    packed = BlockQ8(*BlockQ8.tensors(blocks))
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(2))
+    expected = (x.double() @ dense_q8(blocks).double().t()).float()
+    torch.testing.assert_close(packed.mm(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_rows_result_does_not_depend_on_its_batch(kernels):
+    """Every row bit-identical alone and among 1..20 others (tiles of 8, a partial last one),
+    for both kernels and on more output features than one thread takes."""
+    x = torch.randn(20, 576, generator=torch.Generator().manual_seed(3))
+    for packed in (BlockQ4(*BlockQ4.tensors(q4_blocks(700, 576))),
+                   BlockQ8(*BlockQ8.tensors(q8_blocks(700, 576)))):
+        alone = torch.cat([packed.mm(x[i:i + 1]) for i in range(20)])
+        for rows in (2, 7, 8, 9, 17, 20):
+            assert torch.equal(packed.mm(x[:rows]), alone[:rows]), rows
+        assert torch.equal(packed.mm(x[5:12]), alone[5:12])
+
+
+def test_the_kernels_refuse_what_they_cannot_read(kernels):
+    module = cpu_kernels.load(required=True)
+    nibbles, scales, offsets = BlockQ4.tensors(q4_blocks(16, 64))
+    with pytest.raises(RuntimeError, match="columns"):
+        module.q4_matmul(torch.randn(2, 32), nibbles, scales, offsets)
+    with pytest.raises(RuntimeError, match="float32"):
+        module.q4_matmul(torch.randn(2, 64).bfloat16(), nibbles, scales, offsets)
+    with pytest.raises(RuntimeError, match="scales"):
+        module.q4_matmul(torch.randn(2, 64), nibbles, scales[:, :1].contiguous(), offsets)
+    values, scales8 = BlockQ8.tensors(q8_blocks(16, 64))
+    with pytest.raises(RuntimeError, match="int8"):
+        module.q8_matmul(torch.randn(2, 64), values.to(torch.uint8), scales8)
+    assert module.q8_matmul(torch.randn(0, 64), values, scales8).shape == (0, 16)
+
+
+def test_the_operators_trace_for_a_compiled_step(kernels):
+    """torch.ops.zeroserve.* (what the compiled decode step calls) give the eager result and
+    have shape functions for tracing."""
+    packed = BlockQ4(*BlockQ4.tensors(q4_blocks(64, 64)))
+    x = torch.randn(3, 64)
+    assert torch.equal(torch.ops.zeroserve.q4_matmul(x, packed.nibbles, packed.scales,
+                                                     packed.offsets), packed.mm(x))
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        fake = torch.ops.zeroserve.q4_matmul(torch.empty(5, 64), torch.empty(64, 32, dtype=torch.uint8),
+                                             torch.empty(64, 2), torch.empty(64, 2))
+    assert fake.shape == (5, 64)
