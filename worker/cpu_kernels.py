@@ -1,7 +1,8 @@
 """Native CPU kernels (worker/csrc), compiled on first use for this machine's CPU.
 
 torch's C++ extension loader builds the sources of `csrc/` (decode attention over the paged
-pool; matrix products with the file's 4-bit and 8-bit blocks; the module) with the system
+pool; matrix products with the file's 4-bit and 8-bit blocks; RMSNorm and rotary per row; the
+module) with the system
 compiler and ninja into torch's extension cache (~/.cache/torch_extensions, or
 $TORCH_EXTENSIONS_DIR), once per source version and CPU (about 30 s on 2 cores); later
 processes load the cached library. Concurrent workers share one build through the loader's lock file.
@@ -28,7 +29,8 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / "decode_attention.cpp", CSRC / "lowbit_matmul.cpp", CSRC / "module.cpp"]
+SOURCES = [CSRC / "decode_attention.cpp", CSRC / "lowbit_matmul.cpp", CSRC / "row_ops.cpp",
+           CSRC / "module.cpp"]
 # -fopenmp: at::parallel_for is inline OpenMP in torch's headers, serial without it. The
 # libgomp it links is the one torch already loaded (same soname), so they share one pool.
 FLAGS = ["-O3", "-march=native", "-fopenmp"]

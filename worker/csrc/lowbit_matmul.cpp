@@ -12,13 +12,14 @@
 //
 // Each block is expanded to 32 floats in registers (one fused multiply-add per weight, the
 // same values as the dense copy up to the last bit) and multiplied with every row of x in
-// the tile before the next block is read: the expansion is paid once per tile, not per row.
+// the tile before the next block is read: the expansion is paid once per tile of rows, and
+// each load of x serves a group of output features.
 //
 // Batch independence: every (row of x, output) pair is computed by the same sequence of
 // operations whatever the number of rows, their tiling or the threads, so a row's result
-// never depends on what shares its call (docs/architecture.md, "Batch independence"). Rows
-// of x are taken in tiles that share each load and conversion of a block of weights; output
-// features are split between torch's intra-op threads.
+// never depends on what shares its call (docs/architecture.md, "Batch independence"): tiles
+// of rows and groups of features only share loads. Output features are split between
+// torch's intra-op threads.
 //
 // Built at run time by worker/cpu_kernels.py with -O3 -march=native: the AVX-512 path where
 // the CPU has it, portable loops (the same order of operations) elsewhere.
@@ -27,6 +28,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -37,20 +39,22 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kTile = 8;  // rows of x per pass over a row of weights
+constexpr int64_t kTile = 4;  // rows of x per pass over a group of weight rows
+constexpr int64_t kGroup = 4;  // weight rows (output features) per pass
 
 #if ZS_LOWBIT_AVX512
 
 // The 32 weights of one block as two vectors of 16 floats (elements 0..15 and 16..31):
-// q * scale + offset, one rounding each, as the dense copy's values.
+// q * scale + offset, one rounding each, as the dense copy's values. The 16 possible values
+// are computed once (one multiply-add over 0..15) and each weight picks its own with a
+// permute, which uses only the low 4 bits of each index: no masking, and the work moves
+// off the multiply-add port that the products need.
 inline void q4_block(const uint8_t* bytes, float scale, float offset, __m512& lo, __m512& hi) {
+  const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 table = _mm512_fmadd_ps(levels, _mm512_set1_ps(scale), _mm512_set1_ps(offset));
   const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m512 s = _mm512_set1_ps(scale);
-  const __m512 o = _mm512_set1_ps(offset);
-  lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(packed, mask))), s, o);
-  hi = _mm512_fmadd_ps(
-      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), mask))), s, o);
+  lo = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(packed), table);
+  hi = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_srli_epi16(packed, 4)), table);
 }
 
 inline void q8_block(const int8_t* values, float scale, __m512& lo, __m512& hi) {
@@ -60,29 +64,32 @@ inline void q8_block(const int8_t* values, float scale, __m512& lo, __m512& hi) 
   hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(packed, 1))), s);
 }
 
-// Rows [0, tile) of x against one output feature: `load_block(b, lo, hi)` gives block b's
-// weights. Two accumulators per row (the block's first and second halves).
-template <int64_t Tile, typename LoadBlock>
-inline void dot_rows(const float* x, int64_t cols, int64_t blocks, int64_t tile, float* out,
-                     int64_t out_stride, LoadBlock load_block) {
-  __m512 acc_lo[Tile], acc_hi[Tile];
-  for (int64_t r = 0; r < Tile; ++r) {
-    acc_lo[r] = _mm512_setzero_ps();
-    acc_hi[r] = _mm512_setzero_ps();
+// A tile of F output features by R rows of x: `load_block(f, b, lo, hi)` gives block b of
+// feature f. Each block's weights are expanded once for the R rows, and each row's block
+// of x is loaded once for the F features. One accumulator per (feature, row): per block
+// acc += lo * x[0..15], then acc += hi * x[16..31]; at the end the 16 lanes are summed.
+template <int64_t F, int64_t R, typename LoadBlock>
+inline void micro(const float* x, int64_t cols, int64_t blocks, float* out, int64_t out_stride,
+                  LoadBlock load_block) {
+  __m512 acc[F][R];
+  for (int64_t f = 0; f < F; ++f) {
+    for (int64_t r = 0; r < R; ++r) acc[f][r] = _mm512_setzero_ps();
   }
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512 lo, hi;
-    load_block(b, lo, hi);
-    for (int64_t r = 0; r < Tile; ++r) {
-      if (r >= tile) break;
+    __m512 lo[F], hi[F];
+    for (int64_t f = 0; f < F; ++f) load_block(f, b, lo[f], hi[f]);
+    for (int64_t r = 0; r < R; ++r) {
       const float* xb = x + r * cols + b * kBlock;
-      acc_lo[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), acc_lo[r]);
-      acc_hi[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), acc_hi[r]);
+      const __m512 x_lo = _mm512_loadu_ps(xb);
+      const __m512 x_hi = _mm512_loadu_ps(xb + 16);
+      for (int64_t f = 0; f < F; ++f) {
+        acc[f][r] = _mm512_fmadd_ps(lo[f], x_lo, acc[f][r]);
+        acc[f][r] = _mm512_fmadd_ps(hi[f], x_hi, acc[f][r]);
+      }
     }
   }
-  for (int64_t r = 0; r < Tile; ++r) {
-    if (r >= tile) break;
-    out[r * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[r], acc_hi[r]));
+  for (int64_t f = 0; f < F; ++f) {
+    for (int64_t r = 0; r < R; ++r) out[r * out_stride + f] = _mm512_reduce_add_ps(acc[f][r]);
   }
 }
 
@@ -102,36 +109,55 @@ inline void q8_block(const int8_t* values, float scale, float* lo, float* hi) {
   }
 }
 
-template <int64_t Tile, typename LoadBlock>
-inline void dot_rows(const float* x, int64_t cols, int64_t blocks, int64_t tile, float* out,
-                     int64_t out_stride, LoadBlock load_block) {
-  float acc_lo[Tile][16], acc_hi[Tile][16];
-  for (int64_t r = 0; r < Tile; ++r) {
-    for (int l = 0; l < 16; ++l) acc_lo[r][l] = acc_hi[r][l] = 0.0f;
+template <int64_t F, int64_t R, typename LoadBlock>
+inline void micro(const float* x, int64_t cols, int64_t blocks, float* out, int64_t out_stride,
+                  LoadBlock load_block) {
+  float acc[F][R][16];
+  for (int64_t f = 0; f < F; ++f) {
+    for (int64_t r = 0; r < R; ++r) {
+      for (int l = 0; l < 16; ++l) acc[f][r][l] = 0.0f;
+    }
   }
-  float lo[16], hi[16];
+  float lo[F][16], hi[F][16];
   for (int64_t b = 0; b < blocks; ++b) {
-    load_block(b, lo, hi);
-    for (int64_t r = 0; r < tile; ++r) {
+    for (int64_t f = 0; f < F; ++f) load_block(f, b, lo[f], hi[f]);
+    for (int64_t r = 0; r < R; ++r) {
       const float* xb = x + r * cols + b * kBlock;
-      for (int l = 0; l < 16; ++l) {
-        acc_lo[r][l] = __builtin_fmaf(lo[l], xb[l], acc_lo[r][l]);
-        acc_hi[r][l] = __builtin_fmaf(hi[l], xb[16 + l], acc_hi[r][l]);
+      for (int64_t f = 0; f < F; ++f) {
+        for (int l = 0; l < 16; ++l) acc[f][r][l] = __builtin_fmaf(lo[f][l], xb[l], acc[f][r][l]);
+        for (int l = 0; l < 16; ++l) {
+          acc[f][r][l] = __builtin_fmaf(hi[f][l], xb[16 + l], acc[f][r][l]);
+        }
       }
     }
   }
-  for (int64_t r = 0; r < tile; ++r) {
-    // The same pairwise tree as _mm512_reduce_add_ps: halves folded 16 -> 8 -> 4 -> 2 -> 1.
-    float v[16];
-    for (int l = 0; l < 16; ++l) v[l] = acc_lo[r][l] + acc_hi[r][l];
-    for (int width = 8; width >= 1; width /= 2) {
-      for (int l = 0; l < width; ++l) v[l] = v[l] + v[l + width];
+  for (int64_t f = 0; f < F; ++f) {
+    for (int64_t r = 0; r < R; ++r) {
+      // The same pairwise tree as _mm512_reduce_add_ps: halves folded 16 -> 8 -> 4 -> 2 -> 1.
+      float v[16];
+      for (int l = 0; l < 16; ++l) v[l] = acc[f][r][l];
+      for (int width = 8; width >= 1; width /= 2) {
+        for (int l = 0; l < width; ++l) v[l] = v[l] + v[l + width];
+      }
+      out[r * out_stride + f] = v[0];
     }
-    out[r * out_stride] = v[0];
   }
 }
 
 #endif
+
+// micro() for F features and 1..kTile rows, the counts fixed at compile time so that the
+// accumulators stay in registers.
+template <int64_t F, typename LoadBlock>
+inline void micro_rows(const float* x, int64_t cols, int64_t blocks, int64_t rows, float* out,
+                       int64_t out_stride, LoadBlock load_block) {
+  switch (rows) {
+    case 1: return micro<F, 1>(x, cols, blocks, out, out_stride, load_block);
+    case 2: return micro<F, 2>(x, cols, blocks, out, out_stride, load_block);
+    case 3: return micro<F, 3>(x, cols, blocks, out, out_stride, load_block);
+    default: return micro<F, kTile>(x, cols, blocks, out, out_stride, load_block);
+  }
+}
 
 void check_x(const torch::Tensor& x, int64_t cols) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
@@ -148,9 +174,14 @@ void check_scales(const torch::Tensor& t, int64_t rows, int64_t blocks, const ch
 
 // Output features per task: enough work to pay for a task, few enough to share the rows.
 constexpr int64_t kGrain = 16;
+#ifndef ROWS_FOR_GROUP
+#define ROWS_FOR_GROUP 2
+#endif
 
-template <typename RowKernel>
-torch::Tensor run(const torch::Tensor& x_in, int64_t rows_out, int64_t cols, RowKernel kernel) {
+// `tile(n, count, x, rows, out, stride)` computes features [n, n + count) (count kGroup or 1)
+// for `rows` (1..kTile) rows of x.
+template <typename Tile>
+torch::Tensor run(const torch::Tensor& x_in, int64_t rows_out, int64_t cols, Tile tile) {
   const torch::Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0);
   torch::Tensor out = torch::empty({rows, rows_out}, x.options());
@@ -158,11 +189,12 @@ torch::Tensor run(const torch::Tensor& x_in, int64_t rows_out, int64_t cols, Row
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows_out, kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
+    for (int64_t n = begin; n < end;) {
+      const int64_t count = (rows >= ROWS_FOR_GROUP && end - n >= kGroup) ? kGroup : 1;
       for (int64_t m = 0; m < rows; m += kTile) {
-        const int64_t tile = std::min(kTile, rows - m);
-        kernel(n, xp + m * cols, tile, op + m * rows_out + n, rows_out);
+        tile(n, count, xp + m * cols, std::min(kTile, rows - m), op + m * rows_out + n, rows_out);
       }
+      n += count;
     }
   });
   return out;
@@ -185,14 +217,19 @@ torch::Tensor q4_matmul(const torch::Tensor& x, const torch::Tensor& nibbles,
   const uint8_t* q = nibbles.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
   const float* o = offsets.data_ptr<float>();
-  return run(x, rows_out, cols, [&](int64_t n, const float* xr, int64_t tile, float* out,
-                                    int64_t stride) {
+  return run(x, rows_out, cols, [&](int64_t n, int64_t count, const float* xr, int64_t rows,
+                                    float* out, int64_t stride) {
     const uint8_t* row = q + n * (cols / 2);
     const float* scale = s + n * blocks;
     const float* offset = o + n * blocks;
-    dot_rows<kTile>(xr, cols, blocks, tile, out, stride, [=](int64_t b, auto& lo, auto& hi) {
-      q4_block(row + b * 16, scale[b], offset[b], lo, hi);
-    });
+    auto load = [=](int64_t f, int64_t b, auto& lo, auto& hi) {
+      q4_block(row + f * (cols / 2) + b * 16, scale[f * blocks + b], offset[f * blocks + b], lo, hi);
+    };
+    if (count == kGroup) {
+      micro_rows<kGroup>(xr, cols, blocks, rows, out, stride, load);
+    } else {
+      micro_rows<1>(xr, cols, blocks, rows, out, stride, load);
+    }
   });
 }
 
@@ -209,12 +246,17 @@ torch::Tensor q8_matmul(const torch::Tensor& x, const torch::Tensor& values,
   check_scales(scales, rows_out, blocks, "scales");
   const int8_t* q = values.data_ptr<int8_t>();
   const float* s = scales.data_ptr<float>();
-  return run(x, rows_out, cols, [&](int64_t n, const float* xr, int64_t tile, float* out,
-                                    int64_t stride) {
+  return run(x, rows_out, cols, [&](int64_t n, int64_t count, const float* xr, int64_t rows,
+                                    float* out, int64_t stride) {
     const int8_t* row = q + n * cols;
     const float* scale = s + n * blocks;
-    dot_rows<kTile>(xr, cols, blocks, tile, out, stride, [=](int64_t b, auto& lo, auto& hi) {
-      q8_block(row + b * kBlock, scale[b], lo, hi);
-    });
+    auto load = [=](int64_t f, int64_t b, auto& lo, auto& hi) {
+      q8_block(row + f * cols + b * kBlock, scale[f * blocks + b], lo, hi);
+    };
+    if (count == kGroup) {
+      micro_rows<kGroup>(xr, cols, blocks, rows, out, stride, load);
+    } else {
+      micro_rows<1>(xr, cols, blocks, rows, out, stride, load);
+    }
   });
 }

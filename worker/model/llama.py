@@ -22,6 +22,7 @@ from zeroserve.worker.model.linear import Linear
 from zeroserve.worker.model.llama_config import LlamaConfig
 from zeroserve.worker.model.quant import BlockQ4, BlockQ8, PackedInt4, PackedInt8
 from zeroserve.worker.model.rope import inv_freq
+from zeroserve.worker.model.row_ops import TorchRowOps, row_ops
 from zeroserve.worker.model.sliding_window import windowed
 from zeroserve.worker.model.weights import ROPE_FREQS, PreparedWeights
 
@@ -45,14 +46,6 @@ class RotaryEmbedding:
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[num_tokens, 1, head_dim] cos and signed sin for these positions, once per step."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [num_tokens, heads, head_dim], rotate-half layout: dim i pairs with i + head_dim/2.
-    Same products and sums as HF's `q * cos + rotate_half(q) * sin`, so fp32 matches bit for bit."""
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + swapped * sin
 
 
 def load_linear(tensors: dict[str, torch.Tensor], name: str, device: torch.device,
@@ -97,12 +90,14 @@ class LlamaLayer:
         self.q_norm = _optional(tensors, prefix + "q_norm", device)  # [head_dim]
         self.k_norm = _optional(tensors, prefix + "k_norm", device)
         self.window = config.window_of(index)
+        self.ops: TorchRowOps = TorchRowOps()  # LlamaModel sets the native ones where they run
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache | None, meta: AttentionMetadata) -> torch.Tensor:
         cfg = self.config
+        ops = self.ops
         n = x.shape[0]
-        h = F.rms_norm(x, (cfg.hidden_size,), self.input_norm, cfg.rms_norm_eps)
+        h = ops.rms_norm(x, self.input_norm, cfg.rms_norm_eps)
         # Decode rows take the low-bit kernels, prefill rows the dense weights (Linear).
         qkv = self.qkv(h, meta.num_decode)  # [num_tokens, q_size + 2 * kv_size]
         if self.qkv_bias is not None:
@@ -114,15 +109,15 @@ class LlamaLayer:
                 F.rms_norm(qk[:, cfg.num_heads :], (cfg.head_dim,), self.k_norm, cfg.rms_norm_eps),
             ], dim=1)
         # Rotate q and k in one go: [num_tokens, heads + kv_heads, head_dim]
-        qk = apply_rotary(qk, cos, sin)
+        qk = ops.rotary(qk, cos, sin)
         q = qk[:, : cfg.num_heads]
         k = qk[:, cfg.num_heads :]
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(n, cfg.num_kv_heads, cfg.head_dim)
         k_cache, v_cache = kv_cache if kv_cache is not None else (None, None)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta, cfg.head_dim**-0.5)
         out = self.o_proj(attn, meta.num_decode)
-        x = x + (out if self.o_bias is None else out + self.o_bias)
-        h = F.rms_norm(x, (cfg.hidden_size,), self.post_norm, cfg.rms_norm_eps)
+        x, h = ops.add_rms_norm(x, out if self.o_bias is None else out + self.o_bias,
+                                self.post_norm, cfg.rms_norm_eps)
         gate, up = self.gate_up(h, meta.num_decode).chunk(2, dim=-1)  # [num_tokens, intermediate] each
         return x + self.down(F.silu(gate) * up, meta.num_decode)
 
@@ -149,6 +144,9 @@ class LlamaModel:
         per_row = batch_invariant or not cpu_supports_bf16()
         self.layers = [LlamaLayer(config, tensors, i, device, tile_rows, per_row)
                        for i in range(config.num_layers)]
+        self.ops = row_ops(device, dtype)
+        for layer in self.layers:
+            layer.ops = self.ops
         self.norm = tensors["norm"].to(device)
         lm_head = tensors["lm_head"].to(device) if "lm_head" in tensors else self.embed
         self.lm_head = Linear(lm_head, low_bit_copy(tensors, "lm_head"), tile_rows, per_row)
@@ -171,7 +169,7 @@ class LlamaModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden] -> fp32 logits [num_rows, vocab]."""
-        h = F.rms_norm(hidden, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
+        h = self.ops.rms_norm(hidden, self.norm, self.config.rms_norm_eps)
         return self.lm_head(h).float()
 
     def forward_unpaged(self, token_ids: list[int]) -> torch.Tensor:

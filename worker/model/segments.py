@@ -119,7 +119,7 @@ def make_segments(cfg: LlamaConfig):
             qk = torch.cat([F.rms_norm(qk[:, :num_heads], (head_dim,), q_norm, eps),
                             F.rms_norm(qk[:, num_heads:], (head_dim,), k_norm, eps)], dim=1)
         swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
-        qk = qk * cos + swapped * sin  # worker.model.llama.apply_rotary
+        qk = qk * cos + swapped * sin  # worker.model.row_ops.apply_rotary
         v = qkv[:, qk_size:].view(n, num_kv_heads, head_dim)
         return qk[:, :num_heads], qk[:, num_heads:], v
 

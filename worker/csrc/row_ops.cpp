@@ -1,0 +1,176 @@
+// The small per-row operations of a decoder layer in fp32, one call each.
+//
+// At one decode row a layer's RMSNorm is six or more torch operations (pow, mean, add, rsqrt,
+// mul, mul and their dtype copies), each a dispatch of a few microseconds for 576 numbers;
+// rotary is a cat, two muls and an add. Together they took more of a batch-1 step on the
+// CPU than the 4-bit projections. Here each is one pass over the row:
+//
+//   rms_norm:      out = (x * (1 / sqrt(mean(x * x) + eps))) * weight, per row
+//   add_rms_norm:  x + delta, and rms_norm of that sum (the residual add before a norm)
+//   rotary:        out = x * cos + rotate_half(x) * sin, per (row, head), sin signed
+//   write_kv:      the new tokens' K and V into their pool slots (two index_copy_ calls)
+//
+// The operations and their order are HF's (multiply by the reciprocal square root, then by
+// the weight; rotary's two products then their sum, never fused into a multiply-add: this
+// file is built without contraction for that), so rotary matches torch bit for bit and the
+// norms up to the order of the sum of squares. Rows are independent: a row's result never
+// depends on the other rows of the call.
+
+#pragma GCC optimize("fp-contract=off")
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+// Sum of squares in 16 lanes, folded pairwise: the same order on every call.
+inline float sum_squares(const float* x, int64_t n) {
+  float lanes[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int l = 0; l < 16; ++l) lanes[l] += x[i + l] * x[i + l];
+  }
+  for (int l = 0; i < n; ++i, ++l) lanes[l] += x[i] * x[i];
+  for (int width = 8; width >= 1; width /= 2) {
+    for (int l = 0; l < width; ++l) lanes[l] = lanes[l] + lanes[l + width];
+  }
+  return lanes[0];
+}
+
+inline void norm_row(const float* x, const float* weight, float eps, int64_t n, float* out) {
+  const float variance = sum_squares(x, n) / static_cast<float>(n);
+  const float scale = 1.0f / std::sqrt(variance + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = (x[i] * scale) * weight[i];
+}
+
+void check_rows(const torch::Tensor& x, const torch::Tensor& weight) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 &&
+                  x.is_contiguous(),
+              "x must be a contiguous 2-D float32 CPU tensor");
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.dim() == 1 &&
+                  weight.size(0) == x.size(1) && weight.is_contiguous(),
+              "weight must be a contiguous float32 vector of x's width");
+}
+
+// Rows per task: a row is ~1 microsecond, so small calls stay on one thread.
+constexpr int64_t kRowGrain = 32;
+
+}  // namespace
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  check_rows(x, weight);
+  torch::Tensor out = torch::empty_like(x);
+  const int64_t n = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) norm_row(xp + r * n, wp, static_cast<float>(eps), n, op + r * n);
+  });
+  return out;
+}
+
+// (x + delta, rms_norm(x + delta)).
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
+                                                      const torch::Tensor& delta,
+                                                      const torch::Tensor& weight, double eps) {
+  check_rows(x, weight);
+  TORCH_CHECK(delta.sizes() == x.sizes() && delta.scalar_type() == torch::kFloat32 &&
+                  delta.is_contiguous(),
+              "delta must be a contiguous float32 tensor of x's shape");
+  torch::Tensor sum = torch::empty_like(x);
+  torch::Tensor out = torch::empty_like(x);
+  const int64_t n = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  const float* dp = delta.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* sp = sum.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* s = sp + r * n;
+      for (int64_t i = 0; i < n; ++i) s[i] = xp[r * n + i] + dp[r * n + i];
+      norm_row(s, wp, static_cast<float>(eps), n, op + r * n);
+    }
+  });
+  return {sum, out};
+}
+
+// x [rows, heads, d] (rows and heads may be strided, d contiguous), cos and sin [rows, 1, d]
+// or [rows, d] contiguous -> contiguous [rows, heads, d].
+torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 3 &&
+                  x.stride(2) == 1,
+              "x must be a float32 [rows, heads, head_dim] CPU tensor, head_dim contiguous");
+  const int64_t rows = x.size(0), heads = x.size(1), d = x.size(2);
+  TORCH_CHECK(d % 2 == 0, "head_dim must be even");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.numel() == rows * d &&
+                  sin.numel() == rows * d,
+              "cos and sin must be contiguous float32 [rows, 1, head_dim]");
+  torch::Tensor out = torch::empty({rows, heads, d}, x.options());
+  const int64_t half = d / 2;
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t row_stride = x.stride(0), head_stride = x.stride(1);
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* c = cp + r * d;
+      const float* s = sp + r * d;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* in = xp + r * row_stride + h * head_stride;
+        float* o = op + (r * heads + h) * d;
+        for (int64_t i = 0; i < half; ++i) o[i] = in[i] * c[i] + in[i + half] * s[i];
+        for (int64_t i = half; i < d; ++i) o[i] = in[i] * c[i] + in[i - half] * s[i];
+      }
+    }
+  });
+  return out;
+}
+
+// Store new tokens' K and V in their pool slots: k_cache/v_cache [num_blocks, block_size,
+// kv_heads, d] contiguous, k/v [n, kv_heads, d] (rows and heads may be strided, d contiguous),
+// slots [n] int64 flat slot numbers. One copy per (token, head); a slot outside the pool
+// raises IndexError before anything is written.
+void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& k,
+              const torch::Tensor& v, const torch::Tensor& slots) {
+  TORCH_CHECK(k_cache.device().is_cpu() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "the K and V pools must be alike contiguous [blocks, block_size, heads, d] CPU tensors");
+  const int64_t n = slots.size(0), heads = k_cache.size(2), d = k_cache.size(3);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (const torch::Tensor* t : {&k, &v}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == n && t->size(1) == heads && t->size(2) == d &&
+                    t->stride(2) == 1 && t->scalar_type() == k_cache.scalar_type(),
+                "k and v must be [n, kv_heads, head_dim] in the pool's dtype, head_dim contiguous");
+  }
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.dim() == 1 && slots.is_contiguous(),
+              "slots must be a contiguous int64 vector");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK_INDEX(sp[i] >= 0 && sp[i] < num_slots, "slot ", sp[i], " is outside the pool of ",
+                      num_slots);
+  }
+  const int64_t elem = k_cache.element_size();
+  const int64_t row = heads * d * elem;
+  auto store = [&](torch::Tensor& cache, const torch::Tensor& src) {
+    char* base = static_cast<char*>(cache.data_ptr());
+    const char* in = static_cast<const char*>(src.data_ptr());
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t h = 0; h < heads; ++h) {
+        std::memcpy(base + sp[i] * row + h * d * elem,
+                    in + (i * src.stride(0) + h * src.stride(1)) * elem, d * elem);
+      }
+    }
+  };
+  store(k_cache, k);
+  store(v_cache, v);
+}
