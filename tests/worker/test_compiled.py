@@ -89,7 +89,7 @@ def int8_layer(layer: LayerTensors) -> LayerTensors:
     or not), so what is left to check is the fused code around it."""
     def int8(weights):
         packed = PackedInt8.quantize(weights[0], torch.float32)
-        return weights[0], None, None, packed.weight, packed.scales
+        return weights[0], "int8", (packed.weight, packed.scales)
 
     return dataclasses.replace(layer, qkv=int8(layer.qkv), o_proj=int8(layer.o_proj),
                                gate_up=int8(layer.gate_up), down=int8(layer.down))

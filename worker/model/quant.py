@@ -162,11 +162,12 @@ class BlockQ4:
     """An Int4Blocks matrix for worker/csrc's q4_matmul: each row's blocks as the file packs
     them (16 bytes, elements 0..15 in the low nibbles), w = q * scale + offset."""
 
-    # Calls of up to this many rows take this kernel where the choice is by the call's row
-    # count (LlamaModel's per_row False), larger ones the dense path. The kernel reads 6-7x
-    # less than fp32 dense and wins while reading dominates: all 30 layers of SmolLM2, 2
-    # threads (scripts/bench_kernel_choice.py --kernels blocks): see docs/benchmarks.md.
-    max_rows = 16
+    # Where the choice is by the call's row count (LlamaModel's per_row False: fp32 asked for
+    # on a CPU with native bf16), calls of up to this many rows take this kernel, larger ones
+    # the dense path. On a CPU without native bf16 (per_row True) decode rows always take it:
+    # all 30 SmolLM2 layers, 2 threads, streaming from memory, q4 against dense fp32: 9 vs 27
+    # ms at 1 row, 13 vs 60 at 4, 49 vs 150 at 16, 95 vs 162 at 32 (docs/benchmarks.md).
+    max_rows = 32
 
     def __init__(self, nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor):
         self.nibbles = nibbles  # [rows, cols / 2] uint8
@@ -200,7 +201,7 @@ class BlockQ8:
     """An Int8Blocks matrix (GGUF Q8_0: the tied embedding and lm_head of most files) for
     worker/csrc's q8_matmul."""
 
-    max_rows = 16  # as BlockQ4.max_rows
+    max_rows = 32  # as BlockQ4.max_rows (49152 x 576 lm_head: 3.4 vs 8.2 ms at 1 row, 26 vs 38 at 32)
 
     def __init__(self, values: torch.Tensor, scales: torch.Tensor):
         self.values = values  # [rows, cols] int8
