@@ -60,3 +60,13 @@ def test_write_kv_stores_what_index_copy_stores(dtype):
     with pytest.raises(IndexError):
         module.write_kv(k_pool, v_pool, k[:1], v[:1], torch.tensor([32]))
     assert torch.equal(k_pool, k_ref)  # nothing written
+
+
+def test_silu_mul_matches_torch_to_rounding(native):
+    gen = torch.Generator().manual_seed(2)
+    gate_up = torch.randn(9, 2 * 200, generator=gen) * 6  # tails of the sigmoid both ways
+    gate_up[0, :4] = torch.tensor([0.0, -100.0, 100.0, -87.5])
+    expected = TorchRowOps().silu_mul(gate_up)
+    out = native.silu_mul(gate_up)
+    torch.testing.assert_close(out, expected, rtol=2e-6, atol=1e-6)
+    assert torch.equal(native.silu_mul(gate_up[3:4]), out[3:4])

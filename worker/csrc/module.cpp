@@ -16,6 +16,7 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
 torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& k,
               const torch::Tensor& v, const torch::Tensor& slots);
+torch::Tensor silu_mul(const torch::Tensor& gate_up);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
@@ -27,6 +28,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each fp32 row");
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm of x + delta), fp32 rows");
   m.def("write_kv", &write_kv, "Store new tokens' K/V in their slots of the paged pool");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of fp32 [rows, 2 * width] rows");
   m.def("rotary", &rotary, "Rotary embedding (rotate-half layout) of fp32 [rows, heads, d]");
 }
 

@@ -118,8 +118,8 @@ class LlamaLayer:
         out = self.o_proj(attn, meta.num_decode)
         x, h = ops.add_rms_norm(x, out if self.o_bias is None else out + self.o_bias,
                                 self.post_norm, cfg.rms_norm_eps)
-        gate, up = self.gate_up(h, meta.num_decode).chunk(2, dim=-1)  # [num_tokens, intermediate] each
-        return x + self.down(F.silu(gate) * up, meta.num_decode)
+        act = ops.silu_mul(self.gate_up(h, meta.num_decode))  # [num_tokens, intermediate]
+        return x + self.down(act, meta.num_decode)
 
 
 class LlamaModel:
