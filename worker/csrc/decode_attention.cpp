@@ -15,7 +15,11 @@
 // (one_item_bf16); everything else runs the portable loops (one_item), written for the
 // compiler to vectorize (`omp simd` on the reductions, a polynomial exp).
 
-#include <torch/extension.h>
+// ATen's Tensor and the two ops used (not torch/extension.h: all of libtorch's C++ API):
+// this file compiles in a fraction of the time. module.cpp holds the Python bindings.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <ATen/Parallel.h>
 
@@ -320,7 +324,7 @@ void run(const Problem<T>& p) {
 // Every read the kernel makes is within the pool: each row's context is at least one position
 // and fits its table, and the table entries it uses (never the padding past it) name blocks
 // of the pool. One pass over the used entries, before any thread starts.
-void check_tables(const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+void check_tables(const at::Tensor& block_tables, const at::Tensor& context_lens,
                   int64_t num_blocks, int64_t block_size) {
   const int64_t n = context_lens.numel(), width = block_tables.size(1);
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -346,8 +350,8 @@ void check_tables(const torch::Tensor& block_tables, const torch::Tensor& contex
 // block_tables [n, max_blocks] int32 (padding never read), context_lens [n] int32 (>= 1)
 // -> [n, heads * d] in q's dtype. Inputs that would read outside q, the tables or the pool
 // raise (ValueError for lengths, IndexError for block ids, RuntimeError for shapes).
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                               torch::Tensor block_tables, torch::Tensor context_lens,
+at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                               at::Tensor block_tables, at::Tensor context_lens,
                                double scale) {
   TORCH_CHECK(q.device().is_cpu(), "decode_attention runs on the CPU");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
@@ -357,10 +361,10 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
               "k_cache and v_cache must be contiguous [num_blocks, block_size, kv_heads, d]");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "q, k_cache and v_cache must share a dtype");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous() &&
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
                   block_tables.dim() == 2 && block_tables.size(0) == q.size(0),
               "block_tables must be contiguous int32 [n, max_blocks]");
-  TORCH_CHECK(context_lens.scalar_type() == torch::kInt32 && context_lens.is_contiguous() &&
+  TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.is_contiguous() &&
                   context_lens.numel() == q.size(0),
               "context_lens must be contiguous int32 [n]");
   const int64_t n = q.size(0), heads = q.size(1), d = q.size(2);
@@ -368,7 +372,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   TORCH_CHECK(kv_heads > 0 && k_cache.size(3) == d && heads % kv_heads == 0,
               "head shapes do not match");
   check_tables(block_tables, context_lens, k_cache.size(0), k_cache.size(1));
-  auto out = torch::empty({n, heads * d}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  auto out = at::empty({n, heads * d}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (n == 0) return out;
 
   auto launch = [&](auto tag) {
@@ -379,9 +383,9 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
                  k_cache.size(1), static_cast<float>(scale)};
     run(p);
   };
-  if (q.scalar_type() == torch::kBFloat16) {
+  if (q.scalar_type() == at::kBFloat16) {
     launch(at::BFloat16{});
-  } else if (q.scalar_type() == torch::kFloat32) {
+  } else if (q.scalar_type() == at::kFloat) {
     launch(float{});
   } else {
     TORCH_CHECK(false, "decode_attention supports bfloat16 and float32, not ", q.scalar_type());

@@ -24,7 +24,11 @@
 // Built at run time by worker/cpu_kernels.py with -O3 -march=native: the AVX-512 path where
 // the CPU has it, portable loops (the same order of operations) elsewhere.
 
-#include <torch/extension.h>
+// ATen's Tensor and the two ops used (not torch/extension.h: all of libtorch's C++ API):
+// this file compiles in a fraction of the time. module.cpp holds the Python bindings.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <ATen/Parallel.h>
 
@@ -159,15 +163,15 @@ inline void micro_rows(const float* x, int64_t cols, int64_t blocks, int64_t row
   }
 }
 
-void check_x(const torch::Tensor& x, int64_t cols) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
+void check_x(const at::Tensor& x, int64_t cols) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
               "x must be a 2-D float32 CPU tensor");
   TORCH_CHECK(x.size(1) == cols, "x has ", x.size(1), " columns, the weights ", cols);
   TORCH_CHECK(cols % kBlock == 0, "the weights' columns must be a multiple of 32");
 }
 
-void check_scales(const torch::Tensor& t, int64_t rows, int64_t blocks, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.dim() == 2 &&
+void check_scales(const at::Tensor& t, int64_t rows, int64_t blocks, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 &&
                   t.size(0) == rows && t.size(1) == blocks && t.is_contiguous(),
               name, " must be a contiguous float32 [rows, cols / 32] tensor");
 }
@@ -181,10 +185,10 @@ constexpr int64_t kGrain = 16;
 // `tile(n, count, x, rows, out, stride)` computes features [n, n + count) (count kGroup or 1)
 // for `rows` (1..kTile) rows of x.
 template <typename Tile>
-torch::Tensor run(const torch::Tensor& x_in, int64_t rows_out, int64_t cols, Tile tile) {
-  const torch::Tensor x = x_in.contiguous();
+at::Tensor run(const at::Tensor& x_in, int64_t rows_out, int64_t cols, Tile tile) {
+  const at::Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0);
-  torch::Tensor out = torch::empty({rows, rows_out}, x.options());
+  at::Tensor out = at::empty({rows, rows_out}, x.options());
   if (rows == 0 || rows_out == 0) return out;
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -203,9 +207,9 @@ torch::Tensor run(const torch::Tensor& x_in, int64_t rows_out, int64_t cols, Til
 }  // namespace
 
 // x [M, K] fp32, nibbles [N, K / 2] uint8, scales and offsets [N, K / 32] fp32 -> [M, N].
-torch::Tensor q4_matmul(const torch::Tensor& x, const torch::Tensor& nibbles,
-                        const torch::Tensor& scales, const torch::Tensor& offsets) {
-  TORCH_CHECK(nibbles.device().is_cpu() && nibbles.scalar_type() == torch::kUInt8 &&
+at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& nibbles,
+                        const at::Tensor& scales, const at::Tensor& offsets) {
+  TORCH_CHECK(nibbles.device().is_cpu() && nibbles.scalar_type() == at::kByte &&
                   nibbles.dim() == 2 && nibbles.is_contiguous(),
               "nibbles must be a contiguous uint8 [rows, cols / 2] tensor");
   const int64_t rows_out = nibbles.size(0);
@@ -234,9 +238,9 @@ torch::Tensor q4_matmul(const torch::Tensor& x, const torch::Tensor& nibbles,
 }
 
 // x [M, K] fp32, values [N, K] int8, scales [N, K / 32] fp32 -> [M, N].
-torch::Tensor q8_matmul(const torch::Tensor& x, const torch::Tensor& values,
-                        const torch::Tensor& scales) {
-  TORCH_CHECK(values.device().is_cpu() && values.scalar_type() == torch::kInt8 &&
+at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& values,
+                        const at::Tensor& scales) {
+  TORCH_CHECK(values.device().is_cpu() && values.scalar_type() == at::kChar &&
                   values.dim() == 2 && values.is_contiguous(),
               "values must be a contiguous int8 [rows, cols] tensor");
   const int64_t rows_out = values.size(0);

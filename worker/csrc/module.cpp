@@ -1,22 +1,25 @@
 // The Python module of the native CPU kernels (worker/cpu_kernels.py builds every source of
 // this folder into it).
 
-#include <torch/extension.h>
+// torch/python.h (pybind11 and its tensor conversions) and torch/library.h, not
+// torch/extension.h: the whole C++ frontend API it adds would triple the build time.
+#include <torch/library.h>
+#include <torch/python.h>
 
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                               torch::Tensor block_tables, torch::Tensor context_lens, double scale);
-torch::Tensor q4_matmul(const torch::Tensor& x, const torch::Tensor& nibbles,
-                        const torch::Tensor& scales, const torch::Tensor& offsets);
-torch::Tensor q8_matmul(const torch::Tensor& x, const torch::Tensor& values,
-                        const torch::Tensor& scales);
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
-                                                      const torch::Tensor& delta,
-                                                      const torch::Tensor& weight, double eps);
-torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
-void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& k,
-              const torch::Tensor& v, const torch::Tensor& slots);
-torch::Tensor silu_mul(const torch::Tensor& gate_up);
+at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                               at::Tensor block_tables, at::Tensor context_lens, double scale);
+at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& nibbles,
+                        const at::Tensor& scales, const at::Tensor& offsets);
+at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& values,
+                        const at::Tensor& scales);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x,
+                                                      const at::Tensor& delta,
+                                                      const at::Tensor& weight, double eps);
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k,
+              const at::Tensor& v, const at::Tensor& slots);
+at::Tensor silu_mul(const at::Tensor& gate_up);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,

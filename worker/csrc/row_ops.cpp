@@ -18,7 +18,11 @@
 
 #pragma GCC optimize("fp-contract=off")
 
-#include <torch/extension.h>
+// ATen's Tensor and the two ops used (not torch/extension.h: all of libtorch's C++ API):
+// this file compiles in a fraction of the time. module.cpp holds the Python bindings.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <ATen/Parallel.h>
 
@@ -48,11 +52,11 @@ inline void norm_row(const float* x, const float* weight, float eps, int64_t n, 
   for (int64_t i = 0; i < n; ++i) out[i] = (x[i] * scale) * weight[i];
 }
 
-void check_rows(const torch::Tensor& x, const torch::Tensor& weight) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 &&
+void check_rows(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
                   x.is_contiguous(),
               "x must be a contiguous 2-D float32 CPU tensor");
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.dim() == 1 &&
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 1 &&
                   weight.size(0) == x.size(1) && weight.is_contiguous(),
               "weight must be a contiguous float32 vector of x's width");
 }
@@ -62,9 +66,9 @@ constexpr int64_t kRowGrain = 32;
 
 }  // namespace
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, weight);
-  torch::Tensor out = torch::empty_like(x);
+  at::Tensor out = at::empty_like(x);
   const int64_t n = x.size(1);
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
@@ -76,15 +80,15 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 }
 
 // (x + delta, rms_norm(x + delta)).
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
-                                                      const torch::Tensor& delta,
-                                                      const torch::Tensor& weight, double eps) {
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x,
+                                                      const at::Tensor& delta,
+                                                      const at::Tensor& weight, double eps) {
   check_rows(x, weight);
-  TORCH_CHECK(delta.sizes() == x.sizes() && delta.scalar_type() == torch::kFloat32 &&
+  TORCH_CHECK(delta.sizes() == x.sizes() && delta.scalar_type() == at::kFloat &&
                   delta.is_contiguous(),
               "delta must be a contiguous float32 tensor of x's shape");
-  torch::Tensor sum = torch::empty_like(x);
-  torch::Tensor out = torch::empty_like(x);
+  at::Tensor sum = at::empty_like(x);
+  at::Tensor out = at::empty_like(x);
   const int64_t n = x.size(1);
   const float* xp = x.data_ptr<float>();
   const float* dp = delta.data_ptr<float>();
@@ -103,17 +107,17 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
 
 // x [rows, heads, d] (rows and heads may be strided, d contiguous), cos and sin [rows, 1, d]
 // or [rows, d] contiguous -> contiguous [rows, heads, d].
-torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 3 &&
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 3 &&
                   x.stride(2) == 1,
               "x must be a float32 [rows, heads, head_dim] CPU tensor, head_dim contiguous");
   const int64_t rows = x.size(0), heads = x.size(1), d = x.size(2);
   TORCH_CHECK(d % 2 == 0, "head_dim must be even");
-  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
                   cos.is_contiguous() && sin.is_contiguous() && cos.numel() == rows * d &&
                   sin.numel() == rows * d,
               "cos and sin must be contiguous float32 [rows, 1, head_dim]");
-  torch::Tensor out = torch::empty({rows, heads, d}, x.options());
+  at::Tensor out = at::empty({rows, heads, d}, x.options());
   const int64_t half = d / 2;
   const float* xp = x.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
@@ -139,20 +143,20 @@ torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const tor
 // kv_heads, d] contiguous, k/v [n, kv_heads, d] (rows and heads may be strided, d contiguous),
 // slots [n] int64 flat slot numbers. One copy per (token, head); a slot outside the pool
 // raises IndexError before anything is written.
-void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& k,
-              const torch::Tensor& v, const torch::Tensor& slots) {
+void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k,
+              const at::Tensor& v, const at::Tensor& slots) {
   TORCH_CHECK(k_cache.device().is_cpu() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
               "the K and V pools must be alike contiguous [blocks, block_size, heads, d] CPU tensors");
   const int64_t n = slots.size(0), heads = k_cache.size(2), d = k_cache.size(3);
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  for (const torch::Tensor* t : {&k, &v}) {
+  for (const at::Tensor* t : {&k, &v}) {
     TORCH_CHECK(t->dim() == 3 && t->size(0) == n && t->size(1) == heads && t->size(2) == d &&
                     t->stride(2) == 1 && t->scalar_type() == k_cache.scalar_type(),
                 "k and v must be [n, kv_heads, head_dim] in the pool's dtype, head_dim contiguous");
   }
-  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.dim() == 1 && slots.is_contiguous(),
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
               "slots must be a contiguous int64 vector");
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
@@ -161,7 +165,7 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor&
   }
   const int64_t elem = k_cache.element_size();
   const int64_t row = heads * d * elem;
-  auto store = [&](torch::Tensor& cache, const torch::Tensor& src) {
+  auto store = [&](at::Tensor& cache, const at::Tensor& src) {
     char* base = static_cast<char*>(cache.data_ptr());
     const char* in = static_cast<const char*>(src.data_ptr());
     for (int64_t i = 0; i < n; ++i) {
@@ -199,12 +203,12 @@ inline float exp_nonpositive(float x) {
 
 // SwiGLU's activation: gate_up [rows, 2 * width] (gate then up, as the fused projection
 // gives them) -> silu(gate) * up [rows, width], silu(g) = g / (1 + exp(-g)) as torch's.
-torch::Tensor silu_mul(const torch::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.scalar_type() == torch::kFloat32 &&
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.scalar_type() == at::kFloat &&
                   gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "gate_up must be a contiguous float32 [rows, 2 * width] CPU tensor");
   const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
-  torch::Tensor out = torch::empty({rows, width}, gate_up.options());
+  at::Tensor out = at::empty({rows, width}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
