@@ -1,0 +1,30 @@
+"""Fixtures shared by the end-to-end test modules.
+
+`real_model_server`: one `zeroserve serve` of the real default model for the whole session,
+shared by every module that needs the real model behind the HTTP API but not a configuration
+of its own (the OpenAI client tests, structured output, the console's JSON-schema reply).
+Starting it costs a GGUF load and a worker start (and its stop some seconds more) per module
+otherwise. Tests that share it must not assume a fresh server: counters they check are read
+before and after (see test_structured_output_real_model's prefix-cache test).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from zeroserve.cli.harness import ServerProcess, start_server
+
+NUM_THREADS = 2
+# float32: deterministic on the CPU, and what the in-process reference engines load.
+REAL_MODEL_FLAGS = ("--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "256",
+                    "--max-num-seqs", "4", "--num-threads", str(NUM_THREADS))
+
+
+@pytest.fixture(scope="session")
+def real_model_server(tmp_path_factory) -> Iterator[ServerProcess]:
+    server = start_server(tmp_path_factory.mktemp("real-model-server"), args=REAL_MODEL_FLAGS,
+                          timeout_s=240)
+    yield server
+    server.stop(timeout_s=10)
