@@ -11,20 +11,37 @@ before and after (see test_structured_output_real_model's prefix-cache test).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from zeroserve.cli.harness import ServerProcess, start_server
 
+HERE = Path(__file__).parent
 NUM_THREADS = 2
 # float32: deterministic on the CPU, and what the in-process reference engines load.
 REAL_MODEL_FLAGS = ("--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "256",
                     "--max-num-seqs", "4", "--num-threads", str(NUM_THREADS))
 
 
+_REAL_MODEL_SERVER = pytest.StashKey[ServerProcess]()
+
+
 @pytest.fixture(scope="session")
-def real_model_server(tmp_path_factory) -> Iterator[ServerProcess]:
+def real_model_server(request, tmp_path_factory) -> Iterator[ServerProcess]:
     server = start_server(tmp_path_factory.mktemp("real-model-server"), args=REAL_MODEL_FLAGS,
                           timeout_s=240)
+    request.config.stash[_REAL_MODEL_SERVER] = server
     yield server
+    if server.process.poll() is None:  # not stopped on leaving tests/e2e (below)
+        server.stop(timeout_s=10)
+
+
+def pytest_runtest_teardown(item, nextitem) -> None:
+    """Stop the shared server once the run leaves tests/e2e: the session's other tests need
+    no real model idling beside them (its memory, its heartbeats)."""
+    server = item.config.stash.get(_REAL_MODEL_SERVER, None)
+    if server is None or (nextitem is not None and Path(nextitem.path).is_relative_to(HERE)):
+        return
+    del item.config.stash[_REAL_MODEL_SERVER]
     server.stop(timeout_s=10)
