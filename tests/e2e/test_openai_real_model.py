@@ -42,8 +42,10 @@ def engine(server):
     from zeroserve.worker.config import EngineConfig
     from zeroserve.worker.engine import Engine
 
-    torch.set_num_threads(NUM_THREADS)
-    return Engine(EngineConfig(device="cpu", dtype="float32", num_kv_blocks=256, max_num_seqs=4))
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(NUM_THREADS)  # the server worker's, for the same float sums
+    yield Engine(EngineConfig(device="cpu", dtype="float32", num_kv_blocks=256, max_num_seqs=4))
+    torch.set_num_threads(num_threads)  # the session's later tests run with all the cores
 
 
 def engine_text(server, engine, prompt_ids: list[int], max_tokens: int) -> tuple[str, list[int]]:
