@@ -495,9 +495,8 @@ def test_a_gateway_briefly_gone_is_said_and_reconnected(console, keyed_server):
 # --- structured output (the real model) ----------------------------------------------------
 
 @pytest.fixture(scope="module")
-def model_server(module_servers):
-    return module_servers(args=("--device", "cpu", "--workers", "1", "--max-num-seqs", "4"),
-                          num_workers=1, timeout_s=180)
+def model_server(real_model_server):
+    return real_model_server  # the session's (tests/e2e/conftest.py)
 
 
 def test_a_json_schema_reply_parses(console, model_server):

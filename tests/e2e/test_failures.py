@@ -27,12 +27,13 @@ def test_sigkill_a_worker_under_load(zeroserve):
                              "--fake-forward-ms", "2"), num_workers=2)
     bodies = [{"prompt": f"Go on {i}.", "max_tokens": 1500,
                "stream_options": {"include_usage": True}} for i in range(8)]
-    # What an undisturbed run gives (the fake backend's tokens follow from the context).
-    reference = []
-    for body in bodies:
-        thread, result = stream_in_thread(server.url, body)
+    # What an undisturbed run gives (the fake backend's tokens follow from the context, not
+    # from the batch, so the eight run side by side: one stream's time, not eight).
+    undisturbed = [stream_in_thread(server.url, body) for body in bodies]
+    for thread, _ in undisturbed:
         thread.join(timeout=60)
-        reference.append(result.text)
+    reference = [result.text for _, result in undisturbed]
+    assert all(result.usage["completion_tokens"] == 1500 for _, result in undisturbed)
     streams = [stream_in_thread(server.url, body) for body in bodies]
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and not all(len(r.chunks) >= 5 for _, r in streams):

@@ -10,22 +10,21 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tests.e2e.conftest import NUM_THREADS
 from tests.e2e.helpers import MODEL
 
 pytestmark = pytest.mark.slow
 
 openai = pytest.importorskip("openai")
 
-NUM_THREADS = 2
-# Deterministic on CPU and verified to produce what the tests need (see the multi-byte test).
-ENGINE_FLAGS = ("--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "256",
-                "--max-num-seqs", "4", "--num-threads", str(NUM_THREADS))
 MAX_TOKENS = 6  # few: the real model on a shared 2-core CPU is slow
 
 
 @pytest.fixture(scope="module")
-def server(module_servers):
-    return module_servers(args=ENGINE_FLAGS, timeout_s=240)
+def server(real_model_server):
+    """The session's real-model server (tests/e2e/conftest.py: float32, deterministic on the
+    CPU and verified to produce what the tests need, see the multi-byte test)."""
+    return real_model_server
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +42,10 @@ def engine(server):
     from zeroserve.worker.config import EngineConfig
     from zeroserve.worker.engine import Engine
 
-    torch.set_num_threads(NUM_THREADS)
-    return Engine(EngineConfig(device="cpu", dtype="float32", num_kv_blocks=256, max_num_seqs=4))
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(NUM_THREADS)  # the server worker's, for the same float sums
+    yield Engine(EngineConfig(device="cpu", dtype="float32", num_kv_blocks=256, max_num_seqs=4))
+    torch.set_num_threads(num_threads)  # the session's later tests run with all the cores
 
 
 def engine_text(server, engine, prompt_ids: list[int], max_tokens: int) -> tuple[str, list[int]]:

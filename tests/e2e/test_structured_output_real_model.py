@@ -17,8 +17,6 @@ pytestmark = pytest.mark.slow
 
 openai = pytest.importorskip("openai")
 
-ENGINE_FLAGS = ("--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "256",
-                "--max-num-seqs", "4", "--num-threads", "2")
 MAX_TOKENS = 80
 
 PERSON = {
@@ -73,8 +71,8 @@ def matches(value, schema: dict) -> bool:
 
 
 @pytest.fixture(scope="module")
-def client(module_servers):
-    server = module_servers(args=ENGINE_FLAGS, timeout_s=240)
+def client(real_model_server):
+    server = real_model_server  # the session's (tests/e2e/conftest.py)
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
                          timeout=300)
 

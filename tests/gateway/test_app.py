@@ -354,7 +354,8 @@ def test_a_stream_whose_worker_is_lost_with_no_other_fails_after_the_queue_timeo
 
 
 def test_worker_lost_non_stream_is_503():
-    with GatewayServer() as gw:
+    # No other worker comes: the request waits out the queue timeout (1 s, not the helper's 5).
+    with GatewayServer(queue_timeout_s=1.0) as gw:
         worker = gw.worker(reply=cyclic_reply("abc"), step_s=0.01).start()
         assert worker.ready.wait(5)
         import threading

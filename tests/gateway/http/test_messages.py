@@ -321,7 +321,8 @@ def test_rate_limit_and_overload_errors():
 
 
 def test_worker_failure_mid_stream_is_an_error_event():
-    with GatewayServer() as gw:
+    # No other worker comes: the stream waits out the queue timeout (1 s, not the helper's 5).
+    with GatewayServer(queue_timeout_s=1.0) as gw:
         worker = gw.worker(reply=lambda p, params: text_tokens("x" * 50), step_s=0.02).start()
         assert worker.ready.wait(5)
         events = []

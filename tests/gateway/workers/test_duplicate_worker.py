@@ -6,7 +6,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import threading
-import time
 
 import httpx
 import pytest
@@ -49,12 +48,14 @@ def test_real_workers_sharing_an_id_take_turns_only_when_one_dies():
     saying HELLO) while the first lives, and is taken within seconds once the first is
     killed; meanwhile the first's requests are never failed over."""
     with GatewayServer(worker_timeout_s=1.0) as gw:
+        refusals = _count_duplicate_refusals(gw)
         first = _start_worker(gw, "w0")
         second = None
         try:
             assert wait_until(lambda: _pid_of(gw, "w0") == first.pid, 60)
             second = _start_worker(gw, "w0")
-            time.sleep(8)  # its start-up, and several HELLOs
+            # Its start-up, then several HELLOs, each refused (polled, not a fixed wait).
+            assert wait_until(lambda: refusals.count(second.pid) >= 3, 60), refusals
             assert second.poll() is None  # refused, not ended
             assert _pid_of(gw, "w0") == first.pid
             # No incarnation replaced another (each replacement fails over every stream).
@@ -83,6 +84,21 @@ def _start_worker(gw: GatewayServer, worker_id: str) -> subprocess.Popen:
                        "--fake-forward-ms", "5", "--heartbeat-interval", "0.1",
                        "--gateway-timeout", "1", "--log-level", "warning"),
         cwd=REPO_ROOT, env=child_env())
+
+
+def _count_duplicate_refusals(gw: GatewayServer) -> list[int]:
+    """The pids of the HELLOs the gateway refused as a live worker's duplicate, as they come."""
+    refusals: list[int] = []
+    is_duplicate = gw.gateway._is_duplicate
+
+    def counting(peer, msg) -> bool:
+        refused = is_duplicate(peer, msg)
+        if refused:
+            refusals.append(msg.pid)
+        return refused
+
+    gw.gateway._is_duplicate = counting
+    return refusals
 
 
 def _pid_of(gw: GatewayServer, worker_id: str) -> int | None:

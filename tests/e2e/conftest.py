@@ -1,0 +1,51 @@
+"""Fixtures shared by the end-to-end test modules.
+
+`real_model_server`: one `zeroserve serve` of the real default model for the whole session,
+shared by every module that needs the real model behind the HTTP API but not a configuration
+of its own (the OpenAI client tests, structured output, the console's JSON-schema reply).
+Starting it costs a GGUF load and a worker start (and its stop some seconds more) per module
+otherwise. Tests that share it must not assume a fresh server: counters they check are read
+before and after (see test_structured_output_real_model's prefix-cache test).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from zeroserve.cli.harness import ServerProcess, start_server
+
+HERE = Path(__file__).parent
+# One torch thread: on two cores the worker's second OpenMP thread waits at every barrier
+# for a core that the gateway, the test's client or anything else on the machine holds.
+# With one other busy process on a 2-core machine, two JSON-schema replies and a 40-token
+# stream took 55 s with 2 threads and 7 s with 1 (scripts: see the commit that set this).
+NUM_THREADS = 1
+# float32: deterministic on the CPU, and what the in-process reference engines load.
+REAL_MODEL_FLAGS = ("--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "256",
+                    "--max-num-seqs", "4", "--num-threads", str(NUM_THREADS))
+
+
+_REAL_MODEL_SERVER = pytest.StashKey[ServerProcess]()
+
+
+@pytest.fixture(scope="session")
+def real_model_server(request, tmp_path_factory) -> Iterator[ServerProcess]:
+    server = start_server(tmp_path_factory.mktemp("real-model-server"), args=REAL_MODEL_FLAGS,
+                          timeout_s=240)
+    request.config.stash[_REAL_MODEL_SERVER] = server
+    yield server
+    if server.process.poll() is None:  # not stopped on leaving tests/e2e (below)
+        server.stop(timeout_s=10)
+
+
+def pytest_runtest_teardown(item, nextitem) -> None:
+    """Stop the shared server once the run leaves tests/e2e: the session's other tests need
+    no real model idling beside them (its memory, its heartbeats)."""
+    server = item.config.stash.get(_REAL_MODEL_SERVER, None)
+    if server is None or (nextitem is not None and Path(nextitem.path).is_relative_to(HERE)):
+        return
+    del item.config.stash[_REAL_MODEL_SERVER]
+    server.stop(timeout_s=10)
