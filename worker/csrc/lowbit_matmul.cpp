@@ -7,7 +7,8 @@
 //
 //   q4: w[n, k] = q * scale[n, b] + offset[n, b], q in 0..15, b = k / 32; each row of
 //       `nibbles` holds a block's 16 bytes, elements 0..15 in the low nibbles, 16..31 in the
-//       high ones (GGUF's Q4_0/Q4_1 order; Q4_K is brought to it by worker/model/kquant.py).
+//       high ones (GGUF's Q4_0/Q4_1 order; worker/model/quant.py's BlockQ4 packs any 4-bit
+//       blocks, Q4_K's included, this way).
 //   q8: w[n, k] = q * scale[n, b], q an int8 (GGUF's Q8_0).
 //
 // Each block is expanded to 32 floats in registers (one fused multiply-add per weight, the
@@ -38,7 +39,6 @@
 #include <immintrin.h>
 #define ZS_LOWBIT_AVX512 1
 #endif
-
 
 namespace {
 
