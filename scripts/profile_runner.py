@@ -50,11 +50,14 @@ def main() -> None:
                         help="also time one prefill chunk of this many tokens")
     parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     parser.add_argument("--profile", action="store_true", help="print torch.profiler top ops")
+    parser.add_argument("--no-weight-cache", action="store_true",
+                        help="prepare the weights in memory instead of mapping the weight cache")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
     runner = ModelRunner(EngineConfig(dtype=args.dtype, num_kv_blocks=4000,
-                                      attention_backend=args.attention_backend))
+                                      attention_backend=args.attention_backend,
+                                      weight_cache=not args.no_weight_cache))
     params = SamplingParams(temperature=args.temperature, max_tokens=1000)
     print(f"device={runner.info.device} dtype={runner.info.dtype} threads={torch.get_num_threads()}"
           f" context={args.context} attention={args.attention_backend}")
