@@ -43,8 +43,13 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kTile = 4;  // rows of x per pass over a group of weight rows
-constexpr int64_t kGroup = 4;  // weight rows (output features) per pass
+// One pass takes a group of output features (weight rows) and a tile of rows of x. A single
+// row of x takes 4 features at a time (four independent sums hide the multiply-add latency);
+// more rows take 2 features by up to 8 rows (each expanded block serves 8 rows; 16
+// accumulators). Which, never changes a (row, feature) pair's operations.
+constexpr int64_t kTile = 8;  // rows of x per pass, at most
+constexpr int64_t kGroupOneRow = 4;  // features per pass for a single row of x
+constexpr int64_t kGroup = 2;  // features per pass for more rows
 
 #if ZS_LOWBIT_AVX512
 
@@ -159,7 +164,24 @@ inline void micro_rows(const float* x, int64_t cols, int64_t blocks, int64_t row
     case 1: return micro<F, 1>(x, cols, blocks, out, out_stride, load_block);
     case 2: return micro<F, 2>(x, cols, blocks, out, out_stride, load_block);
     case 3: return micro<F, 3>(x, cols, blocks, out, out_stride, load_block);
+    case 4: return micro<F, 4>(x, cols, blocks, out, out_stride, load_block);
+    case 5: return micro<F, 5>(x, cols, blocks, out, out_stride, load_block);
+    case 6: return micro<F, 6>(x, cols, blocks, out, out_stride, load_block);
+    case 7: return micro<F, 7>(x, cols, blocks, out, out_stride, load_block);
     default: return micro<F, kTile>(x, cols, blocks, out, out_stride, load_block);
+  }
+}
+
+// Features [n, n + count) (count kGroupOneRow, kGroup or 1) for 1..kTile rows of x.
+template <typename LoadBlock>
+inline void features(int64_t count, const float* x, int64_t cols, int64_t blocks, int64_t rows,
+                     float* out, int64_t out_stride, LoadBlock load_block) {
+  if (count == kGroupOneRow && rows == 1) {
+    micro<kGroupOneRow, 1>(x, cols, blocks, out, out_stride, load_block);
+  } else if (count == kGroup) {
+    micro_rows<kGroup>(x, cols, blocks, rows, out, out_stride, load_block);
+  } else {
+    micro_rows<1>(x, cols, blocks, rows, out, out_stride, load_block);
   }
 }
 
@@ -178,12 +200,10 @@ void check_scales(const at::Tensor& t, int64_t rows, int64_t blocks, const char*
 
 // Output features per task: enough work to pay for a task, few enough to share the rows.
 constexpr int64_t kGrain = 16;
-#ifndef ROWS_FOR_GROUP
-#define ROWS_FOR_GROUP 2
-#endif
+constexpr int64_t kTileBytes = 24 << 10;  // of x per row tile
 
-// `tile(n, count, x, rows, out, stride)` computes features [n, n + count) (count kGroup or 1)
-// for `rows` (1..kTile) rows of x.
+// `tile(n, count, x, rows, out, stride)` computes features [n, n + count) for `rows`
+// (1..kTile) rows of x.
 template <typename Tile>
 at::Tensor run(const at::Tensor& x_in, int64_t rows_out, int64_t cols, Tile tile) {
   const at::Tensor x = x_in.contiguous();
@@ -192,13 +212,18 @@ at::Tensor run(const at::Tensor& x_in, int64_t rows_out, int64_t cols, Tile tile
   if (rows == 0 || rows_out == 0) return out;
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  // Row tiles small enough for x to stay in L1 while a thread's features stream past (8 rows
+  // of 576, 4 of 1536); each thread reads its weights once per tile (from L2 after the first).
+  const int64_t tile_rows = std::clamp<int64_t>(kTileBytes / (cols * 4), 1, kTile);
   at::parallel_for(0, rows_out, kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end;) {
-      const int64_t count = (rows >= ROWS_FOR_GROUP && end - n >= kGroup) ? kGroup : 1;
-      for (int64_t m = 0; m < rows; m += kTile) {
-        tile(n, count, xp + m * cols, std::min(kTile, rows - m), op + m * rows_out + n, rows_out);
+    for (int64_t m = 0; m < rows; m += tile_rows) {
+      const int64_t tile_len = std::min(tile_rows, rows - m);
+      const int64_t group = rows == 1 ? kGroupOneRow : kGroup;
+      for (int64_t n = begin; n < end;) {
+        const int64_t count = end - n >= group ? group : 1;
+        tile(n, count, xp + m * cols, tile_len, op + m * rows_out + n, rows_out);
+        n += count;
       }
-      n += count;
     }
   });
   return out;
@@ -229,11 +254,7 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& nibbles,
     auto load = [=](int64_t f, int64_t b, auto& lo, auto& hi) {
       q4_block(row + f * (cols / 2) + b * 16, scale[f * blocks + b], offset[f * blocks + b], lo, hi);
     };
-    if (count == kGroup) {
-      micro_rows<kGroup>(xr, cols, blocks, rows, out, stride, load);
-    } else {
-      micro_rows<1>(xr, cols, blocks, rows, out, stride, load);
-    }
+    features(count, xr, cols, blocks, rows, out, stride, load);
   });
 }
 
@@ -257,10 +278,6 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& values,
     auto load = [=](int64_t f, int64_t b, auto& lo, auto& hi) {
       q8_block(row + f * cols + b * kBlock, scale[f * blocks + b], lo, hi);
     };
-    if (count == kGroup) {
-      micro_rows<kGroup>(xr, cols, blocks, rows, out, stride, load);
-    } else {
-      micro_rows<1>(xr, cols, blocks, rows, out, stride, load);
-    }
+    features(count, xr, cols, blocks, rows, out, stride, load);
   });
 }
