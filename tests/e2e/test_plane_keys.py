@@ -22,6 +22,7 @@ def test_serve_on_tcp_without_keys_uses_an_ephemeral_key_set(zeroserve):
     response = httpx.post(server.url + "/v1/completions", timeout=30,
                           json={"model": MODEL, "prompt": "Hello", "max_tokens": 5})
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
+    server.wait_ready(num_workers=2, timeout_s=60)  # the second may finish its HELLO later
     assert len(server.ready_workers()) == 2
     key_dir = re.search(r"ephemeral key set in (\S+)", server.log_tail(200)).group(1)
     assert (REPO_ROOT / key_dir).joinpath("gateway.key_secret").exists()
