@@ -59,6 +59,15 @@ def cpu_tag(cpuinfo: str | None = None) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+def headers_tag() -> str:
+    """A hash of csrc's headers: the loader's cache key covers the sources and flags, not what
+    they include, so the headers' hash goes in as a flag and a changed header rebuilds."""
+    digest = hashlib.sha256()
+    for header in sorted(CSRC.glob("*.h")):
+        digest.update(header.name.encode() + b"\0" + header.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 @functools.cache
 def _build() -> ModuleType | KernelBuildError:
     """Build (or load the cached build) once per process; a failure is remembered too."""
@@ -67,7 +76,8 @@ def _build() -> ModuleType | KernelBuildError:
     try:
         return cpp_extension.load(
             name=f"zeroserve_cpu_kernels_{cpu_tag()}", sources=[str(p) for p in SOURCES],
-            extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False,
+            extra_cflags=[*FLAGS, f"-DZEROSERVE_HEADERS={headers_tag()}"],
+            extra_ldflags=["-fopenmp"], verbose=False,
         )
     except Exception as exc:  # compiler, ninja or linker missing or failing
         logger.warning("native CPU kernels unavailable (%s); using the torch paths", exc)

@@ -26,6 +26,8 @@
 
 #include <ATen/Parallel.h>
 
+#include "fast_exp.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -177,28 +179,6 @@ void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k,
   };
   store(k_cache, k);
   store(v_cache, v);
-}
-
-// exp(x) for x <= 0, branch-free so that `omp simd` loops vectorize (std::exp does not):
-// 2^(x log2 e) as an integer power set in the exponent bits times a degree-6 polynomial on
-// [-0.5, 0.5] (relative error ~2e-7; decode_attention.cpp's softmax uses the same).
-#pragma omp declare simd notinbranch
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float t = x * 1.44269504088896341f;
-  const float n = std::nearbyint(t);
-  const float f = t - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
 }
 
 // SwiGLU's activation: gate_up [rows, 2 * width] (gate then up, as the fused projection
