@@ -22,7 +22,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
+import shutil
 from pathlib import Path
 from types import ModuleType
 
@@ -59,6 +61,18 @@ def cpu_tag(cpuinfo: str | None = None) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+def _put_pip_ninja_on_path() -> None:
+    """torch's loader runs `ninja` from PATH; a venv that is not activated has pip's ninja
+    (a dependency of the project) only in its own bin folder, so add that where PATH has none."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 def headers_tag() -> str:
     """A hash of csrc's headers: the loader's cache key covers the sources and flags, not what
     they include, so the headers' hash goes in as a flag and a changed header rebuilds."""
@@ -73,6 +87,7 @@ def _build() -> ModuleType | KernelBuildError:
     """Build (or load the cached build) once per process; a failure is remembered too."""
     from torch.utils import cpp_extension
 
+    _put_pip_ninja_on_path()
     try:
         return cpp_extension.load(
             name=f"zeroserve_cpu_kernels_{cpu_tag()}", sources=[str(p) for p in SOURCES],
