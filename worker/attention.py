@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from zeroserve.worker import cpu_kernels
+
 
 @dataclass
 class PrefillSpan:
@@ -91,20 +93,14 @@ def causal_mask(start_pos: int, num_tokens: int, group: int, device: torch.devic
     return mask.repeat(group, 1)
 
 
-@functools.cache
-def _native_write_kv():
-    from zeroserve.worker import cpu_kernels
-
-    module = cpu_kernels.load()
-    return None if module is None else module.write_kv
-
-
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store the new tokens' K/V ([num_tokens, kv_heads, head_dim]) in their slots."""
-    native = _native_write_kv() if k_cache.device.type == "cpu" else None
+    # The native copy where start-up loaded the CPU kernels (never a build mid-step): one
+    # call instead of two index_copy_, the same pool.
+    native = cpu_kernels.loaded() if k_cache.device.type == "cpu" else None
     if native is not None:
-        native(k_cache, v_cache, k, v, slot_mapping)  # one call instead of two index_copy_
+        native.write_kv(k_cache, v_cache, k, v, slot_mapping)
         return
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)

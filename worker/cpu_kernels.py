@@ -1,11 +1,11 @@
 """Native CPU kernels (worker/csrc), compiled on first use for this machine's CPU.
 
 torch's C++ extension loader builds the sources of `csrc/` (decode attention over the paged
-pool; matrix products with the file's 4-bit and 8-bit blocks; RMSNorm and rotary per row; the
-module) with the system
-compiler and ninja into torch's extension cache (~/.cache/torch_extensions, or
-$TORCH_EXTENSIONS_DIR), once per source version and CPU (about 30 s on 2 cores); later
-processes load the cached library. Concurrent workers share one build through the loader's lock file.
+pool; matrix products with the file's 4-bit and 8-bit blocks; a layer's per-row ops; the
+Python bindings) with the system compiler and ninja into torch's extension cache
+(~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR), once per source version and CPU
+(about 45 s on 2 cores; `./scripts/setup` does it); later processes load the cached library.
+Concurrent workers share one build through the loader's lock file.
 
 The build uses `-march=native`, so the library only runs on CPUs with the builder's
 instruction set. The loader keys its cache by name, sources and flags, not by CPU: the name
@@ -14,7 +14,8 @@ carries a tag of this CPU (its model and feature flags), so a cache shared with 
 one that dies with SIGILL.
 
 `load()` returns None when the build is impossible here (no compiler, no ninja); callers then
-use the pure torch path, which computes the same attention.
+use the pure torch paths, which compute the same values. `loaded()` never builds: for code
+on the hot path that uses the kernels only where start-up already loaded them.
 """
 
 from __future__ import annotations
@@ -107,3 +108,10 @@ def load(required: bool = False) -> ModuleType | None:
             raise module
         return None
     return module
+
+
+def loaded() -> ModuleType | None:
+    """The module if this process has already loaded it (never builds or waits for a build)."""
+    if not _build.cache_info().currsize:
+        return None
+    return load()

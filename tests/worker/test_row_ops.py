@@ -33,6 +33,7 @@ def test_rms_norm_matches_hf_and_is_per_row(native, rows, width):
     assert torch.equal(total, x + delta)
     assert torch.equal(normed, native.rms_norm(x + delta, weight, 1e-5))
     torch_total, torch_normed = TorchRowOps().add_rms_norm(x, delta, weight, 1e-5)
+    assert torch.equal(torch_total, total)
     torch.testing.assert_close(normed, torch_normed, rtol=2e-6, atol=2e-6)
 
 

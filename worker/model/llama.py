@@ -76,7 +76,8 @@ def _optional(tensors: dict[str, torch.Tensor], name: str,
 
 class LlamaLayer:
     def __init__(self, config: LlamaConfig, tensors: dict[str, torch.Tensor], index: int,
-                 device: torch.device, tile_rows: int | None = None, per_row: bool = True):
+                 device: torch.device, tile_rows: int | None = None, per_row: bool = True,
+                 ops: TorchRowOps | None = None):
         prefix = f"layers.{index}."
         self.config = config
         self.input_norm = tensors[prefix + "input_norm"].to(device)
@@ -90,7 +91,7 @@ class LlamaLayer:
         self.q_norm = _optional(tensors, prefix + "q_norm", device)  # [head_dim]
         self.k_norm = _optional(tensors, prefix + "k_norm", device)
         self.window = config.window_of(index)
-        self.ops: TorchRowOps = TorchRowOps()  # LlamaModel sets the native ones where they run
+        self.ops = ops or TorchRowOps()  # RMSNorm, rotary, SwiGLU (worker.model.row_ops)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache | None, meta: AttentionMetadata) -> torch.Tensor:
@@ -142,11 +143,9 @@ class LlamaModel:
         # kernel is emulated (a CPU without native bf16): there the low-bit kernels are faster
         # for decode rows at every batch size measured, so the row-count rule would only lose.
         per_row = batch_invariant or not cpu_supports_bf16()
-        self.layers = [LlamaLayer(config, tensors, i, device, tile_rows, per_row)
-                       for i in range(config.num_layers)]
         self.ops = row_ops(device, dtype)
-        for layer in self.layers:
-            layer.ops = self.ops
+        self.layers = [LlamaLayer(config, tensors, i, device, tile_rows, per_row, self.ops)
+                       for i in range(config.num_layers)]
         self.norm = tensors["norm"].to(device)
         lm_head = tensors["lm_head"].to(device) if "lm_head" in tensors else self.embed
         self.lm_head = Linear(lm_head, low_bit_copy(tensors, "lm_head"), tile_rows, per_row)

@@ -50,15 +50,14 @@ INT4 = "int4"  # torch's int4/int8 kernels, bf16 on the CPU
 BLOCKS = "blocks"  # the native kernels on the file's Q4/Q8_0 blocks, fp32 on the CPU
 
 
-def packing(device: torch.device, dtype: torch.dtype, native: bool = True) -> str:
+def packing(device: torch.device, dtype: torch.dtype) -> str:
     """Which low-bit copies decode rows get: INT4, BLOCKS, or "" (none: the dense weights
-    only, as on a GPU). `native` False keeps fp32 on the dense path (`--weight-kernels
-    dense`): bit-faithful to the file's values with torch's own summation."""
+    only, as on a GPU, or in fp32 where the native kernels cannot be built)."""
     if device.type != "cpu":
         return ""
     if dtype == torch.bfloat16:
         return INT4 if int4_kernels_available() else ""
-    if dtype == torch.float32 and native and block_kernels_available():
+    if dtype == torch.float32 and block_kernels_available():
         return BLOCKS
     return ""
 

@@ -165,8 +165,9 @@ class BlockQ4:
     # Where the choice is by the call's row count (LlamaModel's per_row False: fp32 asked for
     # on a CPU with native bf16), calls of up to this many rows take this kernel, larger ones
     # the dense path. On a CPU without native bf16 (per_row True) decode rows always take it:
-    # all 30 SmolLM2 layers, 2 threads, streaming from memory, q4 against dense fp32: 9 vs 27
-    # ms at 1 row, 13 vs 60 at 4, 49 vs 150 at 16, 95 vs 162 at 32 (docs/benchmarks.md).
+    # all 30 SmolLM2 layers, 2 threads, streaming from memory, q4 against dense fp32: 6.9 vs
+    # 24.5 ms at 1 row, 9.7 vs 55 at 4, 28 vs 111 at 16, 55 vs 122 at 32, 109 vs 104 at 64
+    # (scripts/bench_block_kernels.py, docs/benchmarks.md).
     max_rows = 32
 
     def __init__(self, nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor):
@@ -201,7 +202,9 @@ class BlockQ8:
     """An Int8Blocks matrix (GGUF Q8_0: the tied embedding and lm_head of most files) for
     worker/csrc's q8_matmul."""
 
-    max_rows = 32  # as BlockQ4.max_rows (49152 x 576 lm_head: 3.4 vs 8.2 ms at 1 row, 26 vs 38 at 32)
+    # As BlockQ4.max_rows; the 49152 x 576 lm_head, q8 against dense fp32: 2.8 vs 5.8 ms at
+    # 1 row, 16.6 vs 30.5 at 32, 33 vs 25 at 64.
+    max_rows = 32
 
     def __init__(self, values: torch.Tensor, scales: torch.Tensor):
         self.values = values  # [rows, cols] int8
