@@ -88,6 +88,24 @@ def test_native_kernel_with_one_thread_and_block_size_8(kernel):
                                atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_kernel_row_alone_equals_row_in_a_batch(kernel, dtype, threads):
+    """A lone row's work is split by query head (too few KV-head items for the threads), a
+    batch's by KV head: the split never changes a row's result, bit for bit (speculation's
+    and failover's token equality rest on it)."""
+    q, k_cache, v_cache, tables, lens = make_problem(9, 3, 64, LENGTHS, dtype, seed=5)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batch = kernel(q, k_cache, v_cache, tables, lens, 0.125)
+        alone = [kernel(q[i : i + 1], k_cache, v_cache, tables[i : i + 1], lens[i : i + 1], 0.125)
+                 for i in range(len(LENGTHS))]
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(batch, torch.cat(alone))
+
+
 def test_native_kernel_rejects_bad_inputs(kernel):
     q, k_cache, v_cache, tables, lens = make_problem(9, 3, 64, [5, 9], torch.float32)
     with pytest.raises(RuntimeError, match="int32"):

@@ -12,8 +12,9 @@
 //
 // Built at run time by worker/cpu_kernels.py with -O3 -march=native. Where the CPU has
 // AVX-512 BF16 and the head size is 64 or 128, bf16 items use the intrinsics path
-// (one_item_bf16); everything else runs the portable loops (one_item), written for the
-// compiler to vectorize (`omp simd` on the reductions, a polynomial exp).
+// (one_item_bf16), and fp32 items with AVX-512 one_head_f32 per query head; everything else
+// runs the portable loops (one_item), written for the compiler to vectorize (`omp simd` on
+// the reductions, a polynomial exp).
 
 // ATen's Tensor and the two ops used (not torch/extension.h: all of libtorch's C++ API):
 // this file compiles in a fraction of the time. module.cpp holds the Python bindings.
@@ -150,14 +151,8 @@ void one_item(const Problem<T>& p, int64_t seq, int64_t kv_head, Scratch& s) {
   }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#define ZS_HAVE_AVX512_BF16 1
-
-// 16 bf16 values -> 16 floats (a bf16 is the high half of a float).
-inline __m512 load_bf16x16(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+#if defined(__AVX512F__)
+#define ZS_HAVE_AVX512 1
 
 // r[i] = sum of the 16 lanes of v[i]: a transpose-and-add tree, 45 instructions for 16 sums
 // instead of a horizontal reduction each.
@@ -178,6 +173,134 @@ inline __m512 sum16(const __m512* v) {
   }
   return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
                        _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+// exp_nonpositive (fast_exp.h) on 16 lanes: the same power-of-two split and polynomial.
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// softmax_rows for one row, 16 lanes at a time (the loops there do not vectorize: the max
+// and the exp ran scalar, most of a short context's time).
+inline float softmax_row16(float* scores, int64_t len) {
+  __m512 peak = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t l = 0;
+  for (; l + 16 <= len; l += 16) peak = _mm512_max_ps(peak, _mm512_loadu_ps(scores + l));
+  const __mmask16 tail = static_cast<__mmask16>((1u << (len - l)) - 1);
+  if (len > l) peak = _mm512_mask_max_ps(peak, tail, peak, _mm512_maskz_loadu_ps(tail, scores + l));
+  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
+  __m512 sum = _mm512_setzero_ps();
+  for (l = 0; l + 16 <= len; l += 16) {
+    const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(scores + l), top));
+    _mm512_storeu_ps(scores + l, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (len > l) {
+    const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, scores + l), top));
+    _mm512_mask_storeu_ps(scores + l, tail, e);
+    sum = _mm512_mask_add_ps(sum, tail, sum, e);
+  }
+  return 1.0f / _mm512_reduce_add_ps(sum);
+}
+
+// One query head g of an item in fp32 with AVX-512 (head size D, a multiple of 16): the same
+// sums in the same order whichever other heads share the item, so that splitting an item
+// by query head (run(), for batches too small to keep the threads busy) changes nothing.
+// q.k as 16-row tiles of lane sums reduced together (sum16), softmax_row16,
+// then the weighted V rows summed in registers, kWays interleaved accumulator sets.
+template <int64_t D>
+void one_head_f32(const Problem<float>& p, int64_t seq, int64_t kv_head, int64_t g,
+                  Scratch& s) {
+  constexpr int64_t kVecs = D / 16;
+  const int64_t group = p.heads / p.kv_heads;
+  const int64_t len = p.context_lens[seq];
+  const int32_t* table = p.tables + seq * p.table_stride;
+  s.scores.resize(len);
+  float* scores = s.scores.data();
+  const float* q_in = p.q + seq * p.q_stride + (kv_head * group + g) * D;
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  __m512 q[kVecs];
+  for (int64_t c = 0; c < kVecs; ++c) q[c] = _mm512_mul_ps(_mm512_loadu_ps(q_in + 16 * c), scale);
+
+  __m512 tile[16];
+  int64_t num_filled = 0;
+  for_each_row(p, table, len, p.k_cache, kv_head, [&](int64_t l, const float* k) {
+    __m512 dot = _mm512_mul_ps(q[0], _mm512_loadu_ps(k));
+    for (int64_t c = 1; c < kVecs; ++c) dot = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(k + 16 * c), dot);
+    tile[num_filled++] = dot;
+    if (num_filled == 16) {
+      _mm512_storeu_ps(scores + l - 15, sum16(tile));
+      num_filled = 0;
+    }
+  });
+  if (num_filled > 0) {
+    for (int64_t i = num_filled; i < 16; ++i) tile[i] = _mm512_setzero_ps();
+    const __mmask16 valid = static_cast<__mmask16>((1u << num_filled) - 1);
+    _mm512_mask_storeu_ps(scores + len - num_filled, valid, sum16(tile));
+  }
+  const float inv_sum = softmax_row16(scores, len);
+
+  constexpr int64_t kWays = kVecs >= 16 ? 1 : 16 / kVecs;
+  __m512 acc[kWays][kVecs];
+  for (int64_t w = 0; w < kWays; ++w) {
+    for (int64_t c = 0; c < kVecs; ++c) acc[w][c] = _mm512_setzero_ps();
+  }
+  // Row l of each pool block goes to accumulator set l % kWays (counted within the block),
+  // unrolled so that the sets stay in registers.
+  const int64_t slot_stride = p.kv_heads * D;
+  for (int64_t start = 0, b = 0; start < len; start += p.block_size, ++b) {
+    const float* row = p.v_cache + static_cast<int64_t>(table[b]) * p.block_size * slot_stride +
+                       kv_head * D;
+    const int64_t stop = std::min(len, start + p.block_size);
+    int64_t l = start;
+    for (; l + kWays <= stop; l += kWays, row += kWays * slot_stride) {
+      for (int64_t w = 0; w < kWays; ++w) {
+        const __m512 weight = _mm512_set1_ps(scores[l + w]);
+        for (int64_t c = 0; c < kVecs; ++c) {
+          acc[w][c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(row + w * slot_stride + 16 * c),
+                                      acc[w][c]);
+        }
+      }
+    }
+    for (int64_t w = 0; w < kWays; ++w) {
+      if (l + w < stop) {
+        const __m512 weight = _mm512_set1_ps(scores[l + w]);
+        for (int64_t c = 0; c < kVecs; ++c) {
+          acc[w][c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(row + w * slot_stride + 16 * c),
+                                      acc[w][c]);
+        }
+      }
+    }
+  }
+  for (int64_t w = 1; w < kWays; ++w) {
+    for (int64_t c = 0; c < kVecs; ++c) acc[0][c] = _mm512_add_ps(acc[0][c], acc[w][c]);
+  }
+  const __m512 inv = _mm512_set1_ps(inv_sum);
+  float* out = p.out + seq * p.heads * D + (kv_head * group + g) * D;
+  for (int64_t c = 0; c < kVecs; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[0][c], inv));
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define ZS_HAVE_AVX512_BF16 1
+
+// 16 bf16 values -> 16 floats (a bf16 is the high half of a float).
+inline __m512 load_bf16x16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
 // The same item as one_item, with AVX-512 BF16 instructions for a head size D (a multiple
@@ -268,9 +391,18 @@ void one_item_bf16(const Problem<at::BFloat16>& p, int64_t seq, int64_t kv_head,
 }
 #endif
 
-// One item with the best path for this head size D (0: any) and storage type.
+// One item with the best path for this head size D (0: any) and storage type: query heads
+// [g_begin, g_end) of KV head `kv_head` (only the fp32 AVX-512 path takes part of a group;
+// the others always get the whole group).
 template <int64_t D, typename T>
-inline void item_for(const Problem<T>& p, int64_t seq, int64_t kv_head, Scratch& scratch) {
+inline void item_for(const Problem<T>& p, int64_t seq, int64_t kv_head, int64_t g_begin,
+                     int64_t g_end, Scratch& scratch) {
+#ifdef ZS_HAVE_AVX512
+  if constexpr (D > 0 && std::is_same_v<T, float>) {
+    for (int64_t g = g_begin; g < g_end; ++g) one_head_f32<D>(p, seq, kv_head, g, scratch);
+    return;
+  }
+#endif
 #ifdef ZS_HAVE_AVX512_BF16
   if constexpr (D > 0 && std::is_same_v<T, at::BFloat16>) {
     one_item_bf16<D>(p, seq, kv_head, scratch);
@@ -282,19 +414,32 @@ inline void item_for(const Problem<T>& p, int64_t seq, int64_t kv_head, Scratch&
 
 template <typename T>
 void run(const Problem<T>& p) {
-  const int64_t num_items = p.n * p.kv_heads;
-  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_items);
+  // Items are (sequence, KV head) pairs, or (sequence, query head) where there are too few
+  // pairs to share between the threads (a batch of one: 3 pairs on 2 threads leaves one
+  // thread a third idle) and the path computes heads on their own (fp32, AVX-512).
+  const int64_t threads = at::get_num_threads();
+  const int64_t group = p.heads / p.kv_heads;
+  bool per_head = false;
+#ifdef ZS_HAVE_AVX512
+  per_head = std::is_same_v<T, float> && (p.d == 64 || p.d == 128) && group > 1 &&
+             p.n * p.kv_heads < 4 * threads;
+#endif
+  const int64_t per_item = per_head ? 1 : group;  // query heads per item
+  const int64_t num_items = p.n * p.heads / per_item;
+  const int64_t num_threads = std::min<int64_t>(threads, num_items);
   at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t item = t; item < num_items; item += num_threads) {
-        const int64_t seq = item / p.kv_heads, kv_head = item % p.kv_heads;
+        const int64_t head = item * per_item;  // first query head, counted over the batch
+        const int64_t seq = head / p.heads, kv_head = (head % p.heads) / group;
+        const int64_t g = head % group;
         if (p.d == 64) {
-          item_for<64>(p, seq, kv_head, scratch);
+          item_for<64>(p, seq, kv_head, g, g + per_item, scratch);
         } else if (p.d == 128) {
-          item_for<128>(p, seq, kv_head, scratch);
+          item_for<128>(p, seq, kv_head, g, g + per_item, scratch);
         } else {
-          item_for<0>(p, seq, kv_head, scratch);
+          item_for<0>(p, seq, kv_head, g, g + per_item, scratch);
         }
       }
     }
