@@ -136,3 +136,32 @@ def test_q4_k_blocks_reproduce_gguf_dequantization():
     np.testing.assert_array_equal(blocks.dequantize(torch.float32).numpy(),
                                   gguf.quants.dequantize(raw, Q.Q4_K))
     assert int4_blocks(random_quantized(6, 512, Q.Q6_K, np.random.default_rng(0)), Q.Q6_K) is None
+
+
+@pytest.mark.skipif(packing(CPU, torch.float32) != BLOCKS, reason="needs the native CPU kernels")
+def test_decode_steps_call_the_kernels_directly_with_the_same_result(tmp_path, monkeypatch):
+    """A step of decode rows only runs LlamaLayer.decode_native (the kernels called directly):
+    bit for bit what forward() computes for the same rows, three sequences at once."""
+    model = make_model("llama", seed=2, tie_word_embeddings=False, **WIDE)
+    path = write_gguf(model, tmp_path / "tiny.gguf", quantize_like_file(model, MIXES["Q4_K"]))
+    engine = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", block_size=4,
+                                 num_kv_blocks=64, weight_cache=False))
+    llama = engine.runner.model
+    assert all(layer.native is not None for layer in llama.layers)
+    steps = []
+    forward = llama.forward
+
+    def recording(input_ids, positions, meta, kv_caches):
+        if not meta.prefills and kv_caches is not None:
+            steps.append((input_ids, positions, meta, kv_caches))
+        return forward(input_ids, positions, meta, kv_caches)
+
+    monkeypatch.setattr(llama, "forward", recording)
+    engine.generate([PROMPTS[0], PROMPTS[1], [1, 2, 3]],
+                    SamplingParams(temperature=0.0, max_tokens=4))
+    input_ids, positions, meta, kv_caches = steps[-1]
+    assert len(input_ids) == 3 and meta.num_decode == 3
+    direct = forward(input_ids, positions, meta, kv_caches)
+    for layer in llama.layers:
+        monkeypatch.setattr(layer, "native", None)
+    assert torch.equal(forward(input_ids, positions, meta, kv_caches), direct)

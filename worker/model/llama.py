@@ -22,7 +22,7 @@ from zeroserve.worker.model.linear import Linear
 from zeroserve.worker.model.llama_config import LlamaConfig
 from zeroserve.worker.model.quant import BlockQ4, BlockQ8, PackedInt4, PackedInt8
 from zeroserve.worker.model.rope import inv_freq
-from zeroserve.worker.model.row_ops import TorchRowOps, row_ops
+from zeroserve.worker.model.row_ops import NativeRowOps, TorchRowOps, row_ops
 from zeroserve.worker.model.sliding_window import windowed
 from zeroserve.worker.model.weights import ROPE_FREQS, PreparedWeights
 
@@ -92,6 +92,15 @@ class LlamaLayer:
         self.k_norm = _optional(tensors, prefix + "k_norm", device)
         self.window = config.window_of(index)
         self.ops = ops or TorchRowOps()  # RMSNorm, rotary, SwiGLU (worker.model.row_ops)
+        # The native kernels, where a step of decode rows only can call them directly
+        # (decode_native); None where forward() must choose per row or op.
+        self.native = None
+        linears = (self.qkv, self.o_proj, self.gate_up, self.down)
+        if (isinstance(self.ops, NativeRowOps) and self.window is None
+                and all(isinstance(lin.packed, BlockQ4 | BlockQ8) and lin.per_row
+                        for lin in linears)
+                and all(t is None for t in (self.qkv_bias, self.o_bias, self.q_norm))):
+            self.native = self.ops.module
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache | None, meta: AttentionMetadata) -> torch.Tensor:
@@ -121,6 +130,30 @@ class LlamaLayer:
                                 self.post_norm, cfg.rms_norm_eps)
         act = ops.silu_mul(self.gate_up(h, meta.num_decode))  # [num_tokens, intermediate]
         return x + self.down(act, meta.num_decode)
+
+    def decode_native(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """forward() for a step whose rows are all decodes, where `self.native` is set: the
+        very kernels forward() picks for such rows (block copies, native row ops, the paged
+        decode kernel), in the same order, called directly. At one row a step is ~300 kernel
+        calls of a few microseconds each, and forward()'s choices cost about a tenth of it."""
+        cfg = self.config
+        native = self.native
+        n = x.shape[0]
+        qk_size = cfg.q_size + cfg.kv_size
+        h = native.rms_norm(x, self.input_norm, cfg.rms_norm_eps)
+        qkv = self.qkv.packed.mm(h)
+        qk = native.rotary(qkv[:, :qk_size].view(n, -1, cfg.head_dim), cos, sin)
+        k_cache, v_cache = kv_cache
+        native.write_kv(k_cache, v_cache, qk[:, cfg.num_heads :],
+                        qkv[:, qk_size:].view(n, cfg.num_kv_heads, cfg.head_dim),
+                        meta.slot_mapping)
+        paged = meta.paged_decode
+        attn = paged.kernel(qk[:, : cfg.num_heads], k_cache, v_cache, paged.block_tables,
+                            paged.context_lens, cfg.head_dim**-0.5)
+        x, h = native.add_rms_norm(x, self.o_proj.packed.mm(attn), self.post_norm,
+                                   cfg.rms_norm_eps)
+        return x + self.down.packed.mm(native.silu_mul(self.gate_up.packed.mm(h)))
 
 
 class LlamaModel:
@@ -161,9 +194,16 @@ class LlamaModel:
         if self.windows:
             block_size = kv_caches[0][0].shape[1] if kv_caches else 1
             metas.update({w: windowed(meta, w, block_size, self.dtype) for w in self.windows})
+        # A step of decode rows only, read from the pool by the native kernel: the layers
+        # that can call their kernels directly do (LlamaLayer.decode_native).
+        all_decode = (kv_caches is not None and meta.paged_decode is not None
+                      and not meta.prefills and meta.num_decode == x.shape[0])
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x, cos, sin, None if kv_caches is None else kv_caches[i],
-                              metas[layer.window])
+            if all_decode and layer.native is not None:
+                x = layer.decode_native(x, cos, sin, kv_caches[i], meta)
+            else:
+                x = layer.forward(x, cos, sin, None if kv_caches is None else kv_caches[i],
+                                  metas[layer.window])
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

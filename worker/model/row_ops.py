@@ -44,6 +44,7 @@ class TorchRowOps:
 
 class NativeRowOps(TorchRowOps):
     def __init__(self, module):
+        self.module = module  # worker/csrc's kernels (LlamaLayer.decode_native calls them)
         self._rms_norm = module.rms_norm
         self._add_rms_norm = module.add_rms_norm
         self._rotary = module.rotary
