@@ -3,38 +3,44 @@
 //
 // A decode step with few rows is bound by reading the weights: a dense fp32 matrix-vector
 // product streams 4 bytes per weight, the file's Q4 blocks 0.56 to 0.63. These kernels read
-// the blocks as the GGUF file stores them and never build a dense copy:
+// the file's blocks (values and scales as it stores them) and never build a dense copy:
 //
-//   q4: w[n, k] = q * scale[n, b] + offset[n, b], q in 0..15, b = k / 32; each row of
-//       `nibbles` holds a block's 16 bytes, elements 0..15 in the low nibbles, 16..31 in the
-//       high ones (GGUF's Q4_0/Q4_1 order; worker/model/quant.py's BlockQ4 packs any 4-bit
-//       blocks, Q4_K's included, this way).
+//   q4: w[n, k] = q * scale[n, b] + offset[n, b], q in 0..15, b = k / 32.
 //   q8: w[n, k] = q * scale[n, b], q an int8 (GGUF's Q8_0).
 //
-// Each block is expanded to 32 floats in registers (one fused multiply-add per weight, the
-// same values as the dense copy up to the last bit) and multiplied with every row of x in
-// the tile before the next block is read: the expansion is paid once per tile of rows, and
-// each load of x serves a group of output features.
+// Both are stored in panels of 16 output features (worker/model/quant.py's BlockQ4 and
+// BlockQ8 pack them; a last partial panel is padded with zero weights):
+//
+//   q4: for panel p, block b and l in 0..15, 16 bytes (one per feature) hold q[k = 32b + l]
+//       in the low nibble and q[32b + 16 + l] in the high one.
+//   q8: for panel p and input k, 16 int8 (one per feature).
+//   scales (and offsets) as [panel, block, 16 features].
+//
+// A vector holds 16 features: for each input k the panel's 16 weights become one vector of
+// floats (q * scale + offset, or q * scale: one rounding, the dense copy's value) that every
+// row of the tile multiplies by its broadcast x[k]. The expansion is paid once per tile of
+// rows, and no lane sums are needed at the end. Each (row, feature) lane sums its products
+// one at a time, k ascending (q4: 32b + l, then 32b + 16 + l, for each b, then l).
 //
 // Batch independence: every (row of x, output) pair is computed by the same sequence of
 // operations whatever the number of rows, their tiling or the threads, so a row's result
 // never depends on what shares its call (docs/architecture.md, "Batch independence"): tiles
-// of rows and groups of features only share loads. Output features are split between
-// torch's intra-op threads.
+// of rows and groups of panels only share loads. Panels are split between torch's intra-op
+// threads.
 //
 // Built at run time by worker/cpu_kernels.py with -O3 -march=native: the AVX-512 path where
-// the CPU has it, portable loops (the same order of operations) elsewhere.
+// the CPU has it, portable loops (the same operations, lane by lane) elsewhere.
 
 // ATen's Tensor and the two ops used (not torch/extension.h: all of libtorch's C++ API):
 // this file compiles in a fraction of the time. module.cpp holds the Python bindings.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define ZS_LOWBIT_AVX512 1
@@ -43,241 +49,286 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
-// One pass takes a group of output features (weight rows) and a tile of rows of x. A single
-// row of x takes 4 features at a time (four independent sums hide the multiply-add latency);
-// more rows take 2 features by up to 8 rows (each expanded block serves 8 rows; 16
-// accumulators). Which, never changes a (row, feature) pair's operations.
+constexpr int64_t kPanel = 16;  // output features per panel (one vector)
 constexpr int64_t kTile = 8;  // rows of x per pass, at most
-constexpr int64_t kGroupOneRow = 4;  // features per pass for a single row of x
-constexpr int64_t kGroup = 2;  // features per pass for more rows
+// Panels per pass: 4 for a single row (four independent sums per lane hide the multiply-add
+// latency), 2 for tiles of 2..8 rows (16 accumulators). Which, never changes a lane's
+// operations.
+constexpr int64_t kPanelsOneRow = 4;
+constexpr int64_t kPanels = 2;
+
+// One panel's weights for the current block, as a kernel sees them.
+struct Q4 {
+  const uint8_t* nibbles;  // [panels, blocks * 256]
+  const float* scales;  // [panels, blocks * 16]
+  const float* offsets;
+  int64_t blocks;
+};
+
+struct Q8 {
+  const int8_t* values;  // [panels, blocks * 512]
+  const float* scales;  // [panels, blocks * 16]
+  int64_t blocks;
+};
 
 #if ZS_LOWBIT_AVX512
 
-// The 32 weights of one block as two vectors of 16 floats (elements 0..15 and 16..31):
-// q * scale + offset, one rounding each, as the dense copy's values. The 16 possible values
-// are computed once (one multiply-add over 0..15) and each weight picks its own with a
-// permute, which uses only the low 4 bits of each index: no masking, and the work moves
-// off the multiply-add port that the products need.
-inline void q4_block(const uint8_t* bytes, float scale, float offset, __m512& lo, __m512& hi) {
-  const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512 table = _mm512_fmadd_ps(levels, _mm512_set1_ps(scale), _mm512_set1_ps(offset));
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
-  lo = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(packed), table);
-  hi = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_srli_epi16(packed, 4)), table);
-}
-
-inline void q8_block(const int8_t* values, float scale, __m512& lo, __m512& hi) {
-  const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values));
-  const __m512 s = _mm512_set1_ps(scale);
-  lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(packed))), s);
-  hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(packed, 1))), s);
-}
-
-// A tile of F output features by R rows of x: `load_block(f, b, lo, hi)` gives block b of
-// feature f. Each block's weights are expanded once for the R rows, and each row's block
-// of x is loaded once for the F features. One accumulator per (feature, row): per block
-// acc += lo * x[0..15], then acc += hi * x[16..31]; at the end the 16 lanes are summed.
-template <int64_t F, int64_t R, typename LoadBlock>
-inline void micro(const float* x, int64_t cols, int64_t blocks, float* out, int64_t out_stride,
-                  LoadBlock load_block) {
-  __m512 acc[F][R];
-  for (int64_t f = 0; f < F; ++f) {
-    for (int64_t r = 0; r < R; ++r) acc[f][r] = _mm512_setzero_ps();
+// out[r * out_stride + 16 p + f] = sum_k w[16 p + f, k] x[r, k] for P panels (from `panel`)
+// and R rows of x, writing only the first `width` features.
+template <int64_t P, int64_t R>
+inline void q4_panels(const Q4& w, int64_t panel, const float* x, int64_t cols, float* out,
+                      int64_t out_stride, int64_t width) {
+  __m512 acc[P][R];
+  for (int64_t p = 0; p < P; ++p) {
+    for (int64_t r = 0; r < R; ++r) acc[p][r] = _mm512_setzero_ps();
   }
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m512 lo[F], hi[F];
-    for (int64_t f = 0; f < F; ++f) load_block(f, b, lo[f], hi[f]);
-    for (int64_t r = 0; r < R; ++r) {
-      const float* xb = x + r * cols + b * kBlock;
-      const __m512 x_lo = _mm512_loadu_ps(xb);
-      const __m512 x_hi = _mm512_loadu_ps(xb + 16);
-      for (int64_t f = 0; f < F; ++f) {
-        acc[f][r] = _mm512_fmadd_ps(lo[f], x_lo, acc[f][r]);
-        acc[f][r] = _mm512_fmadd_ps(hi[f], x_hi, acc[f][r]);
+  const __m512i low = _mm512_set1_epi32(0x0F);
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    __m512 s[P], o[P];
+    const uint8_t* nib[P];
+    for (int64_t p = 0; p < P; ++p) {
+      const int64_t at = (panel + p) * w.blocks + b;
+      s[p] = _mm512_loadu_ps(w.scales + at * kPanel);
+      o[p] = _mm512_loadu_ps(w.offsets + at * kPanel);
+      nib[p] = w.nibbles + at * 256;
+    }
+    const float* xb = x + b * kBlock;
+    for (int64_t l = 0; l < 16; ++l) {
+      __m512 w_lo[P], w_hi[P];
+      for (int64_t p = 0; p < P; ++p) {
+        const __m512i q = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(nib[p] + l * 16)));
+        w_lo[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), s[p], o[p]);
+        w_hi[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), s[p], o[p]);
       }
-    }
-  }
-  for (int64_t f = 0; f < F; ++f) {
-    for (int64_t r = 0; r < R; ++r) out[r * out_stride + f] = _mm512_reduce_add_ps(acc[f][r]);
-  }
-}
-
-#else  // portable loops in the same order of operations
-
-inline void q4_block(const uint8_t* bytes, float scale, float offset, float* lo, float* hi) {
-  for (int l = 0; l < 16; ++l) {
-    lo[l] = __builtin_fmaf(static_cast<float>(bytes[l] & 0x0F), scale, offset);
-    hi[l] = __builtin_fmaf(static_cast<float>(bytes[l] >> 4), scale, offset);
-  }
-}
-
-inline void q8_block(const int8_t* values, float scale, float* lo, float* hi) {
-  for (int l = 0; l < 16; ++l) {
-    lo[l] = static_cast<float>(values[l]) * scale;
-    hi[l] = static_cast<float>(values[16 + l]) * scale;
-  }
-}
-
-template <int64_t F, int64_t R, typename LoadBlock>
-inline void micro(const float* x, int64_t cols, int64_t blocks, float* out, int64_t out_stride,
-                  LoadBlock load_block) {
-  float acc[F][R][16];
-  for (int64_t f = 0; f < F; ++f) {
-    for (int64_t r = 0; r < R; ++r) {
-      for (int l = 0; l < 16; ++l) acc[f][r][l] = 0.0f;
-    }
-  }
-  float lo[F][16], hi[F][16];
-  for (int64_t b = 0; b < blocks; ++b) {
-    for (int64_t f = 0; f < F; ++f) load_block(f, b, lo[f], hi[f]);
-    for (int64_t r = 0; r < R; ++r) {
-      const float* xb = x + r * cols + b * kBlock;
-      for (int64_t f = 0; f < F; ++f) {
-        for (int l = 0; l < 16; ++l) acc[f][r][l] = __builtin_fmaf(lo[f][l], xb[l], acc[f][r][l]);
-        for (int l = 0; l < 16; ++l) {
-          acc[f][r][l] = __builtin_fmaf(hi[f][l], xb[16 + l], acc[f][r][l]);
+      for (int64_t r = 0; r < R; ++r) {
+        const __m512 x_lo = _mm512_set1_ps(xb[r * cols + l]);
+        const __m512 x_hi = _mm512_set1_ps(xb[r * cols + 16 + l]);
+        for (int64_t p = 0; p < P; ++p) {
+          acc[p][r] = _mm512_fmadd_ps(w_lo[p], x_lo, acc[p][r]);
+          acc[p][r] = _mm512_fmadd_ps(w_hi[p], x_hi, acc[p][r]);
         }
       }
     }
   }
-  for (int64_t f = 0; f < F; ++f) {
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t n = std::min<int64_t>(kPanel, width - kPanel * p);
+    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
     for (int64_t r = 0; r < R; ++r) {
-      // The same pairwise tree as _mm512_reduce_add_ps: halves folded 16 -> 8 -> 4 -> 2 -> 1.
-      float v[16];
-      for (int l = 0; l < 16; ++l) v[l] = acc[f][r][l];
-      for (int width = 8; width >= 1; width /= 2) {
-        for (int l = 0; l < width; ++l) v[l] = v[l] + v[l + width];
+      _mm512_mask_storeu_ps(out + r * out_stride + kPanel * p, mask, acc[p][r]);
+    }
+  }
+}
+
+template <int64_t P, int64_t R>
+inline void q8_panels(const Q8& w, int64_t panel, const float* x, int64_t cols, float* out,
+                      int64_t out_stride, int64_t width) {
+  __m512 acc[P][R];
+  for (int64_t p = 0; p < P; ++p) {
+    for (int64_t r = 0; r < R; ++r) acc[p][r] = _mm512_setzero_ps();
+  }
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    __m512 s[P];
+    const int8_t* val[P];
+    for (int64_t p = 0; p < P; ++p) {
+      const int64_t at = (panel + p) * w.blocks + b;
+      s[p] = _mm512_loadu_ps(w.scales + at * kPanel);
+      val[p] = w.values + at * kBlock * kPanel;
+    }
+    const float* xb = x + b * kBlock;
+    for (int64_t l = 0; l < kBlock; ++l) {
+      __m512 wl[P];
+      for (int64_t p = 0; p < P; ++p) {
+        const __m512i q = _mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(val[p] + l * kPanel)));
+        wl[p] = _mm512_mul_ps(_mm512_cvtepi32_ps(q), s[p]);
       }
-      out[r * out_stride + f] = v[0];
+      for (int64_t r = 0; r < R; ++r) {
+        const __m512 xl = _mm512_set1_ps(xb[r * cols + l]);
+        for (int64_t p = 0; p < P; ++p) acc[p][r] = _mm512_fmadd_ps(wl[p], xl, acc[p][r]);
+      }
+    }
+  }
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t n = std::min<int64_t>(kPanel, width - kPanel * p);
+    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+    for (int64_t r = 0; r < R; ++r) {
+      _mm512_mask_storeu_ps(out + r * out_stride + kPanel * p, mask, acc[p][r]);
+    }
+  }
+}
+
+#else  // portable loops: the same operations, lane by lane
+
+template <int64_t P, int64_t R>
+inline void q4_panels(const Q4& w, int64_t panel, const float* x, int64_t cols, float* out,
+                      int64_t out_stride, int64_t width) {
+  for (int64_t p = 0; p < P; ++p) {
+    for (int64_t r = 0; r < R; ++r) {
+      float acc[kPanel] = {0};
+      for (int64_t b = 0; b < w.blocks; ++b) {
+        const int64_t at = (panel + p) * w.blocks + b;
+        const float* s = w.scales + at * kPanel;
+        const float* o = w.offsets + at * kPanel;
+        const float* xb = x + r * cols + b * kBlock;
+        for (int64_t l = 0; l < 16; ++l) {
+          const uint8_t* q = w.nibbles + at * 256 + l * 16;
+          for (int64_t f = 0; f < kPanel; ++f) {
+            const float w_lo = __builtin_fmaf(static_cast<float>(q[f] & 0x0F), s[f], o[f]);
+            const float w_hi = __builtin_fmaf(static_cast<float>(q[f] >> 4), s[f], o[f]);
+            acc[f] = __builtin_fmaf(w_lo, xb[l], acc[f]);
+            acc[f] = __builtin_fmaf(w_hi, xb[16 + l], acc[f]);
+          }
+        }
+      }
+      const int64_t n = std::min<int64_t>(kPanel, width - kPanel * p);
+      for (int64_t f = 0; f < n; ++f) out[r * out_stride + kPanel * p + f] = acc[f];
+    }
+  }
+}
+
+template <int64_t P, int64_t R>
+inline void q8_panels(const Q8& w, int64_t panel, const float* x, int64_t cols, float* out,
+                      int64_t out_stride, int64_t width) {
+  for (int64_t p = 0; p < P; ++p) {
+    for (int64_t r = 0; r < R; ++r) {
+      float acc[kPanel] = {0};
+      for (int64_t b = 0; b < w.blocks; ++b) {
+        const int64_t at = (panel + p) * w.blocks + b;
+        const float* s = w.scales + at * kPanel;
+        const float* xb = x + r * cols + b * kBlock;
+        for (int64_t l = 0; l < kBlock; ++l) {
+          const int8_t* q = w.values + at * kBlock * kPanel + l * kPanel;
+          for (int64_t f = 0; f < kPanel; ++f) {
+            acc[f] = __builtin_fmaf(static_cast<float>(q[f]) * s[f], xb[l], acc[f]);
+          }
+        }
+      }
+      const int64_t n = std::min<int64_t>(kPanel, width - kPanel * p);
+      for (int64_t f = 0; f < n; ++f) out[r * out_stride + kPanel * p + f] = acc[f];
     }
   }
 }
 
 #endif
 
-// micro() for F features and 1..kTile rows, the counts fixed at compile time so that the
-// accumulators stay in registers.
-template <int64_t F, typename LoadBlock>
-inline void micro_rows(const float* x, int64_t cols, int64_t blocks, int64_t rows, float* out,
-                       int64_t out_stride, LoadBlock load_block) {
-  switch (rows) {
-    case 1: return micro<F, 1>(x, cols, blocks, out, out_stride, load_block);
-    case 2: return micro<F, 2>(x, cols, blocks, out, out_stride, load_block);
-    case 3: return micro<F, 3>(x, cols, blocks, out, out_stride, load_block);
-    case 4: return micro<F, 4>(x, cols, blocks, out, out_stride, load_block);
-    case 5: return micro<F, 5>(x, cols, blocks, out, out_stride, load_block);
-    case 6: return micro<F, 6>(x, cols, blocks, out, out_stride, load_block);
-    case 7: return micro<F, 7>(x, cols, blocks, out, out_stride, load_block);
-    default: return micro<F, kTile>(x, cols, blocks, out, out_stride, load_block);
+// Kernel<P, R>::run(weights, panel, x, cols, out, stride, width) for P panels and a runtime
+// count of 1..kTile rows, the counts fixed at compile time so the accumulators stay in
+// registers.
+template <typename W, int64_t P, int64_t R>
+inline void panels(const W& w, int64_t panel, const float* x, int64_t cols, float* out,
+                   int64_t out_stride, int64_t width) {
+  if constexpr (std::is_same_v<W, Q4>) {
+    q4_panels<P, R>(w, panel, x, cols, out, out_stride, width);
+  } else {
+    q8_panels<P, R>(w, panel, x, cols, out, out_stride, width);
   }
 }
 
-// Features [n, n + count) (count kGroupOneRow, kGroup or 1) for 1..kTile rows of x.
-template <typename LoadBlock>
-inline void features(int64_t count, const float* x, int64_t cols, int64_t blocks, int64_t rows,
-                     float* out, int64_t out_stride, LoadBlock load_block) {
-  if (count == kGroupOneRow && rows == 1) {
-    micro<kGroupOneRow, 1>(x, cols, blocks, out, out_stride, load_block);
-  } else if (count == kGroup) {
-    micro_rows<kGroup>(x, cols, blocks, rows, out, out_stride, load_block);
-  } else {
-    micro_rows<1>(x, cols, blocks, rows, out, out_stride, load_block);
+template <typename W, int64_t P>
+inline void panel_rows(int64_t rows, const W& w, int64_t panel, const float* x, int64_t cols,
+                       float* out, int64_t out_stride, int64_t width) {
+  switch (rows) {
+    case 1: return panels<W, P, 1>(w, panel, x, cols, out, out_stride, width);
+    case 2: return panels<W, P, 2>(w, panel, x, cols, out, out_stride, width);
+    case 3: return panels<W, P, 3>(w, panel, x, cols, out, out_stride, width);
+    case 4: return panels<W, P, 4>(w, panel, x, cols, out, out_stride, width);
+    case 5: return panels<W, P, 5>(w, panel, x, cols, out, out_stride, width);
+    case 6: return panels<W, P, 6>(w, panel, x, cols, out, out_stride, width);
+    case 7: return panels<W, P, 7>(w, panel, x, cols, out, out_stride, width);
+    default: return panels<W, P, kTile>(w, panel, x, cols, out, out_stride, width);
   }
+}
+
+// x [rows, cols] times all panels -> out [rows, out_features]. Each thread takes a range of
+// panels and, per tile of up to 8 rows, runs them kPanels (one row: kPanelsOneRow) at a time.
+template <typename W>
+void run(const W& w, int64_t num_panels, const float* x, int64_t rows, int64_t cols,
+         float* out, int64_t out_features) {
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = 0; m < rows; m += kTile) {
+      const int64_t len = std::min(kTile, rows - m);
+      const int64_t group = rows == 1 ? kPanelsOneRow : kPanels;
+      const float* xr = x + m * cols;
+      for (int64_t p = begin; p < end;) {
+        const int64_t count = end - p >= group ? group : 1;
+        float* dst = out + m * out_features + kPanel * p;
+        const int64_t width = out_features - kPanel * p;
+        if (count == kPanelsOneRow && len == 1) {
+          panels<W, kPanelsOneRow, 1>(w, p, xr, cols, dst, out_features, width);
+        } else if (count == kPanels) {
+          panel_rows<W, kPanels>(len, w, p, xr, cols, dst, out_features, width);
+        } else {
+          panel_rows<W, 1>(len, w, p, xr, cols, dst, out_features, width);
+        }
+        p += count;
+      }
+    }
+  });
 }
 
 void check_x(const at::Tensor& x, int64_t cols) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
               "x must be a 2-D float32 CPU tensor");
   TORCH_CHECK(x.size(1) == cols, "x has ", x.size(1), " columns, the weights ", cols);
-  TORCH_CHECK(cols % kBlock == 0, "the weights' columns must be a multiple of 32");
 }
 
-void check_scales(const at::Tensor& t, int64_t rows, int64_t blocks, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 &&
-                  t.size(0) == rows && t.size(1) == blocks && t.is_contiguous(),
-              name, " must be a contiguous float32 [rows, cols / 32] tensor");
+void check_weights(const at::Tensor& t, at::ScalarType type, const char* type_name,
+                   int64_t panels, int64_t per_block, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == type && t.dim() == 2 &&
+                  t.size(0) == panels && t.size(1) % per_block == 0 && t.is_contiguous(),
+              name, " must be a contiguous ", type_name, " [panels, blocks * ", per_block,
+              "] tensor");
 }
 
-// Output features per task: enough work to pay for a task, few enough to share the rows.
-constexpr int64_t kGrain = 16;
-constexpr int64_t kTileBytes = 24 << 10;  // of x per row tile
-
-// `tile(n, count, x, rows, out, stride)` computes features [n, n + count) for `rows`
-// (1..kTile) rows of x.
-template <typename Tile>
-at::Tensor run(const at::Tensor& x_in, int64_t rows_out, int64_t cols, Tile tile) {
-  const at::Tensor x = x_in.contiguous();
-  const int64_t rows = x.size(0);
-  at::Tensor out = at::empty({rows, rows_out}, x.options());
-  if (rows == 0 || rows_out == 0) return out;
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  // Row tiles small enough for x to stay in L1 while a thread's features stream past (8 rows
-  // of 576, 4 of 1536); each thread reads its weights once per tile (from L2 after the first).
-  const int64_t tile_rows = std::clamp<int64_t>(kTileBytes / (cols * 4), 1, kTile);
-  at::parallel_for(0, rows_out, kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t m = 0; m < rows; m += tile_rows) {
-      const int64_t tile_len = std::min(tile_rows, rows - m);
-      const int64_t group = rows == 1 ? kGroupOneRow : kGroup;
-      for (int64_t n = begin; n < end;) {
-        const int64_t count = end - n >= group ? group : 1;
-        tile(n, count, xp + m * cols, tile_len, op + m * rows_out + n, rows_out);
-        n += count;
-      }
-    }
-  });
-  return out;
+void check_panels(int64_t panels, int64_t out_features) {
+  TORCH_CHECK(out_features > kPanel * (panels - 1) && out_features <= kPanel * panels,
+              "out_features ", out_features, " does not fit ", panels, " panels of 16");
 }
 
 }  // namespace
 
-// x [M, K] fp32, nibbles [N, K / 2] uint8, scales and offsets [N, K / 32] fp32 -> [M, N].
-at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& nibbles,
-                        const at::Tensor& scales, const at::Tensor& offsets) {
-  TORCH_CHECK(nibbles.device().is_cpu() && nibbles.scalar_type() == at::kByte &&
-                  nibbles.dim() == 2 && nibbles.is_contiguous(),
-              "nibbles must be a contiguous uint8 [rows, cols / 2] tensor");
-  const int64_t rows_out = nibbles.size(0);
-  const int64_t cols = nibbles.size(1) * 2;
-  check_x(x, cols);
-  const int64_t blocks = cols / kBlock;
-  check_scales(scales, rows_out, blocks, "scales");
-  check_scales(offsets, rows_out, blocks, "offsets");
-  const uint8_t* q = nibbles.data_ptr<uint8_t>();
-  const float* s = scales.data_ptr<float>();
-  const float* o = offsets.data_ptr<float>();
-  return run(x, rows_out, cols, [&](int64_t n, int64_t count, const float* xr, int64_t rows,
-                                    float* out, int64_t stride) {
-    const uint8_t* row = q + n * (cols / 2);
-    const float* scale = s + n * blocks;
-    const float* offset = o + n * blocks;
-    auto load = [=](int64_t f, int64_t b, auto& lo, auto& hi) {
-      q4_block(row + f * (cols / 2) + b * 16, scale[f * blocks + b], offset[f * blocks + b], lo, hi);
-    };
-    features(count, xr, cols, blocks, rows, out, stride, load);
-  });
+// x [M, K] fp32; nibbles [P, K / 32 * 256] uint8, scales and offsets [P, K / 32 * 16] fp32
+// (P = ceil(N / 16) panels, see the top of this file) -> [M, N = out_features].
+at::Tensor q4_matmul(const at::Tensor& x_in, const at::Tensor& nibbles,
+                     const at::Tensor& scales, const at::Tensor& offsets, int64_t out_features) {
+  TORCH_CHECK(nibbles.dim() == 2, "nibbles must be 2-D [panels, blocks * 256]");
+  const int64_t panels = nibbles.size(0);
+  check_weights(nibbles, at::kByte, "uint8", panels, 256, "nibbles");
+  const int64_t blocks = nibbles.size(1) / 256;
+  check_weights(scales, at::kFloat, "float32", panels, kPanel, "scales");
+  check_weights(offsets, at::kFloat, "float32", panels, kPanel, "offsets");
+  TORCH_CHECK(scales.size(1) == blocks * kPanel && offsets.size(1) == blocks * kPanel,
+              "scales and offsets must have one entry per feature and block");
+  check_panels(panels, out_features);
+  check_x(x_in, blocks * kBlock);
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0) return out;
+  const Q4 w{nibbles.data_ptr<uint8_t>(), scales.data_ptr<float>(), offsets.data_ptr<float>(),
+             blocks};
+  run(w, panels, x.data_ptr<float>(), x.size(0), blocks * kBlock, out.data_ptr<float>(),
+      out_features);
+  return out;
 }
 
-// x [M, K] fp32, values [N, K] int8, scales [N, K / 32] fp32 -> [M, N].
-at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& values,
-                        const at::Tensor& scales) {
-  TORCH_CHECK(values.device().is_cpu() && values.scalar_type() == at::kChar &&
-                  values.dim() == 2 && values.is_contiguous(),
-              "values must be a contiguous int8 [rows, cols] tensor");
-  const int64_t rows_out = values.size(0);
-  const int64_t cols = values.size(1);
-  check_x(x, cols);
-  const int64_t blocks = cols / kBlock;
-  check_scales(scales, rows_out, blocks, "scales");
-  const int8_t* q = values.data_ptr<int8_t>();
-  const float* s = scales.data_ptr<float>();
-  return run(x, rows_out, cols, [&](int64_t n, int64_t count, const float* xr, int64_t rows,
-                                    float* out, int64_t stride) {
-    const int8_t* row = q + n * cols;
-    const float* scale = s + n * blocks;
-    auto load = [=](int64_t f, int64_t b, auto& lo, auto& hi) {
-      q8_block(row + f * cols + b * kBlock, scale[f * blocks + b], lo, hi);
-    };
-    features(count, xr, cols, blocks, rows, out, stride, load);
-  });
+// x [M, K] fp32; values [P, K * 16] int8, scales [P, K / 32 * 16] fp32 -> [M, out_features].
+at::Tensor q8_matmul(const at::Tensor& x_in, const at::Tensor& values,
+                     const at::Tensor& scales, int64_t out_features) {
+  TORCH_CHECK(values.dim() == 2, "values must be 2-D [panels, blocks * 512]");
+  const int64_t panels = values.size(0);
+  check_weights(values, at::kChar, "int8", panels, kBlock * kPanel, "values");
+  const int64_t blocks = values.size(1) / (kBlock * kPanel);
+  check_weights(scales, at::kFloat, "float32", panels, kPanel, "scales");
+  TORCH_CHECK(scales.size(1) == blocks * kPanel,
+              "scales must have one entry per feature and block");
+  check_panels(panels, out_features);
+  check_x(x_in, blocks * kBlock);
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0) return out;
+  const Q8 w{values.data_ptr<int8_t>(), scales.data_ptr<float>(), blocks};
+  run(w, panels, x.data_ptr<float>(), x.size(0), blocks * kBlock, out.data_ptr<float>(),
+      out_features);
+  return out;
 }

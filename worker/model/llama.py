@@ -51,21 +51,24 @@ class RotaryEmbedding:
 def load_linear(tensors: dict[str, torch.Tensor], name: str, device: torch.device,
                 tile_rows: int | None = None, per_row: bool = True) -> Linear:
     """A prepared projection (worker.model.prepare) and its low-bit copy if it has one."""
-    return Linear(tensors[name].to(device), low_bit_copy(tensors, name), tile_rows, per_row)
+    dense = tensors[name]
+    return Linear(dense.to(device), low_bit_copy(tensors, name, dense.shape[0]), tile_rows,
+                  per_row)
 
 
-def low_bit_copy(tensors: dict[str, torch.Tensor], name: str
+def low_bit_copy(tensors: dict[str, torch.Tensor], name: str, out_features: int
                  ) -> PackedInt4 | PackedInt8 | BlockQ4 | BlockQ8 | None:
-    """The copy worker.model.prepare made of `name` for decode rows, if any."""
+    """The copy worker.model.prepare made of `name` (`out_features` outputs) for decode rows,
+    if any."""
     if f"{name}.int4.weight" in tensors:
         return PackedInt4(tensors[f"{name}.int4.weight"], tensors[f"{name}.int4.scales_and_zeros"])
     if f"{name}.int8.weight" in tensors:
         return PackedInt8(tensors[f"{name}.int8.weight"], tensors[f"{name}.int8.scales"])
     if f"{name}.q4.nibbles" in tensors:
         return BlockQ4(tensors[f"{name}.q4.nibbles"], tensors[f"{name}.q4.scales"],
-                       tensors[f"{name}.q4.offsets"])
+                       tensors[f"{name}.q4.offsets"], out_features)
     if f"{name}.q8.values" in tensors:
-        return BlockQ8(tensors[f"{name}.q8.values"], tensors[f"{name}.q8.scales"])
+        return BlockQ8(tensors[f"{name}.q8.values"], tensors[f"{name}.q8.scales"], out_features)
     return None
 
 
@@ -181,7 +184,8 @@ class LlamaModel:
                        for i in range(config.num_layers)]
         self.norm = tensors["norm"].to(device)
         lm_head = tensors["lm_head"].to(device) if "lm_head" in tensors else self.embed
-        self.lm_head = Linear(lm_head, low_bit_copy(tensors, "lm_head"), tile_rows, per_row)
+        self.lm_head = Linear(lm_head, low_bit_copy(tensors, "lm_head", lm_head.shape[0]),
+                              tile_rows, per_row)
         self.rotary = RotaryEmbedding(config, max_len, device, tensors.get(ROPE_FREQS))
         self.windows = sorted({layer.window for layer in self.layers} - {None})
 

@@ -159,65 +159,89 @@ class PackedInt8:
 
 
 class BlockQ4:
-    """An Int4Blocks matrix for worker/csrc's q4_matmul: each row's blocks as the file packs
-    them (16 bytes, elements 0..15 in the low nibbles), w = q * scale + offset."""
+    """An Int4Blocks matrix for worker/csrc's q4_matmul, w = q * scale + offset per block of
+    32, in panels of 16 output features: for each panel, block and l in 0..15, 16 bytes (one
+    per feature) with q[32b + l] in the low nibble and q[32b + 16 + l] in the high one; the
+    scales and offsets as [panel, block, feature]. A row of the kernel's output is 16
+    features at once, so the panel keeps those features' weights for one input together."""
 
     # Where the choice is by the call's row count (LlamaModel's per_row False: fp32 asked for
     # on a CPU with native bf16), calls of up to this many rows take this kernel, larger ones
-    # the dense path. On a CPU without native bf16 (per_row True) decode rows always take it:
-    # all 30 SmolLM2 layers, 2 threads, streaming from memory, q4 against dense fp32: 6.9 vs
-    # 24.5 ms at 1 row, 9.7 vs 55 at 4, 28 vs 111 at 16, 55 vs 122 at 32, 109 vs 104 at 64
+    # the dense path. On a CPU without native bf16 (per_row True) decode rows always take it
     # (scripts/bench_block_kernels.py, docs/benchmarks.md).
     max_rows = 32
 
-    def __init__(self, nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor):
-        self.nibbles = nibbles  # [rows, cols / 2] uint8
-        self.scales = scales  # [rows, cols / 32] fp32
-        self.offsets = offsets  # [rows, cols / 32] fp32
+    def __init__(self, nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                 out_features: int):
+        self.nibbles = nibbles  # [panels, blocks * 256] uint8
+        self.scales = scales  # [panels, blocks * 16] fp32
+        self.offsets = offsets  # [panels, blocks * 16] fp32
+        self.out_features = out_features  # the last panel may be partly padding
         self._kernel = _native().q4_matmul
 
     @staticmethod
     def tensors(blocks: Int4Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rows, cols = blocks.q.shape
-        q = blocks.q.reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
-        nibbles = (q[..., :16] | (q[..., 16:] << 4)).reshape(rows, cols // 2)
+        panels, num_blocks = -(-rows // 16), cols // GROUP_SIZE
+        pad = panels * 16 - rows
+        q = np.pad(blocks.q, ((0, pad), (0, 0))).reshape(panels, 16, num_blocks, GROUP_SIZE)
+        pairs = q[..., :16] | (q[..., 16:] << 4)  # [panel, feature, block, l]
+        nibbles = pairs.transpose(0, 2, 3, 1).reshape(panels, num_blocks * 256)
         scale = blocks.scale.astype(np.float32)
         offset = blocks.zero.astype(np.float32) - 8 * scale  # (q - 8) s + z = q s + (z - 8 s)
+
+        def per_panel(a: np.ndarray) -> torch.Tensor:
+            a = np.pad(a, ((0, pad), (0, 0))).reshape(panels, 16, num_blocks)
+            return torch.from_numpy(np.ascontiguousarray(a.transpose(0, 2, 1), dtype=np.float32)
+                                    .reshape(panels, num_blocks * 16))
+
         return (torch.from_numpy(np.ascontiguousarray(nibbles, dtype=np.uint8)),
-                torch.from_numpy(np.ascontiguousarray(scale)),
-                torch.from_numpy(np.ascontiguousarray(offset)))
+                per_panel(scale), per_panel(offset))
 
     def dequantize(self) -> torch.Tensor:
         """[rows, cols] fp32: the weights the kernel computes with."""
-        rows = self.nibbles.shape[0]
-        packed = self.nibbles.view(rows, -1, 16)
-        q = torch.cat([packed & 0xF, packed >> 4], dim=-1).float()  # [rows, blocks, 32]
-        return (q * self.scales[..., None] + self.offsets[..., None]).view(rows, -1)
+        panels = self.nibbles.shape[0]
+        packed = self.nibbles.view(panels, -1, 16, 16)  # [panel, block, l, feature]
+        q = torch.cat([packed & 0xF, packed >> 4], dim=2).float()  # [panel, block, 32, feature]
+        q = q.permute(0, 3, 1, 2).reshape(panels * 16, -1, GROUP_SIZE)
+
+        def per_feature(a: torch.Tensor) -> torch.Tensor:
+            return a.view(panels, -1, 16).permute(0, 2, 1).reshape(panels * 16, -1, 1)
+
+        w = q * per_feature(self.scales) + per_feature(self.offsets)
+        return w.reshape(panels * 16, -1)[: self.out_features]
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        return self._kernel(x, self.nibbles, self.scales, self.offsets)
+        return self._kernel(x, self.nibbles, self.scales, self.offsets, self.out_features)
 
 
 class BlockQ8:
     """An Int8Blocks matrix (GGUF Q8_0: the tied embedding and lm_head of most files) for
-    worker/csrc's q8_matmul."""
+    worker/csrc's q8_matmul, w = q * scale per block of 32, in panels of 16 output features:
+    for each panel and input, the 16 features' int8 values; the scales as [panel, block,
+    feature]."""
 
-    # As BlockQ4.max_rows; the 49152 x 576 lm_head, q8 against dense fp32: 2.8 vs 5.8 ms at
-    # 1 row, 16.6 vs 30.5 at 32, 33 vs 25 at 64.
+    # As BlockQ4.max_rows.
     max_rows = 32
 
-    def __init__(self, values: torch.Tensor, scales: torch.Tensor):
-        self.values = values  # [rows, cols] int8
-        self.scales = scales  # [rows, cols / 32] fp32
+    def __init__(self, values: torch.Tensor, scales: torch.Tensor, out_features: int):
+        self.values = values  # [panels, cols * 16] int8
+        self.scales = scales  # [panels, cols / 32 * 16] fp32
+        self.out_features = out_features
         self._kernel = _native().q8_matmul
 
     @staticmethod
     def tensors(blocks: Int8Blocks) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.from_numpy(np.ascontiguousarray(blocks.q)),
-                torch.from_numpy(np.ascontiguousarray(blocks.scale, dtype=np.float32)))
+        rows, cols = blocks.q.shape
+        panels, pad = -(-rows // 16), -rows % 16
+        q = np.pad(blocks.q, ((0, pad), (0, 0))).reshape(panels, 16, cols)
+        scale = np.pad(blocks.scale.astype(np.float32), ((0, pad), (0, 0)))
+        scale = scale.reshape(panels, 16, cols // GROUP_SIZE).transpose(0, 2, 1)
+        return (torch.from_numpy(np.ascontiguousarray(q.transpose(0, 2, 1)).reshape(panels, -1)),
+                torch.from_numpy(np.ascontiguousarray(scale).reshape(panels, -1)))
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        return self._kernel(x, self.values, self.scales)
+        return self._kernel(x, self.values, self.scales, self.out_features)
 
 
 def _native():
@@ -234,12 +258,12 @@ def _register_shapes() -> None:
     registers the operators when it loads)."""
 
     @torch.library.register_fake("zeroserve::q4_matmul")
-    def _q4(x, nibbles, scales, offsets):
-        return x.new_empty(x.shape[0], nibbles.shape[0])
+    def _q4(x, nibbles, scales, offsets, out_features):
+        return x.new_empty(x.shape[0], out_features)
 
     @torch.library.register_fake("zeroserve::q8_matmul")
-    def _q8(x, values, scales):
-        return x.new_empty(x.shape[0], values.shape[0])
+    def _q8(x, values, scales, out_features):
+        return x.new_empty(x.shape[0], out_features)
 
 
 def block_kernels_available() -> bool:

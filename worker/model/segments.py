@@ -55,9 +55,9 @@ def decode_rows(x: torch.Tensor, weights: LinearTensors) -> torch.Tensor:
     if kind == "int8":
         return torch._weight_int8pack_mm(x, *low_bit)
     if kind == "q4":
-        return torch.ops.zeroserve.q4_matmul(x, *low_bit)
+        return torch.ops.zeroserve.q4_matmul(x, *low_bit, dense.shape[0])
     if kind == "q8":
-        return torch.ops.zeroserve.q8_matmul(x, *low_bit)
+        return torch.ops.zeroserve.q8_matmul(x, *low_bit, dense.shape[0])
     return F.linear(x, dense)
 
 
