@@ -54,15 +54,17 @@ def main() -> None:
     for _ in range(LAYERS):
         layer = []
         for rows, cols in LAYER_SHAPES:
-            nibbles = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=gen)
-            scales = torch.rand(rows, cols // 32, generator=gen) * 0.01
-            offsets = torch.randn(rows, cols // 32, generator=gen) * 0.01
+            # The kernels' panel layout (lowbit_matmul.cpp): 16 features per panel.
+            panels = rows // 16
+            nibbles = torch.randint(0, 256, (panels, cols * 8), dtype=torch.uint8, generator=gen)
+            scales = torch.rand(panels, cols // 2, generator=gen) * 0.01
+            offsets = torch.randn(panels, cols // 2, generator=gen) * 0.01
             dense = torch.randn(rows, cols, generator=gen)
             layer.append((dense, nibbles, scales, offsets))
         layers.append(layer)
     head_dense = torch.randn(VOCAB, HIDDEN, generator=gen)
-    head_q = torch.randint(-127, 128, (VOCAB, HIDDEN), dtype=torch.int8, generator=gen)
-    head_scales = torch.rand(VOCAB, HIDDEN // 32, generator=gen) * 0.01
+    head_q = torch.randint(-127, 128, (VOCAB // 16, HIDDEN * 16), dtype=torch.int8, generator=gen)
+    head_scales = torch.rand(VOCAB // 16, HIDDEN // 2, generator=gen) * 0.01
 
     print(f"threads={args.threads}; ms per call of all 30 layers' projections / of the lm_head")
     print("| rows | layers dense fp32 | layers q4 | dense / q4 | lm_head dense fp32 | lm_head q8 | dense / q8 |")
@@ -78,7 +80,8 @@ def main() -> None:
         def q4_layers(xs=xs):
             for layer in layers:
                 for dense, nibbles, scales, offsets in layer:
-                    kernels.q4_matmul(xs[dense.shape[1]], nibbles, scales, offsets)
+                    kernels.q4_matmul(xs[dense.shape[1]], nibbles, scales, offsets,
+                                      dense.shape[0])
 
         x = xs[576]
         figures = {"dense": [], "q4": [], "head_dense": [], "q8": []}
@@ -86,8 +89,8 @@ def main() -> None:
             figures["dense"].append(timed(dense_layers, args.repeats))
             figures["q4"].append(timed(q4_layers, args.repeats))
             figures["head_dense"].append(timed(lambda x=x: F.linear(x, head_dense), args.repeats))
-            figures["q8"].append(timed(lambda x=x: kernels.q8_matmul(x, head_q, head_scales),
-                                       args.repeats))
+            figures["q8"].append(timed(lambda x=x: kernels.q8_matmul(x, head_q, head_scales,
+                                                                     VOCAB), args.repeats))
         m = {k: statistics.median(v) for k, v in figures.items()}
         print(f"| {rows} | {m['dense']:.1f} | {m['q4']:.1f} | {m['dense'] / m['q4']:.2f}x "
               f"| {m['head_dense']:.1f} | {m['q8']:.1f} | {m['head_dense'] / m['q8']:.2f}x |")
