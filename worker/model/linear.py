@@ -39,7 +39,11 @@ class Linear:
         computes a row on its own, so a row's output does not depend on what shares its batch
         (docs/architecture.md, "Batch independence"). The model passes its decode rows, which
         are bound by reading weights (the low-bit copy reads 4x less); prefill chunks are
-        compute-bound, where oneDNN's dense path wins.
+        compute-bound, where oneDNN's dense path wins, except that up to
+        `packed.prefill_rows` of them (the native fp32 block kernels: 64) take the low-bit
+        copy with the decode rows, where it is the faster kernel for them too. Which kernel a
+        prefill row takes then depends on the step's prefill rows, as the dense kernel's
+        rounding already does; a decode row's never changes.
         """
         rows = x.shape[0]
         if not self.per_row:
@@ -47,7 +51,13 @@ class Linear:
                 return self.packed.mm(x)
             return F.linear(x, self.dense)
         num_packed = rows if num_packed_rows is None else min(num_packed_rows, rows)
-        if self.packed is None or num_packed == 0:
+        if self.packed is None:
+            return self._dense(x)
+        if rows - num_packed <= self.packed.prefill_rows:
+            # A few prefill rows ride with the decode rows where the low-bit kernel is the
+            # faster one for them too (the native block kernels, below ~100 rows).
+            return self.packed.mm(x)
+        if num_packed == 0:
             return self._dense(x)
         if num_packed == rows:
             return self.packed.mm(x)

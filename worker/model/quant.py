@@ -115,6 +115,7 @@ class PackedInt4:
     # Without batch invariance, calls of up to this many rows take this kernel, larger ones
     # the dense path (the crossover above).
     max_rows = 24
+    prefill_rows = 0  # prefill rows take the dense bf16 kernel (Linear)
 
     def __init__(self, weight: torch.Tensor, scales_and_zeros: torch.Tensor):
         self.weight = weight  # the kernel's packed layout
@@ -142,6 +143,7 @@ class PackedInt8:
     # 1 row, 1.6 vs 2.8 at 8, 2.3 vs 3.2 at 12, 3.2 vs 3.5 at 16, 4.9 vs 4.0 at 24).
 
     max_rows = 12  # without batch invariance, as PackedInt4.max_rows
+    prefill_rows = 0
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor):
         self.weight = weight  # [rows, cols] int8
@@ -170,6 +172,10 @@ class BlockQ4:
     # the dense path. On a CPU without native bf16 (per_row True) decode rows always take it
     # (scripts/bench_block_kernels.py, docs/benchmarks.md).
     max_rows = 32
+    # Per row (Linear), a step's prefill rows take this kernel too when there are at most this
+    # many: all 30 layers of the default model, 2 threads, q4 against dense fp32 MKL: 47 vs
+    # 119 ms at 32 rows, 83-92 vs 99-114 at 64, 168 vs 144 at 128.
+    prefill_rows = 64
 
     def __init__(self, nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
                  out_features: int):
@@ -221,8 +227,9 @@ class BlockQ8:
     for each panel and input, the 16 features' int8 values; the scales as [panel, block,
     feature]."""
 
-    # As BlockQ4.max_rows.
+    # As BlockQ4's.
     max_rows = 32
+    prefill_rows = 64
 
     def __init__(self, values: torch.Tensor, scales: torch.Tensor, out_features: int):
         self.values = values  # [panels, cols * 16] int8
