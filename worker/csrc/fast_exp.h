@@ -12,19 +12,22 @@
 
 namespace {
 
+// The polynomial's coefficients, highest power first (decode_attention.cpp's 16-lane
+// version uses them too).
+constexpr float kExpLowest = -87.0f;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kExpPoly[7] = {1.535336188319500e-4f, 1.339887440266574e-3f,
+                               9.618437357674640e-3f, 5.550332471162809e-2f,
+                               2.402264791363012e-1f, 6.931472028550421e-1f, 1.0f};
+
 #pragma omp declare simd notinbranch
 inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float t = x * 1.44269504088896341f;
+  x = x < kExpLowest ? kExpLowest : x;
+  const float t = x * kLog2e;
   const float n = std::nearbyint(t);
   const float f = t - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
+  float p = kExpPoly[0];
+  for (int i = 1; i < 7; ++i) p = p * f + kExpPoly[i];
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));

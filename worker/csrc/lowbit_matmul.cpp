@@ -82,15 +82,26 @@ inline void prefetch(const T* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
 }
 
+// acc[p][r] (panel p's 16 features for row r) to out[r * out_stride + 16 p ..], only the
+// first `width` features of the call.
+template <int64_t P, int64_t R>
+inline void store_panels(const __m512 (&acc)[P][R], float* out, int64_t out_stride,
+                         int64_t width) {
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t n = std::min<int64_t>(kPanel, width - kPanel * p);
+    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+    for (int64_t r = 0; r < R; ++r) {
+      _mm512_mask_storeu_ps(out + r * out_stride + kPanel * p, mask, acc[p][r]);
+    }
+  }
+}
+
 // out[r * out_stride + 16 p + f] = sum_k w[16 p + f, k] x[r, k] for P panels (from `panel`)
 // and R rows of x, writing only the first `width` features.
 template <int64_t P, int64_t R>
 inline void q4_panels(const Q4& w, int64_t panel, const float* x, int64_t cols, float* out,
                       int64_t out_stride, int64_t width) {
-  __m512 acc[P][R];
-  for (int64_t p = 0; p < P; ++p) {
-    for (int64_t r = 0; r < R; ++r) acc[p][r] = _mm512_setzero_ps();
-  }
+  __m512 acc[P][R] = {};
   const __m512i low = _mm512_set1_epi32(0x0F);
   for (int64_t b = 0; b < w.blocks; ++b) {
     __m512 s[P], o[P];
@@ -126,22 +137,13 @@ inline void q4_panels(const Q4& w, int64_t panel, const float* x, int64_t cols, 
       }
     }
   }
-  for (int64_t p = 0; p < P; ++p) {
-    const int64_t n = std::min<int64_t>(kPanel, width - kPanel * p);
-    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
-    for (int64_t r = 0; r < R; ++r) {
-      _mm512_mask_storeu_ps(out + r * out_stride + kPanel * p, mask, acc[p][r]);
-    }
-  }
+  store_panels<P, R>(acc, out, out_stride, width);
 }
 
 template <int64_t P, int64_t R>
 inline void q8_panels(const Q8& w, int64_t panel, const float* x, int64_t cols, float* out,
                       int64_t out_stride, int64_t width) {
-  __m512 acc[P][R];
-  for (int64_t p = 0; p < P; ++p) {
-    for (int64_t r = 0; r < R; ++r) acc[p][r] = _mm512_setzero_ps();
-  }
+  __m512 acc[P][R] = {};
   for (int64_t b = 0; b < w.blocks; ++b) {
     __m512 s[P];
     const int8_t* val[P];
@@ -164,13 +166,7 @@ inline void q8_panels(const Q8& w, int64_t panel, const float* x, int64_t cols, 
       }
     }
   }
-  for (int64_t p = 0; p < P; ++p) {
-    const int64_t n = std::min<int64_t>(kPanel, width - kPanel * p);
-    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
-    for (int64_t r = 0; r < R; ++r) {
-      _mm512_mask_storeu_ps(out + r * out_stride + kPanel * p, mask, acc[p][r]);
-    }
-  }
+  store_panels<P, R>(acc, out, out_stride, width);
 }
 
 #else  // portable loops: the same operations, lane by lane

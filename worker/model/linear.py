@@ -59,8 +59,6 @@ class Linear:
             return self.packed.mm(x)
         if num_packed == 0:
             return self._dense(x)
-        if num_packed == rows:
-            return self.packed.mm(x)
         out = x.new_empty(rows, self.dense.shape[0])
         out[:num_packed] = self.packed.mm(x[:num_packed])
         out[num_packed:] = self._dense(x[num_packed:])

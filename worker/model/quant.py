@@ -160,6 +160,16 @@ class PackedInt8:
         return torch._weight_int8pack_mm(x, self.weight, self.scales)
 
 
+def _in_panels(a: np.ndarray) -> torch.Tensor:
+    """[rows, n] per-output-feature data -> [panels, n * 16]: for each panel of 16 features
+    (the rows padded with zeros to a multiple of 16), each of the n entries for its 16
+    features together (worker/csrc/lowbit_matmul.cpp's layout)."""
+    rows, n = a.shape
+    panels = -(-rows // 16)
+    a = np.pad(a, ((0, panels * 16 - rows), (0, 0))).reshape(panels, 16, n)
+    return torch.from_numpy(np.ascontiguousarray(a.transpose(0, 2, 1)).reshape(panels, n * 16))
+
+
 class BlockQ4:
     """An Int4Blocks matrix for worker/csrc's q4_matmul, w = q * scale + offset per block of
     32, in panels of 16 output features: for each panel, block and l in 0..15, 16 bytes (one
@@ -188,21 +198,11 @@ class BlockQ4:
     @staticmethod
     def tensors(blocks: Int4Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rows, cols = blocks.q.shape
-        panels, num_blocks = -(-rows // 16), cols // GROUP_SIZE
-        pad = panels * 16 - rows
-        q = np.pad(blocks.q, ((0, pad), (0, 0))).reshape(panels, 16, num_blocks, GROUP_SIZE)
-        pairs = q[..., :16] | (q[..., 16:] << 4)  # [panel, feature, block, l]
-        nibbles = pairs.transpose(0, 2, 3, 1).reshape(panels, num_blocks * 256)
+        q = blocks.q.reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
+        pairs = (q[..., :16] | (q[..., 16:] << 4)).reshape(rows, -1)  # [row, block * 16 + l]
         scale = blocks.scale.astype(np.float32)
         offset = blocks.zero.astype(np.float32) - 8 * scale  # (q - 8) s + z = q s + (z - 8 s)
-
-        def per_panel(a: np.ndarray) -> torch.Tensor:
-            a = np.pad(a, ((0, pad), (0, 0))).reshape(panels, 16, num_blocks)
-            return torch.from_numpy(np.ascontiguousarray(a.transpose(0, 2, 1), dtype=np.float32)
-                                    .reshape(panels, num_blocks * 16))
-
-        return (torch.from_numpy(np.ascontiguousarray(nibbles, dtype=np.uint8)),
-                per_panel(scale), per_panel(offset))
+        return _in_panels(pairs), _in_panels(scale), _in_panels(offset)
 
     def dequantize(self) -> torch.Tensor:
         """[rows, cols] fp32: the weights the kernel computes with."""
@@ -239,13 +239,7 @@ class BlockQ8:
 
     @staticmethod
     def tensors(blocks: Int8Blocks) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, cols = blocks.q.shape
-        panels, pad = -(-rows // 16), -rows % 16
-        q = np.pad(blocks.q, ((0, pad), (0, 0))).reshape(panels, 16, cols)
-        scale = np.pad(blocks.scale.astype(np.float32), ((0, pad), (0, 0)))
-        scale = scale.reshape(panels, 16, cols // GROUP_SIZE).transpose(0, 2, 1)
-        return (torch.from_numpy(np.ascontiguousarray(q.transpose(0, 2, 1)).reshape(panels, -1)),
-                torch.from_numpy(np.ascontiguousarray(scale).reshape(panels, -1)))
+        return _in_panels(blocks.q), _in_panels(blocks.scale.astype(np.float32))
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         return self._kernel(x, self.values, self.scales, self.out_features)
