@@ -18,12 +18,19 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from zeroserve.worker import cpu_kernels  # noqa: E402
+from zeroserve.worker.model.quant import (  # noqa: E402
+    BlockQ4,
+    BlockQ8,
+    Int4Blocks,
+    Int8Blocks,
+)
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 VOCAB, HIDDEN, LAYERS = 49152, 576, 30
@@ -46,25 +53,35 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--fp32-scales", action="store_true",
+                        help="scales that fp16 cannot hold (Q4_K's): the 384-byte q4 unit")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = cpu_kernels.load(required=True)
+    rng = np.random.default_rng(0)
+    scale_dtype = np.float32 if args.fp32_scales else np.float16
+
+    def scales(rows: int, cols: int, size: float) -> np.ndarray:
+        return (rng.random((rows, cols // 32)) * size).astype(scale_dtype).astype(np.float32)
+
+    def q4(rows: int, cols: int) -> torch.Tensor:
+        """BlockQ4's layout of random Q4_1-like blocks (fp16 scales and offsets, as the file
+        stores them, unless --fp32-scales)."""
+        q = rng.integers(0, 16, (rows, cols), dtype=np.uint8)
+        scale = scales(rows, cols, 0.01)
+        return BlockQ4.tensors(Int4Blocks(q, scale, scales(rows, cols, 0.01) + 8 * scale))
+
     gen = torch.Generator().manual_seed(0)
     layers = []
     for _ in range(LAYERS):
         layer = []
         for rows, cols in LAYER_SHAPES:
-            # The kernels' panel layout (lowbit_matmul.cpp): 16 features per panel.
-            panels = rows // 16
-            nibbles = torch.randint(0, 256, (panels, cols * 8), dtype=torch.uint8, generator=gen)
-            scales = torch.rand(panels, cols // 2, generator=gen) * 0.01
-            offsets = torch.randn(panels, cols // 2, generator=gen) * 0.01
-            dense = torch.randn(rows, cols, generator=gen)
-            layer.append((dense, nibbles, scales, offsets))
+            layer.append((torch.randn(rows, cols, generator=gen), q4(rows, cols)))
         layers.append(layer)
     head_dense = torch.randn(VOCAB, HIDDEN, generator=gen)
-    head_q = torch.randint(-127, 128, (VOCAB // 16, HIDDEN * 16), dtype=torch.int8, generator=gen)
-    head_scales = torch.rand(VOCAB // 16, HIDDEN // 2, generator=gen) * 0.01
+    head_q8 = BlockQ8.tensors(Int8Blocks(
+        rng.integers(-127, 128, (VOCAB, HIDDEN), dtype=np.int8), scales(VOCAB, HIDDEN, 0.01)))
+    print(f"q4 unit {layers[0][0][1].shape[2]} bytes, q8 unit {head_q8.shape[2]} bytes")
 
     print(f"threads={args.threads}; ms per call of all 30 layers' projections / of the lm_head")
     print("| rows | layers dense fp32 | layers q4 | dense / q4 | lm_head dense fp32 | lm_head q8 | dense / q8 |")
@@ -79,9 +96,8 @@ def main() -> None:
 
         def q4_layers(xs=xs):
             for layer in layers:
-                for dense, nibbles, scales, offsets in layer:
-                    kernels.q4_matmul(xs[dense.shape[1]], nibbles, scales, offsets,
-                                      dense.shape[0])
+                for dense, blocks in layer:
+                    kernels.q4_matmul(xs[dense.shape[1]], blocks, dense.shape[0])
 
         x = xs[576]
         figures = {"dense": [], "q4": [], "head_dense": [], "q8": []}
@@ -89,8 +105,7 @@ def main() -> None:
             figures["dense"].append(timed(dense_layers, args.repeats))
             figures["q4"].append(timed(q4_layers, args.repeats))
             figures["head_dense"].append(timed(lambda x=x: F.linear(x, head_dense), args.repeats))
-            figures["q8"].append(timed(lambda x=x: kernels.q8_matmul(x, head_q, head_scales,
-                                                                     VOCAB), args.repeats))
+            figures["q8"].append(timed(lambda x=x: kernels.q8_matmul(x, head_q8, VOCAB), args.repeats))
         m = {k: statistics.median(v) for k, v in figures.items()}
         print(f"| {rows} | {m['dense']:.1f} | {m['q4']:.1f} | {m['dense'] / m['q4']:.2f}x "
               f"| {m['head_dense']:.1f} | {m['q8']:.1f} | {m['head_dense'] / m['q8']:.2f}x |")

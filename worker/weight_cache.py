@@ -47,8 +47,9 @@ from zeroserve.worker.model.weights import PreparedWeights
 logger = logging.getLogger(__name__)
 
 # 2: architectures (biases, q/k norms, rope_freqs, windows in the config); 3: fp32 keeps the
-# file's Q4/Q8_0 blocks for the native kernels; 4: those blocks in panels of 16 features.
-FORMAT_VERSION = 4
+# file's Q4/Q8_0 blocks for the native kernels; 4: those blocks in panels of 16 features;
+# 5: each panel's blocks one uint8 tensor, scales in fp16 where exact.
+FORMAT_VERSION = 5
 _PROBE_BYTES = 64 << 10  # hashed from each end of every model file
 _LOCK_TIMEOUT_S = 600.0  # then build without the lock (the rename keeps it safe anyway)
 

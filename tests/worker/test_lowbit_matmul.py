@@ -41,7 +41,7 @@ def dense_q8(blocks: Int8Blocks) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 3, 8, 13])
 def test_q4_matches_the_dense_product_of_the_file_values(kernels, shape, rows):
     blocks = q4_blocks(*shape)
-    packed = BlockQ4(*BlockQ4.tensors(blocks), shape[0])
+    packed = BlockQ4(BlockQ4.tensors(blocks), shape[0])
     weight = blocks.dequantize(torch.float32)  # (q - 8) * scale + zero, as the file means it
     x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(1))
     expected = (x.double() @ weight.double().t()).float()
@@ -52,7 +52,7 @@ def test_q4_matches_the_dense_product_of_the_file_values(kernels, shape, rows):
 @pytest.mark.parametrize("rows", [1, 5, 16])
 def test_q8_matches_the_dense_product_of_the_file_values(kernels, rows):
     blocks = q8_blocks(300, 576)
-    packed = BlockQ8(*BlockQ8.tensors(blocks), 300)
+    packed = BlockQ8(BlockQ8.tensors(blocks), 300)
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(2))
     expected = (x.double() @ dense_q8(blocks).double().t()).float()
     # Each output sums 576 products of size ~1 one at a time in fp32: a few units in the last
@@ -64,42 +64,76 @@ def test_a_rows_result_does_not_depend_on_its_batch(kernels):
     """Every row bit-identical alone and among 1..20 others (tiles of 8, a partial last one),
     for both kernels and on more output features than one thread takes."""
     x = torch.randn(20, 576, generator=torch.Generator().manual_seed(3))
-    for packed in (BlockQ4(*BlockQ4.tensors(q4_blocks(700, 576)), 700),
-                   BlockQ8(*BlockQ8.tensors(q8_blocks(700, 576)), 700)):
+    for packed in (BlockQ4(BlockQ4.tensors(q4_blocks(700, 576)), 700),
+                   BlockQ8(BlockQ8.tensors(q8_blocks(700, 576)), 700)):
         alone = torch.cat([packed.mm(x[i:i + 1]) for i in range(20)])
         for rows in (2, 7, 8, 9, 17, 20):
             assert torch.equal(packed.mm(x[:rows]), alone[:rows]), rows
         assert torch.equal(packed.mm(x[5:12]), alone[5:12])
 
 
+def half_exact(blocks: Int4Blocks | Int8Blocks) -> Int4Blocks | Int8Blocks:
+    """blocks with every scale (and Q4 offset) rounded to fp16, as GGUF files store them."""
+    def round16(a: np.ndarray) -> np.ndarray:
+        return a.astype(np.float16).astype(np.float32)
+
+    if isinstance(blocks, Int8Blocks):
+        return Int8Blocks(blocks.q, round16(blocks.scale))
+    scale = round16(blocks.scale)
+    return Int4Blocks(blocks.q, scale, round16(blocks.zero - 8 * scale) + 8 * scale)
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_fp16_scales_give_the_same_outputs_as_fp32_ones(kernels, kind):
+    """Scales that are exact in fp16 (the file's own) are stored in fp16, fewer bytes to read,
+    and give bit for bit what the same values stored in fp32 give, at 1 and several rows."""
+    if kind == "q4":
+        blocks = half_exact(q4_blocks(100, 576))
+        cls = BlockQ4
+    else:
+        blocks = half_exact(q8_blocks(100, 576))
+        cls = BlockQ8
+    half = cls.tensors(blocks)
+    # One scale that fp16 cannot hold sends the whole matrix to fp32 storage.
+    blocks.scale[0, 0] = np.float32(0.01) + np.float32(1e-9)
+    full = cls.tensors(blocks)
+    per_unit = {"q4": (320, 384), "q8": (544, 576)}[kind]
+    assert (half.shape[2], full.shape[2]) == per_unit
+    x = torch.randn(11, 576, generator=torch.Generator().manual_seed(4))
+    for rows in (1, 3, 11):
+        a, b = cls(half, 100).mm(x[:rows]), cls(full, 100).mm(x[:rows])
+        assert torch.equal(a[:, 1:], b[:, 1:]), rows  # feature 0 has the changed scale
+    if kind == "q4":
+        torch.testing.assert_close(cls(half, 100).dequantize()[1:],
+                                   cls(full, 100).dequantize()[1:], rtol=0, atol=0)
+
+
 def test_the_kernels_refuse_what_they_cannot_read(kernels):
     module = cpu_kernels.load(required=True)
-    nibbles, scales, offsets = BlockQ4.tensors(q4_blocks(16, 64))
+    q4 = BlockQ4.tensors(q4_blocks(16, 64))
     with pytest.raises(RuntimeError, match="columns"):
-        module.q4_matmul(torch.randn(2, 32), nibbles, scales, offsets, 16)
+        module.q4_matmul(torch.randn(2, 32), q4, 16)
     with pytest.raises(RuntimeError, match="float32"):
-        module.q4_matmul(torch.randn(2, 64).bfloat16(), nibbles, scales, offsets, 16)
-    with pytest.raises(RuntimeError, match="scales"):
-        module.q4_matmul(torch.randn(2, 64), nibbles, scales[:, :1].contiguous(), offsets, 16)
+        module.q4_matmul(torch.randn(2, 64).bfloat16(), q4, 16)
+    with pytest.raises(RuntimeError, match="uint8"):
+        module.q4_matmul(torch.randn(2, 64), q4[..., :300].contiguous(), 16)
     with pytest.raises(RuntimeError, match="panels"):
-        module.q4_matmul(torch.randn(2, 64), nibbles, scales, offsets, 17)
-    with pytest.raises(RuntimeError, match="nibbles"):
-        module.q4_matmul(torch.randn(2, 64), nibbles[:, :100].contiguous(), scales, offsets, 16)
-    values, scales8 = BlockQ8.tensors(q8_blocks(16, 64))
-    with pytest.raises(RuntimeError, match="int8"):
-        module.q8_matmul(torch.randn(2, 64), values.to(torch.uint8), scales8, 16)
-    assert module.q8_matmul(torch.randn(0, 64), values, scales8, 16).shape == (0, 16)
+        module.q4_matmul(torch.randn(2, 64), q4, 17)
+    with pytest.raises(RuntimeError, match="uint8"):
+        module.q4_matmul(torch.randn(2, 64), q4.view(torch.int8), 16)
+    q8 = BlockQ8.tensors(q8_blocks(16, 64))
+    with pytest.raises(RuntimeError, match="uint8"):
+        module.q8_matmul(torch.randn(2, 64), q4, 16)
+    assert module.q8_matmul(torch.randn(0, 64), q8, 16).shape == (0, 16)
 
 
 def test_the_operators_trace_for_a_compiled_step(kernels):
     """torch.ops.zeroserve.* (what the compiled decode step calls) give the eager result and
     have shape functions for tracing."""
-    packed = BlockQ4(*BlockQ4.tensors(q4_blocks(64, 64)), 64)
+    packed = BlockQ4(BlockQ4.tensors(q4_blocks(64, 64)), 64)
     x = torch.randn(3, 64)
-    assert torch.equal(torch.ops.zeroserve.q4_matmul(x, packed.nibbles, packed.scales,
-                                                     packed.offsets, 64), packed.mm(x))
+    assert torch.equal(torch.ops.zeroserve.q4_matmul(x, packed.data, 64), packed.mm(x))
     with torch._subclasses.fake_tensor.FakeTensorMode():
         fake = torch.ops.zeroserve.q4_matmul(torch.empty(5, 64),
-                                             torch.empty(4, 512, dtype=torch.uint8),
-                                             torch.empty(4, 32), torch.empty(4, 32), 60)
+                                             torch.empty(4, 2, 384, dtype=torch.uint8), 60)
     assert fake.shape == (5, 60)

@@ -81,7 +81,7 @@ def test_a_hit_gives_the_weights_of_a_fresh_load(q4_model, tmp_path, dtype):
         assert any(name.endswith(".int4.weight") for name in mapped.tensors)
         assert "lm_head.int8.weight" in mapped.tensors
     if packing(CPU, dtype) == BLOCKS:
-        assert any(name.endswith(".q4.nibbles") for name in mapped.tensors)
+        assert any(name.endswith(".q4.blocks") for name in mapped.tensors)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -9,12 +9,19 @@
 //   q8: w[n, k] = q * scale[n, b], q an int8 (GGUF's Q8_0).
 //
 // Both are stored in panels of 16 output features (worker/model/quant.py's BlockQ4 and
-// BlockQ8 pack them; a last partial panel is padded with zero weights):
+// BlockQ8 pack them; a last partial panel is padded with zero weights), each panel's blocks
+// one after another, and each (panel, block) one unit of bytes that the kernel reads in order:
 //
-//   q4: for panel p, block b and l in 0..15, 16 bytes (one per feature) hold q[k = 32b + l]
-//       in the low nibble and q[32b + 16 + l] in the high one.
-//   q8: for panel p and input k, 16 int8 (one per feature).
-//   scales (and offsets) as [panel, block, 16 features].
+//   q4: 256 bytes: for l in 0..15, 16 bytes (one per feature) with q[k = 32b + l] in the low
+//       nibble and q[32b + 16 + l] in the high one; then the 16 features' scales, then their
+//       offsets.
+//   q8: 512 bytes: for each of the block's 32 inputs, 16 int8 (one per feature); then the 16
+//       features' scales.
+//
+// Scales and offsets are fp16 where every one of a matrix's is exactly an fp16 (Q4_0, Q4_1
+// and Q8_0 store them so), else fp32 (Q4_K's products of two scales): the unit is 320 or 384
+// bytes for q4, 544 or 576 for q8, and the kernel tells which from its size. Either way the
+// kernel computes with the same fp32 values; fp16 only reads fewer bytes.
 //
 // A vector holds 16 features: for each input k the panel's 16 weights become one vector of
 // floats (q * scale + offset, or q * scale: one rounding, the dense copy's value) that every
@@ -40,6 +47,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -61,18 +69,26 @@ constexpr int64_t kPanels = 2;
 // slower. Tiles of rows (bound by the arithmetic) and q8 measured faster without.
 constexpr int64_t kPrefetchBlocks = 2;
 
-// One panel's weights for the current block, as a kernel sees them.
+// A matrix's units as a kernel sees them; S is the scales' type: uint16_t (fp16 bits) or
+// float.
+template <typename S>
 struct Q4 {
-  const uint8_t* nibbles;  // [panels, blocks * 256]
-  const float* scales;  // [panels, blocks * 16]
-  const float* offsets;
+  using Scale = S;
+  static constexpr bool kFourBit = true;
+  static constexpr int64_t kUnit = 256 + 2 * kPanel * sizeof(S);
+  const uint8_t* data;  // [panels, blocks, kUnit]
   int64_t blocks;
+  const uint8_t* unit(int64_t panel, int64_t b) const { return data + (panel * blocks + b) * kUnit; }
 };
 
+template <typename S>
 struct Q8 {
-  const int8_t* values;  // [panels, blocks * 512]
-  const float* scales;  // [panels, blocks * 16]
+  using Scale = S;
+  static constexpr bool kFourBit = false;
+  static constexpr int64_t kUnit = kBlock * kPanel + kPanel * sizeof(S);
+  const uint8_t* data;  // [panels, blocks, kUnit]
   int64_t blocks;
+  const uint8_t* unit(int64_t panel, int64_t b) const { return data + (panel * blocks + b) * kUnit; }
 };
 
 #if ZS_LOWBIT_AVX512
@@ -80,6 +96,16 @@ struct Q8 {
 template <typename T>
 inline void prefetch(const T* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+}
+
+// 16 scales (or offsets) at p as fp32.
+template <typename S>
+inline __m512 load16(const uint8_t* p) {
+  if constexpr (std::is_same_v<S, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
 }
 
 // acc[p][r] (panel p's 16 features for row r) to out[r * out_stride + 16 p ..], only the
@@ -98,24 +124,23 @@ inline void store_panels(const __m512 (&acc)[P][R], float* out, int64_t out_stri
 
 // out[r * out_stride + 16 p + f] = sum_k w[16 p + f, k] x[r, k] for P panels (from `panel`)
 // and R rows of x, writing only the first `width` features.
-template <int64_t P, int64_t R>
-inline void q4_panels(const Q4& w, int64_t panel, const float* x, int64_t cols, float* out,
+template <typename S, int64_t P, int64_t R>
+inline void q4_panels(const Q4<S>& w, int64_t panel, const float* x, int64_t cols, float* out,
                       int64_t out_stride, int64_t width) {
+  constexpr int64_t kUnit = Q4<S>::kUnit;
   __m512 acc[P][R] = {};
   const __m512i low = _mm512_set1_epi32(0x0F);
   for (int64_t b = 0; b < w.blocks; ++b) {
     __m512 s[P], o[P];
     const uint8_t* nib[P];
     for (int64_t p = 0; p < P; ++p) {
-      const int64_t at = (panel + p) * w.blocks + b;
-      s[p] = _mm512_loadu_ps(w.scales + at * kPanel);
-      o[p] = _mm512_loadu_ps(w.offsets + at * kPanel);
-      nib[p] = w.nibbles + at * 256;
+      nib[p] = w.unit(panel + p, b);
+      s[p] = load16<S>(nib[p] + 256);
+      o[p] = load16<S>(nib[p] + 256 + kPanel * sizeof(S));
       if constexpr (R == 1) {
-        const int64_t ahead = at + kPrefetchBlocks;  // past the end: a prefetch never faults
-        for (int64_t c = 0; c < 256; c += 64) prefetch(w.nibbles + ahead * 256 + c);
-        prefetch(w.scales + ahead * kPanel);
-        prefetch(w.offsets + ahead * kPanel);
+        // Past the end of the matrix a prefetch never faults.
+        const uint8_t* ahead = nib[p] + kPrefetchBlocks * kUnit;
+        for (int64_t c = 0; c < kUnit; c += 64) prefetch(ahead + c);
       }
     }
     const float* xb = x + b * kBlock;
@@ -140,17 +165,17 @@ inline void q4_panels(const Q4& w, int64_t panel, const float* x, int64_t cols, 
   store_panels<P, R>(acc, out, out_stride, width);
 }
 
-template <int64_t P, int64_t R>
-inline void q8_panels(const Q8& w, int64_t panel, const float* x, int64_t cols, float* out,
+template <typename S, int64_t P, int64_t R>
+inline void q8_panels(const Q8<S>& w, int64_t panel, const float* x, int64_t cols, float* out,
                       int64_t out_stride, int64_t width) {
   __m512 acc[P][R] = {};
   for (int64_t b = 0; b < w.blocks; ++b) {
     __m512 s[P];
     const int8_t* val[P];
     for (int64_t p = 0; p < P; ++p) {
-      const int64_t at = (panel + p) * w.blocks + b;
-      s[p] = _mm512_loadu_ps(w.scales + at * kPanel);
-      val[p] = w.values + at * kBlock * kPanel;
+      const uint8_t* unit = w.unit(panel + p, b);
+      val[p] = reinterpret_cast<const int8_t*>(unit);
+      s[p] = load16<S>(unit + kBlock * kPanel);
     }
     const float* xb = x + b * kBlock;
     for (int64_t l = 0; l < kBlock; ++l) {
@@ -171,22 +196,58 @@ inline void q8_panels(const Q8& w, int64_t panel, const float* x, int64_t cols, 
 
 #else  // portable loops: the same operations, lane by lane
 
-template <int64_t P, int64_t R>
-inline void q4_panels(const Q4& w, int64_t panel, const float* x, int64_t cols, float* out,
+// An fp16's value (its bits) as a float: exact.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exponent = (h >> 10) & 0x1F;
+  uint32_t mantissa = h & 0x3FF;
+  uint32_t bits;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000u | (mantissa << 13);  // inf, nan
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    exponent = 113;
+    while (!(mantissa & 0x400)) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename S>
+inline float scale_at(const uint8_t* p, int64_t f) {
+  S v;
+  std::memcpy(&v, p + f * sizeof(S), sizeof v);
+  if constexpr (std::is_same_v<S, float>) {
+    return v;
+  } else {
+    return half_to_float(v);
+  }
+}
+
+template <typename S, int64_t P, int64_t R>
+inline void q4_panels(const Q4<S>& w, int64_t panel, const float* x, int64_t cols, float* out,
                       int64_t out_stride, int64_t width) {
   for (int64_t p = 0; p < P; ++p) {
     for (int64_t r = 0; r < R; ++r) {
       float acc[kPanel] = {0};
       for (int64_t b = 0; b < w.blocks; ++b) {
-        const int64_t at = (panel + p) * w.blocks + b;
-        const float* s = w.scales + at * kPanel;
-        const float* o = w.offsets + at * kPanel;
+        const uint8_t* unit = w.unit(panel + p, b);
         const float* xb = x + r * cols + b * kBlock;
         for (int64_t l = 0; l < 16; ++l) {
-          const uint8_t* q = w.nibbles + at * 256 + l * 16;
+          const uint8_t* q = unit + l * 16;
           for (int64_t f = 0; f < kPanel; ++f) {
-            const float w_lo = __builtin_fmaf(static_cast<float>(q[f] & 0x0F), s[f], o[f]);
-            const float w_hi = __builtin_fmaf(static_cast<float>(q[f] >> 4), s[f], o[f]);
+            const float s = scale_at<S>(unit + 256, f);
+            const float o = scale_at<S>(unit + 256 + kPanel * sizeof(S), f);
+            const float w_lo = __builtin_fmaf(static_cast<float>(q[f] & 0x0F), s, o);
+            const float w_hi = __builtin_fmaf(static_cast<float>(q[f] >> 4), s, o);
             acc[f] = __builtin_fmaf(w_lo, xb[l], acc[f]);
             acc[f] = __builtin_fmaf(w_hi, xb[16 + l], acc[f]);
           }
@@ -198,20 +259,20 @@ inline void q4_panels(const Q4& w, int64_t panel, const float* x, int64_t cols, 
   }
 }
 
-template <int64_t P, int64_t R>
-inline void q8_panels(const Q8& w, int64_t panel, const float* x, int64_t cols, float* out,
+template <typename S, int64_t P, int64_t R>
+inline void q8_panels(const Q8<S>& w, int64_t panel, const float* x, int64_t cols, float* out,
                       int64_t out_stride, int64_t width) {
   for (int64_t p = 0; p < P; ++p) {
     for (int64_t r = 0; r < R; ++r) {
       float acc[kPanel] = {0};
       for (int64_t b = 0; b < w.blocks; ++b) {
-        const int64_t at = (panel + p) * w.blocks + b;
-        const float* s = w.scales + at * kPanel;
+        const uint8_t* unit = w.unit(panel + p, b);
         const float* xb = x + r * cols + b * kBlock;
         for (int64_t l = 0; l < kBlock; ++l) {
-          const int8_t* q = w.values + at * kBlock * kPanel + l * kPanel;
+          const int8_t* q = reinterpret_cast<const int8_t*>(unit) + l * kPanel;
           for (int64_t f = 0; f < kPanel; ++f) {
-            acc[f] = __builtin_fmaf(static_cast<float>(q[f]) * s[f], xb[l], acc[f]);
+            const float s = scale_at<S>(unit + kBlock * kPanel, f);
+            acc[f] = __builtin_fmaf(static_cast<float>(q[f]) * s, xb[l], acc[f]);
           }
         }
       }
@@ -223,16 +284,15 @@ inline void q8_panels(const Q8& w, int64_t panel, const float* x, int64_t cols, 
 
 #endif
 
-// Kernel<P, R>::run(weights, panel, x, cols, out, stride, width) for P panels and a runtime
-// count of 1..kTile rows, the counts fixed at compile time so the accumulators stay in
-// registers.
+// panels<W, P, R>(weights, panel, x, cols, out, stride, width) for P panels and R rows, the
+// counts fixed at compile time so the accumulators stay in registers.
 template <typename W, int64_t P, int64_t R>
 inline void panels(const W& w, int64_t panel, const float* x, int64_t cols, float* out,
                    int64_t out_stride, int64_t width) {
-  if constexpr (std::is_same_v<W, Q4>) {
-    q4_panels<P, R>(w, panel, x, cols, out, out_stride, width);
+  if constexpr (W::kFourBit) {
+    q4_panels<typename W::Scale, P, R>(w, panel, x, cols, out, out_stride, width);
   } else {
-    q8_panels<P, R>(w, panel, x, cols, out, out_stride, width);
+    q8_panels<typename W::Scale, P, R>(w, panel, x, cols, out, out_stride, width);
   }
 }
 
@@ -278,68 +338,53 @@ void run(const W& w, int64_t num_panels, const float* x, int64_t rows, int64_t c
   });
 }
 
-void check_x(const at::Tensor& x, int64_t cols) {
+// Checks x [rows, cols] and a [panels, cols / 32, unit] uint8 tensor of units; whether its
+// scales are fp16 (unit `half_unit`) or fp32 (`float_unit`).
+bool check_units(const at::Tensor& x, const at::Tensor& data, int64_t out_features,
+                 int64_t half_unit, int64_t float_unit, const char* what) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
               "x must be a 2-D float32 CPU tensor");
-  TORCH_CHECK(x.size(1) == cols, "x has ", x.size(1), " columns, the weights ", cols);
-}
-
-void check_weights(const at::Tensor& t, at::ScalarType type, const char* type_name,
-                   int64_t panels, int64_t per_block, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == type && t.dim() == 2 &&
-                  t.size(0) == panels && t.size(1) % per_block == 0 && t.is_contiguous(),
-              name, " must be a contiguous ", type_name, " [panels, blocks * ", per_block,
-              "] tensor");
-}
-
-void check_panels(int64_t panels, int64_t out_features) {
+  TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte && data.dim() == 3 &&
+                  data.is_contiguous() &&
+                  (data.size(2) == half_unit || data.size(2) == float_unit),
+              what, " must be a contiguous uint8 [panels, blocks, ", half_unit, " or ",
+              float_unit, "] tensor");
+  const int64_t panels = data.size(0);
   TORCH_CHECK(out_features > kPanel * (panels - 1) && out_features <= kPanel * panels,
               "out_features ", out_features, " does not fit ", panels, " panels of 16");
+  TORCH_CHECK(x.size(1) == data.size(1) * kBlock, "x has ", x.size(1), " columns, the weights ",
+              data.size(1) * kBlock);
+  return data.size(2) == half_unit;
+}
+
+template <template <typename> class W>
+at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& data, int64_t out_features,
+                  const char* what) {
+  const bool half = check_units(x_in, data, out_features, W<uint16_t>::kUnit, W<float>::kUnit,
+                                what);
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0) return out;
+  const int64_t panels = data.size(0), blocks = data.size(1);
+  if (half) {
+    run(W<uint16_t>{data.data_ptr<uint8_t>(), blocks}, panels, x.data_ptr<float>(), x.size(0),
+        x.size(1), out.data_ptr<float>(), out_features);
+  } else {
+    run(W<float>{data.data_ptr<uint8_t>(), blocks}, panels, x.data_ptr<float>(), x.size(0),
+        x.size(1), out.data_ptr<float>(), out_features);
+  }
+  return out;
 }
 
 }  // namespace
 
-// x [M, K] fp32; nibbles [P, K / 32 * 256] uint8, scales and offsets [P, K / 32 * 16] fp32
-// (P = ceil(N / 16) panels, see the top of this file) -> [M, N = out_features].
-at::Tensor q4_matmul(const at::Tensor& x_in, const at::Tensor& nibbles,
-                     const at::Tensor& scales, const at::Tensor& offsets, int64_t out_features) {
-  TORCH_CHECK(nibbles.dim() == 2, "nibbles must be 2-D [panels, blocks * 256]");
-  const int64_t panels = nibbles.size(0);
-  check_weights(nibbles, at::kByte, "uint8", panels, 256, "nibbles");
-  const int64_t blocks = nibbles.size(1) / 256;
-  check_weights(scales, at::kFloat, "float32", panels, kPanel, "scales");
-  check_weights(offsets, at::kFloat, "float32", panels, kPanel, "offsets");
-  TORCH_CHECK(scales.size(1) == blocks * kPanel && offsets.size(1) == blocks * kPanel,
-              "scales and offsets must have one entry per feature and block");
-  check_panels(panels, out_features);
-  check_x(x_in, blocks * kBlock);
-  const at::Tensor x = x_in.contiguous();
-  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
-  if (x.size(0) == 0) return out;
-  const Q4 w{nibbles.data_ptr<uint8_t>(), scales.data_ptr<float>(), offsets.data_ptr<float>(),
-             blocks};
-  run(w, panels, x.data_ptr<float>(), x.size(0), blocks * kBlock, out.data_ptr<float>(),
-      out_features);
-  return out;
+// x [M, K] fp32; blocks [P, K / 32, unit] uint8 (P = ceil(N / 16) panels of q4 units, see
+// the top of this file) -> [M, N = out_features].
+at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t out_features) {
+  return matmul<Q4>(x, blocks, out_features, "q4 blocks");
 }
 
-// x [M, K] fp32; values [P, K * 16] int8, scales [P, K / 32 * 16] fp32 -> [M, out_features].
-at::Tensor q8_matmul(const at::Tensor& x_in, const at::Tensor& values,
-                     const at::Tensor& scales, int64_t out_features) {
-  TORCH_CHECK(values.dim() == 2, "values must be 2-D [panels, blocks * 512]");
-  const int64_t panels = values.size(0);
-  check_weights(values, at::kChar, "int8", panels, kBlock * kPanel, "values");
-  const int64_t blocks = values.size(1) / (kBlock * kPanel);
-  check_weights(scales, at::kFloat, "float32", panels, kPanel, "scales");
-  TORCH_CHECK(scales.size(1) == blocks * kPanel,
-              "scales must have one entry per feature and block");
-  check_panels(panels, out_features);
-  check_x(x_in, blocks * kBlock);
-  const at::Tensor x = x_in.contiguous();
-  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
-  if (x.size(0) == 0) return out;
-  const Q8 w{values.data_ptr<int8_t>(), scales.data_ptr<float>(), blocks};
-  run(w, panels, x.data_ptr<float>(), x.size(0), blocks * kBlock, out.data_ptr<float>(),
-      out_features);
-  return out;
+// x [M, K] fp32; blocks [P, K / 32, unit] uint8 of q8 units -> [M, out_features].
+at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t out_features) {
+  return matmul<Q8>(x, blocks, out_features, "q8 blocks");
 }

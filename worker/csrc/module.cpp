@@ -8,10 +8,8 @@
 
 at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                at::Tensor block_tables, at::Tensor context_lens, double scale);
-at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& nibbles,
-                     const at::Tensor& scales, const at::Tensor& offsets, int64_t out_features);
-at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& values,
-                     const at::Tensor& scales, int64_t out_features);
+at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t out_features);
+at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t out_features);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x,
                                                       const at::Tensor& delta,
@@ -25,10 +23,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
         "Decode attention over a paged KV pool (one query token per sequence)");
   m.def("q4_matmul", &q4_matmul,
-        "x [M, K] fp32 times 4-bit block weights in panels of 16 features (nibbles, scales, "
-        "offsets; see lowbit_matmul.cpp) -> [M, out_features]");
+        "x [M, K] fp32 times 4-bit block weights in panels of 16 features (one uint8 tensor; "
+        "see lowbit_matmul.cpp) -> [M, out_features]");
   m.def("q8_matmul", &q8_matmul,
-        "x [M, K] fp32 times 8-bit block weights in panels of 16 features (values, scales; "
+        "x [M, K] fp32 times 8-bit block weights in panels of 16 features (one uint8 tensor; "
         "see lowbit_matmul.cpp) -> [M, out_features]");
   m.def("rms_norm", &rms_norm, "RMSNorm of each fp32 row");
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm of x + delta), fp32 rows");
@@ -42,8 +40,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 // shape functions are registered from Python (worker/model/quant.py). Eager code calls the
 // functions above directly, without the dispatcher.
 TORCH_LIBRARY(zeroserve, m) {
-  m.def("q4_matmul(Tensor x, Tensor nibbles, Tensor scales, Tensor offsets, int out_features) -> Tensor");
-  m.def("q8_matmul(Tensor x, Tensor values, Tensor scales, int out_features) -> Tensor");
+  m.def("q4_matmul(Tensor x, Tensor blocks, int out_features) -> Tensor");
+  m.def("q8_matmul(Tensor x, Tensor blocks, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(zeroserve, CPU, m) {

@@ -64,11 +64,10 @@ def low_bit_copy(tensors: dict[str, torch.Tensor], name: str, out_features: int
         return PackedInt4(tensors[f"{name}.int4.weight"], tensors[f"{name}.int4.scales_and_zeros"])
     if f"{name}.int8.weight" in tensors:
         return PackedInt8(tensors[f"{name}.int8.weight"], tensors[f"{name}.int8.scales"])
-    if f"{name}.q4.nibbles" in tensors:
-        return BlockQ4(tensors[f"{name}.q4.nibbles"], tensors[f"{name}.q4.scales"],
-                       tensors[f"{name}.q4.offsets"], out_features)
-    if f"{name}.q8.values" in tensors:
-        return BlockQ8(tensors[f"{name}.q8.values"], tensors[f"{name}.q8.scales"], out_features)
+    if f"{name}.q4.blocks" in tensors:
+        return BlockQ4(tensors[f"{name}.q4.blocks"], out_features)
+    if f"{name}.q8.blocks" in tensors:
+        return BlockQ8(tensors[f"{name}.q8.blocks"], out_features)
     return None
 
 

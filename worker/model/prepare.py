@@ -10,7 +10,7 @@ the weight cache (worker/weight_cache.py) can store it once and map it on later 
 
 Names: `embed`, `norm`, `lm_head` (absent when tied to `embed`), `lm_head.int8.*` (or
 `.q4.*`/`.q8.*`), and per layer `layers.{i}.{input_norm,post_norm,qkv,o_proj,gate_up,down}` with
-`.int4.*` copies (or `.q4.{nibbles,scales,offsets}` / `.q8.{values,scales}`);
+`.int4.*` copies (or `.q4.blocks` / `.q8.blocks`);
 where the architecture has them, `layers.{i}.{qkv_bias,o_bias,q_norm,k_norm}` and the GGUF
 rope factors `rope_freqs` (fp32). A tensor of the file that none of these uses is refused:
 a model that ignored part of its weights would serve wrong text.
@@ -73,12 +73,9 @@ def prepare_weights(weights: ModelWeights, dtype: torch.dtype, pack: str) -> Pre
         int4 = [weights.int4.pop(n, None) for n in hf_names]
         int8 = [weights.int8.pop(n, None) for n in hf_names]
         if all(b is not None for b in int4):
-            nibbles, scales, offsets = BlockQ4.tensors(Int4Blocks.concat(int4))
-            tensors.update({f"{name}.q4.nibbles": nibbles, f"{name}.q4.scales": scales,
-                            f"{name}.q4.offsets": offsets})
+            tensors[f"{name}.q4.blocks"] = BlockQ4.tensors(Int4Blocks.concat(int4))
         elif all(b is not None for b in int8):
-            values, scales = BlockQ8.tensors(Int8Blocks.concat(int8))
-            tensors.update({f"{name}.q8.values": values, f"{name}.q8.scales": scales})
+            tensors[f"{name}.q8.blocks"] = BlockQ8.tensors(Int8Blocks.concat(int8))
 
     def linear(name: str, hf_names: list[str]) -> None:
         if pack == BLOCKS:

@@ -160,22 +160,49 @@ class PackedInt8:
         return torch._weight_int8pack_mm(x, self.weight, self.scales)
 
 
-def _in_panels(a: np.ndarray) -> torch.Tensor:
-    """[rows, n] per-output-feature data -> [panels, n * 16]: for each panel of 16 features
-    (the rows padded with zeros to a multiple of 16), each of the n entries for its 16
-    features together (worker/csrc/lowbit_matmul.cpp's layout)."""
-    rows, n = a.shape
+def _in_panels(a: np.ndarray) -> np.ndarray:
+    """[rows, blocks, n] per-output-feature data -> [panels, blocks, 16 * n]: for each panel
+    of 16 features (the rows padded with zeros to a multiple of 16) and block, its n entries
+    for the 16 features together (worker/csrc/lowbit_matmul.cpp's layout)."""
+    rows, blocks, n = a.shape
     panels = -(-rows // 16)
-    a = np.pad(a, ((0, panels * 16 - rows), (0, 0))).reshape(panels, 16, n)
-    return torch.from_numpy(np.ascontiguousarray(a.transpose(0, 2, 1)).reshape(panels, n * 16))
+    a = np.pad(a, ((0, panels * 16 - rows), (0, 0), (0, 0))).reshape(panels, 16, blocks, n)
+    return np.ascontiguousarray(a.transpose(0, 2, 3, 1)).reshape(panels, blocks, n * 16)
+
+
+def _scale_bytes(*scales: np.ndarray) -> list[np.ndarray]:
+    """Each of `scales` ([rows, blocks] fp32) in panels as bytes: fp16 where every value of
+    all of them is exactly an fp16 (GGUF's Q4_0, Q4_1 and Q8_0 store theirs so: fewer bytes
+    to read for the same values), else fp32."""
+    half = all(np.array_equal(s.astype(np.float16).astype(np.float32), s) for s in scales)
+    dtype = np.float16 if half else np.float32
+    return [_in_panels(s.astype(dtype)[..., None]).view(np.uint8) for s in scales]
+
+
+def _units(*parts: np.ndarray) -> torch.Tensor:
+    """[panels, blocks, bytes] parts -> one uint8 [panels, blocks, unit] tensor, each
+    (panel, block)'s parts one after another."""
+    return torch.from_numpy(np.concatenate([p.view(np.uint8) for p in parts], axis=2))
+
+
+def _scales_of(data: torch.Tensor, values_bytes: int, count: int) -> torch.Tensor:
+    """The `count` scale-like arrays after `values_bytes` in each unit of `data` (a BlockQ4 or
+    BlockQ8 tensor), as [count, panels * 16, blocks] fp32."""
+    panels, blocks, unit = data.shape
+    dtype = torch.float16 if unit - values_bytes == count * 32 else torch.float32
+    scales = data[..., values_bytes:].contiguous().view(dtype).float()
+    scales = scales.view(panels, blocks, count, 16)
+    return scales.permute(2, 0, 3, 1).reshape(count, panels * 16, blocks)
 
 
 class BlockQ4:
     """An Int4Blocks matrix for worker/csrc's q4_matmul, w = q * scale + offset per block of
-    32, in panels of 16 output features: for each panel, block and l in 0..15, 16 bytes (one
-    per feature) with q[32b + l] in the low nibble and q[32b + 16 + l] in the high one; the
-    scales and offsets as [panel, block, feature]. A row of the kernel's output is 16
-    features at once, so the panel keeps those features' weights for one input together."""
+    32, in panels of 16 output features, one uint8 tensor [panels, blocks * unit]: per panel
+    and block, 256 bytes (for l in 0..15, 16 bytes, one per feature, with q[32b + l] in the
+    low nibble and q[32b + 16 + l] in the high one), then the 16 features' scales and their
+    offsets (fp16 where all are exact in fp16, else fp32). A row of the kernel's output is 16
+    features at once, so the panel keeps those features' weights for one input together, and
+    a panel's weights are read as one stream."""
 
     # Where the choice is by the call's row count (LlamaModel's per_row False: fp32 asked for
     # on a CPU with native bf16), calls of up to this many rows take this kernel, larger ones
@@ -187,62 +214,58 @@ class BlockQ4:
     # 119 ms at 32 rows, 83-92 vs 99-114 at 64, 168 vs 144 at 128.
     prefill_rows = 64
 
-    def __init__(self, nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
-                 out_features: int):
-        self.nibbles = nibbles  # [panels, blocks * 256] uint8
-        self.scales = scales  # [panels, blocks * 16] fp32
-        self.offsets = offsets  # [panels, blocks * 16] fp32
+    def __init__(self, data: torch.Tensor, out_features: int):
+        self.data = data  # [panels, blocks, unit] uint8
         self.out_features = out_features  # the last panel may be partly padding
         self._kernel = _native().q4_matmul
 
     @staticmethod
-    def tensors(blocks: Int4Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def tensors(blocks: Int4Blocks) -> torch.Tensor:
         rows, cols = blocks.q.shape
         q = blocks.q.reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
-        pairs = (q[..., :16] | (q[..., 16:] << 4)).reshape(rows, -1)  # [row, block * 16 + l]
+        pairs = q[..., :16] | (q[..., 16:] << 4)  # [row, block, l]
         scale = blocks.scale.astype(np.float32)
         offset = blocks.zero.astype(np.float32) - 8 * scale  # (q - 8) s + z = q s + (z - 8 s)
-        return _in_panels(pairs), _in_panels(scale), _in_panels(offset)
+        return _units(_in_panels(pairs), *_scale_bytes(scale, offset))
 
     def dequantize(self) -> torch.Tensor:
         """[rows, cols] fp32: the weights the kernel computes with."""
-        panels = self.nibbles.shape[0]
-        packed = self.nibbles.view(panels, -1, 16, 16)  # [panel, block, l, feature]
+        panels, blocks, _ = self.data.shape
+        packed = self.data[..., :256].reshape(panels, blocks, 16, 16)  # [panel, block, l, feature]
         q = torch.cat([packed & 0xF, packed >> 4], dim=2).float()  # [panel, block, 32, feature]
-        q = q.permute(0, 3, 1, 2).reshape(panels * 16, -1, GROUP_SIZE)
-
-        def per_feature(a: torch.Tensor) -> torch.Tensor:
-            return a.view(panels, -1, 16).permute(0, 2, 1).reshape(panels * 16, -1, 1)
-
-        w = q * per_feature(self.scales) + per_feature(self.offsets)
+        q = q.permute(0, 3, 1, 2).reshape(panels * 16, blocks, GROUP_SIZE)
+        scales, offsets = _scales_of(self.data, 256, 2)
+        w = q * scales[..., None] + offsets[..., None]
         return w.reshape(panels * 16, -1)[: self.out_features]
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        return self._kernel(x, self.nibbles, self.scales, self.offsets, self.out_features)
+        return self._kernel(x, self.data, self.out_features)
 
 
 class BlockQ8:
     """An Int8Blocks matrix (GGUF Q8_0: the tied embedding and lm_head of most files) for
-    worker/csrc's q8_matmul, w = q * scale per block of 32, in panels of 16 output features:
-    for each panel and input, the 16 features' int8 values; the scales as [panel, block,
-    feature]."""
+    worker/csrc's q8_matmul, w = q * scale per block of 32, in panels of 16 output features,
+    one uint8 tensor [panels, blocks, unit]: per panel and block, for each of its 32 inputs
+    the 16 features' int8 values, then the 16 features' scales (fp16 where all are exact in
+    fp16, else fp32)."""
 
     # As BlockQ4's.
     max_rows = 32
     prefill_rows = 64
 
-    def __init__(self, values: torch.Tensor, scales: torch.Tensor, out_features: int):
-        self.values = values  # [panels, cols * 16] int8
-        self.scales = scales  # [panels, cols / 32 * 16] fp32
+    def __init__(self, data: torch.Tensor, out_features: int):
+        self.data = data  # [panels, blocks, unit] uint8
         self.out_features = out_features
         self._kernel = _native().q8_matmul
 
     @staticmethod
-    def tensors(blocks: Int8Blocks) -> tuple[torch.Tensor, torch.Tensor]:
-        return _in_panels(blocks.q), _in_panels(blocks.scale.astype(np.float32))
+    def tensors(blocks: Int8Blocks) -> torch.Tensor:
+        rows, cols = blocks.q.shape
+        values = _in_panels(blocks.q.reshape(rows, cols // GROUP_SIZE, GROUP_SIZE))
+        return _units(values, *_scale_bytes(blocks.scale.astype(np.float32)))
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        return self._kernel(x, self.values, self.scales, self.out_features)
+        return self._kernel(x, self.data, self.out_features)
 
 
 def _native():
@@ -259,11 +282,11 @@ def _register_shapes() -> None:
     registers the operators when it loads)."""
 
     @torch.library.register_fake("zeroserve::q4_matmul")
-    def _q4(x, nibbles, scales, offsets, out_features):
+    def _q4(x, blocks, out_features):
         return x.new_empty(x.shape[0], out_features)
 
     @torch.library.register_fake("zeroserve::q8_matmul")
-    def _q8(x, values, scales, out_features):
+    def _q8(x, blocks, out_features):
         return x.new_empty(x.shape[0], out_features)
 
 

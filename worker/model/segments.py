@@ -41,9 +41,9 @@ def linear_tensors(linear: Linear) -> LinearTensors:
     if isinstance(packed, PackedInt8):
         return linear.dense, "int8", (packed.weight, packed.scales)
     if isinstance(packed, BlockQ4):
-        return linear.dense, "q4", (packed.nibbles, packed.scales, packed.offsets)
+        return linear.dense, "q4", (packed.data,)
     if isinstance(packed, BlockQ8):
-        return linear.dense, "q8", (packed.values, packed.scales)
+        return linear.dense, "q8", (packed.data,)
     return linear.dense, None, ()
 
 
