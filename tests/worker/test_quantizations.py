@@ -140,8 +140,9 @@ def test_q4_k_blocks_reproduce_gguf_dequantization():
 
 @pytest.mark.skipif(packing(CPU, torch.float32) != BLOCKS, reason="needs the native CPU kernels")
 def test_decode_steps_call_the_kernels_directly_with_the_same_result(tmp_path, monkeypatch):
-    """A step of decode rows only runs LlamaLayer.decode_native (the kernels called directly):
-    bit for bit what forward() computes for the same rows, three sequences at once."""
+    """A step of decode rows only runs all layers in one native call (decode_layers.cpp), or
+    else each layer's LlamaLayer.decode_native (the kernels called directly): both bit for
+    bit what forward() computes layer by layer for the same rows, three sequences at once."""
     model = make_model("llama", seed=2, tie_word_embeddings=False, **WIDE)
     path = write_gguf(model, tmp_path / "tiny.gguf", quantize_like_file(model, MIXES["Q4_K"]))
     engine = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", block_size=4,
@@ -161,7 +162,30 @@ def test_decode_steps_call_the_kernels_directly_with_the_same_result(tmp_path, m
                     SamplingParams(temperature=0.0, max_tokens=4))
     input_ids, positions, meta, kv_caches = steps[-1]
     assert len(input_ids) == 3 and meta.num_decode == 3
+    assert llama._fused is not None
+    called = []
+    monkeypatch.setattr(llama, "_fused", RecordingFused(llama._fused, called))
+    fused = forward(input_ids, positions, meta, kv_caches)
+    assert called == [3]
+    monkeypatch.setattr(llama, "_fused", None)
     direct = forward(input_ids, positions, meta, kv_caches)
     for layer in llama.layers:
         monkeypatch.setattr(layer, "native", None)
-    assert torch.equal(forward(input_ids, positions, meta, kv_caches), direct)
+    layer_by_layer = forward(input_ids, positions, meta, kv_caches)
+    assert torch.equal(direct, layer_by_layer)
+    assert torch.equal(fused, layer_by_layer)
+
+
+class RecordingFused:
+    """A LlamaModel._fused that records the rows of each decode_layers call."""
+
+    def __init__(self, fused, called: list[int]):
+        self._fused = fused
+        self.attention = fused.attention
+        self.module = self
+        self.weights, self.bits, self.out_features = fused.weights, fused.bits, fused.out_features
+        self._called = called
+
+    def decode_layers(self, x, *args):
+        self._called.append(x.shape[0])
+        return self._fused.module.decode_layers(x, *args)

@@ -24,6 +24,7 @@
 
 #include <ATen/Parallel.h>
 
+#include "chunks.h"
 #include "fast_exp.h"
 
 #include <cmath>
@@ -421,22 +422,18 @@ void run(const Problem<T>& p) {
 #endif
   const int64_t per_item = per_head ? 1 : group;  // query heads per item
   const int64_t num_items = p.n * p.heads / per_item;
-  const int64_t num_threads = std::min<int64_t>(threads, num_items);
-  at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch;
-    for (int64_t t = begin; t < end; ++t) {
-      for (int64_t item = t; item < num_items; item += num_threads) {
-        const int64_t head = item * per_item;  // first query head, counted over the batch
-        const int64_t seq = head / p.heads, kv_head = (head % p.heads) / group;
-        const int64_t g = head % group;
-        if (p.d == 64) {
-          item_for<64>(p, seq, kv_head, g, g + per_item, scratch);
-        } else if (p.d == 128) {
-          item_for<128>(p, seq, kv_head, g, g + per_item, scratch);
-        } else {
-          item_for<0>(p, seq, kv_head, g, g + per_item, scratch);
-        }
-      }
+  // The threads take items in turn (chunks.h), each with its own scratch.
+  thread_local Scratch scratch;
+  for_each_chunk(num_items, [&](int64_t item) {
+    const int64_t head = item * per_item;  // first query head, counted over the batch
+    const int64_t seq = head / p.heads, kv_head = (head % p.heads) / group;
+    const int64_t g = head % group;
+    if (p.d == 64) {
+      item_for<64>(p, seq, kv_head, g, g + per_item, scratch);
+    } else if (p.d == 128) {
+      item_for<128>(p, seq, kv_head, g, g + per_item, scratch);
+    } else {
+      item_for<0>(p, seq, kv_head, g, g + per_item, scratch);
     }
   });
 }

@@ -32,8 +32,8 @@
 // Batch independence: every (row of x, output) pair is computed by the same sequence of
 // operations whatever the number of rows, their tiling or the threads, so a row's result
 // never depends on what shares its call (docs/architecture.md, "Batch independence"): tiles
-// of rows and groups of panels only share loads. Panels are split between torch's intra-op
-// threads.
+// of rows and groups of panels only share loads. Chunks of panels are shared between torch's
+// intra-op threads (chunks.h).
 //
 // Built at run time by worker/cpu_kernels.py with -O3 -march=native: the AVX-512 path where
 // the CPU has it, portable loops (the same operations, lane by lane) elsewhere.
@@ -43,7 +43,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
-#include <ATen/Parallel.h>
+#include "chunks.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -59,14 +59,17 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kPanel = 16;  // output features per panel (one vector)
 constexpr int64_t kTile = 8;  // rows of x per pass, at most
+// Panels per chunk of work (chunks.h): small enough that a thread held up by the OS leaves
+// little for the others to wait on, a multiple of both panel groups.
+constexpr int64_t kChunkPanels = 4;
 // Panels per pass: 4 for a single row (four independent sums per lane hide the multiply-add
 // latency), 2 for tiles of 2..8 rows (16 accumulators). Which, never changes a lane's
 // operations.
 constexpr int64_t kPanelsOneRow = 4;
 constexpr int64_t kPanels = 2;
-// Blocks ahead of the current one that each panel's q4 weights are prefetched for a single
-// row (bound by reading them): without, the hardware prefetchers leave it about a tenth
-// slower. Tiles of rows (bound by the arithmetic) and q8 measured faster without.
+// Blocks ahead of the current one that each panel's units are prefetched for a single row
+// (bound by reading them): without, the hardware prefetchers leave it about a tenth slower.
+// Tiles of rows (bound by the arithmetic) measured faster without.
 constexpr int64_t kPrefetchBlocks = 2;
 
 // A matrix's units as a kernel sees them; S is the scales' type: uint16_t (fp16 bits) or
@@ -176,6 +179,10 @@ inline void q8_panels(const Q8<S>& w, int64_t panel, const float* x, int64_t col
       const uint8_t* unit = w.unit(panel + p, b);
       val[p] = reinterpret_cast<const int8_t*>(unit);
       s[p] = load16<S>(unit + kBlock * kPanel);
+      if constexpr (R == 1) {
+        const uint8_t* ahead = unit + kPrefetchBlocks * Q8<S>::kUnit;
+        for (int64_t c = 0; c < Q8<S>::kUnit; c += 64) prefetch(ahead + c);
+      }
     }
     const float* xb = x + b * kBlock;
     for (int64_t l = 0; l < kBlock; ++l) {
@@ -311,15 +318,19 @@ inline void panel_rows(int64_t rows, const W& w, int64_t panel, const float* x, 
   }
 }
 
-// x [rows, cols] times all panels -> out [rows, out_features]. Each thread takes a range of
-// panels and, per tile of up to 8 rows, runs them kPanels (one row: kPanelsOneRow) at a time.
+// x [rows, cols] times all panels -> out [rows, out_features], in chunks of kChunkPanels
+// panels that the threads take in turn (chunks.h). Per chunk, each tile of up to 8 rows runs
+// its panels kPanels (one row: kPanelsOneRow) at a time: the chunk's weights are read from
+// memory once and stay in cache for the next tiles.
 template <typename W>
 void run(const W& w, int64_t num_panels, const float* x, int64_t rows, int64_t cols,
          float* out, int64_t out_features) {
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+  const int64_t group = rows == 1 ? kPanelsOneRow : kPanels;
+  for_each_chunk((num_panels + kChunkPanels - 1) / kChunkPanels, [&](int64_t chunk) {
+    const int64_t begin = chunk * kChunkPanels;
+    const int64_t end = std::min(begin + kChunkPanels, num_panels);
     for (int64_t m = 0; m < rows; m += kTile) {
       const int64_t len = std::min(kTile, rows - m);
-      const int64_t group = rows == 1 ? kPanelsOneRow : kPanels;
       const float* xr = x + m * cols;
       for (int64_t p = begin; p < end;) {
         const int64_t count = end - p >= group ? group : 1;

@@ -18,6 +18,14 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k,
               const at::Tensor& v, const at::Tensor& slots);
 at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor decode_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                         const std::vector<at::Tensor>& weights,
+                         const std::vector<int64_t>& bits,
+                         const std::vector<int64_t>& out_features,
+                         const std::vector<at::Tensor>& kv_caches, const at::Tensor& slots,
+                         const at::Tensor& block_tables, const at::Tensor& context_lens,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
+                         double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
@@ -32,6 +40,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm of x + delta), fp32 rows");
   m.def("write_kv", &write_kv, "Store new tokens' K/V in their slots of the paged pool");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of fp32 [rows, 2 * width] rows");
+  m.def("decode_layers", &decode_layers,
+        "A decode step's layers in one call (decode_layers.cpp), without the GIL",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rotary", &rotary, "Rotary embedding (rotate-half layout) of fp32 [rows, heads, d]");
 }
 

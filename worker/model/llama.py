@@ -12,6 +12,8 @@ a sliding attention window (Mistral); a layer without them runs the plain Llama 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -158,6 +160,17 @@ class LlamaLayer:
         return x + self.down.packed.mm(native.silu_mul(self.gate_up.packed.mm(h)))
 
 
+@dataclass(frozen=True)
+class FusedLayers:
+    """worker/csrc/decode_layers.cpp's arguments that do not change from step to step."""
+
+    module: object  # the native kernels' module
+    attention: object  # its decode attention: the step's paged kernel must be this one
+    weights: list[torch.Tensor]  # per layer: input_norm, qkv, o_proj, post_norm, gate_up, down
+    bits: list[int]  # per layer's four products: 4 (BlockQ4) or 8 (BlockQ8)
+    out_features: list[int]
+
+
 class LlamaModel:
     def __init__(self, prepared: PreparedWeights, max_len: int, device: torch.device,
                  dtype: torch.dtype, batch_invariant: bool = True):
@@ -187,6 +200,7 @@ class LlamaModel:
                               tile_rows, per_row)
         self.rotary = RotaryEmbedding(config, max_len, device, tensors.get(ROPE_FREQS))
         self.windows = sorted({layer.window for layer in self.layers} - {None})
+        self._fused = self._fused_layers()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_caches: list[KVCache] | None) -> torch.Tensor:
@@ -201,6 +215,14 @@ class LlamaModel:
         # that can call their kernels directly do (LlamaLayer.decode_native).
         all_decode = (kv_caches is not None and meta.paged_decode is not None
                       and not meta.prefills and meta.num_decode == x.shape[0])
+        fused = self._fused
+        if all_decode and fused is not None and meta.paged_decode.kernel is fused.attention:
+            cfg, paged = self.config, meta.paged_decode
+            return fused.module.decode_layers(
+                x, cos, sin, fused.weights, fused.bits, fused.out_features,
+                [pool for kv in kv_caches for pool in kv], meta.slot_mapping,
+                paged.block_tables, paged.context_lens, cfg.num_heads, cfg.num_kv_heads,
+                cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim**-0.5)
         for i, layer in enumerate(self.layers):
             if all_decode and layer.native is not None:
                 x = layer.decode_native(x, cos, sin, kv_caches[i], meta)
@@ -208,6 +230,21 @@ class LlamaModel:
                 x = layer.forward(x, cos, sin, None if kv_caches is None else kv_caches[i],
                                   metas[layer.window])
         return x
+
+    def _fused_layers(self) -> FusedLayers | None:
+        """Where every layer can call its kernels directly (LlamaLayer.native), the native
+        loop over all of them (worker/csrc/decode_layers.cpp) and its arguments."""
+        if not self.layers or any(layer.native is None for layer in self.layers):
+            return None
+        module = self.layers[0].native
+        weights, bits, out_features = [], [], []
+        for layer in self.layers:
+            linears = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+            weights += [layer.input_norm, layer.qkv.packed.data, layer.o_proj.packed.data,
+                        layer.post_norm, layer.gate_up.packed.data, layer.down.packed.data]
+            bits += [4 if isinstance(lin.packed, BlockQ4) else 8 for lin in linears]
+            out_features += [lin.packed.out_features for lin in linears]
+        return FusedLayers(module, module.decode_attention, weights, bits, out_features)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden] -> fp32 logits [num_rows, vocab]."""
