@@ -4,9 +4,12 @@ The gateway is a child too (not this process) so that shutdown can be ordered â€
 drain through a gateway that is still serving â€” and so that a crashed gateway is restarted
 like anything else (its workers notice the silence and say HELLO to the new one).
 
-- A child that exits is restarted after a backoff that doubles per quick failure and resets
-  once the child has run for `stable_after_s`. A worker's death never touches the gateway or
-  the other workers; an operator can `kill <pid>` one worker to restart just that one.
+- A child that exits after running for `stable_after_s` (a crash or an operator's kill of a
+  child that was serving) is restarted at once: while it is down, its share of the load
+  waits on the others. Quick exits in a row wait a backoff that doubles per failure, from
+  `initial_backoff_s`, so a crash loop does not spin. A worker's death never touches the
+  gateway or the other workers; an operator can `kill <pid>` one worker to restart just
+  that one.
 - A child whose very first start exits with an error code soon (bad flag, missing model,
   port in use) is a configuration error: everything stops and `serve` exits 1 instead of
   looping. That rule holds only until the child has been ready once: after that every exit
@@ -57,7 +60,9 @@ _PR_SET_PDEATHSIG = 1
 class RestartPolicy:
     initial_backoff_s: float = 0.5
     max_backoff_s: float = 30.0
-    stable_after_s: float = 30.0  # a child that ran this long restarts with the initial backoff
+    # A child that ran this long restarts at once, and its next quick failure waits the
+    # initial backoff again.
+    stable_after_s: float = 10.0
     # A first start that exits with an error code (not a signal) this soon is a configuration
     # error: stop everything rather than loop.
     startup_window_s: float = 60.0
@@ -227,12 +232,15 @@ class Supervisor:
             self.exit_code = 1
             return
         if ran_s >= self.policy.stable_after_s:
+            delay = 0.0
             child.backoff_s = self.policy.initial_backoff_s
+        else:
+            delay = child.backoff_s
+            child.backoff_s = min(child.backoff_s * 2, self.policy.max_backoff_s)
         log.warning("%s exited with code %s after %.1fs; restarting in %.1fs",
-                    child.spec.name, code, ran_s, child.backoff_s,
+                    child.spec.name, code, ran_s, delay,
                     extra={"child": child.spec.name, "exit_code": code})
-        child.restart_at = now + child.backoff_s
-        child.backoff_s = min(child.backoff_s * 2, self.policy.max_backoff_s)
+        child.restart_at = now + delay
 
     def _is_configuration_error(self, child: _Child, code: int, ran_s: float) -> bool:
         return (child.num_starts == 1 and not child.has_been_ready and code > 0

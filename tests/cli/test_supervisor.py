@@ -171,6 +171,21 @@ def test_a_killed_worker_is_restarted_and_nothing_else_moves(harness):
 
 
 @pytest.mark.slow
+def test_a_child_that_ran_a_while_restarts_at_once_and_a_quick_exit_waits(harness):
+    harness.start([("worker-0", "serve", 0)], initial_backoff_s=1.5, stable_after_s=0.5)
+    harness.wait_for(lambda: harness.pids("worker-0"))
+    time.sleep(0.8)  # past stable_after_s
+    os.kill(harness.pids("worker-0")[0], signal.SIGKILL)
+    harness.wait_for(lambda: len(harness.pids("worker-0")) == 2, timeout_s=5)
+    # Then killed again at once: a quick exit, which waits the initial backoff.
+    os.kill(harness.pids("worker-0")[1], signal.SIGKILL)
+    harness.wait_for(lambda: len(harness.pids("worker-0")) == 3, timeout_s=10)
+    starts = [t for t, n, w, _ in harness.events() if n == "worker-0" and w == "start"]
+    assert starts[1] - starts[0] < 0.8 + 1.0  # the sleep, the kill and a start: no backoff
+    assert starts[2] - starts[1] >= 1.5  # the backoff
+
+
+@pytest.mark.slow
 def test_a_stopped_child_that_the_probe_names_is_killed_and_restarted(harness):
     """A SIGSTOPped worker never exits by itself: once the probe (serve: the gateway's
     /health) has named it unresponsive for the bound, the supervisor kills and restarts it."""
