@@ -132,7 +132,9 @@ inline void q4_panels(const Q4<S>& w, int64_t panel, const float* x, int64_t col
                       int64_t out_stride, int64_t width) {
   constexpr int64_t kUnit = Q4<S>::kUnit;
   __m512 acc[P][R] = {};
-  const __m512i low = _mm512_set1_epi32(0x0F);
+  // float(q) for q in 0..15 by a lane permute, which reads only an index's low 4 bits: the
+  // low nibble needs no mask, and the permute takes the other port than a conversion would.
+  const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t b = 0; b < w.blocks; ++b) {
     __m512 s[P], o[P];
     const uint8_t* nib[P];
@@ -152,8 +154,9 @@ inline void q4_panels(const Q4<S>& w, int64_t panel, const float* x, int64_t col
       for (int64_t p = 0; p < P; ++p) {
         const __m512i q = _mm512_cvtepu8_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(nib[p] + l * 16)));
-        w_lo[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), s[p], o[p]);
-        w_hi[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), s[p], o[p]);
+        w_lo[p] = _mm512_fmadd_ps(_mm512_permutexvar_ps(q, values), s[p], o[p]);
+        w_hi[p] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), values), s[p],
+                                  o[p]);
       }
       for (int64_t r = 0; r < R; ++r) {
         const __m512 x_lo = _mm512_set1_ps(xb[r * cols + l]);
