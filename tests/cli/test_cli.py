@@ -308,6 +308,10 @@ def test_speculative_config_flag_and_variable(captured):
     assert invoke(["worker", "--speculative-config", "null"], {
         "ZEROSERVE_SPECULATIVE_CONFIG": text}).exit_code == 0
     assert captured["worker"].engine.speculative_config is None
+    # On by default: n-gram speculation that steps aside for batches above 8.
+    assert invoke(["worker"]).exit_code == 0
+    assert captured["worker"].engine.speculative_config == SpeculativeConfig()
+    assert SpeculativeConfig().disable_by_batch_size == 8
     # Children get it explicitly, on or off.
     for value in (expected, None):
         config = EngineConfig(speculative_config=value)
