@@ -7,7 +7,8 @@ with speculation off and with the given configs, and reports for each the forwar
 the rows they computed, the accepted drafts per position and a modelled speed: output tokens
 per plain-step-equivalent, where a step of r rows costs STEP_COST[r] one-row steps (measured
 on this machine's 2 cores with the runner alone, docs/benchmarks.md "Adaptive n-gram
-speculation"). Wall time is reported too, for what it is worth.
+speculation"). Wall time is reported too: the best and median of `--repeats` alternated
+rounds (the best is the least disturbed by other processes).
 
     python scripts/bench_spec_steps.py --workload grounded --output-len 128
     python scripts/bench_spec_steps.py --workload chat --num-prompts 3 --output-len 128
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -100,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", action="append", default=None,
                     help="a --speculative-config JSON to compare with off (repeatable; "
                          "default: the default config)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="timed rounds per config, alternated (the counts are the same)")
     ap.add_argument("--result-json", type=Path, default=None)
     args = ap.parse_args(argv)
     messages = grounded_messages() if args.workload == "grounded" else \
@@ -108,22 +112,31 @@ def main(argv: list[str] | None = None) -> int:
     configs = {"off": None}
     for text in args.config or [SpeculativeConfig().to_json()]:
         configs[text] = SpeculativeConfig.from_json(text)
-    results = {}
-    for name, spec in configs.items():
-        engine = Engine(EngineConfig(device="cpu", num_kv_blocks=256, max_model_len=2048,
-                                     speculative_config=spec))
+    engines = {name: Engine(EngineConfig(device="cpu", num_kv_blocks=256, max_model_len=2048,
+                                         speculative_config=spec))
+               for name, spec in configs.items()}
+    for engine in engines.values():
         run(engine, prompts[:1], 8)  # warm-up
-        results[name] = run(engine, prompts, args.output_len)
-        del engine
+    results: dict[str, dict] = {}
+    walls: dict[str, list[float]] = {name: [] for name in engines}
+    names = list(engines)
+    for repeat in range(args.repeats):  # alternated: a load change hits every config
+        for name in names if repeat % 2 == 0 else names[::-1]:
+            r = run(engines[name], prompts, args.output_len)
+            results.setdefault(name, r)
+            walls[name].append(r["wall_tok_s"])
     off = results["off"]
     for name, r in results.items():
         same = r["tokens"] == off["tokens"]
+        r["wall_tok_s"] = walls[name]
         print(f"{name}: {r['num_tokens']} tokens in {r['num_steps']} steps, {r['num_rows']} "
               f"rows, modelled {r['modelled_cost']} plain steps -> "
               f"{r['tokens_per_cost'] / off['tokens_per_cost']:.2f}x off; drafts "
               f"{r['num_drafts']}, accepted {r['num_accepted_tokens']} of "
               f"{r['num_draft_tokens']}, per position {r['accepted_per_position']}; "
-              f"wall {r['wall_tok_s']:.1f} tok/s; same tokens as off: {same}", flush=True)
+              f"wall tok/s best {max(walls[name]):.1f} ({max(walls[name]) / max(walls['off']):.2f}x"
+              f" off's best), median {statistics.median(walls[name]):.1f}; "
+              f"same tokens as off: {same}", flush=True)
     if args.result_json is not None:
         args.result_json.write_text(json.dumps(
             {k: {f: v for f, v in r.items() if f != "tokens"} for k, r in results.items()},
