@@ -30,7 +30,8 @@ from dataclasses import dataclass
 # One more row in a step, as a share of a 1-row decode step. Measured on this repository's
 # 2-core CPU (fp32, the default SmolLM2-135M, a 300-token context; docs/benchmarks.md
 # "Adaptive n-gram speculation"): 1 + k rows cost 1.17, 1.32, 1.46, 1.59, 1.76, 1.94, 2.08
-# plain steps for k = 1..7, then 2.65 at k = 8 (the block kernels take rows in panels of 8).
+# plain steps for k = 1..7, then 2.65 at k = 8 (the block kernels pass over rows in tiles of 8:
+# worker/csrc/lowbit_matmul.cpp, kTile).
 # Where rows are cheaper (a GPU's decode step is bound by weight reads) it is conservative.
 ROW_COST = 0.17
 # Before its first verification a sequence's drafts count as right half the time (as if one
