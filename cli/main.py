@@ -241,12 +241,13 @@ ENGINE_OPTIONS = [
     option("--seed", type=int, default=_default(EngineConfig, "seed")),
     option("--fake-forward-ms", type=click.FloatRange(min=0), default=0.0,
            help="--backend fake only: simulated milliseconds per forward."),
-    option("--speculative-config", default=None, callback=_speculative_config,
-           help="Speculative decoding, as vLLM's JSON: '{\"method\": \"ngram\", "
-                "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
-                "\"prompt_lookup_min\": 2, \"disable_by_batch_size\": 8}' (n-gram "
-                "prompt lookup; steps with more running requests than disable_by_batch_size "
-                "decode normally). 'null' turns it off. [default: off]"),
+    option("--speculative-config", default=SpeculativeConfig().to_json(),
+           callback=_speculative_config,
+           help="Speculative decoding, as vLLM's JSON (n-gram prompt lookup: up to "
+                "num_speculative_tokens drafts per request and step, as many as that "
+                "request's acceptance so far pays for; steps with more running requests than "
+                "disable_by_batch_size decode normally; keys left out take the defaults "
+                "shown). 'null' turns it off."),
     option("--weight-cache/--no-weight-cache", default=_default(EngineConfig, "weight_cache"),
            help="Write the prepared weights once and memory-map them on later starts."),
     option("--weight-cache-dir", default=None,

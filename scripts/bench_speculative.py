@@ -29,9 +29,9 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from zeroserve.cli.harness import start_server  # noqa: E402
+from zeroserve.worker.speculative import SpeculativeConfig  # noqa: E402
 
-DEFAULT_SPEC = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-                '"prompt_lookup_min": 2}')
+DEFAULT_SPEC = SpeculativeConfig().to_json()  # what `zeroserve serve` runs without the flag
 
 
 def grounded_messages() -> list[list[dict]]:
@@ -73,7 +73,23 @@ def spec_counters(url: str) -> dict[str, float]:
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
             if line.startswith(f"zeroserve:spec_decode_{name}_total{{"):
                 out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        if line.startswith("zeroserve:spec_decode_num_accepted_tokens_per_pos_total{"):
+            position = line.split('position="', 1)[1].split('"', 1)[0]
+            key = f"pos{position}"
+            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
+
+
+def per_position(before: dict[str, float], after: dict[str, float]) -> list[float]:
+    """The share of verified proposals whose draft at each position was accepted."""
+    num_drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
+    if not num_drafts:
+        return []
+    shares, i = [], 0
+    while f"pos{i}" in after:
+        shares.append((after[f"pos{i}"] - before.get(f"pos{i}", 0)) / num_drafts)
+        i += 1
+    return shares
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,13 +142,16 @@ def main(argv: list[str] | None = None) -> int:
         "acceptance_rate": accepted / drafted if drafted else None,
         "num_drafts": after.get("num_drafts", 0) - before.get("num_drafts", 0),
         "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
+        "accepted_per_position": per_position(before, after),
     }
     print(f"off {statistics.median(rates['off']):.1f} tok/s, on "
           f"{statistics.median(rates['on']):.1f} tok/s (medians); ratio per repeat "
           f"{', '.join(f'{r:.2f}' for r in ratios)}; identical texts: "
           f"{summary['identical_texts']}; acceptance "
           f"{'n/a' if not drafted else f'{accepted / drafted:.2f}'} "
-          f"({int(accepted)} of {int(drafted)} draft tokens)")
+          f"({int(accepted)} of {int(drafted)} draft tokens in "
+          f"{int(summary['num_drafts'])} proposals); accepted at positions 1..: "
+          f"{', '.join(f'{x:.2f}' for x in summary['accepted_per_position']) or 'n/a'}")
     if args.result_json is not None:
         args.result_json.parent.mkdir(parents=True, exist_ok=True)
         args.result_json.write_text(json.dumps(summary, indent=2))

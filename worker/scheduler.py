@@ -25,8 +25,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
+from zeroserve.worker import draft_policy
 from zeroserve.worker.block_manager import BlockManager
 from zeroserve.worker.config import BatchingMode, EngineConfig
+from zeroserve.worker.draft_policy import DraftState
 from zeroserve.worker.plan import SampledToken, ScheduledChunk, SchedulerOutput
 from zeroserve.worker.sequence import FinishReason, RequestError, Sequence, SequenceStatus
 from zeroserve.worker.speculative import SpecDecodeStats, SpeculativeConfig, propose_ngram
@@ -327,14 +329,20 @@ class Scheduler:
     def _add_drafts(self, seq: Sequence, chunk: ScheduledChunk, config: SpeculativeConfig,
                     budget: int) -> None:
         """Put n-gram drafts after a decode chunk's token (worker/speculative.py), as many
-        as every limit allows: k, the token budget, max_tokens and the context (the token
-        after the drafts must fit too), the stream's credit, and free blocks (drafts never
-        preempt anyone). A constrained request's drafts end before the first token its
-        grammar forbids."""
+        as every limit allows: as many as pay for their rows given how often this
+        sequence's drafts were right (worker/draft_policy.py, at most k), the token budget,
+        max_tokens and the context (the token after the drafts must fit too), the stream's
+        credit, and free blocks (drafts never preempt anyone). A constrained request's
+        drafts end before the first token its grammar forbids."""
         params = seq.params
         num_output = len(seq.output_token_ids)
         num_tokens = seq.num_prompt_tokens + num_output
-        k = min(config.num_speculative_tokens, budget - 1, params.max_tokens - num_output - 1,
+        state = seq.draft_state
+        if state is None:
+            state = seq.draft_state = DraftState()
+        k = min(draft_policy.num_drafts(state, num_tokens, len(self.running),
+                                        config.num_speculative_tokens),
+                budget - 1, params.max_tokens - num_output - 1,
                 self.max_model_len - num_tokens - 1)
         if seq.credit_limit is not None:
             k = min(k, seq.credit_limit - num_output - 1)
@@ -537,6 +545,9 @@ class Scheduler:
                 bm.truncate(seq, seq.num_computed_tokens + 1)
             return False
         self.spec_stats.record(num_new - 1, len(accepted))
+        if seq.draft_state is not None:
+            draft_policy.record(seq.draft_state, num_new - 1, len(accepted),
+                                seq.num_tokens + len(accepted) + 1, len(self.running))
         outputs = seq.output_token_ids
         params = seq.params
         reason = None

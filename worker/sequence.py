@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from zeroserve.worker.draft_policy import DraftState
 from zeroserve.worker.grammar import GrammarState
 
 
@@ -131,6 +132,9 @@ class Sequence:
     # Output tokens (in all, counting earlier ones) this stream may have before it must
     # pause for credit (the worker process sets it); caps speculative drafts. None: no cap.
     credit_limit: int | None = None
+    # Speculative decoding: how often this sequence's drafts were right, which sizes its next
+    # proposals (worker/draft_policy.py). None until it first proposes; this worker's only.
+    draft_state: DraftState | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -10,8 +10,9 @@ agrees with. Output that repeats the input (rewrite, extract, edit, code) is pro
 tokens per forward; where nothing matches, a sequence decodes as usual.
 
 Settings follow vLLM's `--speculative-config` JSON: {"method": "ngram",
-"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
-"disable_by_batch_size": 8}.
+"num_speculative_tokens": 7, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
+"disable_by_batch_size": 8} (the defaults). How many drafts a sequence proposes, up to
+num_speculative_tokens, follows how often its drafts were right (worker/draft_policy.py).
 """
 
 from __future__ import annotations
@@ -31,12 +32,16 @@ MAX_SPECULATIVE_TOKENS = 16
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "ngram"
-    num_speculative_tokens: int = 4  # k: drafts per sequence per step, at most
+    # k: drafts per sequence per step, at most. 7: on the CPU a step of 1 + 7 rows still
+    # costs about 0.17 of a 1-row step per row, and a ninth costs over 3 rows (benchmarks.md,
+    # "Adaptive n-gram speculation"); worker/draft_policy.py proposes fewer where they fail.
+    num_speculative_tokens: int = 7
     prompt_lookup_max: int = 4  # the longest n-gram looked up
     prompt_lookup_min: int = 2  # the shortest (a shorter match proposes nothing)
     # Steps with more running sequences than this decode normally (verifying drafts costs
-    # compute a large batch no longer has spare). None: always speculate.
-    disable_by_batch_size: int | None = None
+    # compute a large batch no longer has spare; up to it, worker/draft_policy.py asks more
+    # of a draft the larger the batch). None: any batch may speculate.
+    disable_by_batch_size: int | None = 8
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from zeroserve.cli import main as cli
 from zeroserve.cli.supervisor import Supervisor
 from zeroserve.worker.config import BatchingMode, EngineConfig
+from zeroserve.worker.speculative import SpeculativeConfig
 
 
 @pytest.fixture
@@ -74,6 +75,7 @@ def test_worker_flags_build_the_configs(captured):
         max_num_batched_tokens=128, max_model_len=1024, block_size=32,
         kv_cache_memory=512 * 2**20, enable_prefix_caching=False,
         batching_mode=BatchingMode.DYNAMIC, batch_wait_ms=20.0, num_threads=2, seed=5,
+        speculative_config=SpeculativeConfig(),  # on unless --speculative-config null
     )
 
 
@@ -296,8 +298,6 @@ def test_enforce_eager_flag_and_variable(captured, args, env, expected):
     assert invoke(["worker", *cli.engine_args(engine), *base[1:]]).exit_code == 0
     assert captured["worker"].engine == engine
 def test_speculative_config_flag_and_variable(captured):
-    from zeroserve.worker.speculative import SpeculativeConfig
-
     text = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5, '
             '"prompt_lookup_min": 2, "disable_by_batch_size": 4}')
     assert invoke(["worker", "--speculative-config", text]).exit_code == 0
@@ -308,6 +308,10 @@ def test_speculative_config_flag_and_variable(captured):
     assert invoke(["worker", "--speculative-config", "null"], {
         "ZEROSERVE_SPECULATIVE_CONFIG": text}).exit_code == 0
     assert captured["worker"].engine.speculative_config is None
+    # On by default: n-gram speculation that steps aside for batches above 8.
+    assert invoke(["worker"]).exit_code == 0
+    assert captured["worker"].engine.speculative_config == SpeculativeConfig()
+    assert SpeculativeConfig().disable_by_batch_size == 8
     # Children get it explicitly, on or off.
     for value in (expected, None):
         config = EngineConfig(speculative_config=value)

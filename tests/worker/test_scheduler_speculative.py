@@ -11,6 +11,7 @@ import pytest
 from tests.worker.factories import make_engine, make_params, make_scheduler, make_seq
 from tests.worker.test_grammar import EOS, VOCAB
 from zeroserve.common.model_files import default_model_path
+from zeroserve.worker.draft_policy import MIN_BACKOFF, DraftState
 from zeroserve.worker.engine import Engine
 from zeroserve.worker.grammar import GGUFVocabulary, GrammarCompiler
 from zeroserve.worker.sequence import FinishReason, SamplingParams, SequenceStatus
@@ -179,6 +180,7 @@ def test_paused_mid_step_gives_back_the_draft_blocks():
     scheduler.add(seq)
     scheduler.update(plan := scheduler.schedule(), runner.execute(plan))
     seq.output_token_ids[-1] = 10
+    seq.draft_state = DraftState(num_accepted=9.0, num_judged=9.0)  # drafts always right
     plan = scheduler.schedule()
     assert len(plan.chunks[0].draft_token_ids) == 4
     bm = scheduler.block_manager
@@ -243,12 +245,71 @@ def test_a_failed_over_stream_speculates_again_from_its_context():
     [whole] = run(copy_engine(), [prompt], [params])
     moved = copy_engine()
     moved.add_request("r", prompt, params, output_token_ids=whole[:15])
+    sizes = record_draft_sizes(moved)
     rest: list[int] = []
     while moved.has_unfinished():
         for out in moved.step():
             rest += out.new_token_ids
     assert whole[:15] + rest == whole
     assert moved.stats().spec_decode.num_accepted_tokens > 0
+    # The moved stream's draft lengths start afresh on the new worker, and grow again.
+    proposed = [n for n in sizes if n]
+    assert proposed[0] == 2 and max(proposed) == SPEC.num_speculative_tokens
+
+
+def record_draft_sizes(engine: Engine) -> list[int]:
+    """The number of drafts of the first chunk of each plan the engine runs from now on."""
+    sizes: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        plan = schedule()
+        if plan.chunks:
+            sizes.append(len(plan.chunks[0].draft_token_ids or ()))
+        return plan
+
+    engine.scheduler.schedule = recording
+    return sizes
+
+
+def test_drafts_grow_while_accepted():
+    config = SpeculativeConfig(num_speculative_tokens=7, prompt_lookup_max=3,
+                               prompt_lookup_min=1)
+    prompt = list(range(10, 70)) * 2  # copied: every draft is right
+    plain, spec = copy_engine(None), copy_engine(config)
+    sizes = record_draft_sizes(spec)
+    params = [make_params(max_tokens=50)]
+    assert run(spec, [prompt], params) == run(plain, [prompt], params)
+    proposed = [n for n in sizes if n]
+    assert proposed[:4] == sorted(proposed[:4]) and proposed[0] == 2
+    assert proposed[3] == 7 and proposed.count(7) >= 4
+    stats = spec.stats().spec_decode
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_a_stream_whose_drafts_fail_backs_off_and_probes_later():
+    """Every draft wrong (the fake model never continues the n-gram): proposals shrink to
+    one draft, stop, and come back as single-draft probes ever further apart."""
+    scheduler, runner = make_scheduler(speculative_config=SPEC, max_model_len=512,
+                                       num_kv_blocks=160)
+    seq = make_seq(prompt_token_ids=list(range(10, 20)) * 3, max_tokens=300)
+    scheduler.add(seq)
+    scheduler.update(plan := scheduler.schedule(), runner.execute(plan))
+    sizes = []
+    for _ in range(120):
+        seq.output_token_ids[-1] = 10  # the proposal is always 11, 12, ...
+        plan = scheduler.schedule()
+        drafts = plan.chunks[0].draft_token_ids or []
+        sizes.append(len(drafts))
+        sampled = runner.execute(plan)
+        assert not sampled[0].accepted_token_ids  # the fake model says otherwise
+        scheduler.update(plan, sampled)
+    proposals = [i for i, n in enumerate(sizes) if n]
+    assert sizes[0] == 2 and all(n <= 2 for n in sizes)
+    gaps = [b - a for a, b in zip(proposals, proposals[1:], strict=False)]
+    assert gaps[:2] == [1, 1]  # tried again at once, then gave up for a while
+    assert max(gaps) >= 2 * MIN_BACKOFF and gaps[2:] == sorted(gaps[2:])
+    assert len(proposals) < 10  # of 120 steps
 
 
 def test_drafts_never_preempt_anyone():

@@ -59,7 +59,9 @@ def test_config_reads_vllms_json():
     assert SpeculativeConfig.from_json('{"method": null}') is None
     assert SpeculativeConfig.from_json('{"prompt_lookup_max": 6}').prompt_lookup_min == 2
     assert config.is_active(4) and not config.is_active(5)
-    assert SpeculativeConfig().is_active(1000)
+    # The default steps aside beyond 8 running requests; null lets any batch speculate.
+    assert SpeculativeConfig().is_active(8) and not SpeculativeConfig().is_active(9)
+    assert SpeculativeConfig.from_json('{"disable_by_batch_size": null}').is_active(1000)
 
 
 @pytest.mark.parametrize("text, message", [
