@@ -246,8 +246,10 @@ ENGINE_OPTIONS = [
            help="Speculative decoding, as vLLM's JSON (n-gram prompt lookup: up to "
                 "num_speculative_tokens drafts per request and step, as many as that "
                 "request's acceptance so far pays for; steps with more running requests than "
-                "disable_by_batch_size decode normally; keys left out take the defaults "
-                "shown). 'null' turns it off."),
+                "disable_by_batch_size decode normally; where a request's own context has no "
+                "match, drafts may come from the last recent_ngrams n-grams of other "
+                "requests' outputs, 0 for none; keys left out take the defaults shown). "
+                "'null' turns it off."),
     option("--weight-cache/--no-weight-cache", default=_default(EngineConfig, "weight_cache"),
            help="Write the prepared weights once and memory-map them on later starts."),
     option("--weight-cache-dir", default=None,

@@ -31,7 +31,12 @@ from zeroserve.worker.config import BatchingMode, EngineConfig
 from zeroserve.worker.draft_policy import DraftState
 from zeroserve.worker.plan import SampledToken, ScheduledChunk, SchedulerOutput
 from zeroserve.worker.sequence import FinishReason, RequestError, Sequence, SequenceStatus
-from zeroserve.worker.speculative import SpecDecodeStats, SpeculativeConfig, propose_ngram
+from zeroserve.worker.speculative import (
+    RecentText,
+    SpecDecodeStats,
+    SpeculativeConfig,
+    propose_ngram,
+)
 
 
 class RunQueue:
@@ -100,6 +105,11 @@ class Scheduler:
         self._next_version: int | None = None
         self._num_decodes = 0  # how many of the last plan's first chunks are decodes
         self.spec_stats = SpecDecodeStats()  # speculative decoding's counters
+        speculative = config.speculative_config
+        # Finished requests' text, for drafts where a sequence's own context has none.
+        self.recent_text = (RecentText(speculative.prompt_lookup_min,
+                                       speculative.prompt_lookup_max, speculative.recent_ngrams)
+                            if speculative is not None and speculative.recent_ngrams else None)
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -348,8 +358,10 @@ class Scheduler:
             k = min(k, seq.credit_limit - num_output - 1)
         if k < 1:
             return
-        drafts = propose_ngram(seq.all_token_ids, config.prompt_lookup_min,
-                               config.prompt_lookup_max, k)
+        tokens = seq.all_token_ids
+        drafts = propose_ngram(tokens, config.prompt_lookup_min, config.prompt_lookup_max, k)
+        if not drafts and self.recent_text is not None:
+            drafts = self.recent_text.propose(tokens, k)
         if drafts and params.grammar is not None:
             drafts = drafts[:params.grammar.num_allowed(seq.output_token_ids, drafts)]
         if not drafts:
@@ -760,6 +772,8 @@ class Scheduler:
         )
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        if self.recent_text is not None:
+            self.recent_text.add(seq.prompt_token_ids, seq.output_token_ids)
         del self._requests[seq.request_id]
         self._prompt_keys.pop(seq.request_id, None)
         if keeps_padding:

@@ -9,14 +9,19 @@ its cached K/V) and samples a token at every row; worker/verify.py keeps the dra
 agrees with. Output that repeats the input (rewrite, extract, edit, code) is produced several
 tokens per forward; where nothing matches, a sequence decodes as usual.
 
+Where a sequence's own context has no match, the drafts may come from text this worker
+finished lately for other requests (RecentText).
+
 Settings follow vLLM's `--speculative-config` JSON: {"method": "ngram",
 "num_speculative_tokens": 7, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
-"disable_by_batch_size": 8} (the defaults). How many drafts a sequence proposes, up to
-num_speculative_tokens, follows how often its drafts were right (worker/draft_policy.py).
+"disable_by_batch_size": 8}, plus "recent_ngrams": 200000 (RecentText's size; 0 turns it
+off) (the defaults). How many drafts a sequence proposes, up to num_speculative_tokens,
+follows how often its drafts were right (worker/draft_policy.py).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +47,11 @@ class SpeculativeConfig:
     # compute a large batch no longer has spare; up to it, worker/draft_policy.py asks more
     # of a draft the larger the batch). None: any batch may speculate.
     disable_by_batch_size: int | None = 8
+    # n-grams of finished requests' outputs this worker keeps (RecentText): where a
+    # sequence's own context has no match, its drafts may come from text generated lately
+    # for others (SGLang's n-gram and llama.cpp's lookup caches do the same). 0: a
+    # sequence's own context only.
+    recent_ngrams: int = 200_000
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -54,6 +64,8 @@ class SpeculativeConfig:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError("disable_by_batch_size must be >= 1")
+        if self.recent_ngrams < 0:
+            raise ValueError("recent_ngrams must be >= 0")
 
     @classmethod
     def from_json(cls, text: str | dict[str, Any]) -> SpeculativeConfig | None:
@@ -98,7 +110,8 @@ class SpeculativeConfig:
                            "num_speculative_tokens": self.num_speculative_tokens,
                            "prompt_lookup_max": self.prompt_lookup_max,
                            "prompt_lookup_min": self.prompt_lookup_min,
-                           "disable_by_batch_size": self.disable_by_batch_size})
+                           "disable_by_batch_size": self.disable_by_batch_size,
+                           "recent_ngrams": self.recent_ngrams})
 
     def is_active(self, num_running: int) -> bool:
         """Whether a step with num_running sequences speculates."""
@@ -138,6 +151,57 @@ def propose_ngram(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int
     if best_len < min_n:
         return []
     return tokens[best_end:best_end + k]
+
+
+class RecentText:
+    """The n-grams (prompt_lookup_min..max tokens) of text finished lately on this worker,
+    each mapped to where it last occurred, so that a sequence whose own context has no match
+    can take its drafts from what followed the same words in another request's output. The
+    model verifies every draft, so a request's tokens are those it gets without this table;
+    only how many tokens a step yields changes.
+
+    What is kept: each finished request's output and the few prompt tokens before it, up to
+    `capacity` n-grams, the oldest dropped first. As with prefix caching, a client that times
+    its own requests could tell whether text was generated lately for someone else;
+    `recent_ngrams` 0 turns the table off."""
+
+    def __init__(self, min_n: int, max_n: int, capacity: int):
+        self.min_n, self.max_n, self.capacity = min_n, max_n, capacity
+        # n-gram -> (the text it occurred in, the index just after it there)
+        self._next: dict[tuple[int, ...], tuple[list[int], int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._next)
+
+    def add(self, prompt: list[int], output: list[int]) -> None:
+        """Index a finished request's output (and the n-grams ending in it that start in the
+        prompt's last tokens); a later occurrence of an n-gram replaces an earlier one."""
+        if self.capacity == 0 or not output:
+            return
+        text = prompt[max(0, len(prompt) - (self.max_n - 1)):] + output
+        first = len(text) - len(output)
+        table = self._next
+        # n-grams ending at the prompt's last token (followed by the first output token) and
+        # at each output token but the last.
+        for end in range(max(first - 1, self.min_n - 1), len(text) - 1):
+            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
+                key = tuple(text[end - n + 1:end + 1])
+                table.pop(key, None)  # re-inserted last: the newest occurrence
+                table[key] = (text, end + 1)
+        excess = len(table) - self.capacity
+        if excess > 0:
+            for key in list(itertools.islice(table, excess)):
+                del table[key]
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed tokens' last n tokens (the largest n that is in the
+        table) where they last occurred; [] when none is."""
+        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
+            hit = self._next.get(tuple(tokens[-n:]))
+            if hit is not None:
+                text, at = hit
+                return text[at:at + k]
+        return []
 
 
 @dataclass

@@ -342,3 +342,47 @@ def test_the_credit_limit_reaches_a_request_still_compiling_its_grammar():
     seq = engine._grammars.get("g") or engine.scheduler.get("g")
     assert seq is not None and seq.credit_limit == 5
     engine.abort("g")
+
+
+def test_drafts_from_text_finished_for_another_request():
+    """A request whose own context has no match takes its drafts from an earlier request's
+    output (RecentText): the same prompt again under the fake model (whose next token is a
+    function of the last one and the position) is produced in far fewer steps, with the same
+    tokens; with recent_ngrams 0 it takes as many steps as the first time."""
+    prompt = [[11, 12, 13, 14, 15]]
+    params = [make_params(max_tokens=40)]
+
+    def steps_of_each(recent_ngrams: int) -> tuple[list[int], list[int], Engine]:
+        config = SpeculativeConfig(num_speculative_tokens=7, prompt_lookup_max=3,
+                                   prompt_lookup_min=2, recent_ngrams=recent_ngrams)
+        engine = make_engine({}, speculative_config=config)
+        counts = []
+        for _ in range(2):
+            before = engine.stats().num_steps
+            tokens = run(engine, prompt, params)
+            counts.append(engine.stats().num_steps - before)
+        return tokens, counts, engine
+
+    expected = run(make_engine({}, speculative_config=None), prompt, params)
+    tokens, counts, engine = steps_of_each(200_000)
+    assert tokens == expected
+    assert counts[1] * 3 < counts[0]
+    assert len(engine.scheduler.recent_text) > 0
+    tokens, counts, _ = steps_of_each(0)
+    assert tokens == expected and counts[1] == counts[0]
+
+
+def test_recent_text_keeps_the_newest_occurrences_within_its_capacity():
+    from zeroserve.worker.speculative import RecentText
+
+    text = RecentText(min_n=2, max_n=3, capacity=100)
+    text.add([1, 2], [3, 4, 5, 6])
+    assert text.propose([9, 2, 3], 5) == [4, 5, 6]  # an n-gram from the prompt's end
+    assert text.propose([9, 4, 5], 2) == [6]
+    assert text.propose([7, 6], 3) == []  # nothing followed the output's end
+    text.add([], [4, 5, 8, 8])
+    assert text.propose([4, 5], 2) == [8, 8]  # the newest occurrence wins
+    small = RecentText(min_n=2, max_n=2, capacity=3)
+    small.add([], list(range(10)))
+    assert len(small) == 3 and small.propose([7, 8], 1) == [9] and small.propose([1, 2], 1) == []
+    RecentText(2, 4, 0).add([1], [2, 3])  # capacity 0 keeps nothing
