@@ -14,15 +14,15 @@ finished lately for other requests (RecentText).
 
 Settings follow vLLM's `--speculative-config` JSON: {"method": "ngram",
 "num_speculative_tokens": 7, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
-"disable_by_batch_size": 8}, plus "recent_ngrams": 200000 (RecentText's size; 0 turns it
+"disable_by_batch_size": 8}, plus "recent_ngrams": 100000 (RecentText's size; 0 turns it
 off) (the defaults). How many drafts a sequence proposes, up to num_speculative_tokens,
 follows how often its drafts were right (worker/draft_policy.py).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +51,7 @@ class SpeculativeConfig:
     # sequence's own context has no match, its drafts may come from text generated lately
     # for others (SGLang's n-gram and llama.cpp's lookup caches do the same). 0: a
     # sequence's own context only.
-    recent_ngrams: int = 200_000
+    recent_ngrams: int = 100_000
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -167,8 +167,8 @@ class RecentText:
 
     def __init__(self, min_n: int, max_n: int, capacity: int):
         self.min_n, self.max_n, self.capacity = min_n, max_n, capacity
-        # n-gram -> (the text it occurred in, the index just after it there)
-        self._next: dict[tuple[int, ...], tuple[list[int], int]] = {}
+        # n-gram -> (the text it occurred in, the index just after it there), oldest first
+        self._next: OrderedDict[tuple[int, ...], tuple[list[int], int]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._next)
@@ -186,12 +186,11 @@ class RecentText:
         for end in range(max(first - 1, self.min_n - 1), len(text) - 1):
             for n in range(self.min_n, min(self.max_n, end + 1) + 1):
                 key = tuple(text[end - n + 1:end + 1])
-                table.pop(key, None)  # re-inserted last: the newest occurrence
+                if key in table:
+                    table.move_to_end(key)  # the newest occurrence
                 table[key] = (text, end + 1)
-        excess = len(table) - self.capacity
-        if excess > 0:
-            for key in list(itertools.islice(table, excess)):
-                del table[key]
+        for _ in range(len(table) - self.capacity):
+            table.popitem(last=False)
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that followed tokens' last n tokens (the largest n that is in the
