@@ -5,7 +5,8 @@ pool; matrix products with the file's 4-bit and 8-bit blocks; a layer's per-row 
 Python bindings) with the system compiler and ninja into torch's extension cache
 (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR), once per source version and CPU
 (about 45 s on 2 cores; `./scripts/setup` does it); later processes load the cached library.
-Concurrent workers share one build through the loader's lock file.
+Concurrent workers share one build through the loader's lock file (and an flock around it,
+so that a build killed half-way does not leave later starts waiting forever).
 
 The build uses `-march=native`, so the library only runs on CPUs with the builder's
 instruction set. The loader keys its cache by name, sources and flags, not by CPU: the name
@@ -20,12 +21,15 @@ on the hot path that uses the kernels only where start-up already loaded them.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -89,15 +93,39 @@ def _build() -> ModuleType | KernelBuildError:
     from torch.utils import cpp_extension
 
     _put_pip_ninja_on_path()
+    name = f"zeroserve_cpu_kernels_{cpu_tag()}"
     try:
-        return cpp_extension.load(
-            name=f"zeroserve_cpu_kernels_{cpu_tag()}", sources=[str(p) for p in SOURCES],
-            extra_cflags=[*FLAGS, f"-DZEROSERVE_HEADERS={headers_tag()}"],
-            extra_ldflags=["-fopenmp"], verbose=False,
-        )
+        with _builders_lock(Path(cpp_extension._get_build_directory(name, verbose=False))):
+            return cpp_extension.load(
+                name=name, sources=[str(p) for p in SOURCES],
+                extra_cflags=[*FLAGS, f"-DZEROSERVE_HEADERS={headers_tag()}"],
+                extra_ldflags=["-fopenmp"], verbose=False,
+            )
     except Exception as exc:  # compiler, ninja or linker missing or failing
         logger.warning("native CPU kernels unavailable (%s); using the torch paths", exc)
         return KernelBuildError(f"could not build the native CPU kernels: {exc}")
+
+
+@contextlib.contextmanager
+def _builders_lock(build_dir: Path) -> Iterator[None]:
+    """Held around torch's loader, which has its own lock: a `lock` file that the builder
+    removes when done, and that every other process waits on, forever. A builder killed
+    mid-build (a worker SIGKILLed during its first start) leaves that file behind, and
+    every later start would hang on it. This lock is an flock, which the kernel drops with
+    its holder, so whoever holds it knows that no live process of ours is building: a
+    `lock` file found then is stale, and goes."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir.parent / f"{build_dir.name}.flock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("removing %s, left by a kernel build that did not finish",
+                               stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def load(required: bool = False) -> ModuleType | None:
