@@ -78,9 +78,10 @@ def test_stalled_client_pauses_alone_and_is_cut_off(server):
         # more window, so the pool it holds counts once it stopped changing for a heartbeat.
         held = settled_free_blocks(server, stable_s=0.6, timeout_s=40)
 
-        # Others are not slowed by it.
+        # Others are not slowed by it. (The same text; not necessarily in as many chunks:
+        # speculation may yield several tokens a step, more so for a prompt seen before.)
         beside = stream_completion(server.url, body)
-        assert beside.finish_reason == "length" and len(beside.chunks) == len(alone.chunks)
+        assert beside.finish_reason == "length" and beside.text == alone.text
         assert beside.elapsed_s < 2 * alone.elapsed_s + 0.5
 
         # The paused stream generated (nearly) nothing meanwhile: once the other stream's
