@@ -26,6 +26,7 @@
 
 #include "chunks.h"
 #include "fast_exp.h"
+#include "kernels.h"
 
 #include <cmath>
 #include <cstdint>

@@ -6,24 +6,13 @@
 // binding releases the GIL for the call, so the worker's other threads (the token sender)
 // run beside the step.
 
-#include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
+
+#include "kernels.h"
 
 #include <cstdint>
 #include <tuple>
 #include <vector>
-
-at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                            at::Tensor block_tables, at::Tensor context_lens, double scale);
-at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t out_features);
-at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t out_features);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta,
-                                                const at::Tensor& weight, double eps);
-at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
-void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k,
-              const at::Tensor& v, const at::Tensor& slots);
-at::Tensor silu_mul(const at::Tensor& gate_up);
 
 namespace {
 

@@ -42,8 +42,10 @@
 // this file compiles in a fraction of the time. module.cpp holds the Python bindings.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
 
 #include "chunks.h"
+#include "kernels.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -72,27 +74,22 @@ constexpr int64_t kPanels = 2;
 // Tiles of rows (bound by the arithmetic) measured faster without.
 constexpr int64_t kPrefetchBlocks = 2;
 
-// A matrix's units as a kernel sees them; S is the scales' type: uint16_t (fp16 bits) or
-// float.
-template <typename S>
-struct Q4 {
+// A matrix's units as a kernel sees them: each (panel, block) is kValueBytes of weights,
+// then kScaleRuns runs of 16 scale-like values of type S: uint16_t (fp16 bits) or float.
+template <typename S, int64_t kValueBytes, int64_t kScaleRuns>
+struct Units {
   using Scale = S;
-  static constexpr bool kFourBit = true;
-  static constexpr int64_t kUnit = 256 + 2 * kPanel * sizeof(S);
+  static constexpr bool kFourBit = kScaleRuns == 2;  // q4: scales and offsets
+  static constexpr int64_t kUnit = kValueBytes + kScaleRuns * kPanel * sizeof(S);
   const uint8_t* data;  // [panels, blocks, kUnit]
   int64_t blocks;
   const uint8_t* unit(int64_t panel, int64_t b) const { return data + (panel * blocks + b) * kUnit; }
 };
 
 template <typename S>
-struct Q8 {
-  using Scale = S;
-  static constexpr bool kFourBit = false;
-  static constexpr int64_t kUnit = kBlock * kPanel + kPanel * sizeof(S);
-  const uint8_t* data;  // [panels, blocks, kUnit]
-  int64_t blocks;
-  const uint8_t* unit(int64_t panel, int64_t b) const { return data + (panel * blocks + b) * kUnit; }
-};
+using Q4 = Units<S, 256, 2>;  // nibbles, scales, offsets
+template <typename S>
+using Q8 = Units<S, kBlock * kPanel, 1>;  // int8 values, scales
 
 #if ZS_LOWBIT_AVX512
 
@@ -206,31 +203,6 @@ inline void q8_panels(const Q8<S>& w, int64_t panel, const float* x, int64_t col
 
 #else  // portable loops: the same operations, lane by lane
 
-// An fp16's value (its bits) as a float: exact.
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
-  uint32_t exponent = (h >> 10) & 0x1F;
-  uint32_t mantissa = h & 0x3FF;
-  uint32_t bits;
-  if (exponent == 0x1F) {
-    bits = sign | 0x7F800000u | (mantissa << 13);  // inf, nan
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else if (mantissa == 0) {
-    bits = sign;
-  } else {  // subnormal: normalize
-    exponent = 113;
-    while (!(mantissa & 0x400)) {
-      mantissa <<= 1;
-      --exponent;
-    }
-    bits = sign | (exponent << 23) | ((mantissa & 0x3FF) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
 template <typename S>
 inline float scale_at(const uint8_t* p, int64_t f) {
   S v;
@@ -238,7 +210,7 @@ inline float scale_at(const uint8_t* p, int64_t f) {
   if constexpr (std::is_same_v<S, float>) {
     return v;
   } else {
-    return half_to_float(v);
+    return c10::detail::fp16_ieee_to_fp32_value(v);  // exact
   }
 }
 

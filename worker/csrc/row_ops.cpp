@@ -28,6 +28,7 @@
 #include <ATen/Parallel.h>
 
 #include "fast_exp.h"
+#include "kernels.h"
 
 #include <cmath>
 #include <cstdint>
