@@ -318,10 +318,11 @@ def _ratio_lines(runs: list[dict], levels: list[str]) -> list[str]:
             tput = paired_ratios(runs, other, lv, "output_throughput")
             if not tput:
                 continue
-            ttft = paired_ratios(runs, other, lv, "ttft_ms.p50")
             text = f"- zeroserve / {other} at {lv}: throughput {_ratio_spread(tput)}"
-            if ttft:
-                text += f", TTFT p50 {_ratio_spread(ttft)}"
+            for name, path in (("TTFT p50", "ttft_ms.p50"), ("ITL p50", "itl_ms.p50")):
+                paired = paired_ratios(runs, other, lv, path)
+                if paired:
+                    text += f", {name} {_ratio_spread(paired)}"
             out.append(text + f" ({len(tput)} repeats)")
     return out
 
