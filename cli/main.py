@@ -1046,6 +1046,9 @@ def worker(**opts: Any) -> None:
     from zeroserve.cli.supervisor import die_with_parent
 
     die_with_parent()  # first: a Hub download (or torch's import) may take long
+    from zeroserve.worker.omp_env import bound_omp_spinning
+
+    bound_omp_spinning()  # before anything imports torch
     from zeroserve.common.logging_setup import setup_logging
     from zeroserve.worker.process import build_engine, run_worker
 
