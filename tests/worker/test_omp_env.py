@@ -1,5 +1,6 @@
 """A worker bounds libgomp's spinning before torch loads, unless the operator chose."""
 
+import os
 import subprocess
 import sys
 
@@ -35,7 +36,7 @@ def test_set_before_torch_loads_it_is_in_the_environment_torch_starts_with():
         "print(bound_omp_spinning())\n"
         "import torch\n"
         "print(os.environ.get('GOMP_SPINCOUNT'))\n")
-    env = {k: v for k, v in __import__("os").environ.items()
+    env = {k: v for k, v in os.environ.items()
            if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=120, check=True).stdout.split()
