@@ -5,11 +5,13 @@ pool; matrix products with the file's 4-bit and 8-bit blocks; a layer's per-row 
 Python bindings) with the system compiler and ninja into torch's extension cache
 (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR), once per source version and CPU
 (about 45 s on 2 cores; `./scripts/setup` does it); later processes load the cached library.
+The library's name carries a hash of the sources (`source_tag`), so each version of the code
+keeps a build of its own there.
 Concurrent workers share one build through the loader's lock file (and an flock around it,
 so that a build killed half-way does not leave later starts waiting forever).
 
 The build uses `-march=native`, so the library only runs on CPUs with the builder's
-instruction set. The loader keys its cache by name, sources and flags, not by CPU: the name
+instruction set. The loader keys its cache by name, not by CPU: the name also
 carries a tag of this CPU (its model and feature flags), so a cache shared with another CPU
 (a network home, a volume, an image built elsewhere) builds its own copy instead of loading
 one that dies with SIGILL.
@@ -78,12 +80,16 @@ def _put_pip_ninja_on_path() -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-def headers_tag() -> str:
-    """A hash of csrc's headers: the loader's cache key covers the sources and flags, not what
-    they include, so the headers' hash goes in as a flag and a changed header rebuilds."""
+def source_tag(sources: list[Path] | None = None, csrc: Path = CSRC) -> str:
+    """A hash of what the library is built from: the sources, csrc's headers and the flags.
+    It goes in the library's name, so each version of the code has a build of its own. (The
+    loader keys its build folder by name alone and rebuilds in place when the sources
+    differ: two versions on one machine, a rolling upgrade or `bench_commits.py`'s two
+    checkouts, would rebuild each other's library, ~45 s, at every start.)"""
     digest = hashlib.sha256()
-    for header in sorted(CSRC.glob("*.h")):
-        digest.update(header.name.encode() + b"\0" + header.read_bytes())
+    for path in [*(SOURCES if sources is None else sources), *sorted(csrc.glob("*.h"))]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(" ".join(FLAGS).encode())
     return digest.hexdigest()[:12]
 
 
@@ -93,17 +99,37 @@ def _build() -> ModuleType | KernelBuildError:
     from torch.utils import cpp_extension
 
     _put_pip_ninja_on_path()
-    name = f"zeroserve_cpu_kernels_{cpu_tag()}"
+    name = f"zeroserve_cpu_kernels_{cpu_tag()}_{source_tag()}"
     try:
-        with _builders_lock(Path(cpp_extension._get_build_directory(name, verbose=False))):
+        build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+        with _builders_lock(build_dir):
+            built = _import_built(cpp_extension, name, build_dir)
+            if built is not None:
+                return built
             return cpp_extension.load(
                 name=name, sources=[str(p) for p in SOURCES],
-                extra_cflags=[*FLAGS, f"-DZEROSERVE_HEADERS={headers_tag()}"],
+                extra_cflags=FLAGS,
                 extra_ldflags=["-fopenmp"], verbose=False,
             )
     except Exception as exc:  # compiler, ninja or linker missing or failing
         logger.warning("native CPU kernels unavailable (%s); using the torch paths", exc)
         return KernelBuildError(f"could not build the native CPU kernels: {exc}")
+
+
+def _import_built(cpp_extension: ModuleType, name: str, build_dir: Path) -> ModuleType | None:
+    """The library already built under this name (which certifies its sources, flags and
+    CPU), imported without the loader: the loader would rewrite the build file with these
+    sources' paths, and another checkout of the same code (another path) would rebuild it.
+    None where there is none, or it does not import (a build killed while linking): the
+    loader builds it then."""
+    if not (build_dir / f"{name}.so").is_file():
+        return None
+    try:
+        return cpp_extension._import_module_from_library(name, str(build_dir), True)
+    except Exception as exc:
+        logger.warning("rebuilding the native CPU kernels: the cached build did not load (%s)",
+                       exc)
+        return None
 
 
 @contextlib.contextmanager
