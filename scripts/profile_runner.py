@@ -1,6 +1,7 @@
 """Time the model runner's decode step at several batch sizes (no scheduler, no HTTP).
 
     python scripts/profile_runner.py --batch 1 16 32 --context 256 --steps 20 [--profile]
+    python scripts/profile_runner.py --batch 16 --prefill 128 --prefill-prompts 4 --profile
 
 Each sequence gets a fresh block table covering `context` tokens (the pool content does not
 matter for timing); every step is one decode token per sequence, as in steady-state serving.
@@ -47,7 +48,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--prefill", type=int, default=0,
-                        help="also time one prefill chunk of this many tokens")
+                        help="also time one prefill step of prompts of this many tokens")
+    parser.add_argument("--prefill-prompts", type=int, default=1,
+                        help="prompts in that prefill step (4 x 128 fills the default "
+                             "512-token budget)")
     parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     parser.add_argument("--profile", action="store_true", help="print torch.profiler top ops")
     parser.add_argument("--no-weight-cache", action="store_true",
@@ -62,7 +66,7 @@ def main() -> None:
     print(f"device={runner.info.device} dtype={runner.info.dtype} threads={torch.get_num_threads()}"
           f" context={args.context} attention={args.attention_backend}")
     if args.prefill:
-        time_prefill(runner, args.prefill, params)
+        time_prefill(runner, args.prefill, args.prefill_prompts, params, args.profile)
     for batch in args.batch:
         plan = decode_plan(batch, args.context, runner.block_size, params, runner.num_kv_blocks)
         for _ in range(3):
@@ -93,10 +97,13 @@ def main() -> None:
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
 
 
-def time_prefill(runner: ModelRunner, num_tokens: int, params: SamplingParams) -> None:
-    table = list(range((num_tokens + runner.block_size - 1) // runner.block_size))
-    plan = SchedulerOutput([ScheduledChunk("p", [100 + i % 1000 for i in range(num_tokens)], 0,
-                                           table, True, params)])
+def time_prefill(runner: ModelRunner, num_tokens: int, num_prompts: int,
+                 params: SamplingParams, with_profile: bool = False) -> None:
+    blocks = (num_tokens + runner.block_size - 1) // runner.block_size
+    plan = SchedulerOutput([
+        ScheduledChunk(f"p{j}", [100 + (i * 7 + j) % 1000 for i in range(num_tokens)], 0,
+                       list(range(j * blocks, (j + 1) * blocks)), True, params)
+        for j in range(num_prompts)])
     runner.execute(plan)
     times = []
     for _ in range(3):
@@ -104,7 +111,16 @@ def time_prefill(runner: ModelRunner, num_tokens: int, params: SamplingParams) -
         runner.execute(plan)
         times.append(time.perf_counter() - started)
     ms = min(times) * 1e3
-    print(f"prefill {num_tokens} tokens: {ms:.1f} ms ({num_tokens / ms * 1e3:.0f} tok/s)")
+    total = num_tokens * num_prompts
+    print(f"prefill {num_prompts} x {num_tokens} tokens: {ms:.1f} ms "
+          f"({total / ms * 1e3:.0f} tok/s)")
+    if with_profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                runner.execute(plan)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
 
 if __name__ == "__main__":
