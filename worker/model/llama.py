@@ -187,10 +187,14 @@ class LlamaModel:
         # Where the dense kernel is not row-independent (a CPU without native bf16), prefill
         # rows run in fixed tiles, so no row's result depends on its batch.
         tile_rows = dense_tile_rows(dtype, device) if batch_invariant else None
-        # The kernels are chosen per row for batch invariance, and also where the dense bf16
-        # kernel is emulated (a CPU without native bf16): there the low-bit kernels are faster
-        # for decode rows at every batch size measured, so the row-count rule would only lose.
-        per_row = batch_invariant or not cpu_supports_bf16()
+        # The kernels are chosen per row for batch invariance, and also where the dense
+        # kernel is slow for decode rows: fp32 on the CPU (MKL's fp32 product against the
+        # native block kernels, which win up to 64 rows and more), and bf16 where the CPU
+        # only emulates it. There the row-count rule would only lose, and per-row choice is
+        # also what lets a step of decode rows call the native kernels directly. The rule is
+        # for dense bf16 on a CPU with native bf16, which is faster than int4 past ~24 rows.
+        per_row = batch_invariant or not cpu_supports_bf16() or (
+            device.type == "cpu" and dtype == torch.float32)
         self.ops = row_ops(device, dtype)
         self.layers = [LlamaLayer(config, tensors, i, device, tile_rows, per_row, self.ops)
                        for i in range(config.num_layers)]
