@@ -395,6 +395,8 @@ def summarize(args: argparse.Namespace, measured: dict, stamps_path: str | None)
     lasts = [times[-1] - start for times in arrivals if times]
     if firsts:
         result["first_token_s"] = {"p50": round(pct(firsts, 50), 3),
+                                   "p90": round(pct(firsts, 90), 3),
+                                   "p99": round(pct(firsts, 99), 3),
                                    "max": round(max(firsts), 3)}
         result["last_token_s"] = {"min": round(min(lasts), 3), "max": round(max(lasts), 3)}
     result |= {

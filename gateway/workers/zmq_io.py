@@ -56,6 +56,9 @@ _SNDHWM = 10_000  # messages queued per worker; beyond, sends to it are dropped
 _RECEIVE_RESTART_PAUSE_S = 0.1  # after the receive loop failed, before it starts again
 _RECEIVE_MAX_PAUSE_S = 5.0  # the pause doubles while it keeps failing at once
 _RECEIVE_STABLE_S = 10.0  # a loop that ran this long before failing restarts after the least
+# Admissions before relay (ZmqEdge._hold_for_admissions): TOKENS wait in naps this long while
+# requests keep arriving.
+_ADMISSION_NAP_S = 0.002
 
 
 class ClientStream(Protocol):
@@ -109,6 +112,12 @@ class ZmqEdge:
         self.tokens_address = tokens_address
         self._on_message = on_message
         self.keys = keys
+        # True while new requests are arriving: their admission goes before the relay, for up
+        # to max_admission_hold_s at a time (0: never).
+        self.admitting: Callable[[], bool] | None = None
+        self.max_admission_hold_s = 0.0
+        self._hold_ended_at = float("-inf")
+        self._last_hold_s = 0.0
         self._ctx: zmq.asyncio.Context | None = None
         self._router: zmq.asyncio.Socket | None = None
         self._pull: zmq.asyncio.Socket | None = None
@@ -248,9 +257,37 @@ class ZmqEdge:
         while True:
             ready = dict(await poller.poll())
             if self._pull in ready:
+                await self._hold_for_admissions()
                 await self._drain_tokens()
             if self._router in ready:
                 await self._drain(self._router, self._dispatch_router)
+
+    async def _hold_for_admissions(self) -> None:
+        """Let a burst of new requests in before relaying the tokens of those already in.
+
+        Each admission (accept, HTTP parsing, the handler, SUBMIT) takes several passes of
+        the loop, and under load each pass also drains the waiting TOKENS: in a burst the
+        relay of the streams already admitted took most of the loop, and the last of 1,000
+        simultaneous requests got its first token seconds after the first, then streamed
+        alone at the end (docs/benchmarks.md, "Admissions before relay"). So while
+        `admitting()` says requests keep coming, the drain waits in short naps, during which
+        the loop runs their admissions, for up to max_admission_hold_s; then everything
+        waiting goes out, one write per stream. The workers run on meanwhile within their
+        streams' credit. A hold starts only once the relay has run as long as the last hold
+        lasted, so a steady stream of requests takes at most half the loop from the relay."""
+        admitting, limit = self.admitting, self.max_admission_hold_s
+        if admitting is None or limit <= 0 or not admitting():
+            return
+        started = time.monotonic()
+        if started - self._hold_ended_at < self._last_hold_s:
+            return
+        deadline = started + limit
+        while True:
+            await asyncio.sleep(_ADMISSION_NAP_S)
+            now = time.monotonic()
+            if now >= deadline or not admitting():
+                break
+        self._hold_ended_at, self._last_hold_s = now, now - started
 
     async def _drain(self, sock: zmq.asyncio.Socket, dispatch: Callable[[list], None]) -> None:
         for _ in range(_MAX_BATCH):
