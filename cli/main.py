@@ -354,6 +354,11 @@ GATEWAY_OPTIONS = [
            help="Kernel send buffer per client connection (e.g. 64KiB; 0: the kernel's "
                 "autotuning, up to megabytes). It bounds what a client that stops reading "
                 "is sent before its stream pauses and --slow-client-timeout runs."),
+    option("--admission-hold", type=click.FloatRange(0.0, 1.0), default=0.05,
+           help="Seconds the relay of running streams may wait, at a time, while a burst of "
+                "requests is being admitted, so that the burst gets in first (its last "
+                "request's first token comes sooner; running streams' tokens come in one "
+                "later write). At most half the time; 0: off."),
     option("--loop-lag-warn", type=float, default=0.25, callback=_positive,
            help="Seconds of event-loop lag that count as a stall: logged (rate-limited) and "
                 "counted in /health."),
@@ -535,6 +540,7 @@ def gateway_config(opts: dict[str, Any]):
         worker_timeout_s=opts["worker_timeout"], log_format=opts["log_format"],
         log_level=opts["log_level"].lower(),
         min_client_rate=opts["min_client_rate"], loop_lag_warn_s=opts["loop_lag_warn"],
+        admission_hold_s=opts["admission_hold"],
         client_send_buffer_bytes=opts["client_send_buffer"],
         request_idle_timeout_s=opts["request_idle_timeout"],
         worker_stall_timeout_s=opts["worker_stall_timeout"], routing=opts["routing"],
@@ -696,6 +702,7 @@ def gateway_args(config: Any) -> list[str]:
         "--min-client-rate", str(config.min_client_rate),
         "--client-send-buffer", str(config.client_send_buffer_bytes),
         "--loop-lag-warn", str(config.loop_lag_warn_s),
+        "--admission-hold", str(config.admission_hold_s),
         "--request-idle-timeout", str(config.request_idle_timeout_s),
         "--worker-stall-timeout", str(config.worker_stall_timeout_s),
         "--shutdown-timeout", str(config.shutdown_timeout_s),

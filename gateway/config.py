@@ -63,6 +63,9 @@ class GatewayConfig:
     # loopback or LAN socket grows to 4 MiB (tcp_wmem), some 16,000 tokens, and such a
     # client was never paused nor aborted. Linux doubles the value given.
     client_send_buffer_bytes: int = 64 * 1024
+    # While a burst of requests arrives, the relay waits up to this long at a time for them
+    # to be admitted first (gateway/workers/zmq_io.py, ZmqEdge._hold_for_admissions); 0: never.
+    admission_hold_s: float = 0.05
     loop_lag_warn_s: float = 0.25  # event-loop lag at or above this is a stall: logged, counted
     # Bearer keys for the admin API (gateway/http/admin.py); never logged or shown in repr.
     admin_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -156,6 +159,8 @@ class GatewayConfig:
             raise ValueError("min_client_rate must be >= 0")
         if self.client_send_buffer_bytes < 0:
             raise ValueError("client_send_buffer_bytes must be >= 0")
+        if not 0 <= self.admission_hold_s <= 1:
+            raise ValueError("admission_hold_s must be between 0 and 1")
         if self.loop_lag_warn_s <= 0:
             raise ValueError("loop_lag_warn_s must be > 0")
         if self.routing not in ROUTING_POLICIES:

@@ -75,6 +75,9 @@ log = get_logger("core")
 MAX_SUBMITS = 4
 # A request that a worker refused with an error before any output gets one more try.
 MAX_SUBMITS_AFTER_ERROR = 2
+# Requests are being admitted while each comes within this long of the one before (500 a
+# second or more: a burst): the relay lets them in first (Gateway.is_admitting).
+ADMISSION_GAP_S = 0.002
 
 
 class Gateway:
@@ -98,6 +101,9 @@ class Gateway:
         router, tokens = config.endpoints
         keys = None if config.keys_dir is None else load_gateway_keys(config.keys_dir)
         self.edge = ZmqEdge(router, tokens, self._on_message, keys)
+        self.edge.admitting = self.is_admitting
+        self.edge.max_admission_hold_s = config.admission_hold_s
+        self._last_request_at = float("-inf")  # clock() when the newest request came
         self.outbox = WorkerOutbox(
             send_credit=lambda worker_id, grants: self.edge.send(worker_id, Credit(grants)),
             send_abort=lambda worker_id, rids, attempts: self.edge.send(
@@ -156,10 +162,17 @@ class Gateway:
 
     def new_request(self, index: int, prompt_token_ids: list[int],
                     sink: Sink) -> RequestState:
+        self._last_request_at = self.clock()
         state = RequestState(f"req-{uuid.uuid4().hex}", index, prompt_token_ids, sink,
                              credit_window=self.config.credit_window)
         self.streams.add(state)
         return state
+
+    def is_admitting(self) -> bool:
+        """Are requests coming in as a burst (the newest within ADMISSION_GAP_S)? Then more
+        are on their way through the loop, and the relay lets them in first
+        (ZmqEdge._hold_for_admissions)."""
+        return self.clock() - self._last_request_at < ADMISSION_GAP_S
 
     async def submit(self, state: RequestState, params: dict[str, Any]) -> None:
         """Wait for a worker (admission) and send the request to it. Raises APIError."""
