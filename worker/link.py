@@ -59,6 +59,10 @@ def new_route(worker_id: str) -> bytes:
     return f"{worker_id}.{secrets.token_hex(12)}".encode()
 
 
+# Asks the link thread for a heartbeat now (GatewayPeer.beat_now).
+BEAT_NOW = b"beat-now"
+
+
 class GatewayLink(threading.Thread):
     """Owns the DEALER: decoded gateway messages go to `inbox`; frames that the engine
     thread pushes into the inproc outbox go out; heartbeats go out on their own clock.
@@ -187,6 +191,9 @@ class GatewayLink(threading.Thread):
                 return True
             if frames == [b"stop"]:
                 return False
+            if frames == [BEAT_NOW]:  # the worker's state changed: say so now, not next beat
+                self._send(encode(self._heartbeat(time.monotonic())))
+                continue
             if frames[0] == bytes([MsgType.HELLO]):
                 self._pending_hello = frames  # sent (and retried) by the loop
                 self.hello_sent_at = None
@@ -281,6 +288,11 @@ class GatewayPeer:
     def send_control(self, frames: list[bytes]) -> None:
         """HELLO, DRAIN: through the link thread, which owns the DEALER."""
         self._to_link.send_multipart(frames)
+
+    def beat_now(self) -> None:
+        """A heartbeat with the latest published load, sent at once by the link thread
+        (after the control messages queued before it)."""
+        self._to_link.send_multipart([BEAT_NOW])
 
     def send_tokens(self, msg: Message) -> None:
         """One TOKENS message, encoded and sent by this gateway's sender thread (dropped,

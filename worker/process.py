@@ -444,6 +444,7 @@ class WorkerLoop:
     def _on_drain(self, gw: GatewayPeer, msg: Drain) -> None:
         self._begin_drain(msg.deadline_s, tell_gateway=False,
                           exit_when_drained=msg.exit_when_drained)
+        self._beat_now()
 
     def _on_undrain(self, gw: GatewayPeer, msg: Undrain) -> None:
         if self.state is not WorkerState.DRAINING or self._exit_when_drained:
@@ -451,6 +452,17 @@ class WorkerLoop:
         log.info("undrained: taking new work again", extra=self._log_extra)
         self.state = WorkerState.READY
         self._drain_deadline = None
+        self._publish_load()
+        self._beat_now()
+
+    def _beat_now(self) -> None:
+        """Tell every gateway the new state at once. A gateway that asked for a drain shows
+        it until a heartbeat says "draining" (gateway/workers/registry.py); with
+        `serve --gateways N`, an undrain through another gateway that reached the worker
+        before its next periodic beat left the asking one showing the drain for good. A beat
+        sent now reaches each gateway ahead of anything the worker says after it."""
+        for gw in self.gateways.values():
+            gw.beat_now()
 
     def _on_shutdown(self, gw: GatewayPeer, msg: Shutdown) -> None:
         log.info("shutdown requested by the gateway: %s", msg.reason, extra=self._log_extra)

@@ -249,7 +249,8 @@ def start(gateway: FakeGateway, engine: ScriptedEngine | None = None, gateway_id
     engine = engine or ScriptedEngine()
     config = WorkerConfig(
         worker_id=WORKER_ID, router_address=gateway.router_address,
-        tokens_address=gateway.tokens_address, heartbeat_interval_s=0.05,
+        tokens_address=gateway.tokens_address,
+        heartbeat_interval_s=overrides.pop("heartbeat_interval_s", 0.05),
         gateway_timeout_s=overrides.pop("gateway_timeout_s", 5.0), **overrides,
     )
     worker = RunningWorker(config, engine)
@@ -448,6 +449,20 @@ def test_a_drain_without_exit_keeps_the_worker_until_undrained(gateway):
     gateway.send(Submit("taken", [1], {"max_tokens": 2}, 8))
     assert gateway.collect({"taken"})["taken"][-1].finish_reason == "length"
     assert gateway.beat_after(time.time()).state == "ready"
+    stop(gateway, worker)
+
+
+def test_a_drain_and_an_undrain_are_told_in_a_heartbeat_at_once(gateway):
+    """With several gateways, the one that asked for a drain shows it until a heartbeat says
+    "draining": the worker says it at once, not at its next beat, so an undrain through
+    another gateway cannot come first and leave the drain showing for good."""
+    worker, engine, _ = start(gateway, heartbeat_interval_s=3.0)
+    started = time.monotonic()
+    gateway.send(Drain("gateway", 5.0, exit_when_drained=False))
+    assert gateway.recv(Heartbeat, timeout_s=2.0).state == "draining"
+    gateway.send(Undrain("gateway"))
+    assert gateway.recv(Heartbeat, timeout_s=2.0).state == "ready"
+    assert time.monotonic() - started < 2.0  # both before the first periodic beat
     stop(gateway, worker)
 
 
