@@ -14,6 +14,7 @@ engine thread, so a hung engine still shows its stacks.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import os
@@ -57,10 +58,6 @@ def new_route(worker_id: str) -> bytes:
     process by it (the `incarnation` its admin API shows), so all of them must name it alike.
     """
     return f"{worker_id}.{secrets.token_hex(12)}".encode()
-
-
-# Asks the link thread for a heartbeat now (GatewayPeer.beat_now).
-BEAT_NOW = b"beat-now"
 
 
 class GatewayLink(threading.Thread):
@@ -115,7 +112,7 @@ class GatewayLink(threading.Thread):
                 now = time.monotonic()
                 if now >= next_beat:
                     self._check_stall(now)
-                    self._send(encode(self._heartbeat(now)))
+                    self._send(encode(self.heartbeat(now)))
                     next_beat = now + self.config.heartbeat_interval_s
                 if self._pending_hello is not None and self._send(self._pending_hello):
                     self._pending_hello = None
@@ -130,12 +127,13 @@ class GatewayLink(threading.Thread):
             self._dealer.close()
             self._outbox.close()
 
-    def _heartbeat(self, now: float) -> Heartbeat:
+    def heartbeat(self, now: float) -> Heartbeat:
+        """The latest published load as a heartbeat at `now`: a new message, so that either
+        thread may build one (the link's beats, the engine thread's GatewayPeer.beat_now)."""
         load, ids_at = self.load
-        load.time = time.time()
-        load.progress_age_s = max(0.0, now - self.progress_at)
-        load.request_ids_age_s = max(0.0, now - ids_at)
-        return load
+        return dataclasses.replace(load, time=time.time(),
+                                   progress_age_s=max(0.0, now - self.progress_at),
+                                   request_ids_age_s=max(0.0, now - ids_at))
 
     def _check_stall(self, now: float) -> None:
         """The engine thread is stuck (a hung kernel, a deadlock): no step of ours can free
@@ -191,9 +189,6 @@ class GatewayLink(threading.Thread):
                 return True
             if frames == [b"stop"]:
                 return False
-            if frames == [BEAT_NOW]:  # the worker's state changed: say so now, not next beat
-                self._send(encode(self._heartbeat(time.monotonic())))
-                continue
             if frames[0] == bytes([MsgType.HELLO]):
                 self._pending_hello = frames  # sent (and retried) by the loop
                 self.hello_sent_at = None
@@ -290,9 +285,10 @@ class GatewayPeer:
         self._to_link.send_multipart(frames)
 
     def beat_now(self) -> None:
-        """A heartbeat with the latest published load, sent at once by the link thread
-        (after the control messages queued before it)."""
-        self._to_link.send_multipart([BEAT_NOW])
+        """A heartbeat of the load published so far, sent now through the link thread (after
+        the control messages queued before it): built here, so it says the state of this
+        moment even if the state changes before the link thread sends it."""
+        self._to_link.send_multipart(encode(self.link.heartbeat(time.monotonic())))
 
     def send_tokens(self, msg: Message) -> None:
         """One TOKENS message, encoded and sent by this gateway's sender thread (dropped,
