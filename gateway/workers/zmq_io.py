@@ -116,8 +116,7 @@ class ZmqEdge:
         # to max_admission_hold_s at a time (0: never).
         self.admitting: Callable[[], bool] | None = None
         self.max_admission_hold_s = 0.0
-        self._hold_ended_at = float("-inf")
-        self._last_hold_s = 0.0
+        self._next_hold_at = float("-inf")  # the relay runs at least as long as a hold
         self._ctx: zmq.asyncio.Context | None = None
         self._router: zmq.asyncio.Socket | None = None
         self._pull: zmq.asyncio.Socket | None = None
@@ -279,7 +278,7 @@ class ZmqEdge:
         if admitting is None or limit <= 0 or not admitting():
             return
         started = time.monotonic()
-        if started - self._hold_ended_at < self._last_hold_s:
+        if started < self._next_hold_at:
             return
         deadline = started + limit
         while True:
@@ -287,7 +286,7 @@ class ZmqEdge:
             now = time.monotonic()
             if now >= deadline or not admitting():
                 break
-        self._hold_ended_at, self._last_hold_s = now, now - started
+        self._next_hold_at = now + (now - started)
 
     async def _drain(self, sock: zmq.asyncio.Socket, dispatch: Callable[[list], None]) -> None:
         for _ in range(_MAX_BATCH):
