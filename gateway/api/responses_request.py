@@ -28,6 +28,7 @@ MAX_METADATA_KEYS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 MAX_INPUT_ITEMS = 4096
+MAX_ALLOWED_TOOLS = 512  # allowed_tools' entries (a hosted tool may be named too)
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # `include` asks for the text's logprobs
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # Sampling fields that mean the same in both APIs (vLLM's extras included).
@@ -282,7 +283,10 @@ def _parse_tools(tools: Any) -> tuple[list[dict], dict[str, str], tuple[str, ...
 
 def _function_tool(tool: dict, param: str) -> dict:
     """{"type": "function", "name", "description", "parameters", "strict"} -> chat's."""
-    function = {"name": tool.get("name")}
+    name = tool.get("name")
+    if not isinstance(name, str):
+        raise invalid_request(f"'{param}.name' must be a string.", param=f"{param}.name")
+    function = {"name": name}
     for key in ("description", "parameters"):
         if tool.get(key) is not None:
             function[key] = tool[key]
@@ -303,9 +307,12 @@ def _tool_choice(choice: Any, tools: list[dict]) -> Any:
                                   "given (only function tools run here).", param="tool_choice")
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
+        if not isinstance(choice.get("name"), str):
+            raise invalid_request("'tool_choice.name' must be a string.",
+                                  param="tool_choice.name")
+        return {"type": "function", "function": {"name": choice["name"]}}
     if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
-        allowed = {t.get("name") for t in choice.get("tools") or [] if isinstance(t, dict)}
+        allowed = _allowed_names(choice.get("tools"))
         tools[:] = [t for t in tools if t["function"].get("name") in allowed]
         mode = choice.get("mode", "auto")
         if mode not in ("auto", "required"):
@@ -315,6 +322,20 @@ def _tool_choice(choice: Any, tools: list[dict]) -> Any:
     raise invalid_request("'tool_choice' must be 'none', 'auto', 'required', {\"type\": "
                           "\"function\", \"name\": ...} or allowed_tools; hosted tools do not "
                           "run here.", param="tool_choice")
+
+
+def _allowed_names(entries: Any) -> set[str]:
+    """allowed_tools' `tools` ([{"type": "function", "name": ...}, ...]) -> the names."""
+    if not isinstance(entries, list) or len(entries) > MAX_ALLOWED_TOOLS:
+        raise invalid_request(f"'tool_choice.tools' must be an array of at most "
+                              f"{MAX_ALLOWED_TOOLS} tools.", param="tool_choice.tools")
+    names = set()
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+            raise invalid_request(f"'tool_choice.tools[{i}]' must be an object with a "
+                                  "'name' string.", param=f"tool_choice.tools[{i}]")
+        names.add(entry["name"])
+    return names
 
 
 # --- input items -> chat messages ------------------------------------------------------------

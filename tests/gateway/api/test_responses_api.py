@@ -138,3 +138,48 @@ def test_a_whole_chat_completion_becomes_the_same_response():
     assert response["incomplete_details"] == {"reason": "max_output_tokens"}
     assert [i["type"] for i in response["output"]] == ["message"]  # empty, not missing
     assert response["metadata"] == {"a": "b"}
+
+
+# --- hostile tool shapes: every one a 4xx, never an exception of another kind ---------------
+
+_ODD_VALUES = (None, 5, 1.5, True, "x", "", [], [5], ["x"], {}, {"name": []}, [{"name": []}],
+               [{"name": {"a": 1}}], {"type": "function"}, [{"type": "function", "name": 5}])
+
+
+def _tool_shapes():
+    for value in _ODD_VALUES:
+        for key in ("name", "tools", "type", "parameters", "strict", "description"):
+            yield [{"type": "namespace", "name": "ns", "tools": [dict(TOOL) | {key: value}]}]
+            yield [{"type": "namespace", "name": "ns"} | {key: value}]
+            yield [dict(TOOL) | {key: value}]
+
+
+def _choice_shapes():
+    for value in _ODD_VALUES:
+        yield value
+        for kind in ("function", "allowed_tools", "custom", "web_search"):
+            for key in ("name", "tools", "mode"):
+                yield {"type": kind, key: value}
+            yield {"type": kind, "mode": "required", "tools": [{"type": "function",
+                                                                "name": value}]}
+
+
+def _not_4xx(body: dict) -> bool:
+    try:
+        parse_responses(body, NAMES)
+    except APIError as e:
+        return not (400 <= e.status < 500 and e.message)
+    except Exception:  # a 500 over HTTP
+        return True
+    return False
+
+
+def test_odd_tool_shapes_are_4xx():
+    bodies = [{"input": "x", "tools": tools} for tools in _tool_shapes()]
+    assert [b for b in bodies if _not_4xx(b)] == []
+
+
+def test_odd_tool_choice_shapes_are_4xx():
+    bodies = [{"input": "x", "tool_choice": choice} | extra for choice in _choice_shapes()
+              for extra in ({"tools": [TOOL]}, {})]
+    assert [b for b in bodies if _not_4xx(b)] == []

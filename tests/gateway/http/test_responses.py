@@ -396,6 +396,22 @@ def test_malformed_bodies_are_4xx(served, body, param):
         assert error["param"] == param, error
 
 
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/responses/input_tokens"])
+@pytest.mark.parametrize("body", [
+    {"input": "x", "tools": [{"type": "namespace", "name": "n", "tools": [
+        {"type": "function", "name": ["f"]}]}]},
+    {"input": "x", "tools": [WEATHER_TOOL], "tool_choice": {"type": "allowed_tools",
+                                                            "tools": 5}},
+    {"input": "x", "tools": [WEATHER_TOOL], "tool_choice": {"type": "allowed_tools",
+                                                            "tools": [{"name": []}]}},
+])
+def test_odd_tool_shapes_are_4xx_on_both_endpoints(served, path, body):
+    gw, _ = served
+    r = httpx.post(gw.url + path, json=body, timeout=10)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
 @pytest.mark.parametrize("raw", [b"", b"{", b"[]", b'"x"', b"null", b'{"input": "\\ud800"}'])
 def test_broken_json_is_4xx(served, raw):
     gw, _ = served
