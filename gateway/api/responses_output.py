@@ -30,13 +30,6 @@ from typing import Any
 from zeroserve.gateway.api.responses_request import ResponsesRequest
 from zeroserve.gateway.errors import APIError
 
-# The request fields a response object repeats, and their defaults.
-_ECHOED = {"instructions": None, "max_output_tokens": None, "metadata": {},
-           "parallel_tool_calls": True, "previous_response_id": None, "prompt_cache_key": None,
-           "reasoning": None, "safety_identifier": None, "service_tier": "default",
-           "store": True, "temperature": 1.0, "text": {"format": {"type": "text"}},
-           "tool_choice": "auto", "tools": [], "top_p": 1.0, "truncation": "disabled",
-           "user": None, "max_tool_calls": None, "top_logprobs": 0}
 # Error codes a response object's `error` may hold (OpenAI's list); others are server_error.
 _RESPONSE_ERROR_CODES = ("server_error", "rate_limit_exceeded", "invalid_prompt")
 
@@ -88,11 +81,7 @@ class ResponseBuilder:
     # --- the response object -------------------------------------------------------------
 
     def response(self) -> dict[str, Any]:
-        body = self.request.body
-        echoed = {k: body.get(k, default) if body.get(k) is not None else default
-                  for k, default in _ECHOED.items()}
-        echoed["tool_choice"] = body.get("tool_choice") or "auto"
-        echoed["store"] = self.request.store
+        echoed = self.request.echo  # (api/responses_echo.py)
         out = {"id": self.id, "object": "response", "created_at": self.created_at,
                "status": self.status, "background": False, "error": self.error,
                "incomplete_details": None if self.incomplete_reason is None

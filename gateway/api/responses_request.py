@@ -22,6 +22,7 @@ from typing import Any
 
 from zeroserve.gateway.api.limits import RequestLimits
 from zeroserve.gateway.api.openai_schema import DEFAULT_LIMITS, ChatRequest, parse_chat
+from zeroserve.gateway.api.responses_echo import echoed_fields
 from zeroserve.gateway.errors import APIError, invalid_request
 
 MAX_METADATA_KEYS = 16
@@ -52,7 +53,7 @@ class ResponsesRequest:
     """A Responses request: the chat request it runs as, and what only Responses has."""
 
     chat: ChatRequest
-    body: dict[str, Any]  # the fields echoed in the response object (see response_fields)
+    echo: dict[str, Any]  # the fields the response object repeats (api/responses_echo.py)
     input_items: list[dict[str, Any]]  # this turn's input, as items (for the store)
     store: bool = True
     previous_response_id: str | None = None
@@ -104,11 +105,12 @@ def parse_responses(body: dict, served_names: tuple[str, ...],
         chat["tools"] = tools
     if choice is not None:
         chat["tool_choice"] = choice
+    echo = echoed_fields(body, store)
     try:
         request = parse_chat(chat, served_names, limits)
     except APIError as e:
         raise responses_param(e) from None
-    return ResponsesRequest(request, body, input_items, store, previous, cache_key,
+    return ResponsesRequest(request, echo, input_items, store, previous, cache_key,
                             namespaces, dropped)
 
 

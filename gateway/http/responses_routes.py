@@ -13,6 +13,7 @@ response is kept for `previous_response_id` and the GET/DELETE routes (http/resp
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -103,11 +104,14 @@ _SESSION_HEADERS = ("session-id", "session_id", "conversation-id", "conversation
 
 
 def cache_key_of(req: ResponsesRequest, request: Request) -> str | None:
-    """The conversation's name for routing: prompt_cache_key, else a session header."""
-    if req.prompt_cache_key:
-        return req.prompt_cache_key
-    headers = request.headers
-    return next((headers[h] for h in _SESSION_HEADERS if headers.get(h)), None)
+    """The conversation's name for routing (prompt_cache_key, else a session header), as a
+    short digest made once: the router hashes it with every candidate worker's id on every
+    pick and on every wake while the request is queued."""
+    key = req.prompt_cache_key or next(
+        (request.headers[h] for h in _SESSION_HEADERS if request.headers.get(h)), None)
+    if not key:
+        return None
+    return hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
 class ResponsesApi:

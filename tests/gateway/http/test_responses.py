@@ -385,6 +385,12 @@ def test_input_tokens_counts_what_create_sends(served):
     ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"input": "x", "top_logprobs": 50}, "top_logprobs"),
     ({"input": "x", "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ({"input": "x", "service_tier": "gold"}, "service_tier"),
+    ({"input": "x", "max_tool_calls": "many"}, "max_tool_calls"),
+    ({"input": "x", "tools": [{"type": "web_search"}] * 129}, "tools"),
+    ({"input": "x", "tools": [{"type": "w" * 200}]}, "tools[0].type"),
+    ({"input": "x", "tools": [{"type": "namespace", "name": "n" * 200, "tools": []}]},
+     "tools[0].name"),
 ])
 def test_malformed_bodies_are_4xx(served, body, param):
     gw, _ = served
@@ -547,10 +553,63 @@ def test_the_routing_key_is_the_cache_key_or_a_session_header():
     names = ("m",)
     keyed = parse_responses({"input": "x", "prompt_cache_key": "k"}, names)
     plain = parse_responses({"input": "x"}, names)
-    assert cache_key_of(keyed, request((b"session-id", b"s"))) == "k"
-    assert cache_key_of(plain, request((b"session-id", b"s"))) == "s"
-    assert cache_key_of(plain, request((b"session_id", b"u"))) == "u"
+    by_key = cache_key_of(keyed, request((b"session-id", b"s")))
+    assert by_key == cache_key_of(plain, request((b"session-id", b"k")))
+    by_session = cache_key_of(plain, request((b"session-id", b"s")))
+    assert by_session == cache_key_of(plain, request((b"session_id", b"s"))) != by_key
     assert cache_key_of(plain, request()) is None
+
+
+def test_the_routing_key_is_a_short_digest_made_once():
+    """The router hashes the key with every worker's id on every pick (issue 35, item 8):
+    what reaches it is a fixed-size digest, however long the name the client sent."""
+    from starlette.requests import Request
+
+    from zeroserve.gateway.api.responses_request import parse_responses
+    from zeroserve.gateway.http.responses_routes import cache_key_of
+
+    long_name = "c" * 512  # the longest prompt_cache_key accepted
+    req = parse_responses({"input": "x", "prompt_cache_key": long_name}, ("m",))
+    assert len(cache_key_of(req, Request({"type": "http", "headers": []}))) == 32
+    header = Request({"type": "http", "headers": [(b"session-id", b"h" * 8000)]})
+    assert len(cache_key_of(parse_responses({"input": "x"}, ("m",)), header)) == 32
+
+
+def test_long_free_text_fields_are_400(served):
+    gw, _ = served
+    for field, limit in (("prompt_cache_key", 512), ("user", 512), ("safety_identifier", 64)):
+        ok = httpx.post(gw.url + "/v1/responses", timeout=10,
+                        json={"input": "hi", field: "k" * limit})
+        assert ok.status_code == 200 and ok.json()[field] == "k" * limit
+        r = httpx.post(gw.url + "/v1/responses", timeout=10,
+                       json={"input": "hi", field: "k" * (limit + 1)})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert f"at most {limit} characters" in r.json()["error"]["message"]
+
+
+def test_the_response_repeats_only_what_it_reads(served):
+    """Unknown keys of tools, reasoning and text are not echoed (nor stored); a hosted tool
+    this server drops is echoed as sent when small, and refused when large (issue 35, 7)."""
+    gw, _ = served
+    junk = "j" * 10_000
+    hosted = {"type": "web_search", "search_context_size": "low"}
+    body = {"input": "hi", "tools": [WEATHER_TOOL | {"junk": junk}, hosted],
+            "reasoning": {"effort": "low", "junk": junk},
+            "text": {"format": {"type": "text", "junk": junk}},
+            "tool_choice": {"type": "allowed_tools", "mode": "auto",
+                            "tools": [{"type": "function", "name": "get_weather",
+                                       "junk": junk}]}}
+    created = httpx.post(gw.url + "/v1/responses", json=body, timeout=10)
+    assert created.status_code == 200, created.text
+    assert "junk" not in created.text
+    assert created.json()["tools"] == [WEATHER_TOOL, hosted]
+    assert created.json()["reasoning"] == {"effort": "low"}
+    stored = httpx.get(gw.url + "/v1/responses/" + created.json()["id"])
+    assert stored.status_code == 200 and "junk" not in stored.text
+    big = {"type": "web_search", "filters": {"allowed_domains": ["x" * 20_000]}}
+    r = httpx.post(gw.url + "/v1/responses", json={"input": "hi", "tools": [big]}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0]"
+    assert "bytes as JSON" in r.json()["error"]["message"]
 
 
 def test_a_streamed_response_continues_on_the_restarted_worker():
