@@ -37,13 +37,13 @@ def test_live_without_workers_ready_only_with_one():
 def test_health_reports_a_loop_stall():
     with GatewayServer(loop_lag_warn_s=0.2) as gw:
         lag = httpx.get(gw.url + "/health").json()["event_loop_lag"]
-        assert lag["num_stalls"] == 0 and lag["p50_ms"] < 50
         assert lag["stall_threshold_ms"] == 200
+        num_before = lag["num_stalls"]  # 0 on an idle machine; a loaded one may have stalled
         gw.loop.call_soon_threadsafe(time.sleep, 0.4)  # a callback that holds the loop
 
         def stalled() -> bool:
             lag = httpx.get(gw.url + "/health").json()["event_loop_lag"]
-            return lag["num_stalls"] == 1 and lag["max_ms"] >= 300
+            return lag["num_stalls"] > num_before and lag["max_ms"] >= 300
         assert wait_until(stalled, 5)
 
 
