@@ -26,110 +26,22 @@ from typing import Any
 import click
 
 from zeroserve.cli.debug import debug as debug_commands
-from zeroserve.worker.config import ATTENTION_BACKENDS, BatchingMode, EngineConfig
-from zeroserve.worker.speculative import SpeculativeConfig
-
-ENV_PREFIX = "ZEROSERVE_"
-LOG_FORMATS = ("text", "json")
-LOG_LEVELS = ("debug", "info", "warning", "error")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
-
-
-def env_name(flag: str) -> str:
-    """'--max-num-seqs' -> 'ZEROSERVE_MAX_NUM_SEQS'."""
-    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
-
-
-def option(*decls: str, **kwargs: Any) -> Callable:
-    """click.option with its ZEROSERVE_<FLAG> variable set explicitly (click's automatic
-    prefix would add the command name: ZEROSERVE_SERVE_PORT)."""
-    flag = next(d for d in decls if d.startswith("--")).split("/")[0]
-    kwargs.setdefault("envvar", env_name(flag))
-    kwargs.setdefault("show_envvar", True)
-    kwargs.setdefault("show_default", True)
-    return click.option(*decls, **kwargs)
-
-
-def _default(cls: type, name: str) -> Any:
-    return {f.name: f.default for f in dataclasses.fields(cls)}[name]
-
-
-class ByteSize(click.ParamType):
-    """'4GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
-
-    name = "bytes"
-    _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
-              "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
-              "tib": 2**40}
-
-    def convert(self, value: Any, param: Any, ctx: Any) -> int:
-        if isinstance(value, int):
-            return value
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
-        unit = match and self._UNITS.get(match.group(2).lower())
-        if not match or unit is None:
-            self.fail(f"{value!r} is not a size (examples: 4GiB, 512MiB, 1000000)", param, ctx)
-        size = int(float(match.group(1)) * unit)
-        if size < 1:
-            self.fail(f"{value!r} must be at least one byte", param, ctx)
-        return size
-
-
-def _check_device(ctx: Any, param: Any, value: str) -> str:
-    if not _DEVICE_RE.match(value):
-        raise click.BadParameter(f"{value!r}: use auto, cpu, cuda or cuda:N")
-    return value
-
-
-def _positive(ctx: Any, param: Any, value: float | None) -> float | None:
-    if value is not None and value <= 0:
-        raise click.BadParameter("must be > 0")
-    return value
-
-
-class ListItem(click.ParamType):
-    """One or more values: repeat the flag, or separate them with commas (also in the
-    ZEROSERVE_* variable: ZEROSERVE_API_KEY=key1,key2); a JSON list as vLLM takes it
-    (--allowed-origins '["*"]') works too. See _list_values."""
-
-    name = "text"
-    envvar_list_splitter = ","
-
-
-def _list_values(ctx: Any, param: Any, values: tuple[str, ...] | None) -> tuple[str, ...]:
-    items: list[str] = []
-    for value in values or ():
-        value = value.strip()
-        if value.startswith("["):
-            try:
-                parsed = json.loads(value)
-            except ValueError:
-                raise click.BadParameter("not a JSON list of strings") from None
-            if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
-                raise click.BadParameter("not a JSON list of strings")
-            items += parsed
-        else:
-            items += value.split(",")
-    return tuple(dict.fromkeys(item.strip() for item in items if item.strip()))
-
-
-def _options(decorators: list[Callable]) -> Callable:
-    def apply(fn: Callable) -> Callable:
-        for decorator in reversed(decorators):
-            fn = decorator(fn)
-        return fn
-
-    return apply
-
-
-_MODEL_HELP = ('"default" (the embedded SmolLM2-135M-Instruct), a .gguf file, a Hugging Face '
-               'model directory, or a Hub id ("org/name", "org/name/file.gguf"), downloaded '
-               "into the Hugging Face cache once (HF_HUB_OFFLINE=1: from the cache only).")
-_REVISION_OPTION = option("--revision", default=None,
-                          help="The Hub model's branch, tag or commit. [default: main]")
-MODEL_OPTION = _options([option("--model", default="default", help=_MODEL_HELP),
-                         _REVISION_OPTION])
+from zeroserve.cli.options import (
+    ADDRESS_OPTIONS,
+    ENGINE_OPTIONS,
+    GATEWAY_DNS_OPTIONS,
+    GATEWAY_OPTIONS,
+    LOG_OPTIONS,
+    MODEL_HELP,
+    MODEL_OPTION,
+    MODELS_OPTIONS,
+    REVISION_OPTION,
+    WORKER_MODEL_OPTIONS,
+    WORKER_PROCESS_OPTIONS,
+    WORKER_RESILIENCE_OPTIONS,
+)
+from zeroserve.cli.params import env_name, option, option_group, positive
+from zeroserve.worker.config import BatchingMode, EngineConfig
 
 
 class _WholeValue(click.ParamType):
@@ -148,13 +60,13 @@ class _WholeValue(click.ParamType):
 # `serve` only: --model repeated serves several models on one box. The first is the default
 # model (--workers workers); each further one is NAME[@VERSION]=PATH[:WORKERS] as --add-model,
 # or a bare PATH served under its file or folder name with one worker.
-SERVE_MODEL_OPTION = _options([
+SERVE_MODEL_OPTION = option_group([
     option("--model", "models", type=_WholeValue(), multiple=True, default=("default",),
-           help=_MODEL_HELP + " Repeat it to serve several models: the first is the default "
+           help=MODEL_HELP + " Repeat it to serve several models: the first is the default "
                 "model (--workers workers); each further one is NAME[@VERSION]=PATH[:WORKERS] "
                 "(as --add-model) or a bare PATH, served as its file or folder name with one "
                 "worker."),
-    _REVISION_OPTION,
+    REVISION_OPTION,
 ])
 
 
@@ -188,292 +100,6 @@ def _fetch_hub_model(opts: dict[str, Any]) -> None:
     except ModelNotFoundError as e:
         raise click.ClickException(str(e)) from None
 
-def _speculative_config(ctx: click.Context, param: click.Parameter,
-                        value: str | None) -> SpeculativeConfig | None:
-    if value is None or isinstance(value, SpeculativeConfig):
-        return value
-    try:
-        return SpeculativeConfig.from_json(value)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
-
-
-LOG_OPTIONS = [
-    option("--log-format", type=click.Choice(LOG_FORMATS), default="text",
-           help="text for terminals, json for one object a line."),
-    option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), default="info"),
-]
-
-ENGINE_OPTIONS = [
-    option("--device", default="auto", callback=_check_device,
-           help="auto, cpu, cuda or cuda:N."),
-    option("--dtype", type=click.Choice(DTYPES), default="auto"),
-    option("--max-num-seqs", type=click.IntRange(min=1),
-           default=_default(EngineConfig, "max_num_seqs"),
-           help="Most sequences in one batch."),
-    option("--max-num-batched-tokens", type=click.IntRange(min=1), default=None,
-           help="Token budget of one step (prefill chunks + decodes). [default: "
-                f"{EngineConfig.max_num_batched_tokens}, or --max-num-seqs if larger, so that "
-                "every running sequence decodes at each step]"),
-    option("--max-model-len", type=click.IntRange(min=1), default=None,
-           help="Context length cap. [default: the model's own]"),
-    option("--block-size", type=click.IntRange(min=1), default=_default(EngineConfig, "block_size"),
-           help="Tokens per KV block (a power of two)."),
-    option("--num-kv-blocks", type=click.IntRange(min=1), default=None,
-           help="KV pool size in blocks; wins over --kv-cache-memory."),
-    option("--kv-cache-memory", type=ByteSize(), default=None,
-           help="KV pool size in bytes, e.g. 4GiB. [default: from free memory]"),
-    option("--enable-prefix-caching/--no-enable-prefix-caching",
-           default=_default(EngineConfig, "enable_prefix_caching")),
-    option("--batching-mode", type=click.Choice([m.value for m in BatchingMode]),
-           default=BatchingMode.CONTINUOUS.value,
-           help="continuous is the product; static and dynamic are benchmark baselines."),
-    option("--batch-wait-ms", type=click.FloatRange(min=0),
-           default=_default(EngineConfig, "batch_wait_ms"), help="dynamic mode's window."),
-    option("--num-threads", type=click.IntRange(min=1), default=None,
-           help="torch CPU threads. [default: torch's]"),
-    option("--attention-backend", type=click.Choice(ATTENTION_BACKENDS),
-           default=_default(EngineConfig, "attention_backend"),
-           help="Decode attention: native (a CPU kernel compiled on first use), torch, or "
-                "auto (native for bfloat16 on the CPU where it builds)."),
-    option("--backend", type=click.Choice(["model", "fake"]), default="model",
-           help="fake emits tokens without a model (tests and benchmarks only)."),
-    option("--seed", type=int, default=_default(EngineConfig, "seed")),
-    option("--fake-forward-ms", type=click.FloatRange(min=0), default=0.0,
-           help="--backend fake only: simulated milliseconds per forward."),
-    option("--speculative-config", default=SpeculativeConfig().to_json(),
-           callback=_speculative_config,
-           help="Speculative decoding, as vLLM's JSON (n-gram prompt lookup: up to "
-                "num_speculative_tokens drafts per request and step, as many as that "
-                "request's acceptance so far pays for; steps with more running requests than "
-                "disable_by_batch_size decode normally; where a request's own context has no "
-                "match, drafts may come from the last recent_ngrams n-grams of other "
-                "requests' outputs, 0 for none; keys left out take the defaults shown). "
-                "'null' turns it off."),
-    option("--weight-cache/--no-weight-cache", default=_default(EngineConfig, "weight_cache"),
-           help="Write the prepared weights once and memory-map them on later starts."),
-    option("--weight-cache-dir", default=None,
-           help="Where the weight cache lives. [default: $ZEROSERVE_CACHE_DIR/weights or "
-                "~/.cache/zeroserve/weights]"),
-    option("--batch-invariant/--no-batch-invariant",
-           default=_default(EngineConfig, "batch_invariant"),
-           help="Each request's tokens the same whatever else shares its batch, at a cost "
-                "in throughput (README: Batch invariance)."),
-    option("--enforce-eager/--no-enforce-eager", default=None,
-           help="Run the decode step eagerly, or compile it (inductor on the CPU, cached in "
-                "$ZEROSERVE_CACHE_DIR/inductor; CUDA graphs on CUDA). [default: CUDA graphs "
-                "on CUDA, eager on the CPU]"),
-    option("--max-capture-batch-size", type=click.IntRange(min=1), default=None,
-           help="Compiled decode steps up to this many sequences; larger ones run eagerly. "
-                "[default: --max-num-seqs]"),
-]
-
-# Who may call the HTTP API, and how often (gateway/http/auth.py, gateway/http/rate_limit.py).
-HTTP_ACCESS_OPTIONS = [
-    option("--api-key", "api_keys", type=ListItem(), multiple=True, callback=_list_values,
-           help="Bearer key required on /v1/*, /tokenize and /detokenize (repeat it, or "
-                "separate keys with commas). [default: none: the API is open]"),
-    option("--api-key-file", type=click.Path(exists=True, dir_okay=False), default=None,
-           help="A file of API keys, one a line (blank lines and # comments skipped), added "
-                "to --api-key."),
-    option("--allowed-origins", type=ListItem(), multiple=True, callback=_list_values,
-           help="Origins whose web pages may read replies (CORS), e.g. https://app.example "
-                "or '*'. [default: none: browsers cannot read replies]"),
-    option("--allowed-hosts", type=ListItem(), multiple=True, callback=_list_values,
-           help="Host header values accepted (e.g. api.example.com, *.example.com, [fd00::2], or "
-                "'*' for any); others get 421. Loopback names always pass. [default: loopback "
-                "names only when --host is a loopback address (against DNS rebinding), else "
-                "any]"),
-    option("--rate-limit-rps", type=click.FloatRange(min=0, min_open=True), default=None,
-           help="Requests per second per API key (per client IP without keys). "
-                "[default: unlimited]"),
-    option("--rate-limit-burst", type=click.IntRange(min=1), default=None,
-           help="Requests a key may send at once. [default: --rate-limit-rps rounded up]"),
-    option("--rate-limit-tpm", type=click.IntRange(min=1), default=None,
-           help="Prompt + completion tokens per minute per API key (per client IP without "
-                "keys), charged when a response ends. [default: unlimited]"),
-    option("--rate-limits", "rate_limits_file", type=click.Path(exists=True, dir_okay=False),
-           default=None,
-           help="Per-key limits, a JSON or .toml file: {KEY: {requests_per_second, burst, "
-                "tokens_per_minute}}; a field left out takes the flag's default."),
-]
-
-# For `serve` and `gateway`: more models beside --model, and aliases over them.
-MODELS_OPTIONS = [
-    option("--add-model", "extra_models", multiple=True, default=(),
-           help="Serve another model beside --model: NAME[@VERSION]=PATH[:WORKERS] (repeat "
-                "it; PATH as --model; `serve` starts WORKERS workers for it, default 1, with "
-                "--served-model-name NAME --model-version VERSION). Clients send NAME, or "
-                "NAME@VERSION for one version; versions of a NAME share its first tokenizer."),
-    option("--model-alias", "model_aliases", multiple=True, default=(),
-           help="A name spread over served models or versions by weight: "
-                "ALIAS=TARGET:WEIGHT,... (e.g. chat=smollm@v1:90,smollm@v2:10); a request "
-                "naming a conversation (user, prompt_cache_key, X-Session-ID) always gets the "
-                "same target while the weights stay. `zeroserve models set-weights` changes "
-                "them live."),
-]
-
-GATEWAY_OPTIONS = [
-    option("--host", default="127.0.0.1", help="HTTP bind address."),
-    option("--port", type=click.IntRange(0, 65535), default=8000, help="HTTP port."),
-    option("--served-model-name", default=None,
-           help="The model id clients use. [default: from the model file]"),
-    option("--chat-template", default=None, type=click.Path(dir_okay=False),
-           help="A jinja2 file (or a tokenizer_config.json) whose chat template replaces the "
-                "model's own. [default: the model's]"),
-    option("--reasoning-parser", type=click.Choice(["qwen3", "deepseek_r1"]), default=None,
-           help="Split a reasoning model's <think> text from its answer (chat's "
-                "reasoning_content, Responses' reasoning items). [default: qwen3's rules when "
-                "the chat template writes <think>, else none]"),
-    option("--allow-extra-tool-arguments", is_flag=True, default=False,
-           help="A forced tool call (tool_choice required or named) may write argument keys "
-                "its schema does not declare. [default: off: a schema that does not set "
-                "additionalProperties gets false, as llama.cpp's grammars]"),
-    option("--responses-dir", default=None, type=click.Path(file_okay=False),
-           help="A private folder (mode 700) for stored responses (/v1/responses with store); "
-                "the gateways of a tier share it. [default: beside the ipc sockets, by port]"),
-    option("--response-store-size", type=click.IntRange(min=1), default=1000,
-           help="Stored responses kept per API key; beyond, the oldest go."),
-    option("--response-store-ttl", type=float, default=24 * 3600.0, callback=_positive,
-           help="Seconds a stored response is kept."),
-    option("--credit-window", type=click.IntRange(min=1), default=32,
-           help="Tokens of one stream in flight before the client must read."),
-    option("--slow-client-timeout", type=float, default=30.0, callback=_positive,
-           help="Seconds a stream may make no progress before it is aborted."),
-    option("--max-queued-requests", type=click.IntRange(min=0), default=256,
-           help="Requests waiting for a worker; beyond: 429."),
-    option("--queue-timeout", type=float, default=60.0, callback=_positive,
-           help="Seconds a queued request waits for a worker before a 503."),
-    option("--worker-timeout", type=float, default=3.0, callback=_positive,
-           help="Seconds without a heartbeat before a worker counts as lost."),
-    option("--min-client-rate", type=click.FloatRange(min=0), default=1024.0,
-           help="Bytes/s a stream must reach over each --slow-client-timeout window while "
-                "the client holds it up (its writes blocked most of the window); slower "
-                "streams are aborted. 0: off."),
-    option("--client-send-buffer", type=ByteSize(), default=64 * 1024,
-           help="Kernel send buffer per client connection (e.g. 64KiB; 0: the kernel's "
-                "autotuning, up to megabytes). It bounds what a client that stops reading "
-                "is sent before its stream pauses and --slow-client-timeout runs."),
-    option("--admission-hold", type=click.FloatRange(0.0, 1.0), default=0.05,
-           help="Seconds the relay of running streams may wait, at a time, while a burst of "
-                "requests is being admitted, so that the burst gets in first (its last "
-                "request's first token comes sooner; running streams' tokens come in one "
-                "later write). At most half the time; 0: off."),
-    option("--loop-lag-warn", type=float, default=0.25, callback=_positive,
-           help="Seconds of event-loop lag that count as a stall: logged (rate-limited) and "
-                "counted in /health."),
-    option("--request-idle-timeout", type=float, default=300.0, callback=_positive,
-           help="Seconds a running request with credit may receive nothing from its worker "
-                "before it fails (504) and is aborted there."),
-    option("--admin-key", default=None,
-           help="Bearer key for the admin API (`zeroserve workers ...`); API keys never grant "
-                "it. [default: none: loopback clients only]"),
-    option("--worker-stall-timeout", type=float, default=30.0, callback=_positive,
-           help="Seconds a worker's engine may make no progress (its heartbeats say) before it "
-                "is marked unhealthy and gets no new work."),
-    option("--shutdown-timeout", type=float, default=5.0, callback=_positive,
-           help="On SIGTERM, seconds running streams get to finish (new and queued requests "
-                "get a 503 at once); then they end with an error event."),
-    option("--reuse-port", is_flag=True, default=False,
-           help="Bind the HTTP port with SO_REUSEPORT so that several gateway processes "
-                "share it (`serve --gateways N` sets it)."),
-    option("--routing", type=click.Choice(["cache_aware", "least_loaded"]),
-           default="cache_aware",
-           help="Which worker gets a request: cache_aware (the one holding the prompt's "
-                "prefix in its KV cache, within a load bound) or least_loaded."),
-    option("--otlp-traces-endpoint", default=None,
-           help="Send a trace per request (queue, prefill and decode spans) to this OTLP "
-                "collector: http://host:4318 (OTLP/HTTP) or grpc://host:4317. Needs "
-                "`pip install 'zeroserve[tracing]'`. [default: no tracing]"),
-    option("--metrics-dir", default=None,
-           help="Gateways of one tier share this folder: each writes its metrics there and "
-                "GET /metrics on any of them answers for all, each gateway's own series "
-                "labelled gateway=\"INDEX\" (`serve --gateways N` sets it). [default: none]"),
-    option("--gateway-index", type=click.IntRange(min=0), default=0,
-           help="This gateway's index in its tier (`serve --gateways N` sets it)."),
-    option("--disable-metrics", is_flag=True, default=False,
-           help="No Prometheus metrics: GET /metrics answers 404 and requests record "
-                "nothing."),
-    option("--disable-ui", is_flag=True, default=False,
-           help="No web console: GET /ui answers 404."),
-    # HTTP input limits (gateway/http/request_body.py, gateway/api/limits.py, gateway/http/http_protocol.py)
-    option("--max-request-body", type=ByteSize(), default=8 * 1024 * 1024,
-           help="Largest request body in bytes (e.g. 8MiB); beyond: 413."),
-    option("--request-body-timeout", type=float, default=30.0, callback=_positive,
-           help="Seconds a request body may take to arrive; beyond: 408."),
-    option("--header-timeout", type=float, default=10.0, callback=_positive,
-           help="Seconds a request's head (request line and headers) may take to arrive; "
-                "beyond: the connection is closed."),
-    option("--max-tokens-limit", type=click.IntRange(min=1), default=4096,
-           help="Server cap on max_tokens; a chat request without max_tokens gets the room "
-                "left in the context, at most this."),
-    option("--max-prompt-chars", type=click.IntRange(min=1), default=1_000_000,
-           help="Characters per prompt, per conversation and per /tokenize input; beyond: 400."),
-    *HTTP_ACCESS_OPTIONS,
-]
-
-ADDRESS_OPTIONS = [
-    option("--router-address", type=ListItem(), multiple=True, callback=_list_values,
-           help="Gateway ROUTER endpoint (ipc:// or tcp://); a worker or `serve --gateways "
-                "N` takes one per gateway (repeat it, or separate with commas). "
-                "[default: ipc, from --port]"),
-    option("--tokens-address", type=ListItem(), multiple=True, callback=_list_values,
-           help="Gateway PULL endpoint for tokens, one per gateway as --router-address. "
-                "[default: ipc, from --port]"),
-    option("--keys-dir", default=None,
-           help="CurveZMQ key set (`zeroserve keys generate DIR`): required for tcp:// "
-                "endpoints; only workers whose key is in it can connect, each as its own id."),
-    option("--insecure", is_flag=True, default=False,
-           help="Allow tcp:// endpoints without keys (only on a network you trust)."),
-]
-
-# For `worker`: gateways found by DNS (worker/discovery.py), e.g. a Kubernetes headless Service.
-GATEWAY_DNS_OPTIONS = [
-    option("--gateway-dns", default=None,
-           help="A DNS name that resolves to every gateway (e.g. a headless Service): link to "
-                "each address, re-resolved every --gateway-dns-interval, instead of "
-                "--router-address/--tokens-address. The gateways share one key pair."),
-    option("--gateway-router-port", type=click.IntRange(1, 65535), default=5555,
-           help="With --gateway-dns: the port of every gateway's ROUTER."),
-    option("--gateway-tokens-port", type=click.IntRange(1, 65535), default=5556,
-           help="With --gateway-dns: the port of every gateway's tokens PULL."),
-    option("--gateway-dns-interval", type=float, default=5.0, callback=_positive,
-           help="With --gateway-dns: seconds between lookups."),
-]
-
-# For `serve` and `worker`: how a worker rides out a silent gateway and a stuck engine.
-WORKER_RESILIENCE_OPTIONS = [
-    option("--gateway-grace", type=float, default=120.0, callback=_positive,
-           help="Seconds a worker keeps its streams (paused at their credit) while the gateway "
-                "is silent, e.g. stalled or restarting; then it fails them and frees their KV."),
-    option("--stall-timeout", type=float, default=120.0, callback=_positive,
-           help="Seconds without engine progress after which a worker exits (code 4) so that "
-                "its supervisor or container runtime restarts it."),
-    option("--max-step-failures", type=click.IntRange(min=1), default=3,
-           help="Engine steps failing in a row before a worker exits (code 1); a single "
-                "failure fails only the streams of that step."),
-]
-
-# For `worker`: what its HELLO announces (the gateway routes by it).
-WORKER_MODEL_OPTIONS = [
-    option("--served-model-name", default="",
-           help="The name clients use for this worker's model; it must be one the gateway "
-                "serves (--model's, or an --add-model NAME). [default: the gateway's default "
-                "model]"),
-    option("--model-version", default="v1",
-           help="This worker's version label for its model (e.g. v2 for a canary); "
-                "requests can name it as NAME@VERSION and aliases weigh versions."),
-]
-
-WORKER_PROCESS_OPTIONS = [
-    option("--heartbeat-interval", type=float, default=0.5, callback=_positive,
-           help="Seconds between heartbeats to the gateway."),
-    option("--gateway-timeout", type=float, default=5.0, callback=_positive,
-           help="Seconds of gateway silence before failing in-flight work and saying HELLO "
-                "again."),
-    option("--drain-timeout", type=click.FloatRange(min=0), default=30.0,
-           help="On SIGTERM, seconds to finish in-flight requests before failing them."),
-]
 
 
 # -- flags -> configs ------------------------------------------------------------------------
@@ -845,13 +471,13 @@ def main() -> None:
 
 @main.command()
 @SERVE_MODEL_OPTION
-@_options(MODELS_OPTIONS)
+@option_group(MODELS_OPTIONS)
 @option("--model-version", default="v1",
         help="The version label of --model's workers (an --add-model NAME@VERSION=PATH "
              "with --model's served name adds another version of it).")
-@_options(GATEWAY_OPTIONS)
-@_options(ADDRESS_OPTIONS)
-@_options(ENGINE_OPTIONS)
+@option_group(GATEWAY_OPTIONS)
+@option_group(ADDRESS_OPTIONS)
+@option_group(ENGINE_OPTIONS)
 @option("--workers", type=click.IntRange(min=1), default=None,
         help="Local worker processes of --model. [default: one per CUDA GPU, else 1]")
 @option("--gateways", type=click.IntRange(min=1), default=1,
@@ -863,8 +489,8 @@ def main() -> None:
         help="Seconds a local worker may stay lost (no heartbeat: e.g. SIGSTOPped) or stalled "
              "(no engine progress) in the gateway's view before it is killed (SIGKILL) and "
              "restarted; 0: never.")
-@_options(WORKER_RESILIENCE_OPTIONS)
-@_options(LOG_OPTIONS)
+@option_group(WORKER_RESILIENCE_OPTIONS)
+@option_group(LOG_OPTIONS)
 def serve(**opts: Any) -> None:
     """Run the gateway and supervise N local workers (restarted with backoff if they exit).
 
@@ -996,14 +622,14 @@ def _ephemeral_keys_if_needed(opts: dict[str, Any], worker_ids: list[str]) -> An
 
 @main.command()
 @MODEL_OPTION
-@_options(MODELS_OPTIONS)
+@option_group(MODELS_OPTIONS)
 @option("--aliases-file", default=None, type=click.Path(dir_okay=False),
         help="A JSON file through which the gateways of a tier share alias weights changed at "
              "run time (a folder they all mount). [default: none; `serve --gateways N` sets "
              "one]")
-@_options(GATEWAY_OPTIONS)
-@_options(ADDRESS_OPTIONS)
-@_options(LOG_OPTIONS)
+@option_group(GATEWAY_OPTIONS)
+@option_group(ADDRESS_OPTIONS)
+@option_group(LOG_OPTIONS)
 def gateway(**opts: Any) -> None:
     """Run only the HTTP gateway; workers connect to its --router-address/--tokens-address."""
     from zeroserve.cli.supervisor import die_with_parent
@@ -1032,7 +658,7 @@ def gateway(**opts: Any) -> None:
 @option("--worker-id", default=None,
         help="Stable id (a restarted worker with the same id takes its place). "
              "[default: <hostname>-<pid>]")
-@_options(ADDRESS_OPTIONS)
+@option_group(ADDRESS_OPTIONS)
 @option("--port", type=click.IntRange(0, 65535), default=8000,
         help="The gateway's HTTP port; picks the default ipc endpoints.")
 @option("--gateways", type=click.IntRange(min=1), default=1,
@@ -1041,13 +667,13 @@ def gateway(**opts: Any) -> None:
 @option("--fake-stamps", type=click.Path(dir_okay=False), default=None,
         help="--backend fake only, for benchmarks: at exit, write a JSON list of [first "
              "prompt token, output index, monotonic time] for every token the fake made.")
-@_options(GATEWAY_DNS_OPTIONS)
+@option_group(GATEWAY_DNS_OPTIONS)
 @MODEL_OPTION
-@_options(WORKER_MODEL_OPTIONS)
-@_options(ENGINE_OPTIONS)
-@_options(WORKER_PROCESS_OPTIONS)
-@_options(WORKER_RESILIENCE_OPTIONS)
-@_options(LOG_OPTIONS)
+@option_group(WORKER_MODEL_OPTIONS)
+@option_group(ENGINE_OPTIONS)
+@option_group(WORKER_PROCESS_OPTIONS)
+@option_group(WORKER_RESILIENCE_OPTIONS)
+@option_group(LOG_OPTIONS)
 def worker(**opts: Any) -> None:
     """Run one worker: load the model once, connect to the gateway, serve until SIGTERM."""
     from zeroserve.cli.supervisor import die_with_parent
@@ -1112,7 +738,7 @@ def _admin_call(call: Callable[[], Any]) -> Any:
 
 
 @workers.command("list")
-@_options(ADMIN_CLIENT_OPTIONS)
+@option_group(ADMIN_CLIENT_OPTIONS)
 def workers_list(**opts: Any) -> None:
     """One line per worker: id, status, load, pid, incarnation."""
     found = _admin_call(lambda: _admin(opts).workers())
@@ -1133,7 +759,7 @@ DEADLINE_OPTION = option("--deadline", type=click.FloatRange(0, 3600), default=3
 @workers.command("drain")
 @click.argument("worker_id")
 @DEADLINE_OPTION
-@_options(ADMIN_CLIENT_OPTIONS)
+@option_group(ADMIN_CLIENT_OPTIONS)
 def workers_drain(worker_id: str, **opts: Any) -> None:
     """Send WORKER_ID no new work; its streams finish or move on. It stays up (undrain)."""
     _admin_call(lambda: _admin(opts).drain(worker_id, opts["deadline"]))
@@ -1142,7 +768,7 @@ def workers_drain(worker_id: str, **opts: Any) -> None:
 
 @workers.command("undrain")
 @click.argument("worker_id")
-@_options(ADMIN_CLIENT_OPTIONS)
+@option_group(ADMIN_CLIENT_OPTIONS)
 def workers_undrain(worker_id: str, **opts: Any) -> None:
     """Let WORKER_ID take new work again."""
     _admin_call(lambda: _admin(opts).undrain(worker_id))
@@ -1154,9 +780,9 @@ def workers_undrain(worker_id: str, **opts: Any) -> None:
 @option("--all", "restart_all", is_flag=True, default=False,
         help="Every worker, one at a time (rolling): the next only when the last is ready.")
 @DEADLINE_OPTION
-@option("--timeout", type=float, default=300.0, callback=_positive,
+@option("--timeout", type=float, default=300.0, callback=positive,
         help="Seconds a restarted worker gets (after its drain deadline) to be ready again.")
-@_options(ADMIN_CLIENT_OPTIONS)
+@option_group(ADMIN_CLIENT_OPTIONS)
 def workers_restart(worker_id: str | None, restart_all: bool, **opts: Any) -> None:
     """Drain WORKER_ID (or --all, rolling), let it exit and come back; wait until it is ready.
 
@@ -1185,7 +811,7 @@ def models() -> None:
 
 
 @models.command("list")
-@_options(ADMIN_CLIENT_OPTIONS)
+@option_group(ADMIN_CLIENT_OPTIONS)
 def models_list(**opts: Any) -> None:
     """Every served model with its versions and their workers, then the aliases' weights."""
     found = _admin_call(lambda: _admin(opts).models())
@@ -1272,7 +898,7 @@ def keys_generate(key_dir: str, worker_ids: tuple[str, ...], num_workers: int) -
              "--ready: at least one worker is ready (GET /health answers 200).")
 @option("--worker-id", default=None,
         help="Check that this worker is registered and ready, not just the gateway.")
-@option("--timeout", type=float, default=5.0, callback=_positive, help="Seconds to wait.")
+@option("--timeout", type=float, default=5.0, callback=positive, help="Seconds to wait.")
 @option("--api-key", default=None,
         help="One of the gateway's API keys (the first, if a comma-separated list): with keys "
              "on, /health lists workers only to callers with one.")

@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from zeroserve.cli import main as cli
+from zeroserve.cli.params import ENV_PREFIX, ByteSize
 from zeroserve.cli.supervisor import Supervisor
 from zeroserve.worker.config import BatchingMode, EngineConfig
 from zeroserve.worker.speculative import SpeculativeConfig
@@ -38,7 +39,7 @@ def captured(monkeypatch):
 
     monkeypatch.setattr(Supervisor, "run", fake_supervise)
     for name in list(__import__("os").environ):
-        if name.startswith(cli.ENV_PREFIX):
+        if name.startswith(ENV_PREFIX):
             monkeypatch.delenv(name)
     return seen
 
@@ -221,7 +222,7 @@ def test_cuda_visible_devices_is_respected(monkeypatch):
     ("1000", 1000), ("2k", 2000), ("3 KiB", 3072),
 ])
 def test_byte_sizes(text, expected):
-    assert cli.ByteSize().convert(text, None, None) == expected
+    assert ByteSize().convert(text, None, None) == expected
 
 
 def test_every_engine_field_has_a_flag():
