@@ -282,9 +282,15 @@ class RequestGroup:
     def num_billed_tokens(self) -> int:
         """What the rate limit charges: usage's total, plus each prompt once more when its
         logprobs were computed (an uncached pass over the whole vocabulary at every
-        position, beside the prefill the choices share)."""
-        extra = sum(self.prompt_lengths) if self.has_prompt_logprobs else 0
-        return self.usage()["total_tokens"] + extra
+        position, beside the prefill the choices share). A prompt none of whose choices
+        reached a worker (429 queue full, 503 queue timeout, the client gone while queued)
+        never ran: it costs nothing."""
+        n = len(self.choices) // max(1, len(self.prompt_lengths))
+        num_ran = sum(length for k, length in enumerate(self.prompt_lengths)
+                      if any(c.state.num_submits for c in self.choices[k * n:(k + 1) * n]))
+        extra = num_ran if self.has_prompt_logprobs else 0
+        completion = sum(c.num_output_tokens for c in self.choices)
+        return num_ran + completion + extra
 
     def usage(self) -> dict[str, int]:
         prompt = sum(self.prompt_lengths)

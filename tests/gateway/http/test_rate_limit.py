@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.helpers import GatewayServer, cyclic_reply
+from tests.gateway.helpers import GatewayServer, byte_tokenizer, cyclic_reply
 from zeroserve.gateway.http.rate_limit import RateLimiter
 from zeroserve.gateway.key_limits import Limits, RateLimitConfigError, load_key_limits
 
@@ -265,3 +265,43 @@ def test_tokens_are_reserved_while_a_stream_runs_and_given_back_after():
             assert r.status_code == 200  # 26 used, nothing withheld: 66 fit
         finally:
             worker.stop()
+
+
+# --- requests that never ran are not billed (issue 35, item 13) -------------------------------
+
+@pytest.mark.parametrize("overrides", [dict(max_queued_requests=0),  # 429: the queue is full
+                                       dict(queue_timeout_s=0.2)])  # 503: no worker in time
+def test_requests_that_never_ran_cost_no_tokens(overrides):
+    body = {"model": MODEL, "prompt": "x" * 40, "max_tokens": 10}
+    with GatewayServer(api_keys=(KEY,), rate_limit_tpm=100, **overrides) as gw:
+        for _ in range(3):  # 3 x 40 prompt tokens: more than a minute's budget if billed
+            r = httpx.post(gw.url + "/v1/completions", json=body, headers=bearer(KEY),
+                           timeout=10)
+            assert r.status_code in (429, 503), r.text
+            assert "Rate limit" not in r.json()["error"]["message"]
+        worker = gw.worker().start()
+        try:
+            assert worker.ready.wait(5)
+            # 40 + 50 = 90 of the 100: it fits only if the refused ones cost nothing.
+            r = httpx.post(gw.url + "/v1/completions", json={**body, "max_tokens": 50},
+                           headers=bearer(KEY), timeout=10)
+            assert r.status_code == 200, r.text
+        finally:
+            worker.stop()
+
+
+def test_a_group_whose_choices_never_reached_a_worker_bills_nothing():
+    """The client gone while queued: its choices end unsubmitted, and cost nothing; one that
+    ran costs its prompt and output."""
+    from zeroserve.gateway.generation import RequestGroup
+
+    with GatewayServer() as gw:
+        gateway = gw.app.state.gateway
+        queued = RequestGroup(gateway)
+        for prompt in ([1, 2, 3], [4, 5]):
+            queued.add(prompt, {}, byte_tokenizer(), (), True)
+            queued.prompt_lengths.append(len(prompt))
+        queued.close()
+        assert queued.num_billed_tokens == 0 and queued.usage()["prompt_tokens"] == 5
+        queued.choices[1].state.num_submits = 1  # the second prompt reached a worker
+        assert queued.num_billed_tokens == 2
