@@ -5,11 +5,11 @@ from __future__ import annotations
 import enum
 import os
 import socket
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from zeroserve.common.keys import InsecurePlaneError, check_plane_security
+from zeroserve.common.runtime_dir import make_private_dirs, runtime_dir
 from zeroserve.gateway.key_limits import default_limits, load_key_limits, load_model_limits
 
 LOG_FORMATS = ("text", "json")
@@ -236,7 +236,7 @@ def tier_aliases_file(port: int) -> str:
 
 
 def _ipc_dir() -> Path:
-    return Path(tempfile.gettempdir()) / f"zeroserve-{os.getuid()}"
+    return runtime_dir()
 
 
 def tier_metrics_dir(port: int) -> str:
@@ -278,23 +278,6 @@ def prepare_ipc_endpoint(address: str) -> None:
     if path.is_socket() and _is_listening(path):
         raise EndpointInUseError(f"{address} is in use by a running process")
     path.unlink()
-
-
-def make_private_dirs(folder: Path) -> None:
-    """`mkdir -p` where every folder made is mode 700. Path.mkdir(parents=True, mode=...)
-    gives the parents it makes the umask's mode (755 under the usual 022): the metrics
-    folder of `serve --gateways N` made the ipc:// folder so, as its parent, and
-    check_private_dir then refused it on every fresh machine."""
-    missing = []
-    while not folder.exists():
-        missing.append(folder)
-        folder = folder.parent
-    for made in reversed(missing):
-        try:
-            made.mkdir(mode=0o700)
-        except FileExistsError:  # another gateway of the tier, just now
-            continue
-        os.chmod(made, 0o700)  # mkdir's mode passes through the umask too
 
 
 def check_private_dir(folder: Path) -> None:

@@ -101,16 +101,15 @@ class AdminApi:
         name = request.path_params["alias"]
         try:
             body = json_object_body(await request.body())
-            alias = alias_from_weights(name, body.get("weights"))
-            self.gateway.models.set_alias(alias)
+            alias = self.gateway.models.set_alias(alias_from_weights(name, body.get("weights")))
         except APIError as e:
             return error_response(e)
         except ValueError as e:
             return error_response(invalid_request(str(e), param="weights"))
-        except OSError as e:
+        except OSError as e:  # nothing changed, here or in the file
             log.error("could not share alias weights", extra={"error": str(e)})
-            return error_response(APIError(500, "The weights could not be written to the "
-                                                "tier's aliases file.", type="server_error"))
+            return error_response(APIError(500, f"The weights could not be written to the "
+                                                f"tier's aliases file: {e}", type="server_error"))
         log.info("alias weights set", extra={"alias": printable(name),
                                              "weights": alias.describe()["weights"]})
         return JSONResponse(alias.describe())

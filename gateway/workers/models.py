@@ -31,9 +31,15 @@ import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from zeroserve.gateway.logging import get_logger
 from zeroserve.gateway.workers.alias_file import AliasFile
 
+log = get_logger("models")
+
 MAX_ALIAS_TARGETS = 16
+# Weights are relative; a bound keeps their sum finite (1e308 twice is inf, and every share
+# 0) and makes 10**400 in a file or a call a clear refusal rather than an OverflowError.
+MAX_ALIAS_WEIGHT = 1_000_000
 
 
 class UnknownModel(LookupError):
@@ -84,8 +90,9 @@ class Alias:
     def __post_init__(self) -> None:
         if not 0 < len(self.weights) <= MAX_ALIAS_TARGETS:
             raise ValueError(f"alias {self.name!r} needs 1 to {MAX_ALIAS_TARGETS} targets")
-        if any(not (w >= 0 and w < float("inf")) for _, w in self.weights):
-            raise ValueError(f"alias {self.name!r}: weights must be finite numbers >= 0")
+        if any(not 0 <= w <= MAX_ALIAS_WEIGHT for _, w in self.weights):  # NaN fails too
+            raise ValueError(f"alias {self.name!r}: weights must be finite numbers >= 0 and "
+                             f"at most {MAX_ALIAS_WEIGHT:,}")
         if sum(w for _, w in self.weights) <= 0:
             raise ValueError(f"alias {self.name!r}: some weight must be above 0")
         targets = [t for t, _ in self.weights]
@@ -128,7 +135,7 @@ def parse_alias(spec: str) -> Alias:
             value = float(weight)
         except ValueError:
             raise ValueError(f"alias {name!r}: weight {weight!r} is not a number") from None
-        weights.append((parse_target(target), value))
+        weights.append((parse_target(target), value))  # "1e400" is inf: Alias refuses it
     return Alias(name.strip(), tuple(weights))
 
 
@@ -140,6 +147,9 @@ def alias_from_weights(name: str, weights: Mapping[str, object]) -> Alias:
     for target, weight in weights.items():
         if isinstance(weight, bool) or not isinstance(weight, (int, float)):
             raise ValueError(f"the weight of {target!r} must be a number")
+        if isinstance(weight, int) and weight > MAX_ALIAS_WEIGHT:  # float(10**400) overflows
+            raise ValueError(f"alias {name!r}: the weight of {target!r} must be at most "
+                             f"{MAX_ALIAS_WEIGHT:,}")
         pairs.append((parse_target(str(target)), float(weight)))
     return Alias(name, tuple(pairs))
 
@@ -159,10 +169,12 @@ class ModelCatalog:
         self.names = dict(names)
         self.names.setdefault(default, default)
         self.served = tuple(dict.fromkeys(self.names.values()))
+        # Targets by served name only (an alias may name the file's display name); replaced
+        # whole, never changed in place, so that a reader's iteration never sees it change.
         self.aliases: dict[str, Alias] = {}
         for alias in aliases:
-            self._check_alias(alias)
-            self.aliases[alias.name] = alias
+            alias = self._canonical(alias)
+            self.aliases = {**self.aliases, alias.name: alias}
         self.shared = shared
         if shared is not None:
             self.refresh(force=True)
@@ -187,8 +199,7 @@ class ModelCatalog:
             self.refresh()
             alias = self.aliases.get(requested)
             if alias is not None:
-                target = alias.pick(key, rng)
-                return Target(self.names.get(target.model, target.model), target.version)
+                return alias.pick(key, rng)  # its targets are served names (_canonical)
         if "@" in requested:
             try:
                 target = parse_target(requested)
@@ -224,39 +235,55 @@ class ModelCatalog:
                   for name, by_version in versions.items()]
         self.refresh()
         return {"models": models,
-                "aliases": [self.aliases[a].describe() for a in sorted(self.aliases)]}
+                "aliases": [alias.describe() for _, alias in sorted(self.aliases.items())]}
 
     # --- aliases --------------------------------------------------------------------------
 
-    def set_alias(self, alias: Alias) -> None:
+    def set_alias(self, alias: Alias) -> Alias:
         """Replace (or add) an alias's weights here and, through the shared file, in every
-        gateway of the tier. ValueError if it names an unserved model or shadows one."""
-        self._check_alias(alias)
+        gateway of the tier; the alias as it now stands (its targets by served name).
+        ValueError if it names an unserved model or shadows one; OSError if the shared file
+        cannot be written (nothing changes then)."""
+        alias = self._canonical(alias)
         if self.shared is not None:
-            self.shared.write({a.name: a.describe()["weights"]
-                               for a in {**self.aliases, alias.name: alias}.values()})
-        self.aliases[alias.name] = alias
+            # Under the file's lock: this alias changes, every other stays as the file has
+            # it now (another gateway's change of a moment ago included).
+            self._take(self.shared.update(alias.name, alias.describe()["weights"]))
+        self.aliases = {**self.aliases, alias.name: alias}
+        return alias
 
     def refresh(self, force: bool = False) -> None:
         """Take the tier's latest weights (cheap: the file is looked at twice a second)."""
         if self.shared is None:
             return
         changed = self.shared.read_if_changed(force)
-        if changed is None:
-            return
-        for name, weights in changed.items():
-            try:
-                alias = alias_from_weights(name, weights)
-                self._check_alias(alias)
-            except ValueError:
-                continue  # another gateway's models differ: its aliases are not ours
-            self.aliases[alias.name] = alias
+        if changed is not None:
+            self._take(changed)
 
-    def _check_alias(self, alias: Alias) -> None:
+    def _take(self, found: Mapping[str, object]) -> None:
+        """The aliases of the tier's file; one that is bad here is left out with a warning
+        (its weights out of bounds, or naming models another gateway serves and this one
+        does not), and what this gateway had for it stays."""
+        taken = {}
+        for name, weights in found.items():
+            try:
+                taken[name] = self._canonical(alias_from_weights(name, weights))
+            except ValueError as e:
+                log.warning("an alias in the aliases file is left out: %s", e,
+                            extra={"path": str(self.shared.path) if self.shared else None})
+        if taken:
+            self.aliases = {**self.aliases, **taken}
+
+    def _canonical(self, alias: Alias) -> Alias:
+        """`alias` with each target by its served name (a client may call a model by another
+        name: the default model's file's display name); ValueError if it cannot serve."""
         if alias.name in self.names or "@" in alias.name:
             raise ValueError(f"alias {alias.name!r} would hide a served model's name")
-        for target, _ in alias.weights:
-            if target.model not in self.names:
+        weights = []
+        for target, weight in alias.weights:
+            served = self.names.get(target.model)
+            if served is None:
                 raise ValueError(f"alias {alias.name!r}: {target.model!r} is not a served "
                                  f"model (served: {', '.join(self.served)})")
-
+            weights.append((Target(served, target.version), weight))
+        return Alias(alias.name, tuple(weights))  # names one target twice: ValueError

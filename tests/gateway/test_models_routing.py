@@ -171,6 +171,58 @@ def test_weights_change_live_through_the_admin_api(fleet):
         "smollm@v2": 100.0, "smollm@v1": 0.0}
 
 
+def test_an_alias_over_the_models_display_name_is_listed(tmp_path):
+    """An alias may name the default model by its file's display name: /v1/models lists it
+    (it was a 500 on every call), whether it came from a flag, the admin API or the tier's
+    shared file written by another gateway."""
+    path = tmp_path / "aliases.json"
+    with serving(model_aliases=("chat=SmolLM2-135M-Instruct@v1:1",),
+                 aliases_file=str(path)) as gw:
+        worker = start(gw, "smollm-v1", "smollm", "v1")
+        try:
+            models = httpx.get(f"{gw.url}/v1/models")
+            assert models.status_code == 200, models.text
+            cards = {c["id"]: c for c in models.json()["data"]}
+            assert cards["chat"]["weights"] == {"smollm@v1": 1.0}
+            set_ = AdminClient(gw.url).set_weights("fast", {"SmolLM2-135M-Instruct": 1})
+            assert set_["weights"] == {"smollm": 1.0}
+            # Another gateway of the tier writes the display name into the shared file.
+            path.write_text('{"aliases": {"other": {"SmolLM2-135M-Instruct@v1": 5}}}')
+            assert wait_until(lambda: httpx.get(f"{gw.url}/v1/models/other").status_code == 200,
+                              timeout=30)
+            cards = {c["id"]: c for c in httpx.get(f"{gw.url}/v1/models").json()["data"]}
+            assert cards["other"]["weights"] == {"smollm@v1": 5.0}
+            for name in ("chat", "fast", "other"):
+                assert httpx.get(f"{gw.url}/v1/models/{name}").status_code == 200
+                assert complete(gw, name).status_code == 200
+        finally:
+            worker.stop()
+
+
+def test_weights_out_of_bounds_are_refused_and_serving_goes_on(tmp_path):
+    """10**400 (and 1e400) in an admin call is a 400; written into the tier's file it is left
+    out: the gateway starts with such a file, and aliased requests keep their weights."""
+    path = tmp_path / "aliases.json"
+    path.write_text('{"aliases": {"chat": {"smollm@v2": 1%s}}}' % ("0" * 400))
+    with serving(aliases_file=str(path)) as gw:  # it was an OverflowError at start
+        worker = start(gw, "smollm-v1", "smollm", "v1")
+        try:
+            assert complete(gw, "chat").status_code == 200  # the flag's weights
+            for raw in (b'{"weights": {"smollm@v2": 1%s}}' % (b"0" * 400),
+                        b'{"weights": {"smollm@v2": 1e400}}'):
+                bad = httpx.post(f"{gw.url}/admin/models/chat/weights", content=raw,
+                                 headers={"Content-Type": "application/json"})
+                assert bad.status_code == 400, bad.text
+                assert "at most 1,000,000" in bad.json()["error"]["message"]
+            path.write_text('{"aliases": {"chat": {"smollm@v1": 1%s}, "seen": {"smollm": 1}}}'
+                            % ("0" * 400))
+            assert wait_until(lambda: complete(gw, "seen").status_code == 200, timeout=30)
+            assert complete(gw, "chat").status_code == 200
+            assert httpx.get(f"{gw.url}/v1/models").status_code == 200
+        finally:
+            worker.stop()
+
+
 def test_a_version_switch_under_load_fails_no_request():
     """v1 serves the alias; v2 starts, the weights move to it, v1 drains: every request of
     a steady load succeeds, and new ones end up on v2 only."""

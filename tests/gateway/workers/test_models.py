@@ -105,3 +105,82 @@ def test_set_weights_reaches_every_gateway_sharing_the_file(tmp_path):
     path.write_text("{not json")
     clock[0] += 1.0
     assert two.resolve("chat", key="a") == Target("smollm", "v2")  # a bad file changes nothing
+
+
+def test_an_alias_may_name_a_model_by_its_other_name(tmp_path):
+    """The default model's file's display name is a name of it: an alias over it (from a
+    flag, the admin call or the tier's file) targets the served name, so every listing finds
+    the model (it was a KeyError in /v1/models on every call)."""
+    models = catalog("chat=SmolLM2-135M-Instruct@v1:3,tiny:1")
+    assert models.aliases["chat"].weights == ((Target("smollm", "v1"), 3), (Target("tiny"), 1))
+    assert models.set_alias(alias_from_weights("chat", {"SmolLM2-135M-Instruct": 1})).weights \
+        == ((Target("smollm"), 1),)
+    path = tmp_path / "aliases.json"
+    path.write_text('{"aliases": {"chat": {"SmolLM2-135M-Instruct@v2": 1}}}')
+    shared = catalog(shared=AliasFile(path))
+    assert shared.aliases["chat"].weights == ((Target("smollm", "v2"), 1),)
+    assert shared.describe([])["aliases"][0]["weights"] == {"smollm@v2": 1}
+    with pytest.raises(ValueError, match="twice"):  # the same model under both its names
+        catalog("chat=smollm:1,SmolLM2-135M-Instruct:1")
+
+
+def test_set_weights_keeps_another_gateways_earlier_change(tmp_path):
+    """Each gateway of a tier changes one alias in the file under its lock: the second
+    gateway, which has not read the first one's change yet, must not write it away."""
+    clock = [0.0]
+    path = tmp_path / "tier" / "aliases.json"
+    one = catalog("chat=smollm@v1:100", shared=AliasFile(path, clock=lambda: clock[0]))
+    two = catalog("chat=smollm@v1:100", shared=AliasFile(path, clock=lambda: clock[0]))
+    one.set_alias(alias_from_weights("chat", {"smollm@v2": 1}))
+    two.set_alias(alias_from_weights("fast", {"tiny": 1}))  # within its re-read interval
+    three = catalog(shared=AliasFile(path))
+    assert three.resolve("chat", key="a") == Target("smollm", "v2")
+    assert three.resolve("fast", key="a") == Target("tiny")
+    assert two.resolve("chat", key="a") == Target("smollm", "v2")  # taken with its own write
+    assert (path.parent.stat().st_mode & 0o777) == 0o700
+
+
+def test_concurrent_set_weights_lose_no_change(tmp_path):
+    import threading
+
+    path = tmp_path / "aliases.json"
+    gateways = [catalog(shared=AliasFile(path)) for _ in range(4)]
+
+    def change(index: int) -> None:
+        for i in range(10):
+            gateways[index].set_alias(alias_from_weights(f"a{index}-{i}", {"tiny": 1}))
+
+    threads = [threading.Thread(target=change, args=(i,)) for i in range(len(gateways))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(catalog(shared=AliasFile(path)).aliases) == 40
+
+
+@pytest.mark.parametrize("weight", ["1e400", "1" + "0" * 400, "NaN", "-1", "2000000"])
+def test_a_weight_out_of_bounds_in_the_file_is_left_out_with_a_warning(tmp_path, caplog,
+                                                                       weight):
+    """A gateway starts (and serves on) with such a file: the flag's weights stay, and the
+    log says which alias was left out and why (it was an OverflowError at start, and on
+    every aliased request once written at run time)."""
+    path = tmp_path / "aliases.json"
+    path.write_text('{"aliases": {"chat": {"smollm@v2": ' + weight + '}, "fast": {"tiny": 1}}}')
+    models = catalog("chat=smollm@v1:1", shared=AliasFile(path, check_interval_s=0))
+    assert models.resolve("chat", key="a") == Target("smollm", "v1")
+    assert models.resolve("fast", key="a") == Target("tiny")
+    assert "'chat'" in caplog.text and "left out" in caplog.text
+    path.write_text('{"aliases": {"chat": {"smollm@v1": 1, "smollm@v2": ' + weight + '}}}')
+    assert models.resolve("chat", key="a") == Target("smollm", "v1")
+
+
+@pytest.mark.parametrize("weight", [10**400, float("inf"), float("nan"), 1_000_001, -1],
+                         ids=["10**400", "inf", "nan", "above", "negative"])
+def test_a_weight_out_of_bounds_is_refused_when_set(weight):
+    models = catalog("chat=smollm@v1:1")
+    with pytest.raises(ValueError, match="at most 1,000,000"):
+        models.set_alias(alias_from_weights("chat", {"smollm@v2": weight}))
+    with pytest.raises(ValueError, match="at most 1,000,000"):
+        parse_alias(f"chat=smollm@v2:{weight}")
+    assert models.resolve("chat", key="a") == Target("smollm", "v1")
+    assert alias_from_weights("chat", {"smollm@v2": 1_000_000}).shares() == {"smollm@v2": 1.0}
