@@ -13,6 +13,12 @@ a hash collision, crafted or not, costs a miss, never another request's K/V. Blo
 with no users keep their contents and stay findable until a new allocation needs them; they
 are evicted lazily in least-recently-freed order.
 
+Free blocks that hold no cached prefix are reused last-freed-first (a stack). The pool is
+preallocated but its pages become resident only when first written: handed out first-in-
+first-out, blocks would walk the whole pool and a worker's memory would climb for as long
+as it serves (a 4 GB pool touched page by page, though a few hundred blocks were ever in
+use at once). Last-freed-first keeps the blocks written near the working set.
+
 Invariants:
 - every block is in exactly one place: held (ref_count > 0), free-uncached or evictable;
 - a block another sequence may share is always full and is never written again (a sequence
@@ -22,7 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import secrets
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
 
 from zeroserve.worker.sequence import Sequence
@@ -68,7 +74,9 @@ class BlockManager:
         # The chain's root: random per process, so hashes cannot be precomputed elsewhere.
         self._root = secrets.randbits(63)
         self._blocks = [Block(i) for i in range(num_blocks)]
-        self._free_uncached: deque[int] = deque(range(num_blocks))
+        # Free blocks holding no cached prefix, a stack: the last freed is reused first (see
+        # the module docstring); block 0 on top at the start.
+        self._free_uncached: list[int] = list(range(num_blocks - 1, -1, -1))
         # Unreferenced blocks still holding a cached prefix; oldest-freed first (LRU order).
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[int, int] = {}  # chained hash -> block id
@@ -229,7 +237,7 @@ class BlockManager:
 
     def _take_free_block(self) -> int:
         if self._free_uncached:
-            block_id = self._free_uncached.popleft()
+            block_id = self._free_uncached.pop()  # the most recently freed
         else:
             block_id, _ = self._evictable.popitem(last=False)  # least recently freed
             block = self._blocks[block_id]

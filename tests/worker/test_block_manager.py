@@ -195,3 +195,39 @@ def test_a_colliding_block_after_another_prefix_is_a_miss():
     assert bm.match_prefix(probe) == b.block_table[:1]
     same_as_a = make_seq(prompt_token_ids=prompt(4, start=100) + prompt(4, start=900) + [1])
     assert bm.match_prefix(same_as_a) == a.block_table[:2]
+
+
+def _handed_out_over_cycles(bm: BlockManager, prompts: list[list[int]],
+                            num_cycles: int) -> set[int]:
+    """Run the same small working set (one sequence per prompt, at once) num_cycles times,
+    freeing everything between cycles; the block ids ever handed out."""
+    ever: set[int] = set()
+    for _ in range(num_cycles):
+        seqs = [make_seq(len(p), prompt_token_ids=list(p)) for p in prompts]
+        for seq in seqs:
+            admit_and_compute(bm, seq)
+            ever.update(seq.block_table)
+        for seq in seqs:
+            bm.forget(seq)
+    return ever
+
+
+def test_a_small_working_set_keeps_to_a_few_blocks_of_a_large_pool():
+    # The pool's pages become resident once written: blocks handed out first-in-first-out
+    # walk the whole pool, and a worker's memory climbs for as long as it serves.
+    bm = make_block_manager(num_blocks=1000, block_size=4, enable_prefix_caching=False)
+    prompts = [prompt(10, start=100 * i) for i in range(4)]  # 3 blocks each
+    ever = _handed_out_over_cycles(bm, prompts, num_cycles=200)
+    assert len(ever) <= 12
+    assert bm.num_free_blocks == 1000
+
+
+def test_with_prefix_caching_reused_prefixes_and_fresh_tails_stay_in_few_blocks():
+    # A shared prefix stays cached (and is hit every cycle); the tails never fill a block,
+    # so they are never cached and go back to the free stack, to be reused next.
+    bm = make_block_manager(num_blocks=1000, block_size=4)
+    shared = prompt(8, start=7)
+    prompts = [shared + [500 + i, 600 + i] for i in range(4)]
+    ever = _handed_out_over_cycles(bm, prompts, num_cycles=200)
+    assert len(ever) <= 2 + 4
+    assert bm.num_cached_blocks == 2
