@@ -7,7 +7,7 @@ the dense fp32 product (F.linear on the dequantized weights, what fp32 decode ro
 before) and the block kernels (worker/csrc/lowbit_matmul.cpp: q4 for the layers, q8 for the
 lm_head) are timed in turn, `--rounds` times; medians of each round's median.
 
-    python scripts/bench_block_kernels.py --rows 1 4 16 32 --rounds 3
+    python benchmarks/bench_block_kernels.py --rows 1 4 16 32 --rounds 3
 """
 
 from __future__ import annotations

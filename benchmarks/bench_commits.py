@@ -4,7 +4,7 @@ Each commit is checked out into a temporary, detached `git worktree` and served 
 launcher (`zeroserve.cli`; `zeroserve.common.cli` before the cli/ package; `common.cli` before
 the `zeroserve` namespace), one server at a time, with the same flags (`--serve-args`) plus
 each side's own (`--base-args`, `--head-args`, so one commit can A/B test a flag). Every
-repeat serves both, alternating which goes first, and runs scripts/bench_serving.py (this
+repeat serves both, alternating which goes first, and runs benchmarks/bench_serving.py (this
 checkout's copy: the same client, prompts and seed for both) against each; between runs the
 server is stopped through cli/harness.py (SIGTERM, then SIGKILL of its process group).
 
@@ -13,9 +13,9 @@ processes spent per 1,000 output tokens (less sensitive than wall time to what e
 shared machine runs). The ratios are head / base inside one repeat; the summary is their
 median. A JSON result (every run's bench_serving summary) and a short table are written.
 
-    python scripts/bench_commits.py main HEAD --concurrency 16 --num-prompts 48 \\
+    python benchmarks/bench_commits.py main HEAD --concurrency 16 --num-prompts 48 \\
         --output-len 128 --repeats 3
-    python scripts/bench_commits.py HEAD HEAD --head-args="--no-batch-invariant"
+    python benchmarks/bench_commits.py HEAD HEAD --head-args="--no-batch-invariant"
 
 `.` as a revision serves this checkout as it is, uncommitted changes included.
 """
@@ -39,8 +39,8 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts.bench_data import load_chat_samples  # noqa: E402
-from scripts.bench_serving import BenchConfig, format_summary, run  # noqa: E402
+from benchmarks.bench_data import load_chat_samples  # noqa: E402
+from benchmarks.bench_serving import BenchConfig, format_summary, run  # noqa: E402
 from zeroserve.cli.harness import ServerError, ServerProcess, free_port, get_status  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(runs)
     text = table(runs, summary, sides)
     result = {
-        "command": "python scripts/bench_commits.py " + shlex.join(
+        "command": "python benchmarks/bench_commits.py " + shlex.join(
             sys.argv[1:] if argv is None else argv),
         "started": stamp, "cpu_native_bf16": cpu_has_native_bf16(),
         "sides": [{"name": s.name, "rev": s.rev, "commit": s.commit,

@@ -6,10 +6,10 @@ dropped. A sample is the first human turn of a conversation (sent as one user me
 server applies the chat template) plus the token length of the reply that followed it (for
 `--output-len-mode sampled`). Prompts are filtered by token count with the SmolLM2 tokenizer.
 
-    from scripts.bench_data import load_chat_samples
+    from benchmarks.bench_data import load_chat_samples
     samples = load_chat_samples(200, seed=0)      # list[ChatSample]
 
-    python scripts/bench_data.py --num 5          # print a few samples and dataset stats
+    python benchmarks/bench_data.py --num 5          # print a few samples and dataset stats
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 One fixed mixed workload, every system in the same run on the same model:
 
-- prompts: first user turns from ShareGPT (scripts/bench_data.py), chat template applied;
+- prompts: first user turns from ShareGPT (benchmarks/bench_data.py), chat template applied;
 - output lengths: each prompt's reference reply length (the dataset's own distribution)
   times --output-scale, clipped to [--min-output, --max-output]; EOS is ignored so every
   system generates exactly those tokens;
@@ -22,8 +22,8 @@ token rows pushed through the model (prompts, outputs, padding rows, padded prom
 with --max-num-seqs sequences in the batch went: the share outside the model forward is
 1 - forward / step wall time (schedule, input preparation, sampling and state update).
 
-    python scripts/bench_engine.py                      # defaults: 128 prompts, 32 seqs, 5 repeats
-    python scripts/bench_engine.py --systems continuous --num-prompts 96   # overhead only
+    python benchmarks/bench_engine.py                      # defaults: 128 prompts, 32 seqs, 5 repeats
+    python benchmarks/bench_engine.py --systems continuous --num-prompts 96   # overhead only
 
 Prints a markdown table (and --json PATH writes the raw numbers).
 """
@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from scripts.bench_data import load_chat_samples, load_tokenizer  # noqa: E402
+from benchmarks.bench_data import load_chat_samples, load_tokenizer  # noqa: E402
 from zeroserve.worker.config import BatchingMode, EngineConfig  # noqa: E402
 from zeroserve.worker.engine import Engine  # noqa: E402
 from zeroserve.worker.outputs import StepTiming  # noqa: E402

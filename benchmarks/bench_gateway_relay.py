@@ -30,7 +30,7 @@ It starts `zeroserve gateway` and one worker, opens N concurrent streaming compl
 The client (`--client`, in the result as "client") shares this machine's cores with the
 gateway and the worker under test, so it should take as little of them as it can:
 
-- `c` (default): scripts/relay_client.c, compiled with gcc into the run's temp dir: one
+- `c` (default): benchmarks/relay_client.c, compiled with gcc into the run's temp dir: one
   epoll loop over the N sockets that sends the same requests and parses the responses
   as the Python client does. Its own work is about 1 us a chunk (the kernel's per read,
   TCP receive and ACK, is most of any client's CPU here), its loop is paced to wake at
@@ -40,14 +40,14 @@ gateway and the worker under test, so it should take as little of them as it can
 - `python`: the asyncio client below (`_StreamClient`, uvloop where installed); its CPU
   is this process's CPU time over the run.
 
-    python scripts/bench_gateway_relay.py --streams 1000 --tokens 100 --step-ms 50
-    python scripts/bench_gateway_relay.py --worker fake --streams 1000 --tokens 100 \\
+    python benchmarks/bench_gateway_relay.py --streams 1000 --tokens 100 --step-ms 50
+    python benchmarks/bench_gateway_relay.py --worker fake --streams 1000 --tokens 100 \\
         --step-ms 50
-    python scripts/bench_gateway_relay.py --worker fake --gateways 2 --streams 1000 \\
+    python benchmarks/bench_gateway_relay.py --worker fake --gateways 2 --streams 1000 \\
         --tokens 100 --step-ms 20
-    python scripts/bench_gateway_relay.py --worker serve --gateways 2 --streams 1000 \\
+    python benchmarks/bench_gateway_relay.py --worker serve --gateways 2 --streams 1000 \\
         --tokens 300 --step-ms 20
-    python scripts/bench_gateway_relay.py --worker fake --streams 1000 --tokens 300 \\
+    python benchmarks/bench_gateway_relay.py --worker fake --streams 1000 --tokens 300 \\
         --step-ms 20 --client python
 """
 
@@ -225,7 +225,7 @@ def run_loop(coro):
 
 
 def build_c_client(tmp: str) -> str:
-    """Compile scripts/relay_client.c into the run's temp dir; the binary's path."""
+    """Compile benchmarks/relay_client.c into the run's temp dir; the binary's path."""
     exe = os.path.join(tmp, "relay_client")
     subprocess.run(["gcc", "-O2", "-o", exe, str(Path(__file__).with_name("relay_client.c"))],
                    check=True)
@@ -459,7 +459,7 @@ def main() -> None:
     ap.add_argument("--gateways", type=int, default=1,
                     help="gateway processes sharing the port (--worker fake only)")
     ap.add_argument("--client", choices=["c", "python"], default="c",
-                    help="the load generator: c (scripts/relay_client.c, built with gcc; "
+                    help="the load generator: c (benchmarks/relay_client.c, built with gcc; "
                          "python where gcc is not found) or python (the asyncio client)")
     ap.add_argument("--port", type=int, default=18765)
     ap.add_argument("--credit-window", type=int, default=32)

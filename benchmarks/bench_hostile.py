@@ -17,8 +17,8 @@ sample every 50 ms over the last minute: a phase of >= 62 s has its window to it
 reports per phase: loop lag p50/p99/max and stalls, the measured streams' output tokens/s
 and TTFT p50/p99, and how many ended intact.
 
-    python scripts/bench_hostile.py --quick            # fake backend, 20 ms steps
-    python scripts/bench_hostile.py                    # the default model on the CPU
+    python benchmarks/bench_hostile.py --quick            # fake backend, 20 ms steps
+    python benchmarks/bench_hostile.py                    # the default model on the CPU
 
 Bounded: every phase ends at its deadline (requests in flight get `--drain-s` more), every
 hostile kind has a count cap, everything is on 127.0.0.1.

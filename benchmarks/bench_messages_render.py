@@ -2,7 +2,7 @@
 Anthropic's events (MessageBuilder.push + sse_events) against one OpenAI chat chunk
 (chat_chunk), in-process, for a stream of N one-token updates.
 
-    python scripts/bench_messages_render.py --tokens 200000
+    python benchmarks/bench_messages_render.py --tokens 200000
 """
 
 from __future__ import annotations

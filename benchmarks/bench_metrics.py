@@ -9,7 +9,7 @@ machine's run-to-run noise, the script also times the metrics calls themselves, 
 in-process for a request of the same shape (admission, first token, one chunk per token,
 finish), and states them as a share of the gateway's measured CPU per token.
 
-    python scripts/bench_metrics.py --repeats 5 --streams 500 --tokens 100 --step-ms 20
+    python benchmarks/bench_metrics.py --repeats 5 --streams 500 --tokens 100 --step-ms 20
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ VARIANTS = {"metrics on": [], "metrics off": ["--gateway-arg=--disable-metrics"]
 def run_once(args: argparse.Namespace, extra: list[str]) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         subprocess.run(
-            [sys.executable, str(ROOT / "scripts" / "bench_gateway_relay.py"),
+            [sys.executable, str(ROOT / "benchmarks" / "bench_gateway_relay.py"),
              "--streams", str(args.streams), "--tokens", str(args.tokens),
              "--step-ms", str(args.step_ms), "--worker", args.worker,
              "--port", str(args.port), "--result-json", out.name, *extra],

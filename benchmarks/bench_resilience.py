@@ -15,8 +15,8 @@ clients per second, the p99 gap between a stream's chunks that ended in the buck
 failover shows as a pause here), and the requests that ended in the bucket and failed.
 Every request is checked: a [DONE], no error event, usage.completion_tokens == output-len.
 
-    python scripts/bench_resilience.py --quick            # fake backend, 20 ms steps
-    python scripts/bench_resilience.py                    # the default model on the CPU
+    python benchmarks/bench_resilience.py --quick            # fake backend, 20 ms steps
+    python benchmarks/bench_resilience.py                    # the default model on the CPU
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):
     sys.path.insert(0, str(REPO))
-from scripts.bench_serving import RequestResult, send_request  # noqa: E402
+from benchmarks.bench_serving import RequestResult, send_request  # noqa: E402
 from zeroserve.cli.harness import start_server, zeroserve_argv  # noqa: E402
 
 PHASES = ("steady", "kill -9 worker-0", "rolling restart")

@@ -20,9 +20,9 @@ with the cache in place (`warm`, `--repeats`), and prints medians. Between kills
 `--settle-s` (31 s: the supervisor's backoff resets after 30 s of stable running, so every
 restart gets the same 0.5 s backoff).
 
-    python scripts/bench_restart.py                       # both scenarios, default model
-    python scripts/bench_restart.py --scenario quiet --repeats 3 --settle-s 31
-    python scripts/bench_restart.py --json out.json
+    python benchmarks/bench_restart.py                       # both scenarios, default model
+    python benchmarks/bench_restart.py --scenario quiet --repeats 3 --settle-s 31
+    python benchmarks/bench_restart.py --json out.json
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ cached_tokens / sum of usage.prompt_tokens, over all turns and over turns 2+), T
 (all turns and turns 2+), and output tokens/s. Modes alternate (`--repeat` rounds), each on
 a fresh server, with the same conversations.
 
-    python scripts/bench_routing.py --chats 16 --turns 4 --concurrency 8 --repeat 2
+    python benchmarks/bench_routing.py --chats 16 --turns 4 --concurrency 8 --repeat 2
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-from scripts.bench_data import dataset_file, iter_conversations  # noqa: E402
+from benchmarks.bench_data import dataset_file, iter_conversations  # noqa: E402
 from zeroserve.cli.harness import start_server  # noqa: E402
 
 MODES = ("cache_aware", "least_loaded")

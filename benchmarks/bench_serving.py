@@ -11,11 +11,11 @@ Metrics follow vLLM's serving benchmark (see BENCH.md and docs/benchmarks.md):
 
 Load is either a closed loop (`--concurrency C`: C clients, each sends its next request when
 the last one ends) or an open loop (`--request-rate R`: Poisson arrivals, R per second).
-Prompts are the ShareGPT chat mix (scripts/bench_data.py); the output length is fixed with
+Prompts are the ShareGPT chat mix (benchmarks/bench_data.py); the output length is fixed with
 `ignore_eos` so every system generates the same number of tokens, and each request's
 usage.completion_tokens is checked against it (`token_mismatches` in the result).
 
-    python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --concurrency 16 \\
+    python benchmarks/bench_serving.py --base-url http://127.0.0.1:8000 --concurrency 16 \\
         --num-prompts 64 --output-len 128 --result-json .bench/results/run.json
 
 As a module: `summary = run(BenchConfig(...))` returns the summary dict that --result-json
@@ -38,7 +38,7 @@ import aiohttp
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts.bench_data import ChatSample, load_chat_samples  # noqa: E402
+from benchmarks.bench_data import ChatSample, load_chat_samples  # noqa: E402
 
 PERCENTILES = (50, 90, 99)
 MAX_ERROR_EXAMPLES = 5
@@ -204,7 +204,7 @@ def _prompt_texts(cfg: BenchConfig, samples: list[ChatSample]) -> list[str | Non
     """For /v1/completions: the chat template applied here, so both endpoints see one text."""
     if cfg.endpoint == "chat":
         return [None] * len(samples)
-    from scripts.bench_data import load_tokenizer
+    from benchmarks.bench_data import load_tokenizer
 
     tok = load_tokenizer()
     out = []
@@ -431,7 +431,9 @@ def format_summary(s: dict) -> str:
 
 def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Namespace]:
     d = BenchConfig()
-    ap = argparse.ArgumentParser(description="Benchmark an OpenAI-compatible server.")
+    ap = argparse.ArgumentParser(description=(
+        "Benchmark an OpenAI-compatible server: TTFT, ITL, TPOT, E2E latency, output tokens/s "
+        "and goodput (vLLM's definitions) over the ShareGPT chat mix, closed or open loop."))
     ap.add_argument("--base-url", default=d.base_url)
     ap.add_argument("--model", default=None, help="default: the first id from /v1/models")
     ap.add_argument("--endpoint", choices=["chat", "completions"], default=d.endpoint)

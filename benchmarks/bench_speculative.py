@@ -9,10 +9,10 @@ acceptance rate from the speculating server's /metrics.
 Workloads:
 - grounded: input-grounded prompts (repeat, rewrite, extract from a given text), where the
   output repeats the input and n-gram drafts are often right.
-- chat: the ShareGPT chat mix (scripts/bench_data.py), where drafts are rare: what
+- chat: the ShareGPT chat mix (benchmarks/bench_data.py), where drafts are rare: what
   speculation costs when it does not pay.
 
-    python scripts/bench_speculative.py --workload grounded --repeats 3 --output-len 64
+    python benchmarks/bench_speculative.py --workload grounded --repeats 3 --output-len 64
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ DEFAULT_SPEC = SpeculativeConfig().to_json()  # what `zeroserve serve` runs with
 
 
 def grounded_messages() -> list[list[dict]]:
-    from scripts.bench_data import GROUNDED_INSTRUCTIONS, GROUNDED_PASSAGES
+    from benchmarks.bench_data import GROUNDED_INSTRUCTIONS, GROUNDED_PASSAGES
 
     return [[{"role": "user", "content": f"{instruction}\n\n{passage}"}]
             for instruction, passage in zip(GROUNDED_INSTRUCTIONS, GROUNDED_PASSAGES[:3],
@@ -43,7 +43,7 @@ def grounded_messages() -> list[list[dict]]:
 
 
 def chat_messages(num: int) -> list[list[dict]]:
-    from scripts.bench_data import load_chat_samples
+    from benchmarks.bench_data import load_chat_samples
 
     return [s.messages for s in load_chat_samples(num, seed=0, max_prompt_tokens=512)]
 

@@ -1,4 +1,4 @@
-"""What a JSON schema costs: the serving benchmark (scripts/bench_serving.py: ShareGPT chat
+"""What a JSON schema costs: the serving benchmark (benchmarks/bench_serving.py: ShareGPT chat
 prompts, 16 concurrent streams, fixed output length) with and without `response_format`
 json_schema, run alternately and repeated on one server, so both see the same machine.
 
@@ -7,7 +7,7 @@ request whose JSON is complete before that has only EOS left to emit, so the sch
 one a reply keeps filling (an open list of objects with free-text fields), and the script
 reports how many replies were still inside the grammar at the end (their JSON incomplete).
 
-    python scripts/bench_structured.py --base-url http://127.0.0.1:8000 --concurrency 16 \\
+    python benchmarks/bench_structured.py --base-url http://127.0.0.1:8000 --concurrency 16 \\
         --num-prompts 32 --output-len 64 --repeats 3 --result-json .bench/structured.json
 
 A shared machine's load swings move tokens/s far more than a few percent, so `--in-process`
@@ -15,7 +15,7 @@ measures what the grammar adds where it is added: an Engine (no HTTP) decoding 1
 with and without the schema, alternated, and per full decode step (16 rows) the median time
 of the forward and of input preparation + sampling (where the masks are built and applied).
 
-    python scripts/bench_structured.py --in-process --repeats 3 --output-len 48
+    python benchmarks/bench_structured.py --in-process --repeats 3 --output-len 48
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts import bench_serving  # noqa: E402
+from benchmarks import bench_serving  # noqa: E402
 
 SCHEMA = {
     "type": "object",

@@ -22,8 +22,8 @@ the streams (chosen at random, seeded) leave the batch (engine.pause(), as a str
 credit does) and the previous step's paused ones come back (engine.resume()); that time is
 counted as serial.
 
-    python scripts/bench_worker_step.py --seqs 1000 --steps 60 --repeats 5
-    python scripts/bench_worker_step.py --seqs 1000 --steps 60 --repeats 5 --pause-percent 5
+    python benchmarks/bench_worker_step.py --seqs 1000 --steps 60 --repeats 5
+    python benchmarks/bench_worker_step.py --seqs 1000 --steps 60 --repeats 5 --pause-percent 5
 """
 
 from __future__ import annotations

@@ -5,10 +5,14 @@
 # Everything goes under .bench/ (gitignored); the binary ends at .bench/bin/llama-server.
 # The machine is shared, so the build runs under `nice` with 2 jobs (about ten minutes).
 #
-#   scripts/build_llama_server.sh            # build once (no-op if the binary exists)
-#   FORCE=1 scripts/build_llama_server.sh    # rebuild
+#   benchmarks/build_llama_server.sh            # build once (no-op if the binary exists)
+#   FORCE=1 benchmarks/build_llama_server.sh    # rebuild
 #   LLAMA_CPP_PYTHON_VERSION=0.3.16 ...      # pin the sdist (default: newest)
 set -euo pipefail
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
+    sed -n '2,/^set -euo/p' "$0" | grep '^#' | cut -c3-
+    exit 0
+fi
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
 BENCH="$ROOT/.bench"

@@ -1,4 +1,4 @@
-"""Check scripts/bench_serving.py against vLLM's `vllm-rs bench serve` on one running server.
+"""Check benchmarks/bench_serving.py against vLLM's `vllm-rs bench serve` on one running server.
 
 Both clients send the same ShareGPT prompts (exported as a JSONL `custom` dataset for vLLM)
 to /v1/chat/completions with the same output length, `ignore_eos`, temperature 0 and
@@ -6,8 +6,8 @@ concurrency, one after the other, alternating who goes first; every prompt is se
 beforehand so a server's prompt cache treats all measured runs alike; the table shows the figures side by side. vllm-rs exits 0
 even when requests fail, so its JSON is read and its failures reported.
 
-    scripts/fetch_vllm_bench.sh
-    python scripts/crosscheck_vllm.py --base-url http://127.0.0.1:8080 --concurrency 16 \\
+    benchmarks/fetch_vllm_bench.sh
+    python benchmarks/crosscheck_vllm.py --base-url http://127.0.0.1:8080 --concurrency 16 \\
         --num-prompts 48 --output-len 128 [--repeats 2]
 """
 
@@ -23,8 +23,8 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts.bench_data import BENCH_DIR, TOKENIZER_DIR, load_chat_samples  # noqa: E402
-from scripts.bench_serving import BenchConfig, run  # noqa: E402
+from benchmarks.bench_data import BENCH_DIR, TOKENIZER_DIR, load_chat_samples  # noqa: E402
+from benchmarks.bench_serving import BenchConfig, run  # noqa: E402
 
 VLLM_RS = BENCH_DIR / "vllm" / "vllm-rs"
 ROWS = [  # (label, our summary path, vLLM JSON key)
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", type=Path, default=BENCH_DIR / "results" / "crosscheck")
     a = ap.parse_args(argv)
     if not VLLM_RS.is_file():
-        print(f"{VLLM_RS} is missing: run scripts/fetch_vllm_bench.sh", file=sys.stderr)
+        print(f"{VLLM_RS} is missing: run benchmarks/fetch_vllm_bench.sh", file=sys.stderr)
         return 2
     samples = load_chat_samples(a.num_prompts)
     cfg = BenchConfig(base_url=a.base_url, model=a.model, num_prompts=a.num_prompts,

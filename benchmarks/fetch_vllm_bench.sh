@@ -2,12 +2,16 @@
 # Fetch vLLM's serving benchmark client (`vllm-rs bench serve`, a static Rust binary inside
 # the `vllm` wheel on PyPI) into .bench/vllm/, and save the default model's tokenizer as a
 # directory at .bench/tokenizer (vllm-rs needs --tokenizer DIR). Used by
-# scripts/crosscheck_vllm.py to check scripts/bench_serving.py against a client no one here
+# benchmarks/crosscheck_vllm.py to check benchmarks/bench_serving.py against a client no one here
 # wrote. Nothing is installed: the wheel is only unzipped.
 #
-#   scripts/fetch_vllm_bench.sh          # no-op when .bench/vllm/vllm-rs exists
-#   VLLM_VERSION=0.33.0 scripts/fetch_vllm_bench.sh
+#   benchmarks/fetch_vllm_bench.sh          # no-op when .bench/vllm/vllm-rs exists
+#   VLLM_VERSION=0.33.0 benchmarks/fetch_vllm_bench.sh
 set -euo pipefail
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
+    sed -n '2,/^set -euo/p' "$0" | grep '^#' | cut -c3-
+    exit 0
+fi
 cd "$(dirname "$0")/.."
 DIR=".bench/vllm"
 PY="${PYTHON:-.venv/bin/python}"
@@ -24,6 +28,6 @@ if [[ ! -x "$DIR/vllm-rs" ]]; then
     chmod +x "$DIR/vllm-rs"
 fi
 "$DIR/vllm-rs" --version
-# Writes .bench/tokenizer once (scripts/bench_data.py:load_tokenizer).
-"$PY" -c "import sys; sys.path.insert(0, '.'); from scripts.bench_data import load_tokenizer; load_tokenizer()"
+# Writes .bench/tokenizer once (benchmarks/bench_data.py:load_tokenizer).
+"$PY" -c "import sys; sys.path.insert(0, '.'); from benchmarks.bench_data import load_tokenizer; load_tokenizer()"
 ls .bench/tokenizer

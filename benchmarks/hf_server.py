@@ -9,7 +9,7 @@ is the next batch formed. Tokens stream out as the batch produces them.
 max_tokens, or (without ignore_eos) at its first EOS; the batch ends when every row has.
 Sampling parameters of a batch are the first request's (temperature 0 -> greedy).
 
-    python scripts/hf_server.py --port 8100 --dtype float32 --max-batch-size 64
+    python benchmarks/hf_server.py --port 8100 --dtype float32 --max-batch-size 64
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (stream and non-stream, with
 stream_options.include_usage), GET /v1/models, GET /health.

@@ -1,7 +1,7 @@
 """Time the model runner's decode step at several batch sizes (no scheduler, no HTTP).
 
-    python scripts/profile_runner.py --batch 1 16 32 --context 256 --steps 20 [--profile]
-    python scripts/profile_runner.py --batch 16 --prefill 128 --prefill-prompts 4 --profile
+    python benchmarks/profile_runner.py --batch 1 16 32 --context 256 --steps 20 [--profile]
+    python benchmarks/profile_runner.py --batch 16 --prefill 128 --prefill-prompts 4 --profile
 
 Each sequence gets a fresh block table covering `context` tokens (the pool content does not
 matter for timing); every step is one decode token per sequence, as in steady-state serving.
@@ -40,7 +40,8 @@ def decode_plan(batch: int, context: int, block_size: int, params: SamplingParam
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 32])
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)

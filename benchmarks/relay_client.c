@@ -1,5 +1,5 @@
 /*
- * relay_client.c - the C load generator of scripts/bench_gateway_relay.py.
+ * relay_client.c - the C load generator of benchmarks/bench_gateway_relay.py.
  *
  * It does what the script's Python client does (_StreamClient, one_stream, run_clients),
  * with a fraction of its user-space work per SSE chunk, to take as little as it can of

@@ -117,7 +117,7 @@ class ServerProcess:
 
     Its output goes to `log_path` (appended, after a `$ command` line), or to ours when
     `log_path` is None. It runs in `cwd` (this checkout by default; another checkout for
-    scripts/bench_commits.py, whose `env` then makes that one importable).
+    benchmarks/bench_commits.py, whose `env` then makes that one importable).
     """
 
     def __init__(self, argv: list[str], port: int, log_path: Path | None,

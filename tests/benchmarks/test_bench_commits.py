@@ -1,4 +1,4 @@
-"""scripts/bench_commits.py without serving: its flags, each layout's launcher, the ratios."""
+"""benchmarks/bench_commits.py without serving: its flags, each layout's launcher, the ratios."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from scripts.bench_commits import (
+from benchmarks.bench_commits import (
     Run,
     Side,
     launcher_for,

@@ -16,8 +16,8 @@ from starlette.applications import Starlette  # noqa: E402
 from starlette.responses import JSONResponse, StreamingResponse  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 
-from scripts.bench_data import ChatSample, iter_conversations  # noqa: E402
-from scripts.bench_serving import BenchConfig, percentile_stats, run  # noqa: E402
+from benchmarks.bench_data import ChatSample, iter_conversations  # noqa: E402
+from benchmarks.bench_serving import BenchConfig, percentile_stats, run  # noqa: E402
 
 FIRST_TOKEN_S = 0.05
 TOKEN_GAP_S = 0.01
@@ -173,7 +173,7 @@ def test_hf_server_generates_exactly_the_requested_tokens(tmp_path):
     log = open(tmp_path / "hf.log", "wb")  # noqa: SIM115
     # A tiny HF model folder (the default model's GGUF takes most of a minute to dequantize).
     model = write_tiny_chat_model(tmp_path / "model")
-    proc = subprocess.Popen([sys.executable, str(root / "scripts" / "hf_server.py"), "--port",
+    proc = subprocess.Popen([sys.executable, str(root / "benchmarks" / "hf_server.py"), "--port",
                              str(port), "--batch-window-ms", "200", "--model", str(model)],
                             cwd=root, stdout=log,
                             stderr=subprocess.STDOUT)
@@ -216,7 +216,7 @@ def _fake_run(system: str, level: str, conc: int, tput: float, ttft: float) -> d
 
 
 def test_compare_takes_medians_and_rewrites_only_its_docs_section(tmp_path):
-    from scripts import compare
+    from benchmarks import compare
 
     plan, _ = compare.parse_args(["--quick", "--systems", "zeroserve,llama-server",
                                   "--concurrency", "16"])
@@ -227,7 +227,7 @@ def test_compare_takes_medians_and_rewrites_only_its_docs_section(tmp_path):
     table = compare.aggregate(runs)
     assert table[("zeroserve", "c16")]["output_throughput"] == 200.0  # the median of 3
     assert table[("zeroserve", "c16")]["completed"] == 12
-    section = compare.markdown(plan, table, "python scripts/compare.py --quick", "now",
+    section = compare.markdown(plan, table, "python benchmarks/compare.py --quick", "now",
                                (1.0, 1.0, 1.0), runs=runs)
     assert "| zeroserve | c16 | 12 / 0 | 0 | 200.0 (100.0-300.0) |" in section
     # Ratios pair the systems inside each repeat (3x, 2x, 2x), not medians with medians.

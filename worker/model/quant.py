@@ -207,7 +207,7 @@ class BlockQ4:
     # Where the choice is by the call's row count (LlamaModel's per_row False: fp32 asked for
     # on a CPU with native bf16), calls of up to this many rows take this kernel, larger ones
     # the dense path. On a CPU without native bf16 (per_row True) decode rows always take it
-    # (scripts/bench_block_kernels.py, docs/benchmarks.md).
+    # (benchmarks/bench_block_kernels.py, docs/benchmarks.md).
     max_rows = 32
     # Per row (Linear), a step's prefill rows take this kernel too when there are at most this
     # many: all 30 layers of the default model, 2 threads, q4 against dense fp32 MKL: 47 vs
