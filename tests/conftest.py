@@ -7,11 +7,18 @@ the tests of one module.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+# First, before anything imports torch: `ZEROSERVE_CPU_CLASS=avx2 ./scripts/test` runs the
+# suite as that CPU class, with oneDNN's and ATen's caps set where torch will read them (and
+# every server the tests start inherits them).
+from zeroserve.worker.cpu_class import apply_to_environment
 
-import pytest
+apply_to_environment()
 
-from zeroserve.cli.harness import ServerProcess, start_server
+from collections.abc import Iterator  # noqa: E402
+
+import pytest  # noqa: E402
+
+from zeroserve.cli.harness import ServerProcess, start_server  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -10,11 +10,17 @@ keeps a build of its own there.
 Concurrent workers share one build through the loader's lock file (and an flock around it,
 so that a build killed half-way does not leave later starts waiting forever).
 
-The build uses `-march=native`, so the library only runs on CPUs with the builder's
-instruction set. The loader keys its cache by name, not by CPU: the name also
-carries a tag of this CPU (its model and feature flags), so a cache shared with another CPU
-(a network home, a volume, an image built elsewhere) builds its own copy instead of loading
-one that dies with SIGILL.
+The build targets the effective CPU class (worker/cpu_class, `ZEROSERVE_CPU_CLASS`): the
+x86-64 level and extensions of the class (`-march=x86-64-v3` for avx2, `-march=x86-64-v4` and
+the class's VNNI/BF16 for the AVX-512 classes), or `-march=native` for `native`, the default.
+The library's name carries the class, so each class has a build of its own. A native build
+only runs on CPUs with the builder's instruction set, and the loader keys its cache by name,
+not by CPU: a native build's name also carries a tag of this CPU (its model and feature
+flags), so a cache shared with another CPU (a network home, a volume, an image built
+elsewhere) builds its own copy instead of loading one that dies with SIGILL. The sources
+guard every AVX-512 intrinsic (`__AVX512F__`, `__AVX512BF16__`) and compute the same values
+in portable loops without them, so an avx2 build (an AVX2-only CPU, or the class capped)
+serves with the same results.
 
 `load()` returns None when the build is impossible here (no compiler, no ninja); callers then
 use the pure torch paths, which compute the same values. `loaded()` never builds: for code
@@ -35,6 +41,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
+from zeroserve.worker import cpu_class
+from zeroserve.worker.cpu_class import CpuClass, Effective
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -42,7 +51,31 @@ SOURCES = [CSRC / "decode_attention.cpp", CSRC / "lowbit_matmul.cpp", CSRC / "ro
            CSRC / "decode_layers.cpp", CSRC / "module.cpp"]
 # -fopenmp: at::parallel_for is inline OpenMP in torch's headers, serial without it. The
 # libgomp it links is the one torch already loaded (same soname), so they share one pool.
-FLAGS = ["-O3", "-march=native", "-fopenmp"]
+BASE_FLAGS = ["-O3", "-fopenmp"]
+
+
+def build_flags(chosen: Effective) -> list[str]:
+    """The compiler's flags for the class `chosen`: its -march, between the base flags."""
+    return [BASE_FLAGS[0], *chosen.compiler_flags(), *BASE_FLAGS[1:]]
+
+
+def library_name(chosen: Effective) -> str:
+    """The build's name: this CPU's tag where the flags depend on this CPU (-march=native:
+    the name native builds always had), the class's name otherwise; then the hash of the
+    sources and flags."""
+    flags = build_flags(chosen)
+    if "-march=native" in flags:
+        machine = cpu_tag()
+    else:  # the lowest class with these flags: amx compiles as avx512_bf16, one build for both
+        machine = min(c for c in CpuClass
+                      if build_flags(Effective(c, c)) == flags).label
+    return f"zeroserve_cpu_kernels_{machine}_{source_tag(flags=flags)}"
+
+
+@functools.cache
+def process_class() -> Effective:
+    """This process's effective CPU class, read once (its environment is set at start)."""
+    return cpu_class.effective()
 
 
 class KernelBuildError(RuntimeError):
@@ -80,7 +113,8 @@ def _put_pip_ninja_on_path() -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-def source_tag(sources: list[Path] | None = None, csrc: Path = CSRC) -> str:
+def source_tag(sources: list[Path] | None = None, csrc: Path = CSRC,
+               flags: list[str] | None = None) -> str:
     """A hash of what the library is built from: the sources, csrc's headers and the flags.
     It goes in the library's name, so each version of the code has a build of its own. (The
     loader keys its build folder by name alone and rebuilds in place when the sources
@@ -89,17 +123,28 @@ def source_tag(sources: list[Path] | None = None, csrc: Path = CSRC) -> str:
     digest = hashlib.sha256()
     for path in [*(SOURCES if sources is None else sources), *sorted(csrc.glob("*.h"))]:
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    digest.update(" ".join(FLAGS).encode())
+    digest.update(" ".join(build_flags(process_class()) if flags is None else flags).encode())
     return digest.hexdigest()[:12]
 
 
-@functools.cache
-def _build() -> ModuleType | KernelBuildError:
-    """Build (or load the cached build) once per process; a failure is remembered too."""
+# Each class's build (or its failure, remembered), once per process.
+_BUILDS: dict[Effective, ModuleType | KernelBuildError] = {}
+
+
+def _build(chosen: Effective) -> ModuleType | KernelBuildError:
+    if chosen not in _BUILDS:
+        _BUILDS[chosen] = _build_now(chosen)
+    return _BUILDS[chosen]
+
+
+def _build_now(chosen: Effective) -> ModuleType | KernelBuildError:
+    """Build the class's library, or load its cached build."""
     from torch.utils import cpp_extension
 
     _put_pip_ninja_on_path()
-    name = f"zeroserve_cpu_kernels_{cpu_tag()}_{source_tag()}"
+    name = library_name(chosen)
+    flags = build_flags(chosen)
+    logger.info("native CPU kernels for %s: %s (%s)", chosen.describe(), name, " ".join(flags))
     try:
         build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
         with _builders_lock(build_dir):
@@ -108,7 +153,7 @@ def _build() -> ModuleType | KernelBuildError:
                 return built
             return cpp_extension.load(
                 name=name, sources=[str(p) for p in SOURCES],
-                extra_cflags=FLAGS,
+                extra_cflags=flags,
                 extra_ldflags=["-fopenmp"], verbose=False,
             )
     except Exception as exc:  # compiler, ninja or linker missing or failing
@@ -154,9 +199,10 @@ def _builders_lock(build_dir: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def load(required: bool = False) -> ModuleType | None:
-    """The compiled module; None if it cannot be built here and is not required."""
-    module = _build()
+def load(required: bool = False, chosen: Effective | None = None) -> ModuleType | None:
+    """The compiled module for the class `chosen` (this process's where None); None if it
+    cannot be built here and is not required."""
+    module = _build(process_class() if chosen is None else chosen)
     if isinstance(module, KernelBuildError):
         if required:
             raise module
@@ -166,6 +212,5 @@ def load(required: bool = False) -> ModuleType | None:
 
 def loaded() -> ModuleType | None:
     """The module if this process has already loaded it (never builds or waits for a build)."""
-    if not _build.cache_info().currsize:
-        return None
-    return load()
+    module = _BUILDS.get(process_class())
+    return None if isinstance(module, KernelBuildError) else module

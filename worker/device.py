@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 import torch
+
+from zeroserve.worker import cpu_class
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -52,26 +57,29 @@ def resolve_device(name: str) -> torch.device:
 
 
 def cpu_supports_bf16() -> bool:
-    """True when the CPU has native bf16 dot products (AVX512-BF16 or AMX), where bf16
+    """True when the effective CPU class (worker/cpu_class: this CPU, or less under
+    ZEROSERVE_CPU_CLASS) has native bf16 dot products (AVX512-BF16 or AMX), where bf16
     matmuls run several times faster than fp32; without them bf16 is emulated and slower."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        flags = cpuinfo.read_text(errors="replace")
-        return "avx512_bf16" in flags or "amx_bf16" in flags
-    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return bool(probe()) if probe is not None else False
+    return cpu_class.native_bf16()
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """'auto' -> bf16 on CUDA (fp16 on GPUs without native bf16) and on CPUs with native
-    bf16, fp32 otherwise. An explicit name always wins."""
-    if name != "auto":
-        if name not in _DTYPES:
-            raise ValueError(f"unsupported dtype {name!r} (use auto, float32, bfloat16, float16)")
-        return _DTYPES[name]
+    bf16 (in the effective CPU class), fp32 otherwise. An explicit name always wins. On the
+    CPU, logs the effective class with the choice (once per worker, at its start)."""
+    if name != "auto" and name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r} (use auto, float32, bfloat16, float16)")
     if device.type == "cuda":
+        if name != "auto":
+            return _DTYPES[name]
         return torch.bfloat16 if cuda_supports_bf16(device) else torch.float16
-    return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    if name != "auto":
+        chosen = _DTYPES[name]
+    else:
+        chosen = torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    logger.info("%s: dtype %s%s", cpu_class.effective().describe(), dtype_name(chosen),
+                " (auto)" if name == "auto" else "")
+    return chosen
 
 
 def cuda_supports_bf16(device: torch.device) -> bool:
