@@ -11,8 +11,11 @@ import pytest
 from click.testing import CliRunner
 
 from zeroserve.cli import main as cli
+from zeroserve.cli.child_args import engine_args, gateway_args
+from zeroserve.cli.devices import count_cuda_devices, worker_devices
 from zeroserve.cli.params import ENV_PREFIX, ByteSize
 from zeroserve.cli.supervisor import Supervisor
+from zeroserve.cli.worker import worker
 from zeroserve.worker.config import BatchingMode, EngineConfig
 from zeroserve.worker.speculative import SpeculativeConfig
 
@@ -179,9 +182,9 @@ def test_engine_args_round_trip(captured):
                           num_kv_blocks=12, kv_cache_memory=4096, enable_prefix_caching=False,
                           batching_mode=BatchingMode.STATIC, batch_wait_ms=1.5,
                           num_threads=3, seed=11, batch_invariant=True)
-    assert invoke(["worker", *cli.engine_args(config)]).exit_code == 0
+    assert invoke(["worker", *engine_args(config)]).exit_code == 0
     assert captured["worker"].engine == config
-    assert invoke(["worker", *cli.engine_args(EngineConfig())]).exit_code == 0
+    assert invoke(["worker", *engine_args(EngineConfig())]).exit_code == 0
     assert captured["worker"].engine == EngineConfig()
 
 
@@ -202,19 +205,19 @@ def test_batch_invariance_is_off_unless_asked_for(captured, monkeypatch):
     ("cuda:1", 2, 2, ["cuda:1", "cuda:1"]),
 ])
 def test_worker_devices(device, num_workers, num_gpus, expected):
-    assert cli.worker_devices(device, num_workers, num_gpus) == expected
+    assert worker_devices(device, num_workers, num_gpus) == expected
 
 
 def test_cuda_without_gpus_is_a_usage_error():
     with pytest.raises(click.UsageError):
-        cli.worker_devices("cuda", None, 0)
+        worker_devices("cuda", None, 0)
 
 
 def test_cuda_visible_devices_is_respected(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-    assert cli.count_cuda_devices() == 2
+    assert count_cuda_devices() == 2
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert cli.count_cuda_devices() == 0
+    assert count_cuda_devices() == 0
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -226,7 +229,7 @@ def test_byte_sizes(text, expected):
 
 
 def test_every_engine_field_has_a_flag():
-    flags = {p.name for p in cli.worker.params}
+    flags = {p.name for p in worker.params}
     assert {f for f in EngineConfig.__dataclass_fields__} <= flags
 
 
@@ -271,7 +274,7 @@ def test_reasoning_tool_argument_and_store_flags_reach_the_gateway_and_its_child
     assert config.reasoning_parser == "deepseek_r1" and config.allow_extra_tool_arguments
     assert (config.responses_dir, config.response_store_size,
             config.response_store_ttl_s) == ("/srv/responses", 5, 60.0)
-    assert invoke(["gateway", *cli.gateway_args(config)]).exit_code == 0  # as serve's child
+    assert invoke(["gateway", *gateway_args(config)]).exit_code == 0  # as serve's child
     child = captured["gateway"]
     names = ("reasoning_parser", "allow_extra_tool_arguments", "responses_dir",
              "response_store_size", "response_store_ttl_s")
@@ -296,7 +299,7 @@ def test_enforce_eager_flag_and_variable(captured, args, env, expected):
     assert invoke([*base, *args, "--max-capture-batch-size", "8"], env=env).exit_code == 0
     engine = captured["worker"].engine
     assert (engine.enforce_eager, engine.max_capture_batch_size) == (expected, 8)
-    assert invoke(["worker", *cli.engine_args(engine), *base[1:]]).exit_code == 0
+    assert invoke(["worker", *engine_args(engine), *base[1:]]).exit_code == 0
     assert captured["worker"].engine == engine
 def test_speculative_config_flag_and_variable(captured):
     text = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5, '
@@ -316,7 +319,7 @@ def test_speculative_config_flag_and_variable(captured):
     # Children get it explicitly, on or off.
     for value in (expected, None):
         config = EngineConfig(speculative_config=value)
-        assert invoke(["worker", *cli.engine_args(config)]).exit_code == 0
+        assert invoke(["worker", *engine_args(config)]).exit_code == 0
         assert captured["worker"].engine == config
 
 

@@ -5,7 +5,7 @@ supervisor passes to a child)."""
 from __future__ import annotations
 
 from tests.cli.test_cli import captured, invoke  # noqa: F401 (a fixture)
-from zeroserve.cli import main as cli
+from zeroserve.cli.child_args import worker_args
 from zeroserve.worker.discovery import GatewayDns
 
 
@@ -17,7 +17,7 @@ def test_gateway_dns_flags_build_the_config(captured):  # noqa: F811
     config = captured["worker"]
     assert config.gateway_dns == GatewayDns("gateway-plane", 6000, 6001, 2.0)
     assert config.gateway_endpoints == []  # no fixed address, not even the ipc default
-    args = cli.worker_args(config)
+    args = worker_args(config)
     assert args[args.index("--gateway-dns") + 1] == "gateway-plane"
     assert args[args.index("--gateway-tokens-port") + 1] == "6001"
 
