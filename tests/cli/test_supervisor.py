@@ -226,7 +226,7 @@ def test_first_start_failure_stops_everything(harness):
     assert len(harness.pids("worker-0")) == 1  # not restarted in a loop
     # The gateway was stopped too (it may not have got as far as logging its start).
     assert not any(_alive(pid) for pid in harness.pids("gateway"))
-    output = harness.process.stdout.read()
+    output = harness.output.read_text()
     assert "first start" in output and "gateway stopped" in output
 
 
