@@ -28,7 +28,7 @@ def server(module_servers):
     ))
 
 
-def test_client_disconnect_frees_blocks_within_a_second(server):
+def test_client_disconnect_frees_blocks_at_once(server):
     server.wait_for(is_idle, timeout_s=5, what="idle before the test")
 
     def before_hanging_up(num_chunks: int) -> None:
@@ -38,10 +38,11 @@ def test_client_disconnect_frees_blocks_within_a_second(server):
     result = stream_completion(server.url, {"prompt": "Tell me everything.", "max_tokens": 50000},
                                stop_after=20, on_chunk=before_hanging_up)
     assert len(result.chunks) == 20 and not result.is_done  # hung up mid-stream
-    took_s = server.wait_for(is_idle, timeout_s=5, what="blocks back after a disconnect")
-    # /health shows the worker's heartbeat (every 0.5 s), so this includes up to 0.5 s of
-    # reporting delay on top of the abort itself.
-    assert took_s < 1.0
+    # The ABORT frees them within a step (/health shows them at the next heartbeat, every
+    # 0.5 s); nothing else would before the slow-client timeout. The deadline is generous for
+    # a loaded machine and still ends before that timeout could have freed them.
+    server.wait_for(is_idle, timeout_s=SLOW_CLIENT_TIMEOUT_S - 1,
+                    what="blocks back after a disconnect")
 
 
 def settled_free_blocks(server, stable_s: float, timeout_s: float) -> int:
@@ -82,7 +83,7 @@ def test_stalled_client_pauses_alone_and_is_cut_off(server):
         # speculation may yield several tokens a step, more so for a prompt seen before.)
         beside = stream_completion(server.url, body)
         assert beside.finish_reason == "length" and beside.text == alone.text
-        assert beside.elapsed_s < 2 * alone.elapsed_s + 0.5
+        assert beside.elapsed_s < 3 * alone.elapsed_s + 1.0  # generous: a loaded machine
 
         # The paused stream generated (nearly) nothing meanwhile: once the other stream's
         # blocks are back (as of the next heartbeat), the pool is as it was. The kernel may

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import select
 import socket
+import threading
 import time
 
 import httpx
@@ -20,7 +21,7 @@ from tests.e2e.helpers import MODEL, is_idle, stream_in_thread
 pytestmark = pytest.mark.slow
 
 HEADER_TIMEOUT_S = 1.0
-PROBE_TOKENS = 3000  # ~16 s at 5 ms a step: longer than all the hostile inputs (~9 s)
+PROBE_TOKENS = 3000  # ~16 s at 5 ms a step (held open half-way until the inputs are sent)
 JSON = {"content-type": "application/json"}
 
 
@@ -110,7 +111,9 @@ def send_hostile_inputs(server) -> None:
     # Slow headers: the connection is closed at the header timeout, unanswered.
     started = time.monotonic()
     out = raw_request(port, b"POST /v1/completions HTTP/1.1\r\nhost: localhost\r\n", wait_s=10)
-    assert out == b"" and time.monotonic() - started < HEADER_TIMEOUT_S + 2
+    # Closed by the server (well before our 10 s wait, and the default header timeout, ran
+    # out): a generous deadline on a loaded machine.
+    assert out == b"" and time.monotonic() - started < HEADER_TIMEOUT_S + 7
     # A slow body: 408.
     status, error = status_of(raw_request(
         port, b"POST /v1/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json"
@@ -120,17 +123,29 @@ def send_hostile_inputs(server) -> None:
 
 def test_hostile_inputs_get_4xx_and_end_no_one_elses_stream(server):
     server.wait_for(is_idle, timeout_s=10, what="idle before the test")
+    all_sent = threading.Event()
+
+    def hold_open(num_chunks: int) -> None:
+        """Half-way, the probe stops reading until every hostile input was sent (paused by
+        its credit meanwhile), so it spans them all however slow a loaded machine is."""
+        if num_chunks == PROBE_TOKENS // 2:
+            all_sent.wait(60)
+
     thread, probe = stream_in_thread(server.url, {
         "prompt": "Probe.", "max_tokens": PROBE_TOKENS, "ignore_eos": True,
-        "stream_options": {"include_usage": True}}, timeout_s=60)
-    deadline = time.monotonic() + 10
-    while not probe.chunks and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert probe.chunks, "the probe stream did not start"
+        "stream_options": {"include_usage": True}}, timeout_s=120, on_chunk=hold_open)
+    try:
+        deadline = time.monotonic() + 10
+        while not probe.chunks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert probe.chunks, "the probe stream did not start"
 
-    send_hostile_inputs(server)
-    assert thread.is_alive(), ("the probe ended before the hostile inputs were all sent",
-                               probe.elapsed_s, probe.error, probe.exception, len(probe.chunks))
+        send_hostile_inputs(server)
+        assert thread.is_alive(), ("the probe ended before the hostile inputs were all sent",
+                                   probe.elapsed_s, probe.error, probe.exception,
+                                   len(probe.chunks))
+    finally:
+        all_sent.set()
 
     thread.join(60)
     assert probe.exception is None and probe.error is None, (probe.exception, probe.error)
