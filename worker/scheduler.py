@@ -25,18 +25,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from zeroserve.worker import draft_policy
 from zeroserve.worker.block_manager import BlockManager
 from zeroserve.worker.config import BatchingMode, EngineConfig
-from zeroserve.worker.draft_policy import DraftState
 from zeroserve.worker.plan import SampledToken, ScheduledChunk, SchedulerOutput
+from zeroserve.worker.scheduler_drafts import accept_drafts, add_drafts
 from zeroserve.worker.sequence import FinishReason, RequestError, Sequence, SequenceStatus
-from zeroserve.worker.speculative import (
-    RecentText,
-    SpecDecodeStats,
-    SpeculativeConfig,
-    propose_ngram,
-)
+from zeroserve.worker.speculative import RecentText, SpecDecodeStats
 
 
 class RunQueue:
@@ -243,14 +237,21 @@ class Scheduler:
             if chunk is None:
                 under_way.append(seq)
                 continue
-            if speculative is not None:
-                self._add_drafts(seq, chunk, speculative, budget)
-            num_new = len(chunk.token_ids)
-            if (chunk.start_pos + num_new <= len(seq.block_table) * block_size
-                    or self._reserve(seq, num_new, scheduled, preempted)):
+            if (chunk.start_pos < len(seq.block_table) * block_size
+                    or self._reserve(seq, 1, scheduled, preempted)):
                 chunks.append(chunk)
                 scheduled.append(seq)
-                budget -= num_new
+                budget -= 1
+        if speculative is not None:
+            # Drafts only once every decode holds its own token's slot: they take the
+            # budget and the blocks left, and never preempt (worker/scheduler_drafts.py).
+            for chunk, seq in zip(chunks, scheduled, strict=True):
+                if budget == 0:
+                    break
+                if seq.status is SequenceStatus.RUNNING:
+                    budget -= add_drafts(seq, chunk, speculative, budget, self.block_manager,
+                                         len(self.running), self.max_model_len,
+                                         self.recent_text)
 
         # 2. Prefills already under way (chunked prompts, recomputes), as much as fits. Step 1
         # saw every running sequence unless it stopped early, and then this stops at once too.
@@ -335,44 +336,6 @@ class Scheduler:
         self._next_version = None
         self._next_chunks, self._next_seqs = [], []
         self._next_needing_block, self._next_under_way = [], []
-
-    def _add_drafts(self, seq: Sequence, chunk: ScheduledChunk, config: SpeculativeConfig,
-                    budget: int) -> None:
-        """Put n-gram drafts after a decode chunk's token (worker/speculative.py), as many
-        as every limit allows: as many as pay for their rows given how often this
-        sequence's drafts were right (worker/draft_policy.py, at most k), the token budget,
-        max_tokens and the context (the token after the drafts must fit too), the stream's
-        credit, and free blocks (drafts never preempt anyone). A constrained request's
-        drafts end before the first token its grammar forbids."""
-        params = seq.params
-        num_output = len(seq.output_token_ids)
-        num_tokens = seq.num_prompt_tokens + num_output
-        state = seq.draft_state
-        if state is None:
-            state = seq.draft_state = DraftState()
-        k = min(draft_policy.num_drafts(state, num_tokens, len(self.running),
-                                        config.num_speculative_tokens),
-                budget - 1, params.max_tokens - num_output - 1,
-                self.max_model_len - num_tokens - 1)
-        if seq.credit_limit is not None:
-            k = min(k, seq.credit_limit - num_output - 1)
-        if k < 1:
-            return
-        tokens = seq.all_token_ids
-        drafts = propose_ngram(tokens, config.prompt_lookup_min, config.prompt_lookup_max, k)
-        if not drafts and self.recent_text is not None:
-            drafts = self.recent_text.propose(tokens, k)
-        if drafts and params.grammar is not None:
-            drafts = drafts[:params.grammar.num_allowed(seq.output_token_ids, drafts)]
-        if not drafts:
-            return
-        bm = self.block_manager
-        num_slots = len(seq.block_table) * bm.block_size - chunk.start_pos
-        num_free = num_slots + bm.num_free_blocks * bm.block_size
-        drafts = drafts[:max(0, num_free - 1)]  # the last token's slot first
-        if drafts:
-            chunk.token_ids = chunk.token_ids + drafts
-            chunk.draft_token_ids = drafts
 
     def _follow_changes(self, chunks: list[ScheduledChunk], seqs: list[Sequence],
                         needing_block: list[Sequence], under_way: list[Sequence]) -> bool:
@@ -544,38 +507,15 @@ class Scheduler:
         return changed
 
     def _update_speculative(self, seq: Sequence, token: SampledToken, num_new: int) -> bool:
-        """Apply a decode chunk with drafts: its last token and the accepted drafts are
-        computed, the rejected drafts' K/V slots are given back (the block table shrinks to
-        the verified tokens; blocks taken only for rejected ones return to the pool), then
-        the accepted drafts and the sampled token are appended one by one, each checked for
-        a stop or a limit as plain decoding checks it. False if seq is no longer running
-        (paused or preempted meanwhile: it recomputes its last token)."""
-        bm = self.block_manager
-        accepted = token.accepted_token_ids or []
+        """Apply a decode chunk with drafts (worker/scheduler_drafts.py). False if seq is no
+        longer running (paused or preempted meanwhile: it recomputes its last token)."""
         if seq.status is not SequenceStatus.RUNNING:
             if seq.block_table:  # paused: keep room for the token it computes again
-                bm.truncate(seq, seq.num_computed_tokens + 1)
+                self.block_manager.truncate(seq, seq.num_computed_tokens + 1)
             return False
-        self.spec_stats.record(num_new - 1, len(accepted))
-        if seq.draft_state is not None:
-            draft_policy.record(seq.draft_state, num_new - 1, len(accepted),
-                                seq.num_tokens + len(accepted) + 1, len(self.running))
-        outputs = seq.output_token_ids
-        params = seq.params
-        reason = None
-        for token_id in (*accepted, token.token_id):
-            outputs.append(token_id)
-            if (len(outputs) >= params.max_tokens or token_id in self.eos_token_ids
-                    or token_id in params.stop_token_ids
-                    or seq.num_tokens >= self.max_model_len):
-                reason = self._finish_reason(seq, token_id)
-                if reason is not None:
-                    break
-        # Computed: the last token and the accepted drafts (fewer where a stop cut them).
-        seq.num_computed_tokens = min(seq.num_computed_tokens + 1 + len(accepted),
-                                      seq.num_tokens - 1)
-        bm.truncate(seq, seq.num_computed_tokens)
-        bm.cache_full_blocks(seq)  # verified tokens only, now in the token lists
+        reason = accept_drafts(seq, token, num_new, self.block_manager, self.spec_stats,
+                               len(self.running), self.eos_token_ids, self.max_model_len,
+                               self._finish_reason)
         if reason is not None:
             self._remove_from_queues(seq)
             self._finish(seq, reason)

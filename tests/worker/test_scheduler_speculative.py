@@ -313,8 +313,9 @@ def test_a_stream_whose_drafts_fail_backs_off_and_probes_later():
 
 
 def test_drafts_never_preempt_anyone():
-    """With the pool full, a decode gets no drafts: its own token may still preempt
-    someone, as without speculation, but never for a draft."""
+    """With the pool full, a decode's own token may still preempt someone, as without
+    speculation, but never for a draft: its drafts get only the slots left in the block its
+    token took."""
     scheduler, runner = make_scheduler(speculative_config=SPEC, num_kv_blocks=6)
     seq = make_seq(prompt_token_ids=list(range(10, 18)) * 2 + [10, 11, 12, 13], max_tokens=4)
     filler = make_seq(prompt_token_ids=[99] * 4, max_tokens=4)
@@ -327,7 +328,8 @@ def test_drafts_never_preempt_anyone():
     seq.output_token_ids[-1] = 14  # [.., 13, 14] recurs: drafts would be 15, 16, ...
     plan = scheduler.schedule()
     assert plan.chunks[0].request_id == seq.request_id
-    assert plan.chunks[0].draft_token_ids is None
+    assert plan.preempted == [filler.request_id]  # for its own token
+    assert plan.chunks[0].draft_token_ids == [15, 16]  # max_tokens allows two
     assert len(seq.block_table) == 6  # one block, for its own token
 
 
@@ -386,3 +388,43 @@ def test_recent_text_keeps_the_newest_occurrences_within_its_capacity():
     small.add([], list(range(10)))
     assert len(small) == 3 and small.propose([7, 8], 1) == [9] and small.propose([1, 2], 1) == []
     RecentText(2, 4, 0).add([1], [2, 3])  # capacity 0 keeps nothing
+
+
+def test_drafts_take_only_blocks_left_after_every_plain_decode():
+    # Two decoding streams and one free block. The older one's drafts would need that block;
+    # the newer one's plain decode crosses a block boundary and needs it. The decode gets
+    # it: drafts never cost another stream its step (nor a preemption and a recompute).
+    from zeroserve.worker.plan import SampledToken
+
+    scheduler, _ = make_scheduler(speculative_config=SPEC, num_kv_blocks=5,
+                                  enable_prefix_caching=False)
+    older = make_seq(prompt_token_ids=[5, 6, 7, 5, 6, 7, 5], request_id="older")
+    newer = make_seq(prompt_token_ids=list(range(20, 28)), request_id="newer")
+    scheduler.add(older)
+    scheduler.add(newer)
+    plan = scheduler.schedule()  # both prompts, whole: 2 blocks each
+    scheduler.update(plan, [SampledToken("older", 6), SampledToken("newer", 30)])
+    assert scheduler.block_manager.num_free_blocks == 1
+    plan = scheduler.schedule()
+    assert [c.request_id for c in plan.chunks] == ["older", "newer"]
+    assert scheduler.num_preemptions == 0 and not plan.preempted
+    assert not plan.chunks[0].draft_token_ids  # no block was left for them
+    assert newer.status is SequenceStatus.RUNNING
+
+
+def test_drafts_still_come_when_blocks_are_left_after_the_decodes():
+    from zeroserve.worker.plan import SampledToken
+
+    scheduler, _ = make_scheduler(speculative_config=SPEC, num_kv_blocks=6,
+                                  enable_prefix_caching=False)
+    older = make_seq(prompt_token_ids=[5, 6, 7, 5, 6, 7, 5], request_id="older")
+    newer = make_seq(prompt_token_ids=list(range(20, 28)), request_id="newer")
+    scheduler.add(older)
+    scheduler.add(newer)
+    plan = scheduler.schedule()
+    scheduler.update(plan, [SampledToken("older", 6), SampledToken("newer", 30)])
+    plan = scheduler.schedule()
+    assert [c.request_id for c in plan.chunks] == ["older", "newer"]
+    assert plan.chunks[0].draft_token_ids == [7]  # a first proposal probes with one
+    assert scheduler.num_preemptions == 0
+    assert scheduler.block_manager.num_free_blocks == 0
