@@ -43,6 +43,13 @@ _SKIPPED_ITEMS = ("reasoning", "compaction", "web_search_call", "file_search_cal
                   "image_generation_call", "code_interpreter_call", "mcp_list_tools",
                   "mcp_approval_request", "mcp_approval_response", "tool_search_call",
                   "tool_search_output")
+# What the store keeps of each item items_to_messages reads (besides its type and id).
+_STORED_KEYS = {"message": ("role", "content"),
+                "function_call": ("call_id", "name", "arguments", "input"),
+                "custom_tool_call": ("call_id", "name", "arguments", "input"),
+                "function_call_output": ("call_id", "output"),
+                "custom_tool_call_output": ("call_id", "output")}
+_MAX_ITEM_ID_CHARS = 128
 # Chat's parameter names -> the Responses fields they came from (for error messages).
 _PARAM_NAMES = {"max_tokens": "max_output_tokens", "messages": "input",
                 "response_format": "text.format"}
@@ -396,6 +403,33 @@ def items_to_messages(items: list[dict[str, Any]], instructions: str | None
     if not messages:
         raise invalid_request("'input' holds no message the model can read.", param="input")
     return messages
+
+
+def stored_items(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Input items as the store keeps them: only what items_to_messages reads (so what was
+    rendered and billed), in the items' own shape. Items it skips (reasoning items and their
+    encrypted_content, hosted tools' calls) and fields it does not read are left out.
+    The items were checked by items_to_messages already."""
+    out = []
+    for item in items:
+        kind = item.get("type", "message" if "role" in item else None)
+        keys = _STORED_KEYS.get(kind)
+        if keys is None:
+            continue
+        kept = {"type": kind} | {k: _stored_value(item[k]) for k in keys if k in item}
+        item_id = item.get("id")
+        if isinstance(item_id, str) and len(item_id) <= _MAX_ITEM_ID_CHARS:
+            kept["id"] = item_id
+        out.append(kept)
+    return out
+
+
+def _stored_value(value: Any) -> Any:
+    """A text or an array of text parts, each with only its text."""
+    if not isinstance(value, list):
+        return value
+    return [{"type": p["type"], "refusal": p["refusal"]} if p.get("type") == "refusal"
+            else {"type": p["type"], "text": p["text"]} for p in value]
 
 
 def _message(item: dict, param: str) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +35,12 @@ from zeroserve.gateway.api.responses_request import (
     ResponsesRequest,
     parse_responses,
     responses_param,
+    stored_items,
 )
 from zeroserve.gateway.api.tool_calls import ToolCallStream
 from zeroserve.gateway.config import tier_responses_dir
 from zeroserve.gateway.core import Gateway
-from zeroserve.gateway.errors import APIError, invalid_request
+from zeroserve.gateway.errors import APIError, invalid_request, server_error
 from zeroserve.gateway.generation import RequestGroup
 from zeroserve.gateway.http.auth import key_index
 from zeroserve.gateway.http.error_response import error_response
@@ -142,7 +144,7 @@ class ResponsesApi:
     async def create(self, request: Request) -> Response:
         try:
             owner = self._owner(request)
-            api, req = await self._parse(request, owner)
+            api, req, history = await self._parse(request, owner)
             text = await api._render(req.chat.prompt)
             ids = await api._encode(text, add_special_tokens=False)
             response_id = new_id("resp")
@@ -152,7 +154,7 @@ class ResponsesApi:
 
             async def store(response: dict) -> None:
                 if req.store:
-                    await self._store(owner, req, response)
+                    await self._store(owner, req, response, history)
 
             async def respond(chat: dict, _group: RequestGroup) -> Response:
                 response = build_response(req, req.chat.model, chat, response_id).response()
@@ -169,8 +171,11 @@ class ResponsesApi:
         except APIError as e:
             return error_response(responses_param(e))
 
-    async def _parse(self, request: Request, owner: str) -> tuple[Api, ResponsesRequest]:
-        """The view of the model the body names (`Api.for_request`) and the request."""
+    async def _parse(self, request: Request, owner: str
+                     ) -> tuple[Api, ResponsesRequest, list[dict] | None]:
+        """The view of the model the body names (`Api.for_request`), the request, and the
+        stored conversation it continues (resolved now: the response is stored with it
+        even if its predecessor goes while it generates)."""
         body = await self.api._read_json(request)
         api = self.api.for_request(body, request.headers)
         history = await self._history(owner, body.get("previous_response_id"))
@@ -182,7 +187,7 @@ class ResponsesApi:
         if req.dropped_tools:
             log.warning("tools this server cannot run were left out", extra={
                 "tool_types": list(req.dropped_tools)[:32]})
-        return api, req
+        return api, req, history
 
     async def _history(self, owner: str, previous_id: Any) -> list[dict] | None:
         """The conversation a previous_response_id continues: its inputs and outputs."""
@@ -191,24 +196,21 @@ class ResponsesApi:
         if not isinstance(previous_id, str):
             raise invalid_request("'previous_response_id' must be a string.",
                                   param="previous_response_id")
-        record = await asyncio.to_thread(self.store.get, owner, previous_id)
-        if record is None:
+        history = await self._in_store(self.store.conversation, owner, previous_id)
+        if history is None:
             raise APIError(404, f"Previous response with id '{previous_id[:64]}' not found: "
                                 f"it was never stored (store: false), was deleted, or is "
                                 f"past the bound ({self.store.describe_bounds()}).",
                            param="previous_response_id", code="previous_response_not_found")
-        return record["input"] + record["response"]["output"]
+        return history
 
-    async def _store(self, owner: str, req: ResponsesRequest, response: dict) -> None:
-        previous = []
-        if req.previous_response_id is not None:
-            record = await asyncio.to_thread(self.store.get, owner, req.previous_response_id)
-            if record is not None:
-                previous = record["input"] + record["response"]["output"]
+    async def _store(self, owner: str, req: ResponsesRequest, response: dict,
+                     history: list[dict] | None) -> None:
         try:
-            stored = await asyncio.to_thread(self.store.put, owner, response["id"], {
-                "input": previous + req.input_items, "response": response})
-        except (OSError, InsecurePlaneError) as e:  # the response itself is fine: not kept
+            stored = await asyncio.to_thread(
+                self.store.put, owner, response, stored_items(req.input_items),
+                req.previous_response_id, history)
+        except (OSError, sqlite3.Error, InsecurePlaneError) as e:  # the response is fine
             log.error("could not store a response", extra={"request_id": response["id"],
                                                            "error": str(e)})
             return
@@ -217,37 +219,46 @@ class ResponsesApi:
 
     # --- the stored responses ----------------------------------------------------------------
 
-    async def _record(self, request: Request) -> dict:
+    async def _in_store(self, call, *args: Any) -> Any:
+        """A store call in a thread; a store that cannot be read is the server's 500."""
+        try:
+            return await asyncio.to_thread(call, *args)
+        except (OSError, sqlite3.Error, InsecurePlaneError) as e:
+            log.error("could not read the response store", extra={"error": str(e)})
+            raise server_error("The stored responses cannot be read.") from None
+
+    async def _read(self, request: Request, read):
+        """`read(owner, id)` in a thread; 404 when it finds nothing."""
         response_id = request.path_params["response_id"]
-        record = None
+        found = None
         if is_response_id(response_id):
-            record = await asyncio.to_thread(self.store.get, self._owner(request), response_id)
-        if record is None:
+            found = await self._in_store(read, self._owner(request), response_id)
+        if not found:
             raise APIError(404, f"Response with id '{response_id[:64]}' not found.",
                            param="response_id", code="not_found")
-        return record
+        return found
 
     async def retrieve(self, request: Request) -> Response:
-        try:
-            return JSONResponse((await self._record(request))["response"])
+        try:  # the JSON as stored: not parsed and serialised again on the loop
+            body = await self._read(request, self.store.response_json)
         except APIError as e:
             return error_response(e)
+        return Response(body, media_type="application/json")
 
     async def delete(self, request: Request) -> Response:
         try:
-            response = (await self._record(request))["response"]
-            await asyncio.to_thread(self.store.delete, self._owner(request), response["id"])
+            await self._read(request, self.store.delete)
         except APIError as e:
             return error_response(e)
-        return JSONResponse({"id": response["id"], "object": "response", "deleted": True})
+        return JSONResponse({"id": request.path_params["response_id"], "object": "response",
+                             "deleted": True})
 
     async def input_items(self, request: Request) -> Response:
         try:
-            record = await self._record(request)
+            found = await self._read(request, self.store.input_items)
         except APIError as e:
             return error_response(e)
-        items = [item if "id" in item else {"id": new_id("msg"), **item}
-                 for item in record["input"]]
+        items = [item if "id" in item else {"id": new_id("msg"), **item} for item in found]
         return JSONResponse({"object": "list", "data": items,
                              "first_id": items[0]["id"] if items else None,
                              "last_id": items[-1]["id"] if items else None,
@@ -258,7 +269,7 @@ class ResponsesApi:
     async def input_tokens(self, request: Request) -> Response:
         """The tokens a request's input takes (instructions, tools and history included)."""
         try:
-            api, req = await self._parse(request, self._owner(request))
+            api, req, _ = await self._parse(request, self._owner(request))
             text = await api._render(req.chat.prompt)
             ids = await api._encode(text, add_special_tokens=False)
         except APIError as e:

@@ -4,13 +4,14 @@ input_tokens, and hostile bodies."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 
 import httpx
 import openai
 import pytest
 
-from tests.gateway.helpers import GatewayServer, text_tokens
+from tests.gateway.helpers import GatewayServer, text_tokens, wait_until
 from zeroserve.gateway.http.responses_routes import ResponsesStream
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -302,6 +303,61 @@ def test_the_store_is_bounded(tmp_path):
         r = httpx.post(gw.url + "/v1/responses", json={"input": "x",
                                                         "previous_response_id": ids[0]})
         assert r.status_code == 404 and "newest 2" in r.json()["error"]["message"]
+        worker.stop()
+
+
+def test_only_what_is_rendered_is_stored_and_privately(tmp_path):
+    """Issue 35, item 6: a reasoning item's encrypted_content and fields the server does not
+    read were stored as sent (a 7 MB item, a 7.3 MB file of mode 644, for 22 tokens)."""
+    folder = tmp_path / "responses"
+    with GatewayServer(reasoning_parser="qwen3", responses_dir=str(folder)) as gw:
+        worker = gw.worker(reply=agent_reply).start()
+        assert worker.ready.wait(5)
+        junk = "j" * 100_000
+        body = {"input": [
+            {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "e" * 1_000_000},
+            {"type": "message", "role": "user", "junk": junk,
+             "content": [{"type": "input_text", "text": "Weather?", "junk": junk}]}]}
+        created = httpx.post(gw.url + "/v1/responses", json=body, timeout=10)
+        assert created.status_code == 200, created.text
+        items = httpx.get(gw.url + f"/v1/responses/{created.json()['id']}/input_items").json()
+        assert [i["type"] for i in items["data"]] == ["message"]
+        assert items["data"][0]["content"] == [{"type": "input_text", "text": "Weather?"}]
+        follow = httpx.post(gw.url + "/v1/responses", timeout=10, json={
+            "input": "And tomorrow?", "previous_response_id": created.json()["id"]})
+        assert follow.status_code == 200
+        assert "Weather?" in prompt_text(worker.submits[-1].prompt_token_ids)
+        worker.stop()
+    files = list(folder.iterdir())
+    assert sum(f.stat().st_size for f in files) < 200_000
+    assert all(f.stat().st_mode & 0o777 == 0o600 for f in files)
+
+
+def test_a_turn_keeps_its_history_when_its_predecessor_is_deleted_while_it_runs(tmp_path):
+    """Issue 35, item 14: the predecessor deleted while the next turn generates; the turn
+    after that still sees the whole conversation."""
+    with GatewayServer(reasoning_parser="qwen3", responses_dir=str(tmp_path)) as gw:
+        worker = gw.worker(reply=agent_reply).start()
+        assert worker.ready.wait(5)
+        first = httpx.post(gw.url + "/v1/responses", json={"input": "FIRST-TURN"},
+                           timeout=10).json()
+        worker.is_stepping = False  # the next turn waits in the worker
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            second = pool.submit(httpx.post, gw.url + "/v1/responses", timeout=10, json={
+                "input": "SECOND-TURN", "previous_response_id": first["id"]})
+            assert wait_until(lambda: len(worker.submits) == 2)
+            deleted = httpx.delete(gw.url + "/v1/responses/" + first["id"])
+            assert deleted.status_code == 200
+            worker.is_stepping = True
+            second = second.result()
+        assert second.status_code == 200, second.text
+        third = httpx.post(gw.url + "/v1/responses", timeout=10, json={
+            "input": "THIRD-TURN", "previous_response_id": second.json()["id"]})
+        assert third.status_code == 200, third.text
+        prompt = prompt_text(worker.submits[-1].prompt_token_ids)
+        assert "FIRST-TURN" in prompt and "SECOND-TURN" in prompt
+        items = httpx.get(gw.url + f"/v1/responses/{second.json()['id']}/input_items")
+        assert [i.get("content") for i in items.json()["data"]][0] == "FIRST-TURN"
         worker.stop()
 
 
