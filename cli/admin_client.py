@@ -1,8 +1,13 @@
 """The client side of the gateway's admin API, for `zeroserve workers ...` (plain urllib, so
-the CLI stays light; works against any gateway URL)."""
+the CLI stays light; works against any gateway URL).
+
+To a gateway it reaches by a loopback address it also sends this user's admin token
+(common/admin_token.py), so an operator on the gateway's machine needs no admin key where
+API keys are set; the token never goes to another machine."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import time
 import urllib.error
@@ -10,6 +15,8 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from zeroserve.common.admin_token import TOKEN_HEADER, read_token
 
 
 class AdminError(RuntimeError):
@@ -62,6 +69,9 @@ class AdminClient:
         request.add_header("content-type", "application/json")
         if self.key:
             request.add_header("authorization", f"Bearer {self.key}")
+        token = read_token() if _is_loopback_url(self.url) else None
+        if token is not None:
+            request.add_header(TOKEN_HEADER, token)
         try:
             with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as response:
                 return json.loads(response.read())
@@ -73,6 +83,16 @@ class AdminClient:
             raise AdminError(f"{method} {path}: {e.code} {message}") from None
         except OSError as e:
             raise AdminError(f"{self.url} does not answer: {e}") from None
+
+
+def _is_loopback_url(url: str) -> bool:
+    host = (urllib.parse.urlsplit(url).hostname or "").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def wait_restarted(client: AdminClient, worker_id: str, old_incarnation: str,

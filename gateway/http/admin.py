@@ -13,25 +13,8 @@
                                               an alias's weights from now on (a new alias too),
                                               in every gateway of the tier (workers/alias_file.py)
 
-Who may call it: `Authorization: Bearer KEY` with an admin key (`--admin-key`, compared in
-constant time). Without an admin key, only clients on the loopback interface, whatever API
-keys exist: an API key serves, it never operates workers (`zeroserve workers ...` on the
-gateway's machine needs no key). A request a proxy forwarded (Forwarded, X-Forwarded-For,
-X-Real-IP) is not a loopback client, wherever the proxy runs.
-
-And never a web page, which a browser on this machine would send from loopback:
-- a request with an `Origin` header is refused (403) unless that origin is named in
-  `--allowed-origins` (`*` does not count: it is for the serving API) or is the gateway's
-  own: the console at /ui, served by this gateway, when its Host is a loopback name (a
-  rebound page's Host is its own name) or when admin keys are set (then the caller needs
-  one, which another site's page does not have). Browsers send Origin with every
-  cross-site POST and fetch(); what goes without one (a link, an image) is a GET whose
-  reply the page cannot read;
-- a POST must say `Content-Type: application/json` or carry `Authorization` (415 otherwise):
-  a browser sends neither cross-site without a CORS preflight, so an HTML form or a "simple"
-  fetch() cannot reach an operation, whatever the browser does about Origin;
-- DNS rebinding (a page's own name resolved to 127.0.0.1) is refused by the Host check
-  (gateway/http/host_check.py) before any route.
+Who may call it: gateway/http/admin_access.py (an admin key; keyless only from this machine,
+with the admin token where API keys are set; never a web page).
 """
 
 from __future__ import annotations
@@ -47,9 +30,8 @@ from zeroserve.common.logging_setup import RateLimited, printable
 from zeroserve.gateway.config import GatewayConfig
 from zeroserve.gateway.core import Gateway
 from zeroserve.gateway.errors import APIError, invalid_request
-from zeroserve.gateway.http.auth import ApiKeys, is_loopback_host
+from zeroserve.gateway.http.admin_access import AdminAccess
 from zeroserve.gateway.http.error_response import error_response
-from zeroserve.gateway.http.host_check import host_name
 from zeroserve.gateway.logging import get_logger
 from zeroserve.gateway.workers.models import alias_from_weights
 
@@ -63,8 +45,7 @@ _MAX_BODY_BYTES = 4096
 class AdminApi:
     def __init__(self, config: GatewayConfig, gateway: Gateway):
         self.gateway = gateway
-        self.keys = ApiKeys(config.admin_keys)
-        self.origins = frozenset(o for o in config.allowed_origins if o != "*")
+        self.access = AdminAccess(config, log)
         self._warn = RateLimited()
 
     def routes(self) -> list[Route]:
@@ -152,65 +133,13 @@ class AdminApi:
         return self._refusal(request)
 
     def _refusal(self, request: Request) -> APIError | None:
-        refusal = self._caller_refusal(request) or _cross_site_refusal(
-            request, self.origins, self.keys.is_enabled)
+        refusal = self.access.refusal(request)
         num_held = None if refusal is None else self._warn.allow(refusal.code or "")
         if num_held is not None:  # a flood of refusals must not flood the log
             log.warning("refused an admin call (%s)", refusal.code, extra={
                 "path": printable(request.url.path), "num_refused_since_last_line": num_held,
                 "client": None if request.client is None else request.client.host})
         return refusal
-
-    def _caller_refusal(self, request: Request) -> APIError | None:
-        if not self.keys.is_enabled:
-            if _is_local_client(request):
-                return None
-            return APIError(403, "The admin API answers only clients on the gateway's own "
-                                 "machine unless an admin key is set (--admin-key); API keys "
-                                 "do not grant it.", type="permission_error",
-                            code="admin_forbidden")
-        if self.keys.match(request.headers.get("authorization")) is not None:
-            return None
-        return APIError(401, "A valid admin key is required (Authorization: Bearer KEY).",
-                        type="authentication_error", code="invalid_admin_key",
-                        headers={"WWW-Authenticate": "Bearer"})
-
-
-_PROXY_HEADERS = ("forwarded", "x-forwarded-for", "x-real-ip")
-
-
-def _is_local_client(request: Request) -> bool:
-    """A loopback peer that no proxy speaks for."""
-    return (request.client is not None and is_loopback_host(request.client.host)
-            and not any(name in request.headers for name in _PROXY_HEADERS))
-
-
-def _is_own_origin(request: Request, origin: str, has_admin_keys: bool) -> bool:
-    """The page making the call was served by this gateway (the console), under a name no
-    other site's page can have: a loopback name, or any name when a key is required."""
-    host = request.headers.get("host")
-    if host is None or origin != f"{request.url.scheme}://{host}":
-        return False
-    return has_admin_keys or is_loopback_host(host_name(host))
-
-
-def _cross_site_refusal(request: Request, origins: frozenset[str],
-                        has_admin_keys: bool) -> APIError | None:
-    """What a browser could send on a web page's behalf is refused (the module's docstring)."""
-    origin = request.headers.get("origin")
-    if (origin is not None and origin not in origins
-            and not _is_own_origin(request, origin, has_admin_keys)):
-        return APIError(403, f"The admin API does not answer web pages (Origin "
-                             f"{origin[:100]!r}); call it with `zeroserve workers` or curl, or "
-                             "name the origin in --allowed-origins.", type="permission_error",
-                        code="cross_origin_forbidden")
-    if request.method == "POST" and "authorization" not in request.headers:
-        content_type = request.headers.get("content-type", "")
-        if content_type.partition(";")[0].strip().lower() != "application/json":
-            return APIError(415, "An admin POST needs 'Content-Type: application/json' (an "
-                                 "empty body takes the defaults) or an Authorization header.",
-                            code="unsupported_media_type")
-    return None
 
 
 def json_object_body(raw: bytes, allow_empty: bool = False) -> dict:

@@ -70,11 +70,10 @@ export async function call(path, { method = "GET", body = undefined, key = "api"
   const headers = { Accept: "application/json" };
   const token = key === "admin" ? keys.forAdmin() : key === "api" ? keys.get("api") : "";
   if (token) headers.Authorization = `Bearer ${token}`;
-  if (method !== "GET") {
-    headers["Content-Type"] = "application/json";
-    // A custom header and a JSON body: a cross-site form or simple request cannot make these.
-    if (key === "admin") headers["X-Zeroserve-Admin"] = "1";
-  }
+  if (method !== "GET") headers["Content-Type"] = "application/json";
+  // A custom header: a cross-site form or simple request cannot send it, and the gateway
+  // wants one on every admin call made without an admin key, GET included.
+  if (key === "admin") headers["X-Zeroserve-Admin"] = "1";
   let response;
   try {
     response = await fetch(path, {

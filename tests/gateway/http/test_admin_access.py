@@ -146,9 +146,10 @@ def test_foreign_origins_are_refused_even_with_cors_open_to_all():
             r = httpx.get(server.local_url + "/admin/workers", headers={"Origin": origin})
             assert_error(r, 403, "cross_origin_forbidden")
         assert server.status() == "ready"
-        # An origin the operator named passes (a console of their own).
+        # An origin the operator named passes (a console of their own, which sends the
+        # console's header on every admin call).
         r = httpx.get(server.local_url + "/admin/workers",
-                      headers={"Origin": "https://console.example"})
+                      headers={"Origin": "https://console.example", "X-Zeroserve-Admin": "1"})
         assert r.status_code == 200
 
 
@@ -202,3 +203,83 @@ def test_the_console_this_gateway_served_may_operate_it():
         assert_error(r, 401, "invalid_admin_key")
         r = httpx.post(server.local_url + DRAIN, headers={**page, **bearer(ADMIN_KEY)})
         assert r.status_code == 200 and server.status() == "draining"
+
+
+# --- keyless admin: the operator's token, a loopback Host and a non-simple header -------------
+
+def admin_token() -> str:
+    from zeroserve.common.admin_token import read_token
+
+    token = read_token()
+    assert token is not None  # the gateway made it at start
+    return token
+
+
+def test_with_api_keys_keyless_admin_needs_the_operators_token():
+    """Any local process (another user, a container on the host network, a TLS terminator
+    that adds no forwarding header) could drain with no key at all; now a keyless call needs
+    the token in a file only the gateway's user can read, and `zeroserve` commands send it."""
+    from zeroserve.common.admin_token import token_path
+
+    with Server(host="0.0.0.0", api_keys=(API_KEY,)) as server:
+        json_type = {"Content-Type": "application/json"}
+        for headers in ({}, bearer(API_KEY), {"X-Zeroserve-Admin-Token": "sk-guess" * 6}):
+            r = httpx.post(server.local_url + DRAIN, json={}, headers=headers)
+            assert_error(r, 401, "admin_token_required")
+            r = httpx.get(server.local_url + "/admin/debug/stacks",
+                          headers={**json_type, **headers})
+            assert_error(r, 401, "admin_token_required")
+        assert str(token_path()) in r.json()["error"]["message"]
+        assert server.status() == "ready"
+        token = admin_token()
+        assert token_path().stat().st_mode & 0o777 == 0o600
+        assert token_path().parent.stat().st_mode & 0o777 == 0o700
+        r = httpx.get(server.local_url + "/admin/workers",
+                      headers={"X-Zeroserve-Admin-Token": token, **json_type})
+        assert r.status_code == 200, r.text
+        r = httpx.post(server.local_url + DRAIN, json={}, headers=bearer(token))  # the console
+        assert r.status_code == 200 and server.status() == "draining"
+        # ... and never from another machine, token or not.
+        r = httpx.post(server.remote_url + "/admin/workers/fake-0/undrain", json={},
+                       headers={"X-Zeroserve-Admin-Token": token})
+        assert_error(r, 403, "admin_forbidden")
+
+
+def test_keyless_admin_needs_a_loopback_host_and_a_header_no_page_can_send():
+    """A gateway that answers any name (bound beyond loopback): a page rebound by DNS to
+    127.0.0.1 read `GET /admin/workers` and the gateway's stacks (same origin, so no Origin
+    header and no preflight). A keyless call now names a loopback Host and carries a
+    non-simple header, GET included."""
+    with Server(allowed_hosts=("*",)) as server:
+        rebound = {"Host": f"rebound.attacker.example:{server.gw.port}",
+                   "X-Zeroserve-Admin": "1"}
+        for path in ("/admin/workers", "/admin/debug/stacks", "/admin/models"):
+            assert_error(httpx.get(server.local_url + path, headers=rebound), 403,
+                         "admin_host_forbidden")
+            assert_error(httpx.get(server.local_url + path), 403, "admin_header_required")
+            for header in ({"X-Zeroserve-Admin": "1"}, {"Content-Type": "application/json"}):
+                assert httpx.get(server.local_url + path, headers=header).status_code == 200
+        assert_error(httpx.post(server.local_url + DRAIN, json={}, headers=rebound), 403,
+                     "admin_host_forbidden")
+        assert server.status() == "ready"
+        r = httpx.get(f"http://localhost:{server.gw.port}/admin/workers",
+                      headers={"X-Zeroserve-Admin": "1"})
+        assert r.status_code == 200
+
+
+def test_the_cli_sends_the_token_only_to_a_loopback_gateway(monkeypatch):
+    from zeroserve.cli import admin_client
+
+    sent = []
+
+    def urlopen(request, timeout):
+        sent.append((request.full_url, request.get_header("X-zeroserve-admin-token")))
+        raise OSError("not connected")
+
+    monkeypatch.setattr(admin_client, "read_token", lambda: "t" * 43)
+    monkeypatch.setattr(admin_client.urllib.request, "urlopen", urlopen)
+    for url in ("http://127.0.0.1:8000", "http://localhost:1", "http://[::1]:8000",
+                "http://gateway.example:8000", "http://10.0.0.2:8000"):
+        with pytest.raises(admin_client.AdminError):
+            AdminClient(url).workers()
+    assert [token for _, token in sent] == ["t" * 43] * 3 + [None] * 2

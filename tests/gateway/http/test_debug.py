@@ -22,6 +22,9 @@ from zeroserve.cli import main as cli
 from zeroserve.common.protocol import Shutdown
 from zeroserve.worker.config import WorkerConfig
 
+# What a keyless admin GET needs beside a loopback Host (a header no web page can send).
+ADMIN = {"X-Zeroserve-Admin": "1"}
+
 WORKER = "worker-0"
 
 
@@ -59,7 +62,7 @@ def served():
 
 
 def test_the_gateway_lists_its_threads_and_asyncio_tasks(served):
-    r = httpx.get(served.url + "/admin/debug/stacks")
+    r = httpx.get(served.url + "/admin/debug/stacks", headers=ADMIN)
     assert r.status_code == 200, r.text
     answer = r.json()
     assert answer["process"] == "gateway"
@@ -68,10 +71,10 @@ def test_the_gateway_lists_its_threads_and_asyncio_tasks(served):
     assert tasks["heartbeat"]["frames"][-1]["function"] == "Gateway._heartbeat_loop"
     assert any(t["is_current"] for t in answer["tasks"])  # this very request's task
     assert any(t["is_current"] for t in answer["threads"])
-    plain = httpx.get(served.url + "/admin/debug/stacks", params={"format": "text"})
+    plain = httpx.get(served.url + "/admin/debug/stacks", headers=ADMIN, params={"format": "text"})
     assert plain.headers["content-type"].startswith("text/plain")
     assert 'Task "heartbeat" (pending) Gateway._heartbeat_loop' in plain.text
-    assert_error(httpx.get(served.url + "/admin/debug/stacks", params={"format": "svg"}), 400,
+    assert_error(httpx.get(served.url + "/admin/debug/stacks", headers=ADMIN, params={"format": "svg"}), 400,
                  None)
     text = CliRunner().invoke(cli.main, ["debug", "stacks", "--url", served.url])
     assert text.exit_code == 0, text.output
@@ -90,7 +93,7 @@ def test_a_worker_answers_for_its_stacks_while_its_engine_thread_is_blocked(serv
         with httpx.stream("POST", served.url + "/v1/completions", timeout=30, json={
                 "prompt": "hi", "max_tokens": 4, "stream": True}):
             assert entered.wait(5)
-            r = httpx.get(served.url + "/admin/debug/stacks", params={"worker": WORKER})
+            r = httpx.get(served.url + "/admin/debug/stacks", headers=ADMIN, params={"worker": WORKER})
             assert r.status_code == 200, r.text
             assert r.json()["worker_id"] == WORKER
             assert any(f["function"] == "engine_blocked_by_the_http_test"
@@ -112,7 +115,7 @@ def test_a_second_profile_of_one_process_is_a_409(served):
         first.start()
         try:
             def sampling(which=which) -> bool:
-                threads = httpx.get(served.url + "/admin/debug/stacks",
+                threads = httpx.get(served.url + "/admin/debug/stacks", headers=ADMIN,
                                     params=which).json()["threads"]
                 return any(f["function"] == "SamplingProfiler.run"
                            for t in threads for f in t["frames"])
@@ -182,7 +185,7 @@ def test_bad_arguments_are_a_400_naming_the_field(served, path, body, param):
 
 
 def test_an_unknown_worker_is_a_404_and_a_non_object_body_a_400(served):
-    r = httpx.get(served.url + "/admin/debug/stacks", params={"worker": "nobody"})
+    r = httpx.get(served.url + "/admin/debug/stacks", headers=ADMIN, params={"worker": "nobody"})
     assert_error(r, 404, "worker_not_found")
     assert_error(httpx.post(served.url + "/admin/debug/profile", json=[1]), 400, None)
     assert_error(httpx.post(served.url + "/admin/debug/profile", content=b"{",
