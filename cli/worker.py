@@ -23,6 +23,7 @@ from zeroserve.cli.options import (
     WORKER_RESILIENCE_OPTIONS,
 )
 from zeroserve.cli.params import option, option_group
+from zeroserve.worker import cpu_class
 
 
 @click.command()
@@ -44,6 +45,11 @@ from zeroserve.cli.params import option, option_group
 @option_group(ENGINE_OPTIONS)
 @option_group(WORKER_PROCESS_OPTIONS)
 @option_group(WORKER_RESILIENCE_OPTIONS)
+@option("--cpu-class", type=click.Choice(cpu_class.names(), case_sensitive=False),
+        default=cpu_class.NATIVE,
+        help="Cap what the worker believes about the CPU (at most what it has): the dtype "
+             "auto chooses, the kernels, the native kernels' build and torch's oneDNN/ATen "
+             "instruction sets all follow this class; native is what the CPU says.")
 @option_group(LOG_OPTIONS)
 def worker(**opts: Any) -> None:
     """Run one worker: load the model once, connect to the gateway, serve until SIGTERM."""
@@ -53,6 +59,9 @@ def worker(**opts: Any) -> None:
     from zeroserve.worker.omp_env import bound_omp_spinning
 
     bound_omp_spinning()  # before anything imports torch
+    if opts["cpu_class"].lower() != cpu_class.NATIVE or cpu_class.ENV_VAR in os.environ:
+        os.environ[cpu_class.ENV_VAR] = opts["cpu_class"].lower()  # the flag wins
+    cpu_class.apply_to_environment()  # oneDNN's and ATen's caps, also before torch
     from zeroserve.common.logging_setup import setup_logging
     from zeroserve.worker.process import build_engine, run_worker
 
