@@ -329,9 +329,8 @@ def test_probe_paths_exist_and_the_scaled_object_queries_metrics_the_gateway_exp
     assert queried <= exposed, sorted(queried - exposed)
 
 
-def test_the_readme_applies_what_exists():
-    readme = (REPO_ROOT / "README.md").read_text()
-    section = readme[readme.index("## Kubernetes"):]
+def test_the_kubernetes_page_applies_what_exists():
+    section = (REPO_ROOT / "docs" / "deployment" / "kubernetes.md").read_text()
     for path in re.findall(r"deploy/kubernetes/[\w/.-]+", section):
         assert (REPO_ROOT / path.rstrip(".")).exists(), path
     assert load_yaml(KUBERNETES / "base" / "kustomization.yaml")
