@@ -170,11 +170,13 @@ class Engine:
         """Requests whose grammar compiled join the scheduler; those whose grammar did not
         compile fail with its error (a typed RequestOutput, as an invalid request would)."""
         assert self._grammars is not None
-        for seq, state, error in self._grammars.take_ready():
+        for seq, state, error, is_paused in self._grammars.take_ready():
             if state is not None:
                 seq.params = dataclasses.replace(seq.params, grammar=state)
                 try:
                     self.scheduler.add(seq)
+                    if is_paused:  # out of credit: it waits for CREDIT, not for a slot
+                        self.scheduler.pause(seq.request_id)
                     continue
                 except RequestError as e:
                     error = e
@@ -211,11 +213,16 @@ class Engine:
         return False
 
     def pause(self, request_id: str) -> bool:
-        """Leave the batch but keep the KV blocks (a stream out of credit)."""
-        return self.scheduler.pause(request_id)
+        """Leave the batch but keep the KV blocks (a stream out of credit). A request still
+        compiling its grammar joins the scheduler paused. False: no such request."""
+        if self.scheduler.pause(request_id):
+            return True
+        return self._grammars is not None and self._grammars.pause(request_id)
 
     def resume(self, request_id: str) -> bool:
-        return self.scheduler.resume(request_id)
+        if self.scheduler.resume(request_id):
+            return True
+        return self._grammars is not None and self._grammars.resume(request_id)
 
     def set_credit_limit(self, request_id: str, limit: int) -> None:
         """The output tokens (in all) a stream may have before it pauses: speculative drafts
@@ -225,6 +232,11 @@ class Engine:
             seq = self._grammars.get(request_id)  # still compiling its grammar
         if seq is not None:
             seq.credit_limit = limit
+
+    def has_admissions(self) -> bool:
+        """Requests whose grammar compiled, for the next step to admit: it must run even
+        when every stream is paused (a paused one joins the scheduler paused)."""
+        return self._grammars is not None and self._grammars.has_ready()
 
     def has_unfinished(self) -> bool:
         """Something for the next step to do. A request whose grammar is still compiling

@@ -9,6 +9,9 @@ thread of its own compiles the grammar. The engine takes the ready ones at its n
 with the grammar's error. Requests that ask for one grammar at once (the n choices of one
 request) share its compilation.
 
+A request paused while its grammar compiles (a stream moved here with its credit used up)
+stays paused when it joins the scheduler (`take_ready` says so), until it is resumed.
+
 A request aborted while its grammar compiles is forgotten at once (`abort`); the compilation
 goes on and its result stays in the compiler's bounded cache for the next request with that
 grammar. `wake` is called (on the compiling thread) whenever a compilation ends, so an idle
@@ -36,6 +39,7 @@ class PendingGrammars:
         self._wake = wake
         self._waiting: dict[str, tuple[Sequence, GrammarSpec, Future]] = {}  # by request id
         self._compiling: dict[GrammarSpec, Future] = {}  # shared by requests of one grammar
+        self._paused: set[str] = set()  # waiting requests paused meanwhile (out of credit)
         self._jobs: queue.SimpleQueue[tuple[GrammarSpec, Future]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
@@ -62,12 +66,26 @@ class PendingGrammars:
                 self._thread.start()
         self._waiting[seq.request_id] = (seq, spec, future)
 
+    def pause(self, request_id: str) -> bool:
+        """Keep a waiting request paused once its grammar is ready; False if not waiting."""
+        if request_id not in self._waiting:
+            return False
+        self._paused.add(request_id)
+        return True
+
+    def resume(self, request_id: str) -> bool:
+        if request_id not in self._waiting:
+            return False
+        self._paused.discard(request_id)
+        return True
+
     def has_ready(self) -> bool:
         return any(future.done() for _, _, future in self._waiting.values())
 
-    def take_ready(self) -> list[tuple[Sequence, GrammarState | None, Exception | None]]:
+    def take_ready(self) -> list[tuple[Sequence, GrammarState | None, Exception | None, bool]]:
         """The requests whose grammar is compiled, each with a fresh state for it, or with
-        the exception that compiling it raised; they leave this table."""
+        the exception that compiling it raised, and whether it is paused; they leave this
+        table."""
         ready = []
         for request_id, (seq, spec, future) in list(self._waiting.items()):
             if not future.done():
@@ -75,7 +93,9 @@ class PendingGrammars:
             del self._waiting[request_id]
             error = future.exception()
             state = None if error is not None else GrammarState(spec, future.result().deep_copy())
-            ready.append((seq, state, error))
+            is_paused = request_id in self._paused
+            self._paused.discard(request_id)
+            ready.append((seq, state, error, is_paused))
         for spec, future in list(self._compiling.items()):
             if future.done():  # cached by the compiler from now on (or refused)
                 del self._compiling[spec]
@@ -84,6 +104,7 @@ class PendingGrammars:
     def abort(self, request_id: str) -> Sequence | None:
         """Forget a waiting request; None if it is not waiting here."""
         entry = self._waiting.pop(request_id, None)
+        self._paused.discard(request_id)
         return None if entry is None else entry[0]
 
     def _run(self) -> None:

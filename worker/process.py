@@ -243,7 +243,9 @@ class WorkerLoop:
         return self.exit_code
 
     def _has_work(self) -> bool:
-        return any(not s.is_paused for s in self.streams.values()) and self.engine.has_unfinished()
+        engine = self.engine
+        return ((any(not s.is_paused for s in self.streams.values())
+                 and engine.has_unfinished()) or engine.has_admissions())
 
     def _step(self) -> None:
         """One engine step. Its outputs go out during the next step's device time (or at once

@@ -120,3 +120,75 @@ def test_a_request_aborted_while_its_grammar_compiles_leaves_nothing(slow_compil
     # The id is free again: a new request of it runs.
     engine.add_request("r", [1, 2], SamplingParams(max_tokens=2, ignore_eos=True))
     assert len(run_to_completion(engine)["tokens"]["r"]) == 2
+
+
+def _wait_compiled(engine, woken: threading.Event) -> None:
+    assert woken.wait(10)  # the compilation ended
+    deadline = time.monotonic() + 10
+    while not engine._grammars.has_ready() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_request_paused_while_its_grammar_compiles_joins_paused(slow_compiler):
+    # A stream moved here with its window used up is paused at once, before its grammar
+    # compiled: it must not run (a token past its credit) until it is resumed.
+    engine = make_engine()
+    woken = threading.Event()
+    engine.wake = woken.set
+    engine.add_request("r", [1, 2], SamplingParams(max_tokens=6, ignore_eos=True),
+                       output_token_ids=[7, 8], grammar=GrammarSpec(*SCHEMA))
+    assert engine.pause("r")
+    slow_compiler["release"].set()
+    _wait_compiled(engine, woken)
+    assert [o for o in engine.step() if o.new_token_ids] == []
+    stats = engine.stats()
+    assert stats.num_paused == 1 and stats.num_running == 0 and stats.num_waiting == 0
+    assert engine.resume("r")
+    outputs = run_to_completion(engine)
+    assert len(outputs["tokens"]["r"]) == 4  # the rest of its max_tokens, after the 2 it had
+
+
+def test_a_request_resumed_before_its_grammar_compiles_runs_when_ready(slow_compiler):
+    engine = make_engine()
+    woken = threading.Event()
+    engine.wake = woken.set
+    engine.add_request("r", [1, 2], SamplingParams(max_tokens=3, ignore_eos=True),
+                       grammar=GrammarSpec(*SCHEMA))
+    assert engine.pause("r") and engine.resume("r")
+    slow_compiler["release"].set()
+    _wait_compiled(engine, woken)
+    assert len(run_to_completion(engine)["tokens"]["r"]) == 3
+
+
+def test_a_failover_with_a_grammar_and_no_credit_sends_nothing_until_credit(tmp_path,
+                                                                            slow_compiler):
+    from zeroserve.common.protocol import Credit, Heartbeat
+
+    gateway = FakeGateway(tmp_path, "worker-test")
+    engine = make_engine({"forward_time_s": 0.001})
+    config = WorkerConfig("worker-test", gateway.router_address, gateway.tokens_address,
+                          backend="fake", heartbeat_interval_s=0.05)
+    worker = RunningWorker(config, engine)
+    try:
+        gateway.recv(Hello)
+        gateway.send(Ready(True))
+        # Moved from a lost worker with 2 tokens sent, and a credit of 2: its window is used.
+        gateway.send(Submit("json", [5, 6], {"max_tokens": 6, "ignore_eos": True}, 2,
+                            [7, 8], grammar=SCHEMA))
+        slow_compiler["release"].set()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # until the compiled request sits paused
+            hb = gateway.recv(Heartbeat)
+            if hb.num_paused == 1 and hb.num_waiting == 0:
+                break
+        assert hb.num_paused == 1 and hb.num_waiting == 0
+        early = gateway.tokens(timeout_s=0.3)
+        assert early is None or not any(o.new_token_ids for o in early.outputs), early
+        gateway.send(Credit([["json", 6]]))
+        outs = gateway.collect({"json"})["json"]
+        assert outs[0].num_output_tokens == 3  # its first new token follows the two it had
+        assert sum(len(o.new_token_ids) for o in outs) == 4
+    finally:
+        gateway.send(Shutdown("test over"))
+        worker.wait()
+        gateway.close()

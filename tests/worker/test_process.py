@@ -97,6 +97,9 @@ class ScriptedEngine:
     def has_unfinished(self):
         return bool(self.reqs or self.aborted or self.held)
 
+    def has_admissions(self):
+        return False  # no grammars here
+
     def step_overlapped(self, emit):
         """As Engine.step_overlapped: the last step's outputs are emitted after this step's
         batch is chosen, and a request paused by emit loses this step's token."""
