@@ -389,15 +389,20 @@ class MemoryTracker:
         self._baseline: tracemalloc.Snapshot | None = None
         self._lock = threading.Lock()
         self._frames = 1
+        self._diff_ends_at: float | None = None  # monotonic; set while a diff waits
 
     def handle(self, args: MemoryArgs, slot: OneAtATime,
                stop_event: threading.Event | None = None) -> dict:
-        if args.action == "start":
+        if args.action in ("start", "stop"):
             with self._lock:
-                return self._start(args.frames)
-        if args.action == "stop":
-            with self._lock:
-                return self._stop()
+                # A running diff owns the baseline and ends tracing (or not) itself: a stop
+                # under it left it nothing to compare with (a 500), a start replaced its
+                # baseline.
+                if self._diff_ends_at is not None:
+                    left_s = max(0.0, self._diff_ends_at - time.monotonic())
+                    raise Busy(f"a memory diff is running (about {left_s:.0f} s left); "
+                               f"'{args.action}' after it ends")
+                return self._start(args.frames) if args.action == "start" else self._stop()
         if args.action == "snapshot":
             with self._lock:
                 if self._baseline is None:
@@ -408,14 +413,18 @@ class MemoryTracker:
                 was_tracing = self._baseline is not None
                 if not was_tracing:
                     self._start(args.frames)
-            if stop_event is None:
-                time.sleep(args.seconds)
-            else:
-                stop_event.wait(args.seconds)
-            with self._lock:
-                answer = self._snapshot(args.limit)
-                if not was_tracing:
-                    self._stop()
+                self._diff_ends_at = time.monotonic() + args.seconds
+            try:
+                if stop_event is None:
+                    time.sleep(args.seconds)
+                else:
+                    stop_event.wait(args.seconds)
+                with self._lock:
+                    answer = self._snapshot(args.limit)
+                    if not was_tracing:
+                        self._stop()
+            finally:
+                self._diff_ends_at = None
             return answer
 
     def _start(self, frames: int) -> dict:

@@ -165,3 +165,29 @@ def test_a_one_shot_diff_traces_only_while_it_waits():
 
 def _line_of_the_allocation() -> int:
     return allocate_for_the_memory_test.__code__.co_firstlineno + 1
+
+
+@pytest.mark.parametrize("action", ["stop", "start"])
+def test_a_stop_or_start_while_a_diff_runs_is_busy_and_the_diff_still_answers(action):
+    """`debug memory stop` during a running `diff` took the diff's baseline away: the diff
+    then failed (a 500). It is refused as busy now, and the diff answers as asked."""
+    import tracemalloc
+
+    tracker, slot = MemoryTracker(), OneAtATime()
+    stop, answers = threading.Event(), []
+    diff = threading.Thread(target=lambda: answers.append(tracker.handle(
+        MemoryArgs.parse({"action": "diff", "seconds": 60}), slot, stop)))
+    diff.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not tracemalloc.is_tracing() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        with pytest.raises(Busy, match="memory diff is running"):
+            tracker.handle(MemoryArgs.parse({"action": action}), slot)
+        assert tracemalloc.is_tracing()
+    finally:
+        stop.set()
+        diff.join()
+    assert answers and answers[0]["action"] == "snapshot"
+    assert not tracemalloc.is_tracing()  # the diff started tracing; it ended it
+    assert tracker.handle(MemoryArgs.parse({"action": "stop"}), slot)["is_tracing"] is False

@@ -25,7 +25,7 @@ BODY = {"prompt": "Tell me everything.", "max_tokens": MAX_TOKENS,
 def pinned_client(url: str) -> tuple[httpx.Client, int]:
     """A client whose one kept-alive connection landed on some gateway process, and that
     process's pid (the kernel picks the gateway per connection: SO_REUSEPORT)."""
-    client = httpx.Client(base_url=url, timeout=60,
+    client = httpx.Client(base_url=url, timeout=60, headers={"X-Zeroserve-Admin": "1"},
                           limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
     return client, client.get("/health/live").json()["pid"]
 

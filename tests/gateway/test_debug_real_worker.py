@@ -21,7 +21,7 @@ def test_stacks_and_a_profile_of_a_serving_worker_process():
         proc = start_worker(gw, "real-debug")
         try:
             assert wait_until(lambda: healthy(gw), 60)
-            stacks = httpx.get(gw.url + "/admin/debug/stacks",
+            stacks = httpx.get(gw.url + "/admin/debug/stacks", headers={"X-Zeroserve-Admin": "1"},
                                params={"worker": "real-debug"}, timeout=30).json()
             assert stacks["pid"] == proc.pid != os.getpid()
             names = {t["name"] for t in stacks["threads"]}

@@ -166,6 +166,23 @@ def test_the_gateway_memory_view_names_a_deliberate_allocation(served):
     assert_error(r, 400, None)  # not started
 
 
+def test_a_memory_stop_during_a_diff_is_a_409_and_the_diff_answers(served):
+    """`zeroserve debug memory --action stop` while a `diff` runs was a 500 for the diff."""
+    diff = {}
+    caller = threading.Thread(target=lambda: diff.update(response=httpx.post(
+        served.url + "/admin/debug/memory", timeout=60, json={"action": "diff", "seconds": 5})))
+    caller.start()
+    try:
+        assert wait_until(tracemalloc.is_tracing, 30)
+        r = httpx.post(served.url + "/admin/debug/memory", json={"action": "stop"})
+        assert_error(r, 409, "debug_busy")
+        assert "memory diff is running" in r.json()["error"]["message"]
+    finally:
+        caller.join()
+    assert diff["response"].status_code == 200, diff["response"].text
+    assert diff["response"].json()["action"] == "snapshot" and not tracemalloc.is_tracing()
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/admin/debug/profile", {"seconds": 301}, "seconds"),
     ("/admin/debug/profile", {"seconds": "5"}, "seconds"),
