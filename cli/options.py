@@ -96,7 +96,7 @@ ENGINE_OPTIONS = [
     option("--batch-invariant/--no-batch-invariant",
            default=field_default(EngineConfig, "batch_invariant"),
            help="Each request's tokens the same whatever else shares its batch, at a cost "
-                "in throughput (README: Batch invariance)."),
+                "in throughput (docs/deployment/hardware.md: Batch invariance)."),
     option("--enforce-eager/--no-enforce-eager", default=None,
            help="Run the decode step eagerly, or compile it (inductor on the CPU, cached in "
                 "$ZEROSERVE_CACHE_DIR/inductor; CUDA graphs on CUDA). [default: CUDA graphs "

@@ -7,7 +7,7 @@ constrain). Operations: both workers listed, drain and undrain from the page, a 
 with SIGKILL shows as restarting and comes back while a chat reply keeps streaming; the 401
 path with API keys on; a gateway briefly out of reach is said so, then reconnected.
 The chat and operations screenshots are saved on every run (under .bench/screenshots/, which
-git ignores); with ZEROSERVE_UPDATE_SCREENSHOTS=1 they replace the README's (docs/ui/).
+git ignores); with ZEROSERVE_UPDATE_SCREENSHOTS=1 they replace the docs' (docs/ui/).
 
 Chromium: `apt-get install chromium` (scripts/setup does it as root); without it, or without
 the playwright package, these tests skip and say why.
