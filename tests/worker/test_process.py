@@ -459,13 +459,12 @@ def test_a_drain_and_an_undrain_are_told_in_a_heartbeat_at_once(gateway):
     """With several gateways, the one that asked for a drain shows it until a heartbeat says
     "draining": the worker says it at once, not at its next beat, so an undrain through
     another gateway cannot come first and leave the drain showing for good."""
-    worker, engine, _ = start(gateway, heartbeat_interval_s=3.0)
-    started = time.monotonic()
+    # Periodic beats a minute apart: any beat within the generous waits below is an at-once one.
+    worker, engine, _ = start(gateway, heartbeat_interval_s=60.0, gateway_timeout_s=120.0)
     gateway.send(Drain("gateway", 5.0, exit_when_drained=False))
-    assert gateway.recv(Heartbeat, timeout_s=2.0).state == "draining"
+    assert gateway.recv(Heartbeat, timeout_s=20.0).state == "draining"
     gateway.send(Undrain("gateway"))
-    assert gateway.recv(Heartbeat, timeout_s=2.0).state == "ready"
-    assert time.monotonic() - started < 2.0  # both before the first periodic beat
+    assert gateway.recv(Heartbeat, timeout_s=20.0).state == "ready"
     stop(gateway, worker)
 
 
