@@ -202,6 +202,35 @@ def test_torch_starts_with_the_class_caps_in_a_fresh_process():
     assert out == ["avx2", "AVX2"]
 
 
+ONEDNN_ISA_SAYS = {  # what oneDNN's verbose mode names as its ISA, per class
+    "avx512": "isa:Intel AVX-512 with AVX512BW, AVX512VL, and AVX512DQ extensions",
+    "avx512_vnni": "isa:Intel AVX-512 with Intel DL Boost\n",
+    "avx512_bf16": "isa:Intel AVX-512 with Intel DL Boost and bfloat16 support\n",
+    "amx": "isa:Intel AVX-512 with Intel DL Boost and bfloat16 support and Intel AMX",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("requested", cpu_classes.params())
+def test_onednn_runs_at_most_the_class(requested):
+    """A bf16 matrix product in a process started as the class: oneDNN's own words for the
+    ISA it runs (AMX, bf16, VNNI or plain AVX-512 kernels); under avx2 torch does not even
+    take oneDNN's bf16 path."""
+    code = ("from zeroserve.worker.cpu_class import apply_to_environment\n"
+            "apply_to_environment()\n"
+            "import torch\n"
+            "x = torch.randn(64, 256, dtype=torch.bfloat16)\n"
+            "torch.nn.functional.linear(x, torch.randn(256, 256, dtype=torch.bfloat16))\n"
+            "print('bf16', torch.ops.mkldnn._is_mkldnn_bf16_supported())\n")
+    env = {**cpu_classes.class_env(requested), "ONEDNN_VERBOSE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=300, check=True).stdout
+    if requested == "avx2":
+        assert "bf16 False" in out and "isa:" not in out
+    else:
+        assert ONEDNN_ISA_SAYS[requested] in out
+
+
 def test_this_process_runs_as_its_class():
     """Under `ZEROSERVE_CPU_CLASS=... pytest` (conftest sets the caps): torch's own dispatch
     and the native kernels' build are the class's. Natively, the machine's."""
@@ -218,10 +247,14 @@ def test_this_process_runs_as_its_class():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("requested", cpu_classes.params())
+@pytest.mark.parametrize("requested", [p for p in cpu_classes.params()
+                                       if p.id in ("avx2", "avx512")])
 def test_the_native_kernels_of_each_class_compute_what_the_torch_paths_do(requested):
-    """The class's build (avx2: no AVX-512 code at all) against the torch paths, on the kernel
-    tests' small inputs, in a process that runs as the class."""
+    """The class's build against the torch paths, on the kernel tests' small inputs, in a
+    process that runs as the class: avx2 (the sources' portable loops, no AVX-512 code at
+    all) and avx512 (AVX-512 without bf16: the fp32 intrinsics, bf16 in portable loops).
+    The native build, the classes above, runs in the kernel tests themselves. Each class's
+    first build takes minutes (cached after)."""
     import shutil
 
     if shutil.which("c++") is None and shutil.which("g++") is None:
@@ -232,3 +265,18 @@ def test_the_native_kernels_of_each_class_compute_what_the_torch_paths_do(reques
         "tests/worker/test_row_ops.py", "tests/worker/test_attention.py",
         "tests/worker/test_kernel_bounds.py")
     assert " passed" in out and "skipped" not in out.rsplit("\n", 2)[-2]
+
+
+def test_the_helper_runs_a_function_as_each_class_this_machine_provides():
+    """tests/cpu_classes.py, for numeric tests under every class: a fresh interpreter with
+    the class's caps set before anything loads torch; classes above the machine skip."""
+    classes = cpu_classes.available()
+    assert classes == [c for c in cpu_classes.ALL
+                       if CpuClass[c.upper()] <= cpu_class.detected_class()]
+    skipped = [p.id for p in cpu_classes.params() if p.marks]
+    assert skipped == [c for c in cpu_classes.ALL if c not in classes]
+    for name in classes[-1:]:  # the lowest: the one furthest from this process's own
+        chosen = CpuClass[name.upper()]
+        assert cpu_classes.call(name, "zeroserve.worker.cpu_class:native_bf16") is (
+            chosen.has_native_bf16)
+        assert cpu_classes.call(name, "os:getenv", "ONEDNN_MAX_CPU_ISA") == ONEDNN[chosen]
