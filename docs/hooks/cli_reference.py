@@ -17,8 +17,13 @@ MARKER = "<!-- cli-reference -->"
 ENV_MARKER = "<!-- cli-envvars -->"
 
 
+def _text(text: str) -> str:
+    """Help text as markdown shows it: no HTML tags (`<think>`), no stray emphasis."""
+    return text.replace("<", "&lt;").replace(">", "&gt;").replace("*", "\\*")
+
+
 def _cell(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")
+    return _text(" ".join(text.split())).replace("|", "\\|")
 
 
 def _default(param: click.Option) -> str:
@@ -83,7 +88,7 @@ def _walk() -> tuple[list[str], dict[str, list[str]]]:
             usage = f"{path} COMMAND [ARGS]..."
         out.append(f"```\n{usage}\n```\n")
         if command.help:
-            out.append(inspect.cleandoc(command.help.split("\f")[0]) + "\n")
+            out.append(_text(inspect.cleandoc(command.help.split("\f")[0])) + "\n")
         options = [p for p in command.params
                    if isinstance(p, click.Option) and not p.hidden]
         if not options:
