@@ -30,6 +30,16 @@ from zeroserve.worker.startup import StartupTimer, seconds_since_process_start
 logger = logging.getLogger(__name__)
 
 
+class StepFailed(Exception):
+    """No request of a step ran, not even alone (worker/engine.py, Engine._isolate): the
+    device, not a request, is at fault as far as anyone can tell. `request_ids`: the step's
+    requests, still held by the engine (abort them to hand them to another worker)."""
+
+    def __init__(self, request_ids: list[str], cause: Exception) -> None:
+        super().__init__(f"no request of the step ran ({type(cause).__name__}: {cause})")
+        self.request_ids = request_ids
+
+
 # Finishes whose output is made when they happen (abort(), a failed batch), not by the step.
 _REPORTED_AT_ONCE = (FinishReason.ABORT, FinishReason.ERROR)
 
@@ -436,11 +446,15 @@ class Engine:
 
     def _isolate(self, plan: SchedulerOutput, exc: Exception) -> list[SampledToken]:
         """The runner failed on a batch: run each of its chunks alone, so that only a request
-        that fails by itself (the poison) fails, with ERROR and the code "poison_request"
-        (the gateway does not move it to another worker, where it would fail that batch);
-        the others' tokens stand as the batch's would have. Where every request of a batch
-        of several fails alone, the device is at fault, not a request: they fail with ERROR
-        and no code. Returns the batch's sampled tokens for update()."""
+        that fails by itself while others run (the poison) fails, with ERROR and the code
+        "poison_request" (the gateway does not move it to another worker, where it would
+        fail that batch); the others' tokens stand as the batch's would have. Returns the
+        batch's sampled tokens for update().
+
+        Where nothing runs, not even alone, nothing tells a poison request from a device that
+        failed (a request alone in its batch included): StepFailed is raised, naming the
+        step's requests, which stay as they were for the caller to hand back (another worker
+        may run them) and to count the failed step (a worker whose steps all fail exits)."""
         logger.warning("runner failed on a batch of %d sequences (%s: %s); running them one "
                        "by one", len(plan.chunks), type(exc).__name__, exc)
         sampled: list[SampledToken] = []
@@ -456,12 +470,12 @@ class Engine:
                 continue
             self._take_runner_prompt_logprobs()
             sampled += tokens
-        is_device_at_fault = len(plan.chunks) > 1 and len(failed) == len(plan.chunks)
+        if len(failed) == len(plan.chunks):
+            raise StepFailed([chunk.request_id for chunk in plan.chunks], exc) from exc
         for request_id, alone_exc in failed:
             seq = self.scheduler.finish_with_error(request_id)
             if seq is not None:
                 self._pending.append(self._output(
                     seq, None, "The worker failed to run this request: "
-                               f"{type(alone_exc).__name__}",
-                    None if is_device_at_fault else POISON_REQUEST))
+                               f"{type(alone_exc).__name__}", POISON_REQUEST))
         return sampled

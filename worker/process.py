@@ -76,6 +76,7 @@ from zeroserve.common.protocol import (
 from zeroserve.worker.config import WorkerConfig
 from zeroserve.worker.debug import WorkerDebug
 from zeroserve.worker.discovery import GatewayDiscovery, GatewaysFound, Resolver
+from zeroserve.worker.engine import StepFailed
 from zeroserve.worker.grammar import GrammarSpec
 from zeroserve.worker.link import GatewayPeer, LinkState, new_route
 from zeroserve.worker.outputs import RequestOutput
@@ -257,19 +258,38 @@ class WorkerLoop:
         self.num_steps += 1
         try:
             self.engine.step_overlapped(self._emit_and_publish)
+        except StepFailed as e:  # nothing of the step ran: its requests may run elsewhere
+            log.error("engine step failed (%d in a row): %s", self._num_failed_steps + 1, e,
+                      extra=self._log_extra)
+            for rid in e.request_ids:
+                stream = self.streams.get(rid)
+                if stream is not None:
+                    self._drop(rid)
+                    self._reject(stream.gateway, rid, "the worker failed to run the step",
+                                 stream.attempt, retryable=True)
+            self._on_failed_step("the worker's steps keep failing")
+            self._emit_and_publish(self.engine.take_outputs())
+            return
         except Exception as e:  # the batch's state is suspect: fail what it holds
-            self._num_failed_steps += 1
-            log.exception("engine step failed (%d in a row)", self._num_failed_steps,
+            log.exception("engine step failed (%d in a row)", self._num_failed_steps + 1,
                           extra=self._log_extra)
             self._fail_all(f"internal error in the worker: {e}")
+            self._on_failed_step(f"internal error in the worker: {e}")
             self._emit_and_publish([])
-            if self._num_failed_steps >= self.config.max_step_failures:
-                log.error("engine failed %d steps in a row; exiting", self._num_failed_steps,
-                          extra=self._log_extra)
-                self.exit_code = EXIT_ENGINE_FAILED
             return
-        self._num_failed_steps = 0
         self._is_last_step_empty = self.engine.last_step.num_seqs == 0
+        if not self._is_last_step_empty:  # a step that ran something ends a failing streak
+            self._num_failed_steps = 0
+
+    def _on_failed_step(self, message: str) -> None:
+        """Count a failed step; at max_step_failures in a row, hand every stream back and
+        exit (the supervisor or the container runtime starts a new process)."""
+        self._num_failed_steps += 1
+        if self._num_failed_steps >= self.config.max_step_failures:
+            log.error("engine failed %d steps in a row; exiting", self._num_failed_steps,
+                      extra=self._log_extra)
+            self._fail_all(message)
+            self.exit_code = EXIT_ENGINE_FAILED
 
     def _emit_and_publish(self, outputs: list[RequestOutput]) -> None:
         """The emit, then the heartbeats' load (the streams just ended are out of it). In a

@@ -7,6 +7,7 @@ import pytest
 from tests.worker.factories import make_engine, make_params, prompt, run_to_completion
 from zeroserve.common.protocol import POISON_REQUEST
 from zeroserve.worker.config import BatchingMode
+from zeroserve.worker.engine import StepFailed
 from zeroserve.worker.sequence import FinishReason, RequestError
 
 pytestmark = pytest.mark.timeout(60)
@@ -146,9 +147,15 @@ def test_runner_failure_fails_the_batch_and_the_engine_keeps_serving(failing):
         raise RuntimeError("device lost")
 
     setattr(engine.runner, failing, broken)
+    # Alone in its batch, nothing tells a poison request from a failed device: the step
+    # failed, and the request is the caller's to hand back (the worker aborts it here).
+    with pytest.raises(StepFailed) as failed:
+        engine.step()
+    assert failed.value.request_ids == ["a"]
+    assert engine.abort("a")
     outputs = engine.step()
-    assert [(o.request_id, o.finish_reason) for o in outputs] == [("a", FinishReason.ERROR)]
-    assert outputs[0].error
+    assert [(o.request_id, o.finish_reason, o.error_code) for o in outputs] == [
+        ("a", FinishReason.ABORT, None)]
     setattr(engine.runner, failing, real)
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
     assert engine.generate([prompt(4)], make_params(max_tokens=3))[0]
@@ -192,7 +199,7 @@ def test_a_request_that_fails_the_runner_fails_alone_and_its_batch_goes_on(faili
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
 
 
-def test_a_device_that_fails_every_request_fails_them_without_calling_them_poison():
+def test_a_device_that_fails_every_request_fails_the_step_without_calling_them_poison():
     engine = make_engine()
     engine.add_request("a", prompt(4, start=10), make_params(max_tokens=6))
     engine.add_request("b", prompt(6, start=20), make_params(max_tokens=6))
@@ -200,10 +207,14 @@ def test_a_device_that_fails_every_request_fails_them_without_calling_them_poiso
     def broken(plan):
         raise RuntimeError("device lost")
 
-    engine.runner.launch = broken
-    outputs = engine.step()
-    assert sorted((o.request_id, o.finish_reason, o.error_code) for o in outputs) == [
-        ("a", FinishReason.ERROR, None), ("b", FinishReason.ERROR, None)]
+    engine.runner.launch = engine.runner.execute = broken
+    with pytest.raises(StepFailed) as failed:
+        engine.step()
+    assert sorted(failed.value.request_ids) == ["a", "b"]
+    assert engine.take_outputs() == []  # nobody failed as poison
+    for rid in ("a", "b"):
+        assert engine.abort(rid)
+    engine.step()
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
 
 
