@@ -48,6 +48,8 @@ def test_the_site_builds_in_strict_mode(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     page = (tmp_path / "site" / "reference" / "cli" / "index.html").read_text()
     assert "--max-num-seqs" in page and "ZEROSERVE_MAX_NUM_SEQS" in page
+    # Help text shows as written: --reasoning-parser's "<think>" is text, not an HTML tag.
+    assert "&lt;think&gt;" in page and "<think>" not in page
 
 
 @pytest.mark.slow
