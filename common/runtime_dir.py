@@ -40,6 +40,12 @@ def make_private_dirs(folder: str | Path) -> Path:
     return folder
 
 
+def is_private_dir(folder: str | Path) -> bool:
+    """`folder` is this user's own and closed to everyone else (mode 700 or stricter)."""
+    info = Path(folder).stat()
+    return info.st_uid == os.getuid() and not info.st_mode & 0o077
+
+
 def prune_oldest(folder: str | Path, suffix: str, max_files: int, max_bytes: int) -> list[Path]:
     """Remove the oldest files of `folder` whose names end in `suffix` until at most
     `max_files` of them remain, together at most `max_bytes` (the newest file stays even

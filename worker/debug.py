@@ -13,6 +13,10 @@ then says so after the request's seconds plus a grace.
 
 One profile at a time per process (the CPU profile, a timed memory diff and the torch
 profile share the slot): a second is answered `busy` (the gateway's 409).
+
+Chrome traces are saved in the runtime folder's `profiles/` (mode 700, every folder made
+on the way too); after each, only the newest MAX_KEPT_TRACES, MAX_KEPT_TRACE_BYTES in all,
+stay (every worker of this user shares the folder).
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +44,12 @@ from zeroserve.common.introspection import (
     thread_stacks,
 )
 from zeroserve.common.protocol import MAX_DEBUG_REPLY_BYTES, DebugReply, DebugRequest
+from zeroserve.common.runtime_dir import (
+    is_private_dir,
+    make_private_dirs,
+    prune_oldest,
+    runtime_dir,
+)
 
 log = logging.getLogger("zeroserve.worker")
 
@@ -50,6 +59,9 @@ log = logging.getLogger("zeroserve.worker")
 TORCH_PROFILE_GRACE_S = 60.0
 _TRACE_ROOM_BYTES = MAX_DEBUG_REPLY_BYTES - 64 * 1024  # the rest of a reply's fields
 MAX_ANSWERING = 8  # debug requests answered at once; more are refused (busy), not queued
+MAX_KEPT_TRACES = 8  # chrome traces kept in the profiles folder (all workers together)
+MAX_KEPT_TRACE_BYTES = 256 * 1024 * 1024
+TRACE_SUFFIX = ".trace.json"
 
 
 class WorkerDebug:
@@ -202,12 +214,14 @@ class StepProfiler:
     def _stop(self, job: _TorchRun) -> None:
         profiler, self._profiler, self._active = self._profiler, None, None
         profiler.stop()
-        folder = os.path.join(tempfile.gettempdir(), f"zeroserve-{os.getuid()}", "profiles")
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        path = os.path.join(folder, f"{self.worker_id}-{os.getpid()}-{time.time():.0f}"
-                                    ".trace.json")
+        folder = make_private_dirs(runtime_dir() / "profiles")
+        if not is_private_dir(folder) or not is_private_dir(folder.parent):
+            raise OSError(f"{folder} (and its parent) must be owned by uid {os.getuid()} and "
+                          "closed to others (mode 700) to hold a trace")
+        path = str(folder / f"{self.worker_id}-{os.getpid()}-{time.time_ns()}{TRACE_SUFFIX}")
         profiler.export_chrome_trace(path)
         size = os.path.getsize(path)
+        prune_oldest(folder, TRACE_SUFFIX, MAX_KEPT_TRACES, MAX_KEPT_TRACE_BYTES)
         trace = None
         if size <= _TRACE_ROOM_BYTES:
             with open(path, encoding="utf-8") as f:

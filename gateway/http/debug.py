@@ -141,16 +141,11 @@ class DebugApi:
                                       "('worker').", param="worker")
             answer = await self.gateway.debug_calls.call(
                 worker_id, "torch_profile", {"seconds": seconds}, seconds + TORCH_GRACE_S)
-            trace = answer.get("trace")
-            if isinstance(trace, str):  # JSON text from the worker: sent as JSON, checked
-                try:
-                    answer["trace"] = await asyncio.to_thread(json.loads, trace)
-                except ValueError:
-                    raise APIError(502, "The worker's trace is not JSON.",
-                                   type="server_error", code="debug_failed") from None
+            # Up to 12 MiB of trace: checked and written out on a thread, not the loop.
+            body = await asyncio.to_thread(_torch_profile_body, answer)
         except APIError as e:
             return error_response(e)
-        return JSONResponse(answer)
+        return Response(body, media_type="application/json")
 
     # --- helpers -------------------------------------------------------------------------
 
@@ -167,6 +162,24 @@ class DebugApi:
             raise APIError(409, str(e), code="debug_busy") from None
         except ValueError as e:  # e.g. a memory snapshot before start
             raise invalid_request(str(e)) from None
+
+
+def _torch_profile_body(answer: dict) -> bytes:
+    """The answer as JSON, its `trace` (the worker's JSON text) as JSON rather than a string
+    (checked: a trace that is not JSON is a 502)."""
+    trace = answer.get("trace")
+    if isinstance(trace, str):
+        try:
+            answer = {**answer, "trace": json.loads(trace)}
+        except ValueError:
+            raise APIError(502, "The worker's trace is not JSON.", type="server_error",
+                           code="debug_failed") from None
+    try:
+        return json.dumps(answer, ensure_ascii=False, allow_nan=False,
+                          separators=(",", ":")).encode()
+    except ValueError:  # NaN or Infinity in it: not JSON a client can read
+        raise APIError(502, "The worker's trace is not JSON.", type="server_error",
+                       code="debug_failed") from None
 
 
 def _worker_arg(value) -> str | None:

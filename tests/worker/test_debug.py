@@ -179,3 +179,52 @@ def test_a_torch_profile_nobody_waits_for_any_more_is_stopped_at_the_next_tick(m
     assert failure and failure[0].code == "timeout"
     profiler.tick()  # the engine is back
     assert profiler._active is None and profiler._profiler is None
+
+
+class ExportingProfiler:
+    """Stands in for torch's profiler at its stop: writes a trace of `size` bytes."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def stop(self) -> None:
+        pass
+
+    def export_chrome_trace(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write('{"traceEvents": []}'.ljust(self.size))
+
+
+def test_torch_traces_are_bounded_and_their_folders_private(tmp_path, monkeypatch):
+    """Traces piled up in the runtime folder without bound, and os.makedirs gave the folders
+    it made on the way the umask's mode (755): the runtime folder itself, when a trace was
+    the first thing to make it."""
+    import os
+    import tempfile
+    import time
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "fresh" / "tmp"))
+    old_umask = os.umask(0o022)
+    try:
+        profiler = debug_module.StepProfiler("worker-test")
+        paths = []
+        for _ in range(debug_module.MAX_KEPT_TRACES + 4):
+            job = debug_module._TorchRun(0.01)
+            job.started_at = time.monotonic()
+            profiler._profiler = ExportingProfiler(1000)
+            profiler._stop(job)
+            assert job.result["trace"] is not None and job.error is None
+            paths.append(job.result["path"])
+    finally:
+        os.umask(old_umask)
+    folder = tmp_path / "fresh" / "tmp" / f"zeroserve-{os.getuid()}" / "profiles"
+    for made in (folder, folder.parent, folder.parent.parent, folder.parent.parent.parent):
+        assert made.stat().st_mode & 0o777 == 0o700, made
+    kept = sorted(str(p) for p in folder.iterdir())
+    assert kept == sorted(paths[-debug_module.MAX_KEPT_TRACES:])  # the newest
+    monkeypatch.setattr(debug_module, "MAX_KEPT_TRACE_BYTES", 2500)
+    job = debug_module._TorchRun(0.01)
+    job.started_at = time.monotonic()
+    profiler._profiler = ExportingProfiler(1000)
+    profiler._stop(job)
+    assert sorted(str(p) for p in folder.iterdir()) == sorted([*paths[-1:], job.result["path"]])

@@ -261,3 +261,57 @@ def test_a_worker_torch_profile_comes_back_as_a_chrome_trace(served, tmp_path):
     assert "traceEvents" in json.loads(output.read_text())
     out = CliRunner().invoke(cli.main, ["debug", "torch-profile", "--url", served.url])
     assert out.exit_code == 2 and "--worker" in out.output
+
+
+def test_a_workers_torch_trace_is_parsed_and_written_off_the_event_loop(monkeypatch):
+    """A worker's trace (up to 12 MiB of JSON text) was parsed on a thread but serialised
+    again on the event loop, which then stalled every stream for as long. Both now run off
+    the loop: no JSON of that size is read or written on it."""
+    import asyncio
+
+    trace = json.dumps({"traceEvents": [{"name": "aten::mm", "ph": "X", "ts": i, "dur": 3}
+                                        for i in range(60_000)]})
+    assert len(trace) > 2**21
+    on_loop = []
+
+    def on_the_loop() -> bool:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        return True
+
+    real_dumps, real_loads = json.dumps, json.loads
+
+    def dumps(obj, *args, **kwargs):
+        text = real_dumps(obj, *args, **kwargs)
+        if len(text) > 2**20 and on_the_loop():
+            on_loop.append("dumps")
+        return text
+
+    def loads(text, *args, **kwargs):
+        if len(text) > 2**20 and on_the_loop():
+            on_loop.append("loads")
+        return real_loads(text, *args, **kwargs)
+
+    with GatewayServer() as gw:
+        async def call(worker_id, kind, args, timeout_s):
+            return {"worker_id": worker_id, "seconds": 0.5, "num_iterations": 3,
+                    "path": "/tmp/x.trace.json", "trace_bytes": len(trace), "trace": trace}
+
+        monkeypatch.setattr(gw.gateway.debug_calls, "call", call)
+        monkeypatch.setattr(json, "dumps", dumps)
+        monkeypatch.setattr(json, "loads", loads)
+        r = httpx.post(gw.url + "/admin/debug/torch-profile", timeout=60,
+                       json={"worker": WORKER, "seconds": 0.5})
+        monkeypatch.undo()
+        assert r.status_code == 200, r.text
+        assert r.json()["trace"]["traceEvents"][-1]["ts"] == 59_999
+        assert on_loop == []
+
+        async def not_json(worker_id, kind, args, timeout_s):
+            return {"worker_id": worker_id, "trace": '{"traceEvents": [NaN'}
+
+        monkeypatch.setattr(gw.gateway.debug_calls, "call", not_json)
+        r = httpx.post(gw.url + "/admin/debug/torch-profile", json={"worker": WORKER})
+        assert_error(r, 502, "debug_failed")
