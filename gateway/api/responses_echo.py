@@ -33,7 +33,11 @@ SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 MAX_DROPPED_TOOL_BYTES = 16 * 1024
 MAX_DROPPED_TOOLS = 128
 MAX_NAME_CHARS = 128  # a namespace's, a tool type's, an allowed tool's name
-MAX_FORMAT_DESCRIPTION_CHARS = 4096  # text.format.description (not rendered)
+MAX_DESCRIPTION_CHARS = 4096  # text.format's and a namespace's description (not rendered)
+# Echoed scalars some paths of chat's parser do not check (parallel_tool_calls without
+# tools): their types, checked here whatever the path.
+_SCALAR_TYPES = {"parallel_tool_calls": (bool,), "temperature": (int, float),
+                 "top_p": (int, float), "top_logprobs": (int,), "max_output_tokens": (int,)}
 _FUNCTION_KEYS = ("type", "name", "description", "parameters", "strict")
 _FORMAT_KEYS = ("type", "name", "schema", "strict", "description")
 
@@ -45,6 +49,11 @@ def echoed_fields(body: dict[str, Any], store: bool) -> dict[str, Any]:
               for k, default in ECHOED_DEFAULTS.items()}
     for name, limit in MAX_IDENTIFIER_CHARS.items():
         _check_chars(body.get(name), name, limit)
+    for name, types in _SCALAR_TYPES.items():
+        value = body.get(name)
+        if value is not None and (type(value) not in types):
+            raise invalid_request(f"'{name}' must be {' or '.join(t.__name__ for t in types)}.",
+                                  param=name)
     if echoed["service_tier"] not in SERVICE_TIERS:
         raise invalid_request(f"'service_tier' must be one of {', '.join(SERVICE_TIERS)}.",
                               param="service_tier")
@@ -77,8 +86,7 @@ def _text(text: Any) -> dict[str, Any]:
     if not isinstance(text, dict):
         return dict(ECHOED_DEFAULTS["text"])
     fmt = _known(text.get("format"), _FORMAT_KEYS) or {"type": "text"}
-    _check_chars(fmt.get("description"), "text.format.description",
-                 MAX_FORMAT_DESCRIPTION_CHARS)
+    _check_chars(fmt.get("description"), "text.format.description", MAX_DESCRIPTION_CHARS)
     _check_chars(fmt.get("name"), "text.format.name", MAX_NAME_CHARS)
     out = {"format": fmt}
     if text.get("verbosity") is not None:
@@ -112,6 +120,8 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
             out.append(_known(tool, _FUNCTION_KEYS))
         elif kind == "namespace":
             _check_chars(tool.get("name"), f"tools[{i}].name", MAX_NAME_CHARS)
+            _check_chars(tool.get("description"), f"tools[{i}].description",
+                         MAX_DESCRIPTION_CHARS)
             inner = []
             for j, sub in enumerate(tool["tools"]):
                 if sub["type"] == "function":
