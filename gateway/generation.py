@@ -68,7 +68,8 @@ class Choice:
         """One batch from the worker -> text to emit (maybe "") and maybe a finish."""
         if self.is_scoring:
             return self._scored(out, metrics, now)
-        num_new = len(out.new_token_ids)
+        token_ids = out.new_token_ids
+        num_new = len(token_ids)
         if num_new:
             # Per chunk, the metrics cost one list append (RequestGroup counts the tokens).
             if self.num_output_tokens:
@@ -76,13 +77,21 @@ class Choice:
             else:
                 self._on_first_output(out.timings, metrics, now)
             self.last_output_at = now
-        self.num_output_tokens += num_new
         self.num_cached_tokens = out.num_cached_tokens
         if out.finish_reason in ("abort", "error"):
+            self.num_output_tokens += num_new
             detail = out.error or "the worker aborted the request"
             raise (server_error if out.finish_reason == "error" else worker_failed)(
                 f"Generation failed: {detail}")
-        text = self.stop.push(self.detokenizer.push(out.new_token_ids))
+        logprobs = out.logprobs
+        if num_new > 1 and self.stop.stops:
+            text, num_used = self._push_until_stop(token_ids)
+            if num_used < num_new:  # the tokens after the stop are not the choice's
+                token_ids, num_new = token_ids[:num_used], num_used
+                logprobs = None if logprobs is None else logprobs[:num_used]
+        else:
+            text = self.stop.push(self.detokenizer.push(token_ids))
+        self.num_output_tokens += num_new
         if not self.stop.is_stopped and out.finish_reason is not None:
             text += self.stop.push(self.detokenizer.flush())
             text += self.stop.flush()
@@ -99,8 +108,20 @@ class Choice:
                                 now - self.created_at,
                                 self.prefill_s if has_output else None,
                                 now - self.first_output_at if has_output else None)
-        return ChoiceUpdate(self.index, text, out.new_token_ids, out.logprobs,
+        return ChoiceUpdate(self.index, text, token_ids, logprobs,
                             self.finish_reason, out.prompt_logprobs, reasoning)
+
+    def _push_until_stop(self, token_ids: list[int]) -> tuple[str, int]:
+        """Several tokens at once (accepted speculative drafts): one at a time, as they would
+        come without speculation, up to the one that completes a stop string. The text and
+        how many tokens the choice keeps: usage, billing and logprobs count none after the
+        stop, as for the same request decoded token by token."""
+        text = ""
+        for k, token_id in enumerate(token_ids):
+            text += self.stop.push(self.detokenizer.push([token_id]))
+            if self.stop.is_stopped:
+                return text, k + 1
+        return text, len(token_ids)
 
     def _split_reasoning(self, text: str, num_new: int) -> tuple[str, str]:
         """(reasoning, answer) of this update's text. Its tokens count as reasoning while
