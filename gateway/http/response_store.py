@@ -39,6 +39,8 @@ from zeroserve.gateway.config import check_private_dir, make_private_dirs
 
 _ID = re.compile(r"^resp_[0-9a-f]{32}$")
 PUBLIC_OWNER = "public"  # without API keys every client is the same one
+_OWNER = re.compile(r"^([0-9a-f]{32}|public)$")
+_OLD_FILE = re.compile(r"^resp_[0-9a-f]{32}(\.json|\.\d+\.tmp)$")
 DB_NAME = "responses.sqlite3"
 MAX_BYTES_PER_KEY = 64 * 1024 * 1024
 MAX_TOTAL_BYTES = 512 * 1024 * 1024
@@ -111,6 +113,7 @@ class ResponseStore:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.executescript(_SCHEMA)
             self._conn = conn
+            _remove_file_store(self.folder)
         return self._conn
 
     @contextlib.contextmanager
@@ -257,6 +260,19 @@ class ResponseStore:
                 {"owner": owner, "id": response_id, "max_depth": 1_000_000,
                  "cutoff": self.clock() - self.max_age_s}).fetchall()
         return [(bytes(items), bytes(response)) for items, response in rows] or None
+
+
+def _remove_file_store(folder: Path) -> None:
+    """The store before this one kept a JSON file per response in a folder per owner
+    (`<owner>/resp_<hex>.json`), which nothing reads any more: remove them (only those)."""
+    for sub in folder.iterdir():
+        if not (sub.is_dir() and not sub.is_symlink() and _OWNER.match(sub.name)):
+            continue
+        for path in sub.iterdir():
+            if _OLD_FILE.match(path.name):
+                path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            sub.rmdir()  # (only when empty)
 
 
 def plan_eviction(rows: Iterable[tuple], max_visible: int | None, max_bytes: int | None

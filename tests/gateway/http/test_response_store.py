@@ -201,3 +201,17 @@ def test_eviction_never_leaves_a_conversation_without_its_start(tmp_path):
     assert [store.response_json(A, rid(n)) is not None for n in range(8)] == [False] * 5 + [
         True] * 3
     assert texts(store.conversation(A, rid(5)))[::2] == [f"q{n}" for n in range(6)]
+
+
+def test_the_files_of_the_store_before_are_removed(tmp_path):
+    """Responses were a JSON file each in a folder per key; nothing reads those now."""
+    old = tmp_path / A
+    old.mkdir(mode=0o700)
+    (old / f"{rid(1)}.json").write_text("{}")
+    (tmp_path / "public").mkdir(mode=0o700)
+    (tmp_path / "public" / f"{rid(2)}.123.tmp").write_text("{")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / f"{rid(3)}.json").write_text("{}")
+    ResponseStore(tmp_path).put(A, response(4), said("hi"))
+    assert not old.exists() and not (tmp_path / "public").exists()
+    assert (tmp_path / "notes" / f"{rid(3)}.json").exists()  # not an owner's folder
