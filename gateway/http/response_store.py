@@ -57,7 +57,7 @@ CREATE TABLE IF NOT EXISTS responses (
     num_bytes INTEGER NOT NULL,
     PRIMARY KEY (owner, id)
 );
-CREATE INDEX IF NOT EXISTS responses_age ON responses (is_visible, stored_at);
+CREATE INDEX IF NOT EXISTS responses_age ON responses (is_visible, stored_at, num_bytes);
 """
 
 
