@@ -71,12 +71,6 @@ class AliasFile:
             self._write(aliases)
         return aliases
 
-    def write(self, aliases: dict[str, dict]) -> None:
-        """Replace the file's content (every alias, with its weights). OSError if it cannot."""
-        make_private_dirs(self.path.parent)
-        with self._locked():
-            self._write(aliases)
-
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         """The tier's exclusive lock on the file (held a read and a write: milliseconds)."""
