@@ -7,7 +7,8 @@ and sqlite's locking and journal keep the store whole across processes and crash
 per response, by owner (a digest of the API key: a key reads only its own responses):
 
 - `items`: the input items of this turn, only what is rendered (api/responses_request.py
-  `stored_items`), and `response`: the response object as JSON, which GET returns as stored.
+  `stored_items`); `response`: the response object as JSON, which GET returns as stored;
+  `output`: its output items again, what a follow-up reads.
 - `parent`: the stored response this one continues. The conversation a response continues
   is its chain of parents, so no row copies its predecessors' items. A predecessor that is
   deleted, evicted or expires while a successor still needs it is hidden (404 to GET, to
@@ -41,7 +42,7 @@ _ID = re.compile(r"^resp_[0-9a-f]{32}$")
 PUBLIC_OWNER = "public"  # without API keys every client is the same one
 _OWNER = re.compile(r"^([0-9a-f]{32}|public)$")
 _OLD_FILE = re.compile(r"^resp_[0-9a-f]{32}(\.json|\.\d+\.tmp)$")
-DB_NAME = "responses.sqlite3"
+DB_NAME = "stored-responses.sqlite3"
 MAX_BYTES_PER_KEY = 64 * 1024 * 1024
 MAX_TOTAL_BYTES = 512 * 1024 * 1024
 _BUSY_TIMEOUT_S = 10.0  # another gateway of the tier holds the write lock
@@ -54,6 +55,7 @@ CREATE TABLE IF NOT EXISTS responses (
     is_visible INTEGER NOT NULL DEFAULT 1,
     items BLOB NOT NULL,
     response BLOB NOT NULL,
+    output BLOB NOT NULL,
     num_bytes INTEGER NOT NULL,
     PRIMARY KEY (owner, id)
 );
@@ -147,6 +149,7 @@ class ResponseStore:
         if not is_response_id(response_id):
             raise ValueError("not a response id")
         response_bytes = _json(response)
+        output_bytes = _json(response["output"])
         with self._transaction(write=True) as conn:
             now = self.clock()
             self._expire(conn, now)
@@ -156,12 +159,12 @@ class ResponseStore:
             if parent is None and previous_id is not None:
                 items = list(history or ()) + items
             items_bytes = _json(items)
-            num_bytes = len(items_bytes) + len(response_bytes)
+            num_bytes = len(items_bytes) + len(response_bytes) + len(output_bytes)
             if num_bytes > min(self.max_record_bytes, self.max_bytes_per_key):
                 return False
-            conn.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, 1, ?, ?, ?)",
+            conn.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, 1, ?, ?, ?, ?)",
                          (owner, response_id, parent, now, items_bytes, response_bytes,
-                          num_bytes))
+                          output_bytes, num_bytes))
             self._collect(conn, owner, self.max_per_key, self.max_bytes_per_key)
             (total,) = conn.execute("SELECT total(num_bytes) FROM responses").fetchone()
             if total > self.max_total_bytes:
@@ -225,9 +228,9 @@ class ResponseStore:
         if chain is None:
             return None
         items: list[dict[str, Any]] = []
-        for stored_items, response in chain:
+        for stored_items, output in chain:
             items += json.loads(stored_items)
-            items += json.loads(response)["output"]
+            items += json.loads(output)
         return items
 
     def input_items(self, owner: str, response_id: str) -> list[dict[str, Any]] | None:
@@ -236,14 +239,16 @@ class ResponseStore:
         if chain is None:
             return None
         items: list[dict[str, Any]] = []
-        for i, (stored_items, response) in enumerate(chain):
+        for i, (stored_items, output) in enumerate(chain):
             items += json.loads(stored_items)
             if i < len(chain) - 1:
-                items += json.loads(response)["output"]
+                items += json.loads(output)
         return items
 
     def _chain(self, owner: str, response_id: str) -> list[tuple[bytes, bytes]] | None:
-        """(items, response) of the response and its predecessors, oldest first."""
+        """(items, output) of the response and its predecessors, oldest first (the output
+        apart from its response object, which echoes instructions and tools: a long
+        conversation would parse them again for every turn)."""
         if not is_response_id(response_id):
             return None
         with self._transaction() as conn:
@@ -255,11 +260,11 @@ class ResponseStore:
                     SELECT r.parent, c.depth + 1 FROM chain c JOIN responses r
                         ON r.owner = :owner AND r.id = c.id
                     WHERE r.parent IS NOT NULL AND c.depth < :max_depth)
-                SELECT r.items, r.response FROM chain c JOIN responses r
+                SELECT r.items, r.output FROM chain c JOIN responses r
                     ON r.owner = :owner AND r.id = c.id ORDER BY c.depth DESC""",
                 {"owner": owner, "id": response_id, "max_depth": 1_000_000,
                  "cutoff": self.clock() - self.max_age_s}).fetchall()
-        return [(bytes(items), bytes(response)) for items, response in rows] or None
+        return [(bytes(items), bytes(output)) for items, output in rows] or None
 
 
 def _remove_file_store(folder: Path) -> None:
