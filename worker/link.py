@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import logging
 import os
 import queue
@@ -58,6 +59,19 @@ def new_route(worker_id: str) -> bytes:
     process by it (the `incarnation` its admin API shows), so all of them must name it alike.
     """
     return f"{worker_id}.{secrets.token_hex(12)}".encode()
+
+
+# The ZMTP metadata property on our TOKENS socket naming this process (the PULL side has no
+# routes): a gateway lets only the incarnation it bound (by its HELLO) move the stream's
+# TOKENS sequence, so TOKENS still queued from a dead process of the same worker id cannot
+# (gateway/workers/zmq_io.py reads it).
+INCARNATION_PROPERTY = "X-Incarnation"
+
+
+def incarnation(route: bytes) -> str:
+    """The public name of the process of `route` (the route is a secret): the same as the
+    gateway's WorkerHandle.incarnation."""
+    return hashlib.sha256(route).hexdigest()[:12]
 
 
 class GatewayLink(threading.Thread):
@@ -270,6 +284,7 @@ class GatewayPeer:
         tokens = ctx.socket(zmq.PUSH)
         tokens.setsockopt(zmq.LINGER, LINGER_MS)
         tokens.setsockopt(zmq.SNDHWM, SNDHWM)
+        tokens.setsockopt(zmq.METADATA, f"{INCARNATION_PROPERTY}:{incarnation(route)}".encode())
         set_liveness_options(tokens)
         if keys is not None:
             curve_client(tokens, keys)

@@ -13,6 +13,12 @@ from zeroserve.common.protocol import Hello
 from zeroserve.gateway.workers.prefix import PrefixIndex
 
 
+def incarnation_of(route: bytes) -> str:
+    """The public name of the worker process of `route` (the route is a secret). A worker
+    names itself alike on its TOKENS socket (worker/link.py, `incarnation`)."""
+    return hashlib.sha256(route).hexdigest()[:12]
+
+
 class WorkerStatus(enum.Enum):
     READY = "ready"
     DRAINING = "draining"
@@ -68,7 +74,7 @@ class WorkerHandle:
     def incarnation(self) -> str:
         """A short name for this worker process (its route is a secret; this is not). A
         worker uses one route on all its gateways, so each of them names it alike."""
-        return hashlib.sha256(self.route).hexdigest()[:12]
+        return incarnation_of(self.route)
 
     @property
     def can_accept(self) -> bool:

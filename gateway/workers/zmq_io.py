@@ -5,7 +5,11 @@
   guessed or taken over by another peer: the gateway sends to a worker only through the
   route that its accepted HELLO came from (`bind_route`). A restarted worker comes with a
   new route.
-- PULL: TOKENS from every worker's PUSH; frames are [type, body].
+- PULL: TOKENS from every worker's PUSH; frames are [type, body]. A PULL has no routes: a
+  worker names its process in its connection's metadata (X-Incarnation), and TOKENS from a
+  process other than the one bound to their worker id (a dead one's, still queued) keep
+  their outputs (stale by attempt, the core drops them) but lose their `seq`, so they never
+  move the new process's TOKENS sequence (gateway/reconcile.py relies on it).
 
 With a key set (CurveZMQ) both sockets are CURVE servers: only peers whose public key is on
 the allow-list complete a handshake (gateway/workers/zap.py), and every message carries the worker
@@ -45,10 +49,12 @@ from zeroserve.common.protocol import (
 from zeroserve.common.socket_liveness import set_liveness_options
 from zeroserve.gateway.config import prepare_ipc_endpoint
 from zeroserve.gateway.logging import get_logger
+from zeroserve.gateway.workers.handle import incarnation_of
 from zeroserve.gateway.workers.zap import ZAP_DOMAIN, ZapHandler
 
 log = get_logger("zmq")
 
+_INCARNATION_PROPERTY = "X-Incarnation"  # worker/link.py: INCARNATION_PROPERTY
 _MAX_BATCH = 256  # messages drained from one socket per wake-up, so neither starves
 _MAX_MSG_BYTES = MAX_FRAME_BYTES + 4096  # a bigger inbound message drops its connection
 _RCVHWM = 10_000  # messages queued per socket before ZeroMQ stops reading the peers
@@ -124,6 +130,7 @@ class ZmqEdge:
         self._task: asyncio.Task | None = None
         self._routes: dict[str, bytes] = {}  # worker id -> route
         self._workers: dict[bytes, str] = {}  # route -> worker id
+        self._incarnations: dict[str, str] = {}  # worker id -> its bound route's incarnation
         self._warn = RateLimited()
         self.num_dropped = 0  # malformed or refused inbound messages
         self.num_receive_restarts = 0  # the receive loop failed and was started again
@@ -179,8 +186,10 @@ class ZmqEdge:
             self._workers.pop(old, None)
         self._routes[worker_id] = route
         self._workers[route] = worker_id
+        self._incarnations[worker_id] = incarnation_of(route)
 
     def unbind(self, worker_id: str) -> None:
+        self._incarnations.pop(worker_id, None)
         route = self._routes.pop(worker_id, None)
         if route is not None:
             self._workers.pop(route, None)
@@ -344,7 +353,21 @@ class ZmqEdge:
         if not isinstance(msg, Tokens):
             self._drop("a non-TOKENS message on the tokens socket", msg=type(msg).__name__)
             return
+        if msg.seq and not self._is_bound_incarnation(msg.worker_id, frames[0]):
+            msg.seq = 0  # another process's: it must not move the bound one's sequence
         self._handle(Peer(None, msg.worker_id, self._user_id(frames[0])), msg)
+
+    def _is_bound_incarnation(self, worker_id: str, frame: zmq.Frame) -> bool:
+        """Whether a TOKENS message comes from the process bound to its worker id; True when
+        nobody is bound or the sender does not name its process."""
+        bound = self._incarnations.get(worker_id)
+        if bound is None:
+            return True
+        try:
+            sender = frame.get(_INCARNATION_PROPERTY)
+        except zmq.ZMQError:  # not set by the sender
+            return True
+        return sender == bound
 
     def _handle(self, peer: Peer, msg: Message) -> None:
         try:

@@ -5,6 +5,7 @@ that gateway's streams."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 import pytest
@@ -14,9 +15,10 @@ from tests.worker.test_process import (
     FakeGateway,
     RunningWorker,
     ScriptedEngine,
+    start,
     stop,
 )
-from zeroserve.common.protocol import Credit, Heartbeat, Hello, Ready, Submit
+from zeroserve.common.protocol import Credit, Heartbeat, Hello, Ready, Submit, decode
 from zeroserve.worker.config import WorkerConfig
 
 
@@ -118,3 +120,22 @@ def test_config_pairs_router_and_tokens_addresses():
         WorkerConfig("w", ("ipc://a", "ipc://a"), ("ipc://b", "ipc://c"))
     assert WorkerConfig("w", ("ipc://a", "ipc://b"), ("ipc://c", "ipc://d")
                         ).gateway_endpoints == [("ipc://a", "ipc://c"), ("ipc://b", "ipc://d")]
+
+
+
+def test_the_tokens_socket_names_this_process_as_gateways_do(tmp_path):
+    """A gateway lets only the process bound to a worker id move that id's TOKENS sequence:
+    the PULL side has no routes, so the worker names its process in the connection's
+    metadata, as the gateway names it from the route (WorkerHandle.incarnation)."""
+    gateway = FakeGateway(tmp_path, WORKER_ID)
+    try:
+        worker, _, _ = start(gateway)
+        gateway.send(Submit("a", [1], {"max_tokens": 2}, 8))
+        assert gateway.pull.poll(5000)
+        frames = gateway.pull.recv_multipart(copy=False)
+        assert decode([f.bytes for f in frames]).worker_id == WORKER_ID
+        assert gateway.route is not None
+        assert frames[0].get("X-Incarnation") == hashlib.sha256(gateway.route).hexdigest()[:12]
+        stop(gateway, worker)
+    finally:
+        gateway.close()
