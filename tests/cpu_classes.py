@@ -63,7 +63,7 @@ def class_env(cpu_class: str) -> dict[str, str]:
     """This process's environment with the class asked for and no caps of another class
     (the subprocess sets its own)."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")}
+           if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CPP_MARCH")}
     env[ENV_VAR] = cpu_class
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     return env

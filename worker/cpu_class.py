@@ -191,11 +191,16 @@ class Effective:
         return list(_MARCH[self.cpu_class])
 
     def torch_environment(self) -> dict[str, str]:
-        """ONEDNN_MAX_CPU_ISA and ATEN_CPU_CAPABILITY for a capped class; {} for native."""
+        """ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY (which also picks inductor's vector ISA)
+        and inductor's -march (TORCHINDUCTOR_CPP_MARCH, else -march=native) for a capped
+        class; {} for native. Inductor still adds the VNNI and AMX instructions of its own
+        AVX-512 choice where the machine has them: its compiled code (the CPU's compiled
+        decode step, off by default) is capped at AVX2 against AVX-512, not finer."""
         cls = self.cpu_class
         if self.is_native or cls == CpuClass.BASELINE:
             return {}
-        return {"ONEDNN_MAX_CPU_ISA": _ONEDNN_ISA[cls], "ATEN_CPU_CAPABILITY": _ATEN_CAPABILITY[cls]}
+        return {"ONEDNN_MAX_CPU_ISA": _ONEDNN_ISA[cls], "ATEN_CPU_CAPABILITY": _ATEN_CAPABILITY[cls],
+                "TORCHINDUCTOR_CPP_MARCH": _MARCH[cls][0].removeprefix("-march=")}
 
 
 def effective(environ: Mapping[str, str] | None = None,
@@ -214,7 +219,7 @@ def native_bf16() -> bool:
 def apply_to_environment(environ: MutableMapping[str, str] | None = None,
                          modules: Container[str] | None = None,
                          flags: Container[str] | None = None) -> Effective:
-    """Set oneDNN's and ATen's caps for the effective class in `environ` (this process's, so
+    """Set oneDNN's, ATen's and inductor's caps for the effective class in `environ` (this process's, so
     torch in it and in every child reads them); the class. The class wins over caps set by
     hand (everything must follow one switch). Too late once torch is in `modules`: said in
     a warning, the caps then still reach child processes."""

@@ -14,7 +14,8 @@ from zeroserve.worker.cpu_class import ENV_VAR, CpuClass, detected_class
 
 def run_worker(*args: str, env_class: str | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items()
-           if k not in (ENV_VAR, "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")}
+           if k not in (ENV_VAR, "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
+                        "TORCHINDUCTOR_CPP_MARCH")}
     if env_class is not None:
         env[ENV_VAR] = env_class
     # A model that is not there: the worker stops right after choosing its device and dtype.

@@ -107,16 +107,13 @@ def test_class_names_are_checked():
 def test_each_class_chooses_the_dtype_on_a_machine_that_has_everything(
         requested, machine, monkeypatch, caplog):
     """--dtype auto is bf16 only for the classes with native bf16 dot products, also where
-    the machine has more; the kernel choice reads the same answer (worker/model/llama)."""
-    from zeroserve.worker.model import llama
-
+    the machine has more; cpu_supports_bf16, which kernel choices read, says the same."""
     machine(SAPPHIRE_RAPIDS)
     monkeypatch.setenv(cpu_class.ENV_VAR, requested.label)
     native = requested >= CpuClass.AVX512_BF16
     with caplog.at_level(logging.INFO, logger="zeroserve.worker.device"):
         assert resolve_dtype("auto", CPU) == (torch.bfloat16 if native else torch.float32)
     assert cpu_supports_bf16() is native
-    assert llama.cpu_supports_bf16() is native
     assert f"CPU class {requested.label} ({cpu_class.ENV_VAR}={requested.label}" in caplog.text
     assert resolve_dtype("float32", CPU) == torch.float32  # an explicit dtype still wins
 
@@ -168,6 +165,8 @@ def test_each_class_caps_onednn_and_aten_before_torch_loads(requested):
     assert chosen.cpu_class == requested
     assert env["ONEDNN_MAX_CPU_ISA"] == ONEDNN[requested]  # the class wins: one switch
     assert env["ATEN_CPU_CAPABILITY"] == ("avx2" if requested == CpuClass.AVX2 else "avx512")
+    # inductor's C++ (--no-enforce-eager): -march of the class's x86-64 level, not native
+    assert env["TORCHINDUCTOR_CPP_MARCH"] == MARCH[requested][0].removeprefix("-march=")
 
 
 def test_native_leaves_torch_alone():
@@ -229,6 +228,21 @@ def test_onednn_runs_at_most_the_class(requested):
         assert "bf16 False" in out and "isa:" not in out
     else:
         assert ONEDNN_ISA_SAYS[requested] in out
+
+
+@pytest.mark.slow
+def test_inductor_compiles_for_avx2_under_the_avx2_class():
+    """The compiled decode step's C++ (--no-enforce-eager): inductor's -march and vector ISA
+    are the class's, not this machine's (-march=native)."""
+    if cpu_class.detected_class() < CpuClass.AVX2:
+        pytest.skip("this machine is below AVX2")
+    code = ("from zeroserve.worker.cpu_class import apply_to_environment\n"
+            "apply_to_environment()\n"
+            "from torch._inductor import cpp_builder, cpu_vec_isa\n"
+            "print(cpp_builder._get_cpu_arch_cflags('g++'), cpu_vec_isa.pick_vec_isa())\n")
+    out = subprocess.run([sys.executable, "-c", code], env=cpu_classes.class_env("avx2"),
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    assert out.split() == ["['march=x86-64-v3']", "avx2"]
 
 
 def test_this_process_runs_as_its_class():
