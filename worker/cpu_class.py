@@ -199,7 +199,8 @@ class Effective:
         cls = self.cpu_class
         if self.is_native or cls == CpuClass.BASELINE:
             return {}
-        return {"ONEDNN_MAX_CPU_ISA": _ONEDNN_ISA[cls], "ATEN_CPU_CAPABILITY": _ATEN_CAPABILITY[cls],
+        return {"ONEDNN_MAX_CPU_ISA": _ONEDNN_ISA[cls],
+                "ATEN_CPU_CAPABILITY": _ATEN_CAPABILITY[cls],
                 "TORCHINDUCTOR_CPP_MARCH": _MARCH[cls][0].removeprefix("-march=")}
 
 
@@ -219,10 +220,10 @@ def native_bf16() -> bool:
 def apply_to_environment(environ: MutableMapping[str, str] | None = None,
                          modules: Container[str] | None = None,
                          flags: Container[str] | None = None) -> Effective:
-    """Set oneDNN's, ATen's and inductor's caps for the effective class in `environ` (this process's, so
-    torch in it and in every child reads them); the class. The class wins over caps set by
-    hand (everything must follow one switch). Too late once torch is in `modules`: said in
-    a warning, the caps then still reach child processes."""
+    """Set oneDNN's, ATen's and inductor's caps for the effective class in `environ` (this
+    process's, so torch in it and in every child reads them); the class. The class wins over
+    caps set by hand (everything must follow one switch). Too late once torch is in
+    `modules`: said in a warning, the caps then still reach child processes."""
     env = os.environ if environ is None else environ
     loaded = sys.modules if modules is None else modules
     chosen = effective(env, flags)
