@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.session_cache import session_cache_dir
 from zeroserve.cli.harness import ServerProcess, start_server
 
 HERE = Path(__file__).parent
@@ -33,8 +34,11 @@ _REAL_MODEL_SERVER = pytest.StashKey[ServerProcess]()
 
 @pytest.fixture(scope="session")
 def real_model_server(request, tmp_path_factory) -> Iterator[ServerProcess]:
+    # Its prepared weights go to the session's cache folder, where tests/worker's engines of
+    # the same model and dtype find them (tests/session_cache.py).
     server = start_server(tmp_path_factory.mktemp("real-model-server"), args=REAL_MODEL_FLAGS,
-                          timeout_s=240)
+                          timeout_s=240,
+                          env={"ZEROSERVE_CACHE_DIR": str(session_cache_dir(tmp_path_factory))})
     request.config.stash[_REAL_MODEL_SERVER] = server
     yield server
     if server.process.poll() is None:  # not stopped on leaving tests/e2e (below)

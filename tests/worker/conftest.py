@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.session_cache import session_cache_dir
 from zeroserve.worker.plan import ScheduledChunk, SchedulerOutput
 from zeroserve.worker.sequence import SamplingParams
 
@@ -150,10 +151,11 @@ def write_gguf(model, path: Path, qtype=gguf.GGMLQuantizationType.F32) -> Path:
 
 @pytest.fixture(scope="session", autouse=True)
 def _weight_cache_in_tmp(tmp_path_factory):
-    """Runners built here cache their tiny models' weights in a temporary directory, not in
-    the user's ~/.cache/zeroserve."""
+    """Runners built here cache their models' weights in the session's cache folder, not in
+    the user's ~/.cache/zeroserve: the one tests/e2e's real-model server filled earlier in the
+    run, so the default model's float32 weights are found prepared."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("ZEROSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("zeroserve-cache")))
+        patch.setenv("ZEROSERVE_CACHE_DIR", str(session_cache_dir(tmp_path_factory)))
         yield
 
 
