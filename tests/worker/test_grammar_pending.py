@@ -185,7 +185,7 @@ def test_a_failover_with_a_grammar_and_no_credit_sends_nothing_until_credit(tmp_
         early = gateway.tokens(timeout_s=0.3)
         assert early is None or not any(o.new_token_ids for o in early.outputs), early
         gateway.send(Credit([["json", 6]]))
-        outs = gateway.collect({"json"})["json"]
+        outs = gateway.collect({"json"}, timeout_s=30)["json"]
         assert outs[0].num_output_tokens == 3  # its first new token follows the two it had
         assert sum(len(o.new_token_ids) for o in outs) == 4
     finally:
