@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from zeroserve.common.model_files import default_model_path
+from tests.reference_tokenizer import default_reference_tokenizer
 
 
 @pytest.fixture(scope="session")
 def reference():
-    """transformers' tokenizer from the same GGUF file: the reference no one here wrote (one
-    for the session: loading it takes ~10 s; tests only read it)."""
-    transformers = pytest.importorskip("transformers")
-    path = default_model_path()
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    """transformers' tokenizer from the same GGUF file: the reference no one here wrote (the
+    same object tests/worker's reference tests use: loaded once a session; tests only read
+    it)."""
+    pytest.importorskip("transformers")
+    return default_reference_tokenizer()

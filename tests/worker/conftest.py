@@ -7,7 +7,6 @@ inverse, so a loader bug in either direction shows up as a logits mismatch.
 
 from __future__ import annotations
 
-import functools
 import json
 import random
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.reference_tokenizer import default_reference_tokenizer  # noqa: F401 (re-exported)
 from tests.session_cache import session_cache_dir
 from zeroserve.worker.plan import ScheduledChunk, SchedulerOutput
 from zeroserve.worker.sequence import SamplingParams
@@ -97,18 +97,6 @@ def add_gguf_hparams(writer: gguf.GGUFWriter, cfg) -> None:
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-
-
-@functools.cache
-def default_reference_tokenizer():
-    """transformers' tokenizer for the default model (read from its GGUF, ~10 s), for the tests
-    that hold the engine to transformers: one for the session, which callers only read."""
-    from transformers import AutoTokenizer
-
-    from zeroserve.common.model_files import default_model_path
-
-    path = default_model_path()
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def encode_prompts(tokenizer, texts: list[str], chats: list[str]) -> list[list[int]]:
