@@ -83,6 +83,14 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
     paged_decode: PagedDecode | None = None
+    # The rows that take the projections' low-bit copies (worker.model.linear.LowBitRows):
+    # the first N rows, or (those rows, the others) as index tensors where they are not a
+    # prefix (ModelRunner). None: the decode rows.
+    low_bit_rows: int | tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def low_bit(self) -> int | tuple[torch.Tensor, torch.Tensor]:
+        return self.num_decode if self.low_bit_rows is None else self.low_bit_rows
 
 
 def causal_mask(start_pos: int, num_tokens: int, group: int, device: torch.device) -> torch.Tensor:
@@ -164,6 +172,10 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out.reshape(n, num_heads * head_dim)
 
 
+# Prefill attention runs the queries of a chunk in calls of this many (_prefill_attention).
+PREFILL_QUERY_TILE = 32
+
+
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
                        span: PrefillSpan, scale: float) -> torch.Tensor:
@@ -174,13 +186,44 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         # Earlier positions are in the pool (this chunk's K/V were just written there too).
         k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, span.context_slots)
         v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, span.context_slots)
-    # 4-D inputs (a batch of one): with 3-D ones torch's CPU SDPA falls back to its math
-    # path, 2-3x slower here than the fused kernel it picks for 4-D.
-    out = F.scaled_dot_product_attention(
-        _fold_group(q, num_kv_heads)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-        attn_mask=span.mask, scale=scale,
-    )
-    return _unfold_group(out[0], n)
+    # SDPA computes a query row differently by the blocks it cuts the queries into, which
+    # follow the call's query count (blocks of 32, 64 or 256 rows; a block of one to three
+    # rows takes another product), and by the row's place in its block: the same row came
+    # out 3e-8 (fp32) to 0.008 (bf16, one layer) apart within the whole prompt and within the
+    # chunk left after a prefix-cache hit, enough to change a greedy token. So every call
+    # has the same number of queries, a tile of PREFILL_QUERY_TILE rows aligned to absolute
+    # positions (a row's place in its tile is its position modulo the tile), the ends filled
+    # with copies of the chunk's first and last queries.
+    tile = PREFILL_QUERY_TILE
+    group = span.mask.shape[0] // n
+    mask = span.mask.view(group, n, -1)  # [group, n, context]
+    lead = (mask.shape[-1] - n) % tile  # the chunk's start position, modulo the tile
+    trail = -(lead + n) % tile
+    if lead or trail:
+        q = torch.cat([q[:1].expand(lead, -1, -1), q, q[-1:].expand(trail, -1, -1)])
+        mask = torch.cat([mask[:, :1].expand(-1, lead, -1), mask,
+                          mask[:, -1:].expand(-1, trail, -1)], dim=1)
+    # The keys too come in whole tiles (masked zeros after the context): a key's score is
+    # computed alike whatever the context's length modulo the kernel's blocks, so a row
+    # computed in a chunk that ends earlier (chunked prefill) matches the whole prompt's.
+    key_pad = -mask.shape[-1] % tile
+    if key_pad:
+        k = torch.cat([k, k.new_zeros(key_pad, *k.shape[1:])])
+        v = torch.cat([v, v.new_zeros(key_pad, *v.shape[1:])])
+        mask = torch.cat([mask, mask.new_zeros(*mask.shape[:2], key_pad)], dim=2)
+    # [1, kv_heads, context, d], laid out alike whether read from the pool or fresh (SDPA's
+    # products take other paths for other strides)
+    k = k.transpose(0, 1).contiguous()[None]
+    v = v.transpose(0, 1).contiguous()[None]
+    out = q.new_empty(q.shape[0], q.shape[1] * head_dim)
+    for start in range(0, q.shape[0], tile):
+        # 4-D inputs (a batch of one): with 3-D ones torch's CPU SDPA falls back to its math
+        # path, 2-3x slower here than the fused kernel it picks for 4-D.
+        tile_out = F.scaled_dot_product_attention(
+            _fold_group(q[start:start + tile], num_kv_heads)[None], k, v,
+            attn_mask=mask[:, start:start + tile].reshape(group * tile, -1), scale=scale)
+        out[start:start + tile] = _unfold_group(tile_out[0], tile)
+    return out[lead:lead + n]
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -194,11 +194,16 @@ class ModelRunner:
         # to the K/V its earlier rows write in the same layer): each row is computed exactly
         # as plain decoding computes that position (the same kernels, batch-independent),
         # so greedy tokens with speculation are the tokens without it.
+        # Then the prefill chunks, those at early positions first (their rows take the
+        # low-bit kernels with the decode rows: _low_bit_rows). A prompt's last token left
+        # alone by a prefix-cache hit is a prefill row too, as when the whole prompt runs: a
+        # row's kernels follow from what it is, never from its step.
         verify_rows = {id(c): _verify_rows(c) for c in chunks if c.draft_token_ids}
         decodes = sorted((r for c in chunks for r in (
-            verify_rows.get(id(c)) or ((c,) if len(c.token_ids) == 1 else ()))),
+            verify_rows.get(id(c)) or ((c,) if _is_decode(c) else ()))),
             key=lambda c: c.start_pos)
-        prefills = [c for c in chunks if len(c.token_ids) != 1 and id(c) not in verify_rows]
+        prefills = sorted((c for c in chunks if not _is_decode(c) and id(c) not in verify_rows),
+                          key=lambda c: c.start_pos)
         ordered = decodes + prefills
         input_ids: list[int] = []
         positions: list[int] = []
@@ -213,6 +218,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=blocks * self.block_size + positions_t % self.block_size,
             num_decode=len(decodes), decode_groups=[], prefills=[],
+            low_bit_rows=_low_bit_rows(len(decodes), prefills,
+                                       self.model.low_bit_prompt_positions),
         )
         if self.decode_kernel is not None:
             meta.paged_decode = self._paged_decode(decodes)
@@ -310,6 +317,31 @@ def _weight_cache(config: EngineConfig) -> WeightCache | None:
 def _padded_tables(block_tables: list[list[int]], num_blocks: int) -> list[list[int]]:
     """Each table's first num_blocks entries, padded with block 0 (never read unmasked)."""
     return [t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks])) for t in block_tables]
+
+
+def _is_decode(chunk: ScheduledChunk) -> bool:
+    """One token past the prompt: a generated token's row (a preempted sequence recomputing
+    its outputs runs them as prefill chunks, and a lone one of them as a decode)."""
+    return len(chunk.token_ids) == 1 and chunk.start_pos >= len(chunk.prompt_token_ids)
+
+
+def _low_bit_rows(num_decode: int, prefills: list[ScheduledChunk], below: int
+                  ) -> int | tuple[torch.Tensor, torch.Tensor]:
+    """The rows that take the low-bit kernels (worker.model.linear.LowBitRows): the decode
+    rows, then every prefill row at a position below `below`. A count where those are the
+    first rows (the chunks come in order of start position), else the two sets of rows."""
+    low: list[int] = list(range(num_decode))
+    row = num_decode
+    for chunk in prefills:
+        num_early = min(max(below - chunk.start_pos, 0), len(chunk.token_ids))
+        low.extend(range(row, row + num_early))
+        row += len(chunk.token_ids)
+    if not low or low[-1] == len(low) - 1:
+        return len(low)
+    is_low = torch.zeros(row, dtype=torch.bool)
+    is_low[low] = True
+    return (torch.tensor(low, dtype=torch.long),
+            torch.arange(row, dtype=torch.long)[~is_low])
 
 
 def _verify_rows(chunk: ScheduledChunk) -> list[ScheduledChunk]:

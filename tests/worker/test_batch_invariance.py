@@ -137,42 +137,42 @@ def test_a_row_dependent_kernel_gets_tiles_and_a_row_independent_one_none(monkey
     assert batch_invariance.dense_tile_rows(torch.bfloat16, cpu) is None
 
 
-def test_without_batch_invariance_the_row_count_picks_the_kernel():
-    """The default serving mode: a call of up to max_rows rows takes the low-bit kernel for
-    every row (prefill rows too), a larger one the dense weight for every row (decode rows
-    too), so a row's result may depend on its batch; num_packed_rows is ignored."""
+def test_a_rows_kernel_does_not_depend_on_how_many_rows_share_its_call():
+    """Every mode chooses a row's kernel by what the row is (the caller's low_bit rows),
+    never by the call's row count: a decode row (low-bit copy) comes out the same alone and
+    beside any number of others, however many: the default serving mode once switched every
+    row of a large call to the dense weight, which changed greedy tokens with speculation's
+    verify rows on a CPU with native bf16."""
     if not int4_kernels_available():
         pytest.skip("torch has no int8 weight kernel here")
     gen = torch.Generator().manual_seed(0)
     dense = (torch.randn(256, 64, generator=gen) * 0.1).bfloat16()
     low_bit = PackedInt8.quantize(dense, torch.bfloat16)
-    linear = Linear(dense, low_bit, per_row=False)
-    x = torch.randn(40, 64, generator=gen).bfloat16()
-    few, many = x[: low_bit.max_rows], x[: low_bit.max_rows + 1]
-    assert torch.equal(linear(few, 0), low_bit.mm(few))
-    assert torch.equal(linear(many, len(many)), torch.nn.functional.linear(many, dense))
-    assert not torch.equal(linear(many)[:1], linear(few)[:1])  # the batch decided the kernel
+    linear = Linear(dense, low_bit)
+    x = torch.randn(80, 64, generator=gen).bfloat16()
+    alone = linear(x[:1], 1)
+    assert torch.equal(alone, low_bit.mm(x[:1]))
+    for rows in (2, 13, 33, 80):
+        assert torch.equal(linear(x[:rows], rows)[:1], alone)
+        assert torch.equal(linear(x[:rows])[:1], alone)  # None: every row low-bit
 
 
-@pytest.mark.parametrize("native_bf16", [False, True])
 @pytest.mark.parametrize("batch_invariant", [False, True])
-def test_the_engine_config_sets_the_models_mode(tiny_hf_dir, monkeypatch, batch_invariant,
-                                                native_bf16):
-    """Batch-invariant: kernels per row, dense tiles where this CPU needs them. Otherwise the
-    row-count rule where the dense bf16 kernel is native, and per row (the faster there, but
-    untiled) where it is emulated."""
+def test_the_engine_config_sets_the_models_mode(tiny_hf_dir, batch_invariant):
+    """Batch-invariant: dense tiles where this CPU needs them; otherwise none."""
     from zeroserve.worker.config import EngineConfig
-    from zeroserve.worker.model import llama
+    from zeroserve.worker.model.batch_invariance import dense_tile_rows
     from zeroserve.worker.model_runner import ModelRunner
 
     assert EngineConfig().batch_invariant is False  # the faster mode serves by default
-    monkeypatch.setattr(llama, "cpu_supports_bf16", lambda: native_bf16)
     runner = ModelRunner(EngineConfig(model=str(tiny_hf_dir), dtype="bfloat16", device="cpu",
                                       num_kv_blocks=16, batch_invariant=batch_invariant,
                                       weight_cache=False))
     model = runner.model
     linears = [model.lm_head] + [getattr(layer, name) for layer in model.layers
                                  for name in ("qkv", "o_proj", "gate_up", "down")]
-    assert {linear.per_row for linear in linears} == {batch_invariant or not native_bf16}
+    if batch_invariant:
+        tiles = dense_tile_rows(torch.bfloat16, torch.device("cpu"))
+        assert {lin.tile_rows for lin in linears if lin.packed is not None} <= {tiles}
     if not batch_invariant:  # no tiles: the dense kernel runs each call whole
         assert {linear.tile_rows for linear in linears} == {None}

@@ -44,6 +44,55 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile_rows: int) -> torch
     return out[:rows]
 
 
+def padded_linear(x: torch.Tensor, weight: torch.Tensor, min_rows: int) -> torch.Tensor:
+    """F.linear(x, weight) with x padded by zero rows to at least `min_rows` rows."""
+    rows = x.shape[0]
+    if rows >= min_rows:
+        return F.linear(x, weight)
+    return F.linear(torch.cat([x, x.new_zeros(min_rows - rows, x.shape[1])]), weight)[:rows]
+
+
+def dense_min_rows(dtype: torch.dtype, device: torch.device, in_features: list[int]) -> int:
+    """The fewest rows a dense call must have for its rows to come out as in any larger call,
+    on this machine, for weights of these input sizes; smaller calls are padded to it (cheap:
+    a few rows more). oneDNN and MKL compute one-row (bf16, once the reduction is long
+    enough) and up-to-three-row (fp32) products another way than larger ones, so a prompt's
+    last token, left alone by a prefix-cache hit, came out other than within the whole prompt
+    (measured here: 1 row of bf16 down_proj, K 1536; 1-3 rows of every fp32 projection).
+    1 where even single rows agree; CUDA and any machine where no floor up to 16 is enough
+    get 1 as well (batch independence then needs tiles, dense_tile_rows)."""
+    if device.type != "cpu":
+        return 1
+    generator = torch.Generator().manual_seed(2)
+    for min_rows in _FLOORS:
+        if all(_floor_holds(min_rows, dtype, k, generator) for k in sorted(set(in_features))):
+            if min_rows > 1:
+                logger.info("dense %s calls of fewer than %d rows are padded to %d here, so "
+                            "that no row's result depends on how many share its call",
+                            dtype, min_rows, min_rows)
+            return min_rows
+    logger.info("dense %s rows depend on their call's row count here at any floor up to %d",
+                dtype, _FLOORS[-1])
+    return 1
+
+
+_FLOORS = (1, 2, 4, 8, 16)
+
+
+def _floor_holds(min_rows: int, dtype: torch.dtype, in_features: int,
+                 generator: torch.Generator) -> bool:
+    """Calls of 1 to 24 rows at several offsets (single rows at each), padded to `min_rows`, give the rows that a
+    call of 128 gives."""
+    weight = torch.randn(256, in_features, generator=generator).to(dtype)
+    x = torch.randn(128, in_features, generator=generator).to(dtype)
+    whole = F.linear(x, weight)
+    # Single rows at every offset: their differences are rare, a few outputs in a thousand.
+    calls = [(start, 1) for start in range(len(x))]
+    calls += [(start, rows) for start in (0, 3, 9, 50, 77) for rows in range(2, 25)]
+    return all(torch.equal(padded_linear(x[start:start + rows].clone(), weight, min_rows),
+                           whole[start:start + rows]) for start, rows in calls)
+
+
 def _is_row_independent(linear, x: torch.Tensor) -> bool:
     """Slices of x at several offsets, computed alone, give the rows they give inside the
     whole call (a row's result depends neither on its neighbours nor on its position)."""

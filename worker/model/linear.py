@@ -5,20 +5,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from zeroserve.worker.model.batch_invariance import tiled_linear
+from zeroserve.worker.model.batch_invariance import padded_linear, tiled_linear
 from zeroserve.worker.model.quant import PackedInt4, PackedInt8
+
+# Which rows of a call take the low-bit copy: the first N, or (those rows, the others).
+LowBitRows = int | tuple[torch.Tensor, torch.Tensor]
 
 
 class Linear:
     def __init__(self, dense: torch.Tensor, packed: PackedInt4 | PackedInt8 | None = None,
-                 tile_rows: int | None = None, per_row: bool = True):
+                 tile_rows: int | None = None, min_rows: int = 1):
         self.dense = dense  # [out, in]
         self.packed = packed
-        # True: the kernel is chosen per row (below), so no row's result depends on its batch
-        # (what --batch-invariant needs). False: by the call's row count, the faster choice
-        # where the dense kernel is native: the low-bit copy while reading weights dominates
-        # (up to packed.max_rows rows), the dense kernel beyond (LlamaModel decides).
-        self.per_row = per_row
+        # Dense calls of fewer rows are padded to this many, where the dense kernel computes
+        # smaller calls another way (worker.model.batch_invariance.dense_min_rows).
+        self.min_rows = min_rows
         # Dense calls of exactly this many rows where the dense kernel's result for a row
         # depends on how many rows share the call (worker.model.batch_invariance); None: one
         # call. Only beside a low-bit copy: then the dense path takes prefill rows alone, and
@@ -26,40 +27,40 @@ class Linear:
         self.tile_rows = tile_rows if packed is not None else None
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tile_rows is None:
-            return F.linear(x, self.dense)
-        return tiled_linear(x, self.dense, self.tile_rows)
+        if self.tile_rows is not None:
+            return tiled_linear(x, self.dense, self.tile_rows)
+        if x.shape[0] < self.min_rows:
+            return padded_linear(x, self.dense, self.min_rows)
+        return F.linear(x, self.dense)
 
-    def __call__(self, x: torch.Tensor, num_packed_rows: int | None = None) -> torch.Tensor:
-        """x [num_tokens, in] -> [num_tokens, out]. Per row, the first `num_packed_rows` rows
-        (None: all) go through the low-bit copy where there is one, the others through the
-        dense weight; otherwise `num_packed_rows` is ignored and the row count decides.
+    def __call__(self, x: torch.Tensor, low_bit: LowBitRows | None = None) -> torch.Tensor:
+        """x [num_tokens, in] -> [num_tokens, out]. The rows `low_bit` names go through the
+        low-bit copy where there is one, the others through the dense weight: an int N for
+        the first N rows, or (those rows, the others) as index tensors; None: all rows.
 
-        Per row, the kernel never depends on how many rows the step has: each kernel
-        computes a row on its own, so a row's output does not depend on what shares its batch
-        (docs/architecture.md, "Batch independence"). The model passes its decode rows, which
-        are bound by reading weights (the low-bit copy reads 4x less); prefill chunks are
-        compute-bound, where oneDNN's dense path wins, except that up to
-        `packed.prefill_rows` of them (the native fp32 block kernels: 64) take the low-bit
-        copy with the decode rows, where it is the faster kernel for them too. Which kernel a
-        prefill row takes then depends on the step's prefill rows, as the dense kernel's
-        rounding already does; a decode row's never changes.
+        The caller chooses a row's kernel by what the row is, never by how many rows the step
+        has (docs/architecture.md, "Batch independence"): decode rows, which are bound by
+        reading weights (the low-bit copy reads 4x less), and a prompt's first positions
+        (LlamaModel.low_bit_prompt_positions) take the low-bit copy; later prompt rows are
+        compute-bound, where the dense kernel wins. So a row's kernel, and with it its result
+        on the kernels that compute each row on its own, is the same alone or in any batch,
+        and the same whether or not its prompt's beginning came from the prefix cache.
         """
         rows = x.shape[0]
-        if not self.per_row:
-            if self.packed is not None and rows <= self.packed.max_rows:
-                return self.packed.mm(x)
-            return F.linear(x, self.dense)
-        num_packed = rows if num_packed_rows is None else min(num_packed_rows, rows)
         if self.packed is None:
             return self._dense(x)
-        if rows - num_packed <= self.packed.prefill_rows:
-            # A few prefill rows ride with the decode rows where the low-bit kernel is the
-            # faster one for them too (the native block kernels, below ~100 rows).
-            return self.packed.mm(x)
-        if num_packed == 0:
+        if isinstance(low_bit, tuple):
+            low, dense = low_bit
+            out = x.new_empty(rows, self.dense.shape[0])
+            out.index_copy_(0, low, self.packed.mm(x.index_select(0, low)))
+            out.index_copy_(0, dense, self._dense(x.index_select(0, dense)))
+            return out
+        num_low_bit = rows if low_bit is None else min(low_bit, rows)
+        if num_low_bit == 0:
             return self._dense(x)
+        if num_low_bit == rows:
+            return self.packed.mm(x)
         out = x.new_empty(rows, self.dense.shape[0])
-        out[:num_packed] = self.packed.mm(x[:num_packed])
-        out[num_packed:] = self._dense(x[num_packed:])
+        out[:num_low_bit] = self.packed.mm(x[:num_low_bit])
+        out[num_low_bit:] = self._dense(x[num_low_bit:])
         return out

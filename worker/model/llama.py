@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from zeroserve.worker.attention import AttentionMetadata, PrefillSpan, causal_mask, paged_attention
-from zeroserve.worker.device import cpu_supports_bf16
-from zeroserve.worker.model.batch_invariance import dense_tile_rows
+from zeroserve.worker.model.batch_invariance import dense_min_rows, dense_tile_rows
 from zeroserve.worker.model.linear import Linear
 from zeroserve.worker.model.llama_config import LlamaConfig
 from zeroserve.worker.model.quant import BlockQ4, BlockQ8, PackedInt4, PackedInt8
@@ -51,11 +50,11 @@ class RotaryEmbedding:
 
 
 def load_linear(tensors: dict[str, torch.Tensor], name: str, device: torch.device,
-                tile_rows: int | None = None, per_row: bool = True) -> Linear:
+                tile_rows: int | None = None, min_rows: int = 1) -> Linear:
     """A prepared projection (worker.model.prepare) and its low-bit copy if it has one."""
     dense = tensors[name]
     return Linear(dense.to(device), low_bit_copy(tensors, name, dense.shape[0]), tile_rows,
-                  per_row)
+                  min_rows)
 
 
 def low_bit_copy(tensors: dict[str, torch.Tensor], name: str, out_features: int
@@ -80,16 +79,16 @@ def _optional(tensors: dict[str, torch.Tensor], name: str,
 
 class LlamaLayer:
     def __init__(self, config: LlamaConfig, tensors: dict[str, torch.Tensor], index: int,
-                 device: torch.device, tile_rows: int | None = None, per_row: bool = True,
-                 ops: TorchRowOps | None = None):
+                 device: torch.device, tile_rows: int | None = None,
+                 ops: TorchRowOps | None = None, min_rows: int = 1):
         prefix = f"layers.{index}."
         self.config = config
         self.input_norm = tensors[prefix + "input_norm"].to(device)
-        self.qkv = load_linear(tensors, prefix + "qkv", device, tile_rows, per_row)
-        self.o_proj = load_linear(tensors, prefix + "o_proj", device, tile_rows, per_row)
+        self.qkv = load_linear(tensors, prefix + "qkv", device, tile_rows, min_rows)
+        self.o_proj = load_linear(tensors, prefix + "o_proj", device, tile_rows, min_rows)
         self.post_norm = tensors[prefix + "post_norm"].to(device)
-        self.gate_up = load_linear(tensors, prefix + "gate_up", device, tile_rows, per_row)
-        self.down = load_linear(tensors, prefix + "down", device, tile_rows, per_row)
+        self.gate_up = load_linear(tensors, prefix + "gate_up", device, tile_rows, min_rows)
+        self.down = load_linear(tensors, prefix + "down", device, tile_rows, min_rows)
         self.qkv_bias = _optional(tensors, prefix + "qkv_bias", device)  # [q_size + 2 kv_size]
         self.o_bias = _optional(tensors, prefix + "o_bias", device)
         self.q_norm = _optional(tensors, prefix + "q_norm", device)  # [head_dim]
@@ -101,8 +100,7 @@ class LlamaLayer:
         self.native = None
         linears = (self.qkv, self.o_proj, self.gate_up, self.down)
         if (isinstance(self.ops, NativeRowOps) and self.window is None
-                and all(isinstance(lin.packed, BlockQ4 | BlockQ8) and lin.per_row
-                        for lin in linears)
+                and all(isinstance(lin.packed, BlockQ4 | BlockQ8) for lin in linears)
                 and all(t is None for t in (self.qkv_bias, self.o_bias, self.q_norm))):
             self.native = self.ops.module
 
@@ -112,8 +110,9 @@ class LlamaLayer:
         ops = self.ops
         n = x.shape[0]
         h = ops.rms_norm(x, self.input_norm, cfg.rms_norm_eps)
-        # Decode rows take the low-bit kernels, prefill rows the dense weights (Linear).
-        qkv = self.qkv(h, meta.num_decode)  # [num_tokens, q_size + 2 * kv_size]
+        # Decode rows and early prompt positions take the low-bit kernels, other prompt rows
+        # the dense weights (Linear).
+        qkv = self.qkv(h, meta.low_bit)  # [num_tokens, q_size + 2 * kv_size]
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         qk = qkv[:, : cfg.q_size + cfg.kv_size].view(n, -1, cfg.head_dim)
@@ -129,11 +128,11 @@ class LlamaLayer:
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(n, cfg.num_kv_heads, cfg.head_dim)
         k_cache, v_cache = kv_cache if kv_cache is not None else (None, None)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta, cfg.head_dim**-0.5)
-        out = self.o_proj(attn, meta.num_decode)
+        out = self.o_proj(attn, meta.low_bit)
         x, h = ops.add_rms_norm(x, out if self.o_bias is None else out + self.o_bias,
                                 self.post_norm, cfg.rms_norm_eps)
-        act = ops.silu_mul(self.gate_up(h, meta.num_decode))  # [num_tokens, intermediate]
-        return x + self.down(act, meta.num_decode)
+        act = ops.silu_mul(self.gate_up(h, meta.low_bit))  # [num_tokens, intermediate]
+        return x + self.down(act, meta.low_bit)
 
     def decode_native(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -176,8 +175,8 @@ class LlamaModel:
                  dtype: torch.dtype, batch_invariant: bool = True):
         """`prepared` holds CPU tensors already in `dtype`; on the CPU they are used in place
         (memory-mapped from the weight cache, shared by every worker that maps the file).
-        `batch_invariant`: kernels chosen per row and dense rows tiled where needed, so a row's
-        result does not depend on its batch (EngineConfig.batch_invariant)."""
+        `batch_invariant`: dense rows tiled where this CPU's dense kernel is not row-independent
+        (EngineConfig.batch_invariant). Kernels are chosen per row in every mode (Linear)."""
         config = prepared.config
         tensors = prepared.tensors
         self.config = config
@@ -187,24 +186,33 @@ class LlamaModel:
         # Where the dense kernel is not row-independent (a CPU without native bf16), prefill
         # rows run in fixed tiles, so no row's result depends on its batch.
         tile_rows = dense_tile_rows(dtype, device) if batch_invariant else None
-        # The kernels are chosen per row for batch invariance, and also where the dense
-        # kernel is slow for decode rows: fp32 on the CPU (MKL's fp32 product against the
-        # native block kernels, which win up to 64 rows and more), and bf16 where the CPU
-        # only emulates it. There the row-count rule would only lose, and per-row choice is
-        # also what lets a step of decode rows call the native kernels directly. The rule is
-        # for dense bf16 on a CPU with native bf16, which is faster than int4 past ~24 rows.
-        per_row = batch_invariant or not cpu_supports_bf16() or (
-            device.type == "cpu" and dtype == torch.float32)
+        # Small dense calls padded where this machine computes them another way, in every
+        # mode: a prompt's last row alone (after a prefix-cache hit) comes out as within the
+        # whole prompt, so the same request gets the same tokens.
+        min_rows = dense_min_rows(dtype, device, sorted({
+            t.shape[1] for name, t in tensors.items()
+            if name.endswith((".qkv", ".o_proj", ".gate_up", ".down", "lm_head"))}))
         self.ops = row_ops(device, dtype)
-        self.layers = [LlamaLayer(config, tensors, i, device, tile_rows, per_row, self.ops)
+        self.layers = [LlamaLayer(config, tensors, i, device, tile_rows, self.ops,
+                                  min_rows)
                        for i in range(config.num_layers)]
         self.norm = tensors["norm"].to(device)
         lm_head = tensors["lm_head"].to(device) if "lm_head" in tensors else self.embed
         self.lm_head = Linear(lm_head, low_bit_copy(tensors, "lm_head", lm_head.shape[0]),
-                              tile_rows, per_row)
+                              tile_rows, min_rows)
         self.rotary = RotaryEmbedding(config, max_len, device, tensors.get(ROPE_FREQS))
         self.windows = sorted({layer.window for layer in self.layers} - {None})
         self._fused = self._fused_layers()
+        # Prompt rows at positions below this take the low-bit copies, where those are the
+        # faster kernel for a few dozen rows (worker.model.quant's prefill_rows: the native
+        # fp32 block kernels, 64); later ones the dense weights. By position, so a prompt
+        # row's kernel, and a KV block's contents, depend on nothing but its tokens: not on
+        # what shares the step, nor on how much of the prompt the prefix cache held, nor on
+        # which prompt computed a shared cached block (ModelRunner). 0: dense throughout.
+        self.low_bit_prompt_positions = min(
+            (lin.packed.prefill_rows if lin.packed is not None else 0)
+            for layer in self.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+        ) if self.layers else 0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_caches: list[KVCache] | None) -> torch.Tensor:

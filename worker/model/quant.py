@@ -105,17 +105,13 @@ def int4_blocks_from_gguf(raw: np.ndarray, qtype) -> Int4Blocks | None:
 class PackedInt4:
     """An Int4Blocks matrix in torch's CPU int4 kernel layout."""
 
-    # Batch-invariant, decode rows take this kernel however many there are (worker.model.linear:
-    # the choice is per row, so a row's result never depends on its batch). Cost against dense bf16,
-    # all 30 SmolLM2 layers' weights streaming from memory, 2 threads: 2.4 vs 10.8 ms at
-    # 1 row, 10.5 vs 14.2 at 16, 15.1 vs 15.7 at 24, 19.7 vs 18.0 at 32; beyond, the dense
-    # path is cheaper per row (a price paid for batch independence). (One layer timed over
-    # and over keeps its weights in cache and favours dense.)
-
-    # Without batch invariance, calls of up to this many rows take this kernel, larger ones
-    # the dense path (the crossover above).
-    max_rows = 24
-    prefill_rows = 0  # prefill rows take the dense bf16 kernel (Linear)
+    # Decode rows take this kernel however many there are (worker.model.linear: the choice is
+    # per row, so a row's result never depends on its batch). Cost against dense bf16, all 30
+    # SmolLM2 layers' weights streaming from memory, 2 threads: 2.4 vs 10.8 ms at 1 row, 10.5
+    # vs 14.2 at 16, 15.1 vs 15.7 at 24, 19.7 vs 18.0 at 32; beyond, the dense path is cheaper
+    # per row (a price paid for batch independence). (One layer timed over and over keeps its
+    # weights in cache and favours dense.)
+    prefill_rows = 0  # prompt rows take the dense bf16 kernel (LlamaModel.low_bit_prompt_positions)
 
     def __init__(self, weight: torch.Tensor, scales_and_zeros: torch.Tensor):
         self.weight = weight  # the kernel's packed layout
@@ -138,11 +134,9 @@ class PackedInt4:
 class PackedInt8:
     """Per-row symmetric int8 (for the lm_head, which GGUF keeps at 8 bits or more)."""
 
-    # Batch-invariant, every sampled row takes this kernel, however many (per row, as PackedInt4).
-    # torch's int8 kernel wins for few rows (49152 x 576 lm_head, 2 threads: 0.7 vs 2.3 ms at
-    # 1 row, 1.6 vs 2.8 at 8, 2.3 vs 3.2 at 12, 3.2 vs 3.5 at 16, 4.9 vs 4.0 at 24).
-
-    max_rows = 12  # without batch invariance, as PackedInt4.max_rows
+    # Every sampled row takes this kernel, however many (per row, as PackedInt4). torch's int8
+    # kernel wins for few rows (49152 x 576 lm_head, 2 threads: 0.7 vs 2.3 ms at 1 row, 1.6 vs
+    # 2.8 at 8, 2.3 vs 3.2 at 12, 3.2 vs 3.5 at 16, 4.9 vs 4.0 at 24).
     prefill_rows = 0
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor):
@@ -204,14 +198,10 @@ class BlockQ4:
     features at once, so the panel keeps those features' weights for one input together, and
     a panel's weights are read as one stream."""
 
-    # Where the choice is by the call's row count (LlamaModel's per_row False: fp32 asked for
-    # on a CPU with native bf16), calls of up to this many rows take this kernel, larger ones
-    # the dense path. On a CPU without native bf16 (per_row True) decode rows always take it
-    # (benchmarks/bench_block_kernels.py, docs/benchmarks.md).
-    max_rows = 32
-    # Per row (Linear), a step's prefill rows take this kernel too when there are at most this
-    # many: all 30 layers of the default model, 2 threads, q4 against dense fp32 MKL: 47 vs
-    # 119 ms at 32 rows, 83-92 vs 99-114 at 64, 168 vs 144 at 128.
+    # Decode rows always take this kernel (Linear), and so do prompt rows at positions below
+    # this (LlamaModel.low_bit_prompt_positions): all 30 layers of the default model, 2
+    # threads, q4 against dense fp32 MKL: 47 vs 119 ms at 32 rows, 83-92 vs 99-114 at 64,
+    # 168 vs 144 at 128.
     prefill_rows = 64
 
     def __init__(self, data: torch.Tensor, out_features: int):
@@ -249,9 +239,7 @@ class BlockQ8:
     the 16 features' int8 values, then the 16 features' scales (fp16 where all are exact in
     fp16, else fp32)."""
 
-    # As BlockQ4's.
-    max_rows = 32
-    prefill_rows = 64
+    prefill_rows = 64  # as BlockQ4's
 
     def __init__(self, data: torch.Tensor, out_features: int):
         self.data = data  # [panels, blocks, unit] uint8
