@@ -196,7 +196,9 @@ def test_a_gateway_gone_from_the_name_and_silent_costs_only_its_own_streams(tier
     b.collect_n("on-b", 2)
     answer.set([ips[1]])  # a vanished (its pod is gone) and says nothing more
     started = time.monotonic()
-    keep_b_talking = time.monotonic() + 1.5
+    # Generous for a loaded machine (it ends within a second or so here), and far short of
+    # the 60 s grace that would apply without the DNS answer.
+    keep_b_talking = time.monotonic() + 20
     outs_a: list = []
     while time.monotonic() < keep_b_talking:  # b is alive: it keeps granting credit
         b.send(Credit([["on-b", 2 + int((time.monotonic() - started) * 10)]]))
@@ -207,7 +209,7 @@ def test_a_gateway_gone_from_the_name_and_silent_costs_only_its_own_streams(tier
             break
     assert outs_a and outs_a[-1].finish_reason == "abort"
     assert "lost contact" in outs_a[-1].error
-    assert time.monotonic() - started < 3.0
+    assert time.monotonic() - started < 20
     assert "on-a" not in engine.reqs and "on-b" in engine.reqs
     b.send(Shutdown("test over"))
     thread.join(5)

@@ -569,7 +569,8 @@ def test_heartbeats_list_the_requests_held_and_engine_progress(gateway):
     gateway.collect_n("b", 2)
     beat = gateway.beat_after(time.time())
     assert sorted(beat.request_ids) == ["a", "b"] and beat.num_steps >= 2
-    assert beat.progress_age_s < 1.0 and beat.request_ids_age_s < 1.0
+    # Fresh (generous for a loaded machine; a hung engine's age grows without bound).
+    assert beat.progress_age_s < 5.0 and beat.request_ids_age_s < 5.0
     gateway.send(Abort(["a"]))
     time.sleep(0.2)
     assert gateway.beat_after(time.time()).request_ids == ["b"]
@@ -590,7 +591,8 @@ def test_a_hung_engine_shows_in_heartbeats(gateway):
     assert beat.progress_age_s > 0.8 and beat.request_ids_age_s > 0.8
     release.set()
     assert gateway.collect({"a"})["a"][-1].finish_reason == "length"
-    assert gateway.beat_after(time.time()).progress_age_s < 0.5
+    # Progress again: the age starts over (below what the hang had reached).
+    assert gateway.beat_after(time.time()).progress_age_s < beat.progress_age_s
     stop(gateway, worker)
 
 
