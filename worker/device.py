@@ -96,14 +96,37 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def available_cpu_memory() -> int:
-    """Bytes of RAM the kernel says can be had without swapping (MemAvailable)."""
+def available_cpu_memory(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
+    """Bytes of RAM that can be had without swapping: the kernel's MemAvailable, and no more
+    than this process's memory cgroup still allows (a container's limit, which MemAvailable
+    does not see: a pool sized from the host's memory ends in an OOM kill as it fills)."""
+    available = None
     meminfo = Path("/proc/meminfo")
     if meminfo.is_file():
         for line in meminfo.read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+                available = int(line.split()[1]) * 1024
+    if available is None:
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    room = cgroup_memory_room(cgroup_root)
+    return available if room is None else min(available, room)
+
+
+def cgroup_memory_room(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Bytes left under this process's cgroup memory limit (v2 memory.max, or v1
+    memory.limit_in_bytes), None where there is no limit or no cgroup to read."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes",
+                                    "memory/memory.usage_in_bytes")):
+        try:
+            limit = (root / limit_file).read_text().strip()
+            usage = int((root / usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if not limit.isdigit() or int(limit) >= 1 << 60:  # "max", or v1's "no limit"
+            return None
+        return max(int(limit) - usage, 0)
+    return None
 
 
 def default_kv_cache_bytes(device: torch.device) -> int:

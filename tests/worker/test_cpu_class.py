@@ -260,25 +260,35 @@ def test_this_process_runs_as_its_class():
         assert cpu_kernels.library_name(chosen) in module.__file__
 
 
+# The numeric promises that depend on the CPU class, on tiny models: the same answer alone,
+# batched, chunked and from the prefix cache (fp32 and bf16); greedy tokens equal with and
+# without speculation; batch independence; every architecture equal to transformers.
+PROMISES = ("tests/worker/test_same_answer.py",
+            "tests/worker/test_speculative_models.py::test_greedy_tokens_are_the_same_with_speculation",
+            "tests/worker/test_batch_invariance.py", "tests/worker/test_architectures.py")
+KERNELS = ("tests/worker/test_cpu_kernels.py", "tests/worker/test_lowbit_matmul.py",
+           "tests/worker/test_row_ops.py", "tests/worker/test_attention.py",
+           "tests/worker/test_kernel_bounds.py")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("requested", [p for p in cpu_classes.params()
-                                       if p.id in ("avx2", "avx512")])
-def test_the_native_kernels_of_each_class_compute_what_the_torch_paths_do(requested):
-    """The class's build against the torch paths, on the kernel tests' small inputs, in a
-    process that runs as the class: avx2 (the sources' portable loops, no AVX-512 code at
-    all) and avx512 (AVX-512 without bf16: the fp32 intrinsics, bf16 in portable loops).
-    The native build, the classes above, runs in the kernel tests themselves. Each class's
-    first build takes minutes (cached after)."""
+                                       if p.id != cpu_class.detected_class().label])
+def test_the_kernels_and_the_numeric_promises_hold_under_each_lower_class(requested):
+    """Each class below this machine's, in a process that runs as the class: the class's
+    kernel build against the torch paths on the kernel tests' small inputs (avx2: the
+    sources' portable loops, no AVX-512 code at all; avx512: the fp32 intrinsics, bf16 in
+    portable loops), and the numeric promises (PROMISES). The machine's own class runs them
+    in the suite itself; classes above it skip. Each class's first build takes minutes
+    (cached after)."""
     import shutil
 
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler")
     out = cpu_classes.run_pytest(
         requested, "tests/worker/test_cpu_class.py::test_this_process_runs_as_its_class",
-        "tests/worker/test_cpu_kernels.py", "tests/worker/test_lowbit_matmul.py",
-        "tests/worker/test_row_ops.py", "tests/worker/test_attention.py",
-        "tests/worker/test_kernel_bounds.py")
-    assert " passed" in out and "skipped" not in out.rsplit("\n", 2)[-2]
+        *KERNELS, *PROMISES, "-m", "not slow")
+    assert " passed" in out
 
 
 def test_the_helper_runs_a_function_as_each_class_this_machine_provides():

@@ -58,3 +58,22 @@ def test_an_explicit_dtype_always_wins(monkeypatch):
     assert resolve_dtype("fp16", GPU) == torch.float16
     with pytest.raises(ValueError, match="unsupported dtype"):
         resolve_dtype("int8", CPU)
+
+
+def test_the_cpu_kv_budget_stays_inside_a_containers_memory_limit(tmp_path):
+    """A cgroup limit (a container's --memory) bounds what the default KV pool is sized from:
+    /proc/meminfo shows the host's memory, and a pool sized from it fills past the limit."""
+    from zeroserve.worker.device import available_cpu_memory, cgroup_memory_room
+
+    (tmp_path / "memory.max").write_text("1073741824\n")  # 1 GiB, v2
+    (tmp_path / "memory.current").write_text(str(256 << 20))
+    assert cgroup_memory_room(tmp_path) == 768 << 20
+    assert available_cpu_memory(tmp_path) <= 768 << 20
+    (tmp_path / "memory.max").write_text("max\n")
+    assert cgroup_memory_room(tmp_path) is None
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(str(2 << 30))
+    (v1 / "memory" / "memory.usage_in_bytes").write_text(str(1 << 30))
+    assert cgroup_memory_room(v1) == 1 << 30
+    assert cgroup_memory_room(tmp_path / "none") is None
