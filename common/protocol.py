@@ -30,6 +30,7 @@ MAX_OUTPUTS_PER_STEP = 65_536  # streams one TOKENS message may carry
 MAX_NAME_CHARS = 256  # worker ids, model names, devices
 GRAMMAR_KINDS = ("json_schema", "lark", "regex")  # Submit.grammar kinds
 MAX_GRAMMAR_CHARS = 256 * 1024
+MAX_PRIORITY = 255  # |SUBMIT.priority|: far more classes than any operator names
 
 
 class ProtocolError(ValueError):
@@ -175,7 +176,7 @@ class Submit(Message):
     TYPE: ClassVar[MsgType] = MsgType.SUBMIT
     SCHEMA: ClassVar = {"request_id": _STR, "prompt_token_ids": _LIST, "params": _DICT,
                         "credit": _INT, "output_token_ids": _LIST,
-                        "grammar": (list, type(None)), "attempt": _INT}
+                        "grammar": (list, type(None)), "attempt": _INT, "priority": _INT}
     request_id: str
     prompt_token_ids: list[int]
     params: dict[str, Any]
@@ -190,10 +191,21 @@ class Submit(Message):
     # Which submission of this request this is (1, 2, ... per gateway request id): every
     # output of it echoes the number, and only the stream's current attempt counts.
     attempt: int = 1
+    # Lower is served first (vLLM's convention): the request's class relative to the
+    # gateway's default class (critical -1, standard 0, sheddable 1 by default). The worker
+    # admits by it and preempts the worst first (worker/priority_policy.py). Left off the
+    # wire at 0, so a SUBMIT of the default class is the one of protocol 3 before it.
+    priority: int = 0
+
+    def to_wire(self) -> list:
+        body = [getattr(self, f.name) for f in fields(self)]
+        return body if self.priority else body[:-1]
 
     def validate(self) -> None:
         if not 1 <= self.attempt < _MAX_U32:
             raise ProtocolError("attempt must be in [1, 2^32)")
+        if not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
+            raise ProtocolError(f"priority must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
         for ids in (self.prompt_token_ids, self.output_token_ids):
             if not all(type(t) is int and 0 <= t < _MAX_U32 for t in ids):
                 raise ProtocolError("token ids must be non-negative 32-bit ints")
@@ -537,7 +549,7 @@ MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
 
 def encode(msg: Message) -> list[bytes]:
     """Message -> [type frame, body frame]."""
-    if isinstance(msg, Tokens):
+    if isinstance(msg, Tokens | Submit):
         body = msg.to_wire()
     else:
         body = [getattr(msg, f.name) for f in fields(msg)]

@@ -5,8 +5,9 @@ CONTINUOUS (the product): every step is a ragged batch under `max_num_batched_to
 sequences from the waiting queue, all as chunks that fit the remaining token budget (chunked
 prefill), so a long prompt never stalls running streams. Sequences that finish or are aborted
 leave at once; their slots are refilled from the queue in the next plan. When the block pool
-runs out, the newest sequence is preempted (recompute: its blocks are freed, it goes back to
-the front of the queue and re-prefills prompt + outputs later; tokens already emitted stay).
+runs out, the newest sequence of the worst priority is preempted (recompute: its blocks are
+freed, it goes back to the front of its priority in the queue and re-prefills prompt + outputs
+later; tokens already emitted stay). The queue is in priority order (worker/priority_policy.py).
 
 STATIC and DYNAMIC exist only as benchmark baselines: a batch is taken from the queue (static:
 as soon as the engine is idle; dynamic: after `batch_wait_ms` from the first arrival or once
@@ -25,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
+from zeroserve.worker import priority_policy
 from zeroserve.worker.block_manager import BlockManager
 from zeroserve.worker.config import BatchingMode, EngineConfig
 from zeroserve.worker.plan import SampledToken, ScheduledChunk, SchedulerOutput
@@ -87,6 +89,7 @@ class Scheduler:
         self._last_plan: SchedulerOutput | None = None
         self._last_plan_seqs: list[Sequence | None] = []
         self.num_preemptions = 0
+        self._is_plan_cut = False  # this plan lost a scheduled sequence to a preemption
         self._prompt_keys: dict[str, int] = {}  # request id -> hash of its prompt
         # The next step's decodes, made by update() while it holds each sequence (see
         # _next_decodes): their chunks, the sequences behind them, those among them that
@@ -136,7 +139,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.arrival_time = self._clock()
         self._requests[seq.request_id] = seq
-        self.waiting.append(seq)
+        priority_policy.enqueue(self.waiting, seq)
 
     def get(self, request_id: str) -> Sequence | None:
         return self._requests.get(request_id)
@@ -184,7 +187,7 @@ class Scheduler:
         else:
             # Never admitted, or preempted while paused: it was ahead of the queue.
             seq.status = SequenceStatus.WAITING
-            self.waiting.appendleft(seq)
+            priority_policy.requeue_front(self.waiting, seq)
         return True
 
     @property
@@ -270,7 +273,8 @@ class Scheduler:
                 scheduled.append(seq)
                 budget -= num_new
 
-        # 3. New sequences from the queue (FCFS; stop at the first that does not fit). Not
+        # 3. New sequences from the queue (by priority, then FCFS: worker/priority_policy.py;
+        # stop at the first that does not fit). Not
         # after a preemption: the pool is full, and a victim must not bounce straight back.
         # A sequence whose prompt another one is prefilling keeps its place but waits for it,
         # then takes that prompt's blocks from the prefix cache: n choices of one prompt
@@ -297,6 +301,10 @@ class Scheduler:
             scheduled.append(seq)
             budget -= num_new
 
+        if self._is_plan_cut:  # a scheduled sequence gave its blocks to a better priority
+            self._is_plan_cut = False
+            chunks, scheduled, prefills = priority_policy.drop_preempted(chunks, scheduled,
+                                                                         prefills)
         self._num_decodes = len(chunks)  # the plan's first chunks: one token, sampled
         chunks += [self._chunk(seq, n) for seq, n in prefills]
         return SchedulerOutput(chunks=chunks, preempted=preempted), scheduled
@@ -580,8 +588,9 @@ class Scheduler:
     ) -> bool:
         """Allocate blocks for num_new tokens of seq, preempting others if needed.
 
-        Victims are paused sequences holding blocks (newest first), then running sequences
-        not yet scheduled this step (newest first). If the only candidate left is seq itself,
+        Victims are paused sequences holding blocks and running sequences not yet scheduled
+        this step: the worst priority first, then paused before running, then the newest
+        (worker/priority_policy.py). If the only candidate left is seq itself,
         it is preempted and False is returned. The oldest running sequence can always grow,
         since every sequence fits the pool alone (checked at add time): no deadlock.
         """
@@ -590,7 +599,7 @@ class Scheduler:
         while not bm.can_allocate(seq, num_new):
             if scheduled_ids is None:
                 scheduled_ids = {s.request_id for s in scheduled}
-            victim = self._pick_victim(scheduled_ids)
+            victim = self._pick_victim(scheduled_ids, seq)
             if victim is None:
                 return False
             self._preempt(victim)
@@ -600,14 +609,12 @@ class Scheduler:
         bm.allocate(seq, num_new)
         return True
 
-    def _pick_victim(self, scheduled_ids: set[str]) -> Sequence | None:
-        for seq in reversed(self.paused.values()):
-            if seq.block_table:
-                return seq
-        for seq in reversed(self.running):
-            if seq.request_id not in scheduled_ids:
-                return seq
-        return None
+    def _pick_victim(self, scheduled_ids: set[str], seq: Sequence) -> Sequence | None:
+        victim = priority_policy.pick_victim(self.paused.values(), self.running,
+                                             scheduled_ids, seq)
+        if victim is not None and victim.request_id in scheduled_ids:
+            self._is_plan_cut = True  # _schedule_continuous drops its chunk
+        return victim
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)  # full blocks stay findable in the prefix cache
@@ -617,7 +624,7 @@ class Scheduler:
             return  # resume() sends it to the front of the queue
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        priority_policy.requeue_front(self.waiting, seq)
 
     def _sibling_key(self, seq: Sequence) -> int | None:
         """For a new sequence of at least one full prompt block, with prefix caching: a key

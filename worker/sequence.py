@@ -135,6 +135,8 @@ class Sequence:
     # Speculative decoding: how often this sequence's drafts were right, which sizes its next
     # proposals (worker/draft_policy.py). None until it first proposes; this worker's only.
     draft_state: DraftState | None = None
+    # Lower is served first, 0 by default (SUBMIT's priority; worker/priority_policy.py).
+    priority: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

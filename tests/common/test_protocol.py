@@ -10,6 +10,7 @@ import pytest
 
 from zeroserve.common.protocol import (
     MAX_FRAME_BYTES,
+    MAX_PRIORITY,
     MESSAGE_CLASSES,
     PROTOCOL_VERSION,
     Abort,
@@ -46,6 +47,8 @@ def sample_messages() -> list[Message]:
                                            "stop_token_ids": [2], "seed": None}, 32),
         Submit("req-ü", [], {}, 1),
         Submit("req-1", [1], {}, 4, [5, 6], None, 3),
+        Submit("req-1", [1], {}, 4, [], None, 1, -1),
+        Submit("req-1", [1], {}, 4, [], None, 1, 2),
         Abort(["req-1", "req-2"]),
         Abort(["req-1", "req-2"], [2, 0]),
         Abort([]),
@@ -288,3 +291,17 @@ def test_heartbeat_counters_and_output_timings_are_checked():
         out.timings = bad
         with pytest.raises(ProtocolError):
             decode(encode(Tokens("w", 1, [out])))
+
+
+def test_submit_priority_travels_only_when_set_and_is_range_checked():
+    """Priority 0 (the default class) leaves the SUBMIT as protocol 3 had it, so a worker
+    built before the field reads it; a set one travels last and is range-checked."""
+    plain = Submit("r", [1], {}, 4)
+    assert len(msgpack.unpackb(encode(plain)[1])) == len(fields(Submit)) - 1
+    assert decode(encode(plain)).priority == 0
+    assert decode(encode(Submit("r", [1], {}, 4, priority=-1))).priority == -1
+    for bad in (MAX_PRIORITY + 1, -MAX_PRIORITY - 1, 2 ** 40):
+        with pytest.raises(ProtocolError, match="priority"):
+            decode(_frames(MsgType.SUBMIT, ["r", [1], {}, 4, [], None, 1, bad]))
+    with pytest.raises(ProtocolError):
+        decode(_frames(MsgType.SUBMIT, ["r", [1], {}, 4, [], None, 1, "critical"]))

@@ -19,9 +19,10 @@ from zeroserve.worker.sequence import FinishReason, RequestError, SequenceStatus
 pytestmark = pytest.mark.timeout(60)
 
 
-def add(scheduler, num_prompt_tokens=8, start=None, **params):
+def add(scheduler, num_prompt_tokens=8, start=None, priority=0, **params):
     start = 100 * (len(scheduler._requests) + 1) if start is None else start
     seq = make_seq(prompt_token_ids=prompt(num_prompt_tokens, start=start), **params)
+    seq.priority = priority
     scheduler.add(seq)
     return seq
 
@@ -384,3 +385,64 @@ def test_decodes_made_by_update_are_the_plan_made_from_scratch(churn):
             break
     assert fast.scheduler.num_preemptions > 0
     assert taken["unchanged"] > 100 and taken["followed"] > 10, taken
+
+
+# ---- priority (worker/priority_policy.py) ---------------------------------------------------
+
+
+def test_admission_follows_priority_then_arrival():
+    scheduler, runner = make_scheduler(max_num_seqs=1)
+    first = add(scheduler, 6, max_tokens=2)
+    run_step(scheduler, runner)  # first runs; the others wait for its slot
+    late_low = add(scheduler, 6, max_tokens=2, priority=1)
+    standard = add(scheduler, 6, max_tokens=2)
+    critical = add(scheduler, 6, max_tokens=2, priority=-1)
+    standard2 = add(scheduler, 6, max_tokens=2)
+    assert list(scheduler.waiting) == [critical, standard, standard2, late_low]
+    order = []
+    for _ in range(40):
+        plan, _ = run_step(scheduler, runner)
+        for chunk in plan.chunks:
+            if chunk.request_id not in order:
+                order.append(chunk.request_id)
+        if not scheduler.has_unfinished():
+            break
+    assert order == [s.request_id for s in (first, critical, standard, standard2, late_low)]
+
+
+def test_a_lower_class_is_preempted_before_a_higher_even_when_older_and_scheduled():
+    scheduler, runner = make_scheduler(num_kv_blocks=7, block_size=4, max_num_seqs=4)
+    sheddable = add(scheduler, 8, max_tokens=12, priority=1)  # the oldest
+    critical = add(scheduler, 8, max_tokens=12, priority=-1)
+    standard = add(scheduler, 8, max_tokens=12)
+    run_step(scheduler, runner)  # 2 blocks each; one block free
+    # All three cross into a third block: the sheddable one (decoded first, as the oldest)
+    # gives its blocks back, never the critical or the standard one.
+    plan, _ = run_step(scheduler, runner)
+    assert plan.preempted == [sheddable.request_id]
+    assert sheddable.request_id not in [c.request_id for c in plan.chunks]
+    assert sheddable.status is SequenceStatus.WAITING
+    assert critical.status is standard.status is SequenceStatus.RUNNING
+    run_until_idle(scheduler, runner)
+    assert [s.num_output_tokens for s in (sheddable, critical, standard)] == [12] * 3
+
+
+def test_a_preempted_sequence_waits_at_the_front_of_its_own_priority():
+    scheduler, runner = make_scheduler(num_kv_blocks=7, block_size=4, max_num_seqs=3)
+    add(scheduler, 8, max_tokens=12, priority=-1)
+    add(scheduler, 8, max_tokens=12, priority=-1)
+    low = add(scheduler, 8, max_tokens=12, priority=1)
+    run_step(scheduler, runner)
+    waiting_low = add(scheduler, 8, max_tokens=12, priority=1)
+    waiting_high = add(scheduler, 8, max_tokens=12)
+    plan, _ = run_step(scheduler, runner)
+    assert plan.preempted == [low.request_id]
+    assert list(scheduler.waiting) == [waiting_high, low, waiting_low]
+
+
+def test_equal_priorities_keep_the_fifo_and_newest_victim():
+    scheduler, runner = make_scheduler(num_kv_blocks=7, block_size=4, max_num_seqs=4)
+    seqs = [add(scheduler, 8, max_tokens=12, priority=2) for _ in range(3)]
+    run_step(scheduler, runner)
+    plan, _ = run_step(scheduler, runner)
+    assert plan.preempted == [seqs[-1].request_id]
