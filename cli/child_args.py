@@ -78,6 +78,7 @@ def gateway_args(config: Any) -> list[str]:
         "--worker-stall-timeout", str(config.worker_stall_timeout_s),
         "--shutdown-timeout", str(config.shutdown_timeout_s),
         "--routing", config.routing,
+        "--scheduling-policy", config.scheduling_policy,
         *(["--reuse-port"] if config.reuse_port else []),
         *_security_args(config),
         *_input_limit_args(config),

@@ -112,6 +112,7 @@ def gateway_config(opts: dict[str, Any]):
         client_send_buffer_bytes=opts["client_send_buffer"],
         request_idle_timeout_s=opts["request_idle_timeout"],
         worker_stall_timeout_s=opts["worker_stall_timeout"], routing=opts["routing"],
+        scheduling_policy=opts["scheduling_policy"],
         shutdown_timeout_s=opts["shutdown_timeout"],
         reuse_port=opts["reuse_port"],
         keys_dir=opts["keys_dir"], insecure=opts["insecure"],

@@ -219,6 +219,10 @@ GATEWAY_OPTIONS = [
            default="cache_aware",
            help="Which worker gets a request: cache_aware (the one holding the prompt's "
                 "prefix in its KV cache, within a load bound) or least_loaded."),
+    option("--scheduling-policy", type=click.Choice(["fair", "fcfs"]), default="fair",
+           help="The gateway's queue: fair (priority classes from the rate limits file, "
+                "fair queuing across API keys, the lowest class shed first; workers admit and "
+                "preempt by class) or fcfs (one first-in, first-out queue)."),
     option("--otlp-traces-endpoint", default=None,
            help="Send a trace per request (queue, prefill and decode spans) to this OTLP "
                 "collector: http://host:4318 (OTLP/HTTP) or grpc://host:4317. Needs "

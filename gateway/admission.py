@@ -1,67 +1,143 @@
-"""Admission control: a bounded FIFO of requests waiting for worker capacity.
+"""Admission control: a bounded queue of requests waiting for worker capacity, served by
+priority class and fairly across keys (gateway/fair_queue.py).
 
-A request goes straight to a worker when one can take it and nobody is queued ahead.
-Otherwise it waits here, up to `max_queued` requests (beyond that: 429 with Retry-After)
-and up to `timeout_s` (then 503). With no live worker, requests wait too, so a worker
-restart does not fail the requests that arrive meanwhile. Whoever frees capacity (a
-request ending, a worker saying HELLO) calls `wake()`, which hands workers out in order.
-The worker is reserved for the request before its waiter resumes, so two waiters never
-count the same free slot. Each request goes where the registry's router sends its prompt
-(gateway/workers/routing.py), among the workers of its target (model, version): the queue
-is first-in first-out per target, and a request for a model whose workers are busy does
-not hold up one for another model.
+A request goes straight to a worker when one can take it and nobody is queued ahead for the
+same workers. Otherwise it waits here, up to `max_queued` requests and up to `timeout_s`
+(then 503). With no live worker, requests wait too, so a worker restart does not fail the
+requests that arrive meanwhile. Whoever frees capacity (a request ending, a worker saying
+HELLO) calls `wake()`, which hands workers out in the fair queue's order: classes by share,
+keys (flows) within a class by weighted fair share, each key's own requests in order. The
+worker is reserved for the request before its waiter resumes, so two waiters never count the
+same free slot. Each request goes where the registry's router sends its prompt
+(gateway/workers/routing.py), among the workers of its target (model, version): a request
+whose target's workers are busy does not hold up one for another target.
+
+Shedding, lowest class first: a class may fill its `queue_fraction` of the queue; past it,
+or in a full queue, a request takes the place of the newest request of the longest flow of
+the least important class below its own, which gets the 429 (with Retry-After) instead; with
+no such request, the new one gets the 429. So `critical` is refused last.
+
+`fcfs` (is_fair False): one first-in, first-out queue for all, no shedding by class: the
+baseline the fair queue is measured against (benchmarks/bench_fairness.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import Counter, deque
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 
 from zeroserve.gateway.errors import APIError, no_worker, queue_full
+from zeroserve.gateway.fair_queue import DEFAULT_MAX_FLOWS, Entry, FairQueue
+from zeroserve.gateway.priority_classes import PriorityClasses
+from zeroserve.gateway.queue_stats import QueueStats
 from zeroserve.gateway.workers.handle import WorkerHandle
 from zeroserve.gateway.workers.models import Target
 from zeroserve.gateway.workers.prefix import Prefix
 from zeroserve.gateway.workers.registry import WorkerRegistry
 
 
+@dataclass(frozen=True)
+class Ticket:
+    """Where a request queues: its class's rank, its client (an API key's index, or the
+    client's address without keys) and the client's weight within the class."""
+
+    rank: int
+    client: Hashable = None
+    weight: float = 1.0
+
+
+@dataclass
+class _Waiter:
+    request_id: str
+    prefix: Prefix | None
+    future: asyncio.Future
+    target: Target | None
+
+
+def shed(class_name: str, retry_after_s: int) -> APIError:
+    return APIError(429, f"The server is at capacity: requests of priority class "
+                         f"'{class_name}' are being shed. Retry later.",
+                    type="rate_limit_error", code="queue_full",
+                    headers={"Retry-After": str(retry_after_s)})
+
+
 class Admission:
     def __init__(self, registry: WorkerRegistry, max_queued: int, timeout_s: float,
-                 retry_after_s: int = 1):
+                 retry_after_s: int = 1, classes: PriorityClasses | None = None,
+                 is_fair: bool = True, max_flows: int = DEFAULT_MAX_FLOWS,
+                 clock: Callable[[], float] = time.monotonic):
         self.registry = registry
         self.max_queued = max_queued
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
-        self._waiters: deque[tuple[str, Prefix | None, asyncio.Future, Target | None]] = deque()
+        self.classes = classes or PriorityClasses()
+        self.is_fair = is_fair
+        self.clock = clock
+        shares = [c.share for c in self.classes.classes] if is_fair else [1.0]
+        self._queue = FairQueue(shares, max_flows)
         self._closed_with: APIError | None = None  # set by close(): later acquires fail
-        self._num_waiting_for: Counter[Target | None] = Counter()  # entries in _waiters
+        self._num_waiting_for: Counter[Target | None] = Counter()  # entries in the queue
+        self.stats = QueueStats(self.classes.names)
 
     @property
     def num_queued(self) -> int:
-        return sum(1 for _, _, f, _ in self._waiters if not f.done())
+        return len(self._queue)
 
-    def check_room(self, num_requests: int = 1) -> None:
-        """Raise 429 now if these many new requests could not all be queued."""
-        if self._waiters or self.registry.pick() is None:
-            if self.num_queued + num_requests > self.max_queued:
-                raise queue_full(self.retry_after_s)
+    def default_ticket(self) -> Ticket:
+        return Ticket(self.classes.default_rank)
+
+    def set_share(self, name: str, share: float) -> bool:
+        """A class's share from now on (the admin API); False for an unknown class."""
+        rank = self.classes.rank_of(name)
+        if rank is None:
+            return False
+        self.stats.shares[rank] = share
+        if self.is_fair:
+            self._queue.set_share(rank, share)
+        return True
+
+    def shares(self) -> dict[str, float]:
+        return dict(zip(self.classes.names, self.stats.current_shares(self.classes),
+                        strict=True))
+
+    def check_room(self, num_requests: int = 1, ticket: Ticket | None = None) -> None:
+        """Raise 429 now if these many new requests could not all be queued (counting the
+        lower classes' requests they could take the places of)."""
+        ticket = ticket or self.default_ticket()
+        if self.num_queued or self.registry.pick() is None:
+            room = self._limit(ticket.rank) - self.num_queued
+            if self.is_fair:
+                room += sum(self._queue.num_of_rank(r)
+                            for r in range(ticket.rank + 1, len(self.classes.classes)))
+            if num_requests > room:
+                self.stats.on_shed(ticket.rank, ticket.client, num_requests)
+                raise self._refusal(ticket.rank)
 
     async def acquire(self, request_id: str, prompt_token_ids: list[int] | None = None,
-                      cache_key: str | None = None, target: Target | None = None
-                      ) -> WorkerHandle:
+                      cache_key: str | None = None, target: Target | None = None,
+                      ticket: Ticket | None = None) -> WorkerHandle:
         """A worker with the request already assigned to it; 429 or 503 otherwise.
         `prompt_token_ids`: what the router places the request by (None: least loaded);
         `cache_key`: the client's conversation name, which breaks the router's ties;
-        `target`: the model (and version) whose workers may take it (None: any)."""
+        `target`: the model (and version) whose workers may take it (None: any);
+        `ticket`: its class and client (None: the default class, no client)."""
         worker = self.try_acquire(request_id, prompt_token_ids, cache_key, target)
         if worker is not None:
             return worker
+        ticket = ticket or self.default_ticket()
+        self._make_room(ticket)
         prefix = None if prompt_token_ids is None else Prefix(prompt_token_ids, cache_key)
-        if self.num_queued >= self.max_queued:
-            raise queue_full(self.retry_after_s)
         future: asyncio.Future = asyncio.get_running_loop().create_future()
-        entry = (request_id, prefix, future, target)
-        self._waiters.append(entry)
+        waiter = _Waiter(request_id, prefix, future, target)
+        rank, flow = (ticket.rank, (ticket.client, target)) if self.is_fair else (0, None)
+        entry = Entry(waiter, rank, flow, ticket.weight, self.clock())
+        self._queue.push(entry)
         self._num_waiting_for[target] += 1
+        self.stats.on_queued(ticket.rank, ticket.client)
         is_handed_over = False
         try:
             worker = await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
@@ -70,9 +146,10 @@ class Admission:
         except TimeoutError:
             raise no_worker(f"No worker became available within {self.timeout_s:g}s.") from None
         finally:
-            if entry in self._waiters:
-                self._waiters.remove(entry)
+            if self._queue.remove(entry):
                 self._left(target)
+            self.stats.on_left(ticket.rank, ticket.client, self.clock() - entry.enqueued_at,
+                               is_handed_over)
             if not is_handed_over:
                 self._give_back(future, request_id)
 
@@ -80,8 +157,8 @@ class Admission:
                     cache_key: str | None = None, target: Target | None = None
                     ) -> WorkerHandle | None:
         """`acquire` without waiting: a worker with the request assigned to it, if one of
-        `target`'s can take it now and nobody waits ahead for the same workers (first come,
-        first served); None otherwise. Raises what `close` was given."""
+        `target`'s can take it now and nobody waits ahead for the same workers; None
+        otherwise. Raises what `close` was given."""
         if self._closed_with is not None:
             raise self._closed_with
         if self._is_queued_for(target):
@@ -96,11 +173,39 @@ class Admission:
         """The server is stopping: the waiting requests fail with `error` now (they would
         wait for a worker that no longer comes), and so does every later one."""
         self._closed_with = error
-        while self._waiters:
-            _, _, future, _ = self._waiters.popleft()
-            if not future.done():
-                future.set_exception(error)
+        for entry in self._queue.clear():
+            if not entry.payload.future.done():
+                entry.payload.future.set_exception(error)
         self._num_waiting_for.clear()
+
+    # --- inside ------------------------------------------------------------------------
+
+    def _limit(self, rank: int) -> int:
+        """How full the queue may be for a request of this class to join it freely."""
+        if not self.is_fair:
+            return self.max_queued
+        fraction = self.classes.classes[rank].queue_fraction
+        return math.floor(self.max_queued * fraction)
+
+    def _refusal(self, rank: int) -> APIError:
+        if not self.is_fair:
+            return queue_full(self.retry_after_s)
+        return shed(self.classes.classes[rank].name, self.retry_after_s)
+
+    def _make_room(self, ticket: Ticket) -> None:
+        """Room for one request of `ticket`'s class: free, or the place of a lower class's
+        request (which gets the 429); a 429 for this one otherwise."""
+        if self.num_queued < self._limit(ticket.rank):
+            return
+        victim = self._queue.pop_worst(ticket.rank) if self.is_fair else None
+        if victim is None:
+            self.stats.on_shed(ticket.rank, ticket.client)
+            raise self._refusal(ticket.rank)
+        waiter = victim.payload
+        self._left(waiter.target)
+        if not waiter.future.done():
+            waiter.future.set_exception(self._refusal(victim.rank))
+        self.stats.on_displaced(victim.rank, victim.flow[0])
 
     def _give_back(self, future: asyncio.Future, request_id: str) -> None:
         """We stopped waiting (timeout, cancel); if a worker was reserved meanwhile, free it."""
@@ -113,7 +218,7 @@ class Admission:
     def _is_queued_for(self, target: Target | None) -> bool:
         """Someone waits for the same workers (they go first)."""
         if target is None:
-            return bool(self._waiters)
+            return bool(self._num_waiting_for)
         return self._num_waiting_for[target] > 0 or self._num_waiting_for[None] > 0
 
     def _left(self, target: Target | None) -> None:
@@ -122,27 +227,32 @@ class Admission:
             del self._num_waiting_for[target]
 
     def wake(self) -> None:
-        """Hand free capacity to waiters, oldest first (per target: a waiter whose target
-        has no free worker does not hold up the ones behind it for other targets; with one
-        target this stops at the first that cannot be served, as a plain FIFO)."""
+        """Hand free capacity to waiters in the fair queue's order (a waiter whose target has
+        no free worker keeps its place and does not hold up the others)."""
         blocked: set[Target | None] = set()
-        index = 0
-        while index < len(self._waiters) and len(blocked) < len(self._num_waiting_for):
-            request_id, prefix, future, target = self._waiters[index]
-            if future.done():
-                del self._waiters[index]
-                self._left(target)
-                continue
-            if target in blocked:
-                index += 1
-                continue
-            worker = self.registry.pick(prefix, target)
-            if worker is None:
-                blocked.add(target)
-                index += 1
-                continue
-            del self._waiters[index]
-            self._left(target)
-            self.registry.assign(worker, request_id, prefix)
-            future.set_result(worker)
+        picked: list[WorkerHandle] = []  # the worker for the head `is_blocked` let through
 
+        def is_blocked(entry: Entry) -> bool:
+            waiter = entry.payload
+            if waiter.future.done():
+                return False  # gone: taken out below
+            if waiter.target in blocked:
+                return True
+            worker = self.registry.pick(waiter.prefix, waiter.target)
+            if worker is None:
+                blocked.add(waiter.target)
+                return True
+            picked.append(worker)
+            return False
+
+        while len(blocked) < len(self._num_waiting_for) and self._queue:
+            picked.clear()
+            entry = self._queue.pop(is_blocked)
+            if entry is None:
+                return
+            waiter = entry.payload
+            self._left(waiter.target)
+            if waiter.future.done():
+                continue
+            self.registry.assign(picked[-1], waiter.request_id, waiter.prefix)
+            waiter.future.set_result(picked[-1])

@@ -10,7 +10,12 @@ from pathlib import Path
 
 from zeroserve.common.keys import InsecurePlaneError, check_plane_security
 from zeroserve.common.runtime_dir import make_private_dirs, runtime_dir
-from zeroserve.gateway.key_limits import default_limits, load_key_limits, load_model_limits
+from zeroserve.gateway.key_limits import (
+    default_limits,
+    load_key_limits,
+    load_model_limits,
+    load_priorities,
+)
 
 LOG_FORMATS = ("text", "json")
 
@@ -22,6 +27,7 @@ class RoutingPolicy(enum.Enum):
 
 
 ROUTING_POLICIES = tuple(p.value for p in RoutingPolicy)
+SCHEDULING_POLICIES = ("fair", "fcfs")  # the gateway's queue (gateway/admission.py)
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,9 @@ class GatewayConfig:
     rate_limits_file: str | None = None  # per-key limits, JSON or TOML (gateway/http/rate_limit.py)
     # Which worker gets a request (gateway/workers/routing.py): "cache_aware" or "least_loaded".
     routing: str = "cache_aware"
+    # The gateway's queue (gateway/admission.py): "fair" (priority classes, fair queuing
+    # across keys) or "fcfs" (one first-in, first-out queue: the baseline).
+    scheduling_policy: str = "fair"
     # Bind the HTTP port with SO_REUSEPORT, so that several gateway processes share it (the
     # kernel spreads connections over them): `zeroserve serve --gateways N`.
     reuse_port: bool = False
@@ -163,6 +172,8 @@ class GatewayConfig:
             raise ValueError("admission_hold_s must be between 0 and 1")
         if self.loop_lag_warn_s <= 0:
             raise ValueError("loop_lag_warn_s must be > 0")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {ROUTING_POLICIES}")
         if self.response_store_size < 1 or self.response_store_ttl_s <= 0:
@@ -207,6 +218,7 @@ class GatewayConfig:
                                  self.rate_limit_tpm)
         load_key_limits(self.rate_limits_file, self.api_keys, default)
         load_model_limits(self.rate_limits_file)
+        load_priorities(self.rate_limits_file, self.api_keys)
 
     @property
     def endpoints(self) -> tuple[str, str]:

@@ -50,6 +50,7 @@ from zeroserve.gateway.errors import (
     shutting_down,
     worker_failed,
 )
+from zeroserve.gateway.key_limits import load_priorities
 from zeroserve.gateway.logging import get_logger
 from zeroserve.gateway.observability.metrics import Metrics, RequestMetrics
 from zeroserve.gateway.observability.tracing import RequestTracer
@@ -96,8 +97,10 @@ class Gateway:
         self.registry = WorkerRegistry(config.max_waiting_per_worker,
                                        config.worker_stall_timeout_s, config.routing)
         self.streams = StreamTable()
+        self.priorities = load_priorities(config.rate_limits_file, config.api_keys)
         self.admission = Admission(self.registry, config.max_queued_requests,
-                                   config.queue_timeout_s)
+                                   config.queue_timeout_s, classes=self.priorities.classes,
+                                   is_fair=config.scheduling_policy == "fair")
         router, tokens = config.endpoints
         keys = None if config.keys_dir is None else load_gateway_keys(config.keys_dir)
         self.edge = ZmqEdge(router, tokens, self._on_message, keys)
@@ -178,7 +181,7 @@ class Gateway:
         """Wait for a worker (admission) and send the request to it. Raises APIError."""
         state.params = params
         worker = await self.admission.acquire(state.request_id, state.prompt_token_ids,
-                                              state.cache_key, state.target)
+                                              state.cache_key, state.target, state.ticket)
         if state.phase is not RequestPhase.QUEUED:  # ended while it waited
             self.registry.release(worker.worker_id, state.request_id)
             self.admission.wake()
@@ -215,13 +218,20 @@ class Gateway:
         state.num_credited = state.num_delivered  # a new worker gets the whole window
         sent = self.edge.send(worker.worker_id, Submit(
             state.request_id, state.prompt_token_ids, sampling, state.credit_limit,
-            state.output_token_ids, params.get("grammar"), state.attempt))
+            state.output_token_ids, params.get("grammar"), state.attempt,
+            self._wire_priority(state)))
         if log.isEnabledFor(logging.DEBUG):  # (not even its fields built otherwise)
             log.debug("submitted", extra={"request_id": state.request_id,
                                           "worker_id": worker.worker_id,
                                           "attempt": state.attempt})
         if not sent:
             self._fail(state, worker_failed(f"Could not reach worker {worker.worker_id}."))
+
+    def _wire_priority(self, state: RequestState) -> int:
+        """SUBMIT.priority: the request's class for the worker's queue and preemption."""
+        if state.ticket is None or not self.admission.is_fair:
+            return 0
+        return self.priorities.classes.wire_priority(state.ticket.rank)
 
     def grant(self, state: RequestState, num_tokens: int) -> None:
         """The client took these tokens: let the worker send as many more."""

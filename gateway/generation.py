@@ -213,7 +213,7 @@ class RequestGroup:
 
     async def submit(self) -> None:
         """Admit and send every choice; on any failure (429, 503) raise and end them all."""
-        self.gateway.admission.check_room(len(self.choices))
+        self.gateway.admission.check_room(len(self.choices), self.choices[0].state.ticket)
         tasks = [asyncio.ensure_future(self.gateway.submit(c.state, p))
                  for c, p in zip(self.choices, self._params, strict=True)]
         try:

@@ -1,6 +1,9 @@
 """Rate-limit settings: the `Limits` of one client (requests per second, burst, tokens per
 minute), the defaults from the flags and the per-key limits file (JSON or TOML), whose
-optional `models` table limits each client's use of one served model (`MODELS_TABLE`). Plain data,
+optional `models` table limits each client's use of one served model (`MODELS_TABLE`). The
+same file names each key's and model's priority class (`priority_class`), a key's `share`
+within its class, and the classes themselves (gateway/priority_classes.py): `Priorities`.
+Plain data,
 read when the config is built (so a bad file fails at start) and used by
 gateway/http/rate_limit.py.
 """
@@ -14,11 +17,22 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from zeroserve.gateway.priority_classes import (
+    CLASSES_TABLE,
+    DEFAULT_CLASS_FIELD,
+    PriorityClasses,
+    PriorityConfigError,
+    check_share,
+    load_classes,
+)
+
 
 class RateLimitConfigError(ValueError):
     pass
 
 
+# Top-level names of the limits file that are not API keys.
+_NOT_KEYS = frozenset({"models", CLASSES_TABLE, DEFAULT_CLASS_FIELD})
 # The limits file's table of per-model limits: {"models": {"tiny": {"requests_per_second":
 # 5}}} limits every client's requests to the served model `tiny` (on top of its own limits).
 MODELS_TABLE = "models"
@@ -30,6 +44,10 @@ class Limits:
     burst: int | None = None  # requests a client may send at once; None -> ceil(rate), >= 1
     tokens_per_minute: int | None = None  # prompt + completion tokens; None: unlimited
     max_concurrent_requests: int | None = None  # requests in flight at once; None: unlimited
+    # Fair queuing (gateway/fair_queue.py): the highest class its requests are served at
+    # (None: the default class), and its weight among the keys of its class (None: 1).
+    priority_class: str | None = None
+    share: float | None = None
 
     def __post_init__(self) -> None:
         rps, burst, tpm = self.requests_per_second, self.burst, self.tokens_per_minute
@@ -42,6 +60,13 @@ class Limits:
             raise RateLimitConfigError("burst must be an integer >= 1")
         if tpm is not None and not (type(tpm) is int and tpm >= 1):
             raise RateLimitConfigError("tokens_per_minute must be an integer >= 1")
+        if self.priority_class is not None and not isinstance(self.priority_class, str):
+            raise RateLimitConfigError("priority_class must be a class name")
+        if self.share is not None:
+            try:
+                check_share(self.share, "share")
+            except PriorityConfigError as e:
+                raise RateLimitConfigError(str(e)) from None
 
     @property
     def is_unlimited(self) -> bool:
@@ -71,7 +96,7 @@ def load_key_limits(path: str | None, api_keys: tuple[str, ...], default: Limits
     if path is None:
         return {}
     table = _read_table(path)
-    table = {k: v for k, v in table.items() if k != MODELS_TABLE}
+    table = {k: v for k, v in table.items() if k not in _NOT_KEYS}
     if not api_keys and table:
         raise RateLimitConfigError("per-key rate limits (--rate-limits) need API keys "
                                    "(--api-key)")
@@ -119,3 +144,55 @@ def _limits(entry: Any, where: str, default: Limits) -> Limits:
         return replace(default, **entry)
     except RateLimitConfigError as e:
         raise RateLimitConfigError(f"{where}: {e}") from None
+
+
+@dataclass(frozen=True)
+class Priorities:
+    """Who is served at which class: the classes, and the ranks and shares the limits file
+    gives keys (by index in the API keys) and served models."""
+
+    classes: PriorityClasses = PriorityClasses()
+    key_ranks: tuple[tuple[int, int], ...] = ()  # (key index, rank)
+    key_shares: tuple[tuple[int, float], ...] = ()  # (key index, share)
+    model_ranks: tuple[tuple[str, int], ...] = ()  # (served model, rank)
+
+    def ceiling(self, key: int | None, model: str | None) -> int:
+        """The best rank a request of this key (None: no key) for this model may have."""
+        rank = dict(self.key_ranks).get(key, self.classes.default_rank) \
+            if key is not None else self.classes.default_rank
+        if model is not None:
+            rank = max(rank, dict(self.model_ranks).get(model, 0))
+        return rank
+
+    def share(self, key: int | None) -> float:
+        return dict(self.key_shares).get(key, 1.0) if key is not None else 1.0
+
+
+def load_priorities(path: str | None, api_keys: tuple[str, ...]) -> Priorities:
+    """The classes and the keys' and models' places among them, from the limits file."""
+    if path is None:
+        return Priorities()
+    table = _read_table(path)
+    try:
+        classes = load_classes(table)
+    except PriorityConfigError as e:
+        raise RateLimitConfigError(f"{path}: {e}") from None
+    per_key = load_key_limits(path, api_keys, Limits())
+    per_model = load_model_limits(path)
+
+    def rank(limits: Limits, where: str) -> int | None:
+        if limits.priority_class is None:
+            return None
+        found = classes.rank_of(limits.priority_class)
+        if found is None:
+            raise RateLimitConfigError(f"{path}: {where}: priority_class must be one of "
+                                       f"{', '.join(classes.names)}")
+        return found
+
+    key_ranks = tuple((i, r) for i, lim in sorted(per_key.items())
+                      if (r := rank(lim, f"the entry of key {i + 1}")) is not None)
+    model_ranks = tuple((m, r) for m, lim in per_model.items()
+                        if (r := rank(lim, f"{MODELS_TABLE}.{m}")) is not None)
+    key_shares = tuple((i, float(lim.share)) for i, lim in sorted(per_key.items())
+                       if lim.share is not None)
+    return Priorities(classes, key_ranks, key_shares, model_ranks)

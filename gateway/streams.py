@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from zeroserve.common.protocol import TokenOutput
+from zeroserve.gateway.admission import Ticket
 from zeroserve.gateway.errors import APIError
 from zeroserve.gateway.workers.models import Target
 
@@ -116,6 +117,9 @@ class RequestState:
     # The workers it may run on (gateway/workers/models.py): its model, and from its first
     # SUBMIT on the version of the worker that took it (failover stays on that pair).
     target: Target | None = None
+    # Its priority class and client (gateway/admission.py): where it queues, and the
+    # priority its SUBMITs carry; a failover keeps both. None: the default class.
+    ticket: Ticket | None = None
 
     @property
     def attempt(self) -> int:

@@ -100,7 +100,7 @@ def parse_messages(body: dict, served_names: tuple[str, ...],
     chat_body, dropped, is_single = _chat_body(body)
     chat_body["model"] = served_model(body.get("model"), served_names)
     chat_body["max_tokens"] = max_tokens
-    for name in ("temperature", "top_p", "top_k"):
+    for name in ("temperature", "top_p", "top_k", "priority"):  # (priority: vLLM's, as chat)
         if body.get(name) is not None:
             chat_body[name] = body[name]
     stops = _stop_sequences(body)

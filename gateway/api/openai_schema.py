@@ -73,6 +73,9 @@ class SamplingOptions:
     logit_bias: tuple[tuple[int, float], ...] = ()
     grammar: Grammar | None = None  # constrained decoding (response_format, forced tools)
     prompt_logprobs: int | None = None  # echo + logprobs: the prompt's logprobs too
+    # vLLM's `priority` (lower is served first; an int relative to the default class) or a
+    # priority class's name; never above the key's class (gateway/priority_classes.py).
+    priority: int | str | None = None
 
     @property
     def is_scoring(self) -> bool:
@@ -332,7 +335,17 @@ def _parse_sampling(body: dict, *, max_tokens: int | None, logprobs: int | None,
         ignore_eos=_get(body, "ignore_eos", bool, False), presence_penalty=presence,
         frequency_penalty=frequency, repetition_penalty=repetition,
         skip_special_tokens=_get(body, "skip_special_tokens", bool, True),
-        logit_bias=_parse_logit_bias(body, limits.vocab_size))
+        logit_bias=_parse_logit_bias(body, limits.vocab_size), priority=_parse_priority(body))
+
+
+def _parse_priority(body: dict) -> int | str | None:
+    """vLLM's `priority`: an integer (lower is served first), or a priority class's name
+    (checked against the classes where the request is admitted)."""
+    priority = _get(body, "priority", (int, str))
+    if isinstance(priority, str) and not 0 < len(priority) <= 64:
+        raise invalid_request("'priority' must be an integer or a priority class's name.",
+                              param="priority")
+    return priority
 
 
 def _parse_logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], ...]:

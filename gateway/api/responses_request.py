@@ -35,7 +35,8 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # Sampling fields that mean the same in both APIs (vLLM's extras included).
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "stop", "parallel_tool_calls",
-                    "logit_bias", "min_tokens", "ignore_eos", "skip_special_tokens")
+                    "logit_bias", "min_tokens", "ignore_eos", "skip_special_tokens",
+                    "priority")
 # Text parts of a message, by what they hold.
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 # Items of earlier turns that carry nothing the model needs to see again.

@@ -283,7 +283,7 @@ class RateLimitMiddleware:
                 or not is_protected(scope["path"])):
             await self.app(scope, receive, send)
             return
-        client = _client(scope)
+        client = rate_limit_client(scope)
         refusal = self.limiter.admit(client)
         if refusal is not None:
             if self.on_refused is not None:
@@ -298,7 +298,8 @@ class RateLimitMiddleware:
             meter.finish_models()
 
 
-def _client(scope: Scope) -> Hashable:
+def rate_limit_client(scope: Scope) -> Hashable:
+    """Who a request counts against: its API key's index, else ("ip", its address)."""
     index = key_index(scope)
     if index is not None:
         return index

@@ -10,6 +10,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from zeroserve.common.logging_setup import printable
+from zeroserve.gateway.admission import Ticket
 from zeroserve.gateway.api.limits import RequestLimits, check_submit_fits
 from zeroserve.gateway.api.model_choice import requested_model, sticky_key
 from zeroserve.gateway.api.openai_schema import (
@@ -37,7 +39,7 @@ from zeroserve.gateway.errors import APIError, client_too_slow, invalid_request,
 from zeroserve.gateway.generation import RequestGroup
 from zeroserve.gateway.http.error_response import error_response
 from zeroserve.gateway.http.offload import CpuPool
-from zeroserve.gateway.http.rate_limit import track_usage
+from zeroserve.gateway.http.rate_limit import rate_limit_client, track_usage
 from zeroserve.gateway.http.request_body import parse_json_object, read_body
 from zeroserve.gateway.http.sse import race_disconnect
 from zeroserve.gateway.http.streaming import (
@@ -324,6 +326,7 @@ class Api:
         # Every prompt is checked before any is registered: a 400 for the last prompt must
         # leave nothing of the first ones behind.
         max_tokens_of = [self._check_prompt(ids, sampling, what) for ids in prompts]
+        ticket = self._ticket(request, sampling)
         # What it may cost is reserved against the client's rate limit (429 if it lacks it);
         # prompt logprobs are one more pass over each prompt (RequestGroup.num_billed_tokens).
         group.has_prompt_logprobs = sampling.prompt_logprobs is not None
@@ -343,6 +346,7 @@ class Api:
                           None if reasoning is None else reasoning(), cache_key)
         for choice in group.choices:
             choice.state.target = self.target
+            choice.state.ticket = ticket
         self.gateway.metrics.on_api_request(ctx.endpoint)
         if log.isEnabledFor(logging.INFO):  # (its fields are not built below that level)
             log.info("request", extra={
@@ -384,6 +388,20 @@ class Api:
             metrics.on_aborted("disconnect")
             return Response(status_code=499)
         return result
+
+    def _ticket(self, request: Request, sampling: SamplingOptions) -> Ticket:
+        """Where the request queues (gateway/admission.py): its key's class for this model,
+        or the lower one it asks for (`priority`), and its client."""
+        priorities = self.gateway.priorities
+        client = rate_limit_client(request.scope)
+        key = client if type(client) is int else None
+        asked = sampling.priority
+        if isinstance(asked, str) and priorities.classes.rank_of(asked) is None:
+            raise invalid_request(f"'priority': unknown priority class {printable(asked)!r}; "
+                                  f"the classes are {', '.join(priorities.classes.names)}.",
+                                  param="priority")
+        rank = priorities.classes.effective_rank(priorities.ceiling(key, self.model_name), asked)
+        return Ticket(rank, client, priorities.share(key))
 
     def _check_prompt(self, ids: list[int], sampling: SamplingOptions, what: str) -> int:
         """The max_tokens in effect for this prompt; a 400 when it does not fit."""
