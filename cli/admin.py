@@ -157,3 +157,42 @@ def models_set_weights(alias: str, weights: tuple[str, ...], urls: tuple[str, ..
             alias, parsed))
         shares = ", ".join(f"{t} {100 * share:.1f}%" for t, share in answer["shares"].items())
         click.echo(f"{url}: alias {alias}: {shares}")
+
+
+@click.group("classes")
+def classes() -> None:
+    """The gateway queue's priority classes: list, set-share."""
+
+
+def _echo_classes(url: str, found: dict) -> None:
+    click.echo(f"{url}: policy {found['policy']}, at most {found['max_queued']} queued")
+    for c in found["classes"]:
+        default = " [default]" if c["default"] else ""
+        click.echo(f"  {c['name']:<12} share {c['share']:g}, queue {c['queue_fraction']:g}, "
+                   f"queued {c['num_queued']}, shed {c['num_shed']}{default}")
+
+
+@classes.command("list")
+@option_group(ADMIN_CLIENT_OPTIONS)
+def classes_list(**opts: Any) -> None:
+    """Each class, most important first: its share, queue fraction, requests queued, shed."""
+    _echo_classes(opts["url"], _admin_call(lambda: _admin(opts).classes()))
+
+
+@classes.command("set-share")
+@click.argument("name")
+@click.argument("share", type=float)
+@option("--url", "urls", multiple=True, default=("http://127.0.0.1:8000",),
+        help="A gateway's base URL; repeat it for each gateway (a share is each gateway's "
+             "own, until it restarts and reads the limits file again).")
+@option("--admin-key", default=None,
+        help="The gateways' admin key; none for a gateway on this machine without one.")
+def classes_set_share(name: str, share: float, urls: tuple[str, ...],
+                      admin_key: str | None) -> None:
+    """Give class NAME this SHARE of the queue's service from now on, e.g.
+    `zeroserve classes set-share sheddable 0.5`."""
+    from zeroserve.cli.admin_client import AdminClient
+
+    for url in urls:
+        _echo_classes(url, _admin_call(
+            lambda url=url: AdminClient(url, admin_key).set_share(name, share)))

@@ -49,6 +49,13 @@ class AdminClient:
         return self._call("POST", f"/admin/models/{urllib.parse.quote(alias, safe='')}/weights",
                           {"weights": weights})
 
+    def classes(self) -> dict:
+        return self._call("GET", "/admin/classes")
+
+    def set_share(self, name: str, share: float) -> dict:
+        return self._call("POST", f"/admin/classes/{urllib.parse.quote(name, safe='')}/share",
+                          {"share": share})
+
     def debug(self, kind: str, worker_id: str | None, args: dict,
               wait_s: float = 0.0) -> dict:
         """A live look inside the gateway (no worker) or a worker: `kind` is stacks,

@@ -3,7 +3,7 @@ its commands, each in a module of its own:
 
 - serve.py: `serve`, the gateway and supervised local workers;
 - gateway.py, worker.py: `gateway` and `worker`, one part each (compose, Kubernetes);
-- admin.py: `workers ...` and `models ...` against a running gateway's admin API;
+- admin.py: `workers ...`, `models ...` and `classes ...` against a running gateway's admin API;
 - debug.py: `debug ...`, a live look inside a gateway or a worker;
 - keys.py: `keys generate`; check.py: `check`, a container health check.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import click
 
-from zeroserve.cli.admin import models, workers
+from zeroserve.cli.admin import classes, models, workers
 from zeroserve.cli.check import check
 from zeroserve.cli.debug import debug
 from zeroserve.cli.gateway import gateway
@@ -48,6 +48,7 @@ main.add_command(gateway)
 main.add_command(worker)
 main.add_command(workers)
 main.add_command(models)
+main.add_command(classes)
 main.add_command(debug)
 main.add_command(keys)
 main.add_command(check)

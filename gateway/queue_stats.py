@@ -17,7 +17,7 @@ from typing import Any
 
 MAX_KEY_LABELS = 64
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-                120.0)
+                120.0)  # gateway/observability/fairness_metrics.py exposes the same
 
 
 def key_label(client: Hashable) -> str:

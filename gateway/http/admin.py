@@ -12,6 +12,11 @@
     POST /admin/models/{alias}/weights        {"weights": {"smollm@v1": 90, "smollm@v2": 10}}:
                                               an alias's weights from now on (a new alias too),
                                               in every gateway of the tier (workers/alias_file.py)
+    GET  /admin/classes                       the queue's policy and priority classes: share,
+                                              queue fraction, requests queued and shed
+    POST /admin/classes/{name}/share          {"share": 2}: a class's share of the queue's
+                                              service from now on (this gateway; not kept
+                                              across a restart: the limits file is)
 
 Who may call it: gateway/http/admin_access.py (an admin key; keyless only from this machine,
 with the admin token where API keys are set; never a web page).
@@ -27,12 +32,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from zeroserve.common.logging_setup import RateLimited, printable
+from zeroserve.gateway.admission import Admission
 from zeroserve.gateway.config import GatewayConfig
 from zeroserve.gateway.core import Gateway
 from zeroserve.gateway.errors import APIError, invalid_request
 from zeroserve.gateway.http.admin_access import AdminAccess
 from zeroserve.gateway.http.error_response import error_response
 from zeroserve.gateway.logging import get_logger
+from zeroserve.gateway.priority_classes import PriorityConfigError, check_share
 from zeroserve.gateway.workers.models import alias_from_weights
 
 log = get_logger("admin")
@@ -56,6 +63,8 @@ class AdminApi:
             Route("/admin/workers/{worker_id}/restart", self.restart, methods=["POST"]),
             Route("/admin/models", self.list_models, methods=["GET"]),
             Route("/admin/models/{alias}/weights", self.set_weights, methods=["POST"]),
+            Route("/admin/classes", self.list_classes, methods=["GET"]),
+            Route("/admin/classes/{name}/share", self.set_share, methods=["POST"]),
         ]
 
     # --- endpoints ---------------------------------------------------------------------
@@ -94,6 +103,32 @@ class AdminApi:
         log.info("alias weights set", extra={"alias": printable(name),
                                              "weights": alias.describe()["weights"]})
         return JSONResponse(alias.describe())
+
+    async def list_classes(self, request: Request) -> Response:
+        refusal = self._refusal(request)
+        if refusal is not None:
+            return error_response(refusal)
+        return JSONResponse(describe_classes(self.gateway.admission))
+
+    async def set_share(self, request: Request) -> Response:
+        refusal = self._refusal(request)
+        if refusal is not None:
+            return error_response(refusal)
+        name = request.path_params["name"]
+        admission = self.gateway.admission
+        try:
+            share = json_object_body(await request.body()).get("share")
+            check_share(share, "share")
+        except APIError as e:
+            return error_response(e)
+        except PriorityConfigError as e:
+            return error_response(invalid_request(str(e), param="share"))
+        if not admission.set_share(name, float(share)):
+            return error_response(APIError(
+                404, f"No priority class {printable(name)!r}; the classes are "
+                     f"{', '.join(admission.classes.names)}.", code="class_not_found"))
+        log.info("class share set", extra={"priority_class": name, "share": float(share)})
+        return JSONResponse(describe_classes(admission))
 
     async def drain(self, request: Request) -> Response:
         return await self._drain(request, exit_when_drained=False)
@@ -173,6 +208,21 @@ def _deadline(raw: bytes) -> float:
         raise invalid_request(f"'deadline_s' must be a number in [0, {MAX_DEADLINE_S:g}].",
                               param="deadline_s")
     return float(value)
+
+
+def describe_classes(admission: Admission) -> dict:
+    """The queue's policy and classes, most important first (also the console's view)."""
+    shares = admission.shares()
+    classes = []
+    for rank, c in enumerate(admission.classes.classes):
+        figures = admission.stats.by_class[rank]
+        classes.append({"name": c.name, "share": shares[c.name],
+                        "queue_fraction": c.queue_fraction,
+                        "default": rank == admission.classes.default_rank,
+                        "num_queued": figures.num_queued, "num_shed": figures.num_shed,
+                        "num_served_from_queue": figures.num_served})
+    return {"policy": "fair" if admission.is_fair else "fcfs",
+            "max_queued": admission.max_queued, "classes": classes}
 
 
 def _unknown_worker(worker_id: str) -> APIError:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter
@@ -41,6 +41,7 @@ from prometheus_client.utils import floatToGoString
 
 from zeroserve.common.protocol import COUNTER_NAMES, SPEC_DECODE_PER_POS_COUNTER
 from zeroserve.gateway.errors import APIError
+from zeroserve.gateway.observability.fairness_metrics import FairnessCollector
 from zeroserve.gateway.observability.loop_monitor import LoopLagMonitor
 from zeroserve.gateway.observability.tier_metrics import WRITE_INTERVAL_S, TierMetrics
 from zeroserve.gateway.workers.handle import WorkerHandle, WorkerStatus
@@ -52,6 +53,9 @@ class _Workers(Protocol):
 
 class _Queue(Protocol):
     num_queued: int
+    stats: Any
+
+    def shares(self) -> dict[str, float]: ...
 
 
 class _Edge(Protocol):
@@ -492,6 +496,7 @@ class Metrics:
         if self._collector is None:
             self._collector = GatewayCollector(gateway, self.model_name, lambda: loop_monitor)
             self.registry.register(self._collector)
+            self.registry.register(FairnessCollector(gateway.admission, self.model_name))
 
     def exposition(self) -> tuple[bytes, str]:
         own = generate_latest(self.registry)
