@@ -186,25 +186,43 @@ def test_a_second_start_compiles_nothing_new(model_dirs, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_default_model_compiled_greedy_equals_eager():
-    """The embedded model in bf16 (the production path's dtype), the compiled step against
-    the eager one: same greedy tokens alone and beside others. Fused code rounds differently
-    in the last bit, which decides exact ties: [1, 4, 5, ..., 11]'s second token is a
-    three-way tie in eager bf16 logits (100, 86 and 82 at -4.1625) that the compiled step
-    resolves to 100 (0.25 ahead) and eager to 82; from there the texts part. It is checked
-    to the tie only: its first token, and a second token among the tied three."""
+    """The embedded model in bf16 (the production path's dtype on a CPU with native bf16), the
+    compiled step against the eager one, alone and beside others. Fused code rounds
+    differently in the last bit, which decides near-ties in bf16 logits: e.g. [1, 2020, ...]'s
+    17th token, 504 ahead of 57 by 0.25 (two bf16 steps) eager, tied compiled. So each text
+    is checked to its first difference, which must be such a tie: the compiled step's token
+    among eager's best three there and within 0.3 of the best."""
     fields = dict(dtype="bfloat16", num_kv_blocks=256, max_num_seqs=8)
-    eager = Engine(EngineConfig(**fields, enforce_eager=True))
     prompts = [[1, 504, 3458, 314, 260, 2777, 282], [1, 2020, 2021, 2022],
                [1, 4, 5, 6, 7, 8, 9, 10, 11]]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    expected = eager.generate(prompts, params)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+
+    def run(engine: Engine, batch: list[list[int]]) -> list[list[tuple[int, list]]]:
+        ids = [f"c{i}-{len(batch)}" for i in range(len(batch))]
+        out: dict[str, list] = {i: [] for i in ids}
+        for request_id, prompt in zip(ids, batch, strict=True):
+            engine.add_request(request_id, prompt, params)
+        while engine.has_unfinished():
+            for o in engine.step():
+                out[o.request_id] += list(zip(o.new_token_ids, o.logprobs or [],
+                                              strict=True))
+        return [out[i] for i in ids]
+
+    eager = Engine(EngineConfig(**fields, enforce_eager=True))
+    expected = run(eager, prompts)
     del eager
     engine = Engine(EngineConfig(**fields, enforce_eager=False))
     assert isinstance(engine.runner.decode_step, CompiledDecode)
-    got = engine.generate(prompts, params)
-    assert got[:2] == expected[:2]
-    assert got[2][0] == expected[2][0] == 79 and got[2][1] in (100, 86, 82)
-    assert engine.generate([prompts[1]], params) == [expected[1]]
+    for got, want in [*zip(run(engine, prompts), expected, strict=True),
+                      (run(engine, [prompts[1]])[0], expected[1])]:
+        assert got[0][0] == want[0][0]  # the prefill's token: the same eager kernels
+        differ = next((k for k, (g, w) in enumerate(zip(got, want, strict=True))
+                       if g[0] != w[0]), None)
+        if differ is None:
+            continue
+        _, (best, top) = want[differ]
+        assert got[differ][0] in dict(top) and dict(top)[got[differ][0]] >= best - 0.3, (
+            differ, got[differ], want[differ])
 
 
 @pytest.mark.cuda
