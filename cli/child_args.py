@@ -79,6 +79,8 @@ def gateway_args(config: Any) -> list[str]:
         "--shutdown-timeout", str(config.shutdown_timeout_s),
         "--routing", config.routing,
         "--scheduling-policy", config.scheduling_policy,
+        *([] if config.max_waiting_per_worker is None
+          else ["--max-waiting-per-worker", str(config.max_waiting_per_worker)]),
         *(["--reuse-port"] if config.reuse_port else []),
         *_security_args(config),
         *_input_limit_args(config),

@@ -113,6 +113,7 @@ def gateway_config(opts: dict[str, Any]):
         request_idle_timeout_s=opts["request_idle_timeout"],
         worker_stall_timeout_s=opts["worker_stall_timeout"], routing=opts["routing"],
         scheduling_policy=opts["scheduling_policy"],
+        max_waiting_per_worker=opts["max_waiting_per_worker"],
         shutdown_timeout_s=opts["shutdown_timeout"],
         reuse_port=opts["reuse_port"],
         keys_dir=opts["keys_dir"], insecure=opts["insecure"],

@@ -133,7 +133,9 @@ HTTP_ACCESS_OPTIONS = [
     option("--rate-limits", "rate_limits_file", type=click.Path(exists=True, dir_okay=False),
            default=None,
            help="Per-key limits, a JSON or .toml file: {KEY: {requests_per_second, burst, "
-                "tokens_per_minute}}; a field left out takes the flag's default."),
+                "tokens_per_minute, max_concurrent_requests, priority_class, share}}; a field "
+                "left out takes the flag's default. Also a models table and the priority "
+                "classes (docs/operations/rate-limits.md)."),
 ]
 
 # For `serve` and `gateway`: more models beside --model, and aliases over them.
@@ -180,6 +182,10 @@ GATEWAY_OPTIONS = [
            help="Seconds a stream may make no progress before it is aborted."),
     option("--max-queued-requests", type=click.IntRange(min=0), default=256,
            help="Requests waiting for a worker; beyond: 429."),
+    option("--max-waiting-per-worker", type=click.IntRange(min=0), default=None,
+           help="Requests a worker may hold beyond its --max-num-seqs, in its own queue; "
+                "more wait in the gateway's (fair) queue. Small values let the gateway's "
+                "order decide who runs next. [default: as many as its --max-num-seqs]"),
     option("--queue-timeout", type=float, default=60.0, callback=positive,
            help="Seconds a queued request waits for a worker before a 503."),
     option("--worker-timeout", type=float, default=3.0, callback=positive,

@@ -125,10 +125,10 @@ class Admission:
         `cache_key`: the client's conversation name, which breaks the router's ties;
         `target`: the model (and version) whose workers may take it (None: any);
         `ticket`: its class and client (None: the default class, no client)."""
-        worker = self.try_acquire(request_id, prompt_token_ids, cache_key, target)
+        ticket = ticket or self.default_ticket()
+        worker = self.try_acquire(request_id, prompt_token_ids, cache_key, target, ticket.rank)
         if worker is not None:
             return worker
-        ticket = ticket or self.default_ticket()
         self._make_room(ticket)
         prefix = None if prompt_token_ids is None else Prefix(prompt_token_ids, cache_key)
         future: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -154,17 +154,20 @@ class Admission:
                 self._give_back(future, request_id)
 
     def try_acquire(self, request_id: str, prompt_token_ids: list[int] | None = None,
-                    cache_key: str | None = None, target: Target | None = None
-                    ) -> WorkerHandle | None:
+                    cache_key: str | None = None, target: Target | None = None,
+                    rank: int | None = None) -> WorkerHandle | None:
         """`acquire` without waiting: a worker with the request assigned to it, if one of
-        `target`'s can take it now and nobody waits ahead for the same workers; None
-        otherwise. Raises what `close` was given."""
+        `target`'s can take it now and nobody waits ahead for the same workers (of its class
+        or a better one, for a class above the default); None otherwise. Raises what
+        `close` was given."""
         if self._closed_with is not None:
             raise self._closed_with
-        if self._is_queued_for(target):
+        is_priority = rank is not None and self._is_priority(rank)
+        if self._is_queued_for(target) and not (
+                is_priority and not any(self._queue.num_of_rank(r) for r in range(rank + 1))):
             return None
         prefix = None if prompt_token_ids is None else Prefix(prompt_token_ids, cache_key)
-        worker = self.registry.pick(prefix, target)
+        worker = self.registry.pick(prefix, target, is_priority)
         if worker is not None:
             self.registry.assign(worker, request_id, prefix)
         return worker
@@ -179,6 +182,11 @@ class Admission:
         self._num_waiting_for.clear()
 
     # --- inside ------------------------------------------------------------------------
+
+    def _is_priority(self, rank: int) -> bool:
+        """A class above the default one: it may go to a worker past its capacity, up to a
+        batch more (WorkerHandle.can_accept_priority), where it takes a lower class's slot."""
+        return self.is_fair and rank < self.classes.default_rank
 
     def _limit(self, rank: int) -> int:
         """How full the queue may be for a request of this class to join it freely."""
@@ -229,25 +237,32 @@ class Admission:
     def wake(self) -> None:
         """Hand free capacity to waiters in the fair queue's order (a waiter whose target has
         no free worker keeps its place and does not hold up the others)."""
-        blocked: set[Target | None] = set()
+        blocked: set[tuple[Target | None, bool]] = set()  # (target, is_priority)
         picked: list[WorkerHandle] = []  # the worker for the head `is_blocked` let through
 
         def is_blocked(entry: Entry) -> bool:
             waiter = entry.payload
             if waiter.future.done():
                 return False  # gone: taken out below
-            if waiter.target in blocked:
+            key = (waiter.target, self._is_priority(entry.rank))
+            if key in blocked:
                 return True
-            worker = self.registry.pick(waiter.prefix, waiter.target)
+            worker = self.registry.pick(waiter.prefix, waiter.target, key[1])
             if worker is None:
-                blocked.add(waiter.target)
+                blocked.add(key)
                 return True
             picked.append(worker)
             return False
 
-        while len(blocked) < len(self._num_waiting_for) and self._queue:
+        def is_exhausted() -> bool:
+            # Every waiting target blocked, for the priority classes too if any wait.
+            num_kinds = 2 if any(self._queue.num_of_rank(r)
+                                 for r in range(self.classes.default_rank)) else 1
+            return len(blocked) >= num_kinds * len(self._num_waiting_for)
+
+        while self._queue and not is_exhausted():
             picked.clear()
-            entry = self._queue.pop(is_blocked)
+            entry = self._queue.pop(is_blocked, is_exhausted)
             if entry is None:
                 return
             waiter = entry.payload

@@ -192,7 +192,8 @@ class Gateway:
         """`submit` when a worker can take the request at once (nobody queued ahead): sent,
         True; False: nothing was done, `submit` waits its turn. Raises APIError."""
         worker = self.admission.try_acquire(state.request_id, state.prompt_token_ids,
-                                            state.cache_key, state.target)
+                                            state.cache_key, state.target,
+                                            None if state.ticket is None else state.ticket.rank)
         if worker is None:
             return False
         state.params = params

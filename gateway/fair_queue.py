@@ -146,14 +146,18 @@ class FairQueue:
             del c.queues[queue.key]  # its heap item goes stale
         return True
 
-    def pop(self, is_blocked: Callable[[Entry], bool] = lambda entry: False) -> Entry | None:
+    def pop(self, is_blocked: Callable[[Entry], bool] = lambda entry: False,
+            is_exhausted: Callable[[], bool] = lambda: False) -> Entry | None:
         """The next entry to serve, taken out: the class with the smallest tag, within it
         the flow with the smallest tag; heads that `is_blocked` refuses (their workers are
-        busy) are passed over and keep their places. None when nothing can be served."""
+        busy) are passed over and keep their places. None when nothing can be served, or
+        once `is_exhausted()` says nothing more can (checked after each head passed over)."""
         order = sorted((c.start, rank) for rank, c in enumerate(self._classes)
                        if c.num_entries)
         for _, rank in order:
-            entry = self._pop_from(self._classes[rank], is_blocked)
+            if is_exhausted():
+                return None
+            entry = self._pop_from(self._classes[rank], is_blocked, is_exhausted)
             if entry is not None:
                 c = self._classes[rank]
                 self._vtime = c.start
@@ -189,7 +193,8 @@ class FairQueue:
         queue.token = next(self._tokens)
         heapq.heappush(c.heap, (queue.start, queue.token, queue))
 
-    def _pop_from(self, c: _Class, is_blocked: Callable[[Entry], bool]) -> Entry | None:
+    def _pop_from(self, c: _Class, is_blocked: Callable[[Entry], bool],
+                  is_exhausted: Callable[[], bool]) -> Entry | None:
         passed: list[tuple[float, int, _FlowQueue]] = []
         found = None
         while c.heap:
@@ -200,6 +205,8 @@ class FairQueue:
             head = queue.entries[0]
             if is_blocked(head):
                 passed.append(item)
+                if is_exhausted():
+                    break
                 continue
             found = head
             queue.entries.popleft()

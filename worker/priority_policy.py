@@ -9,6 +9,9 @@ A sequence's `priority` comes from its SUBMIT (common/protocol.py): lower is ser
   one of its own priority or better, ahead of any worse; a preempted or resumed one goes to
   the front of its own priority (it was admitted before the others of its priority waiting).
   With every priority equal this is the plain FIFO: append, and appendleft to requeue.
+- With the batch full (max_num_seqs), a waiting sequence of a better priority than the worst
+  running one takes that one's slot: it is preempted (recompute) and the better one is
+  admitted at the next step. Equal priorities never preempt each other for a slot.
 - Under KV pressure the victim is the worst priority holding blocks; among equals a paused
   sequence (idle without credit) before a running one, and the newest first. So a lower class
   is always preempted before a higher one, and the order within one priority is the old one.
@@ -68,6 +71,22 @@ def pick_victim(paused: Iterable[Sequence], running: Iterable[Sequence],
             if victim_key is None or key >= victim_key:  # >=: the newest of equals
                 victim, victim_key = seq, key
     return victim
+
+
+def slot_victim(waiting_head: Sequence, running) -> Sequence | None:
+    """With the batch full (max_num_seqs): the running sequence whose slot the first waiting
+    one takes, the newest of the worst priority if that is worse than the waiting one's;
+    None otherwise (equal priorities wait their turn, as in FCFS). `running` is the
+    scheduler's RunQueue (its `priorities` counts, oldest first)."""
+    if not running.priorities:
+        return None
+    worst = max(running.priorities)
+    if worst <= waiting_head.priority:
+        return None
+    for seq in reversed(running):
+        if seq.priority == worst:
+            return seq
+    return None
 
 
 def drop_preempted(chunks: list, scheduled: list[Sequence],

@@ -39,21 +39,27 @@ class RunQueue:
     """The running sequences in admission order (oldest first), with O(1) append and remove:
     pauses, finishes and aborts of any of 1,000 streams must not scan the others."""
 
-    __slots__ = ("_seqs", "version", "joined")
+    __slots__ = ("_seqs", "version", "joined", "priorities")
 
     def __init__(self) -> None:
         self._seqs: dict[str, Sequence] = {}  # request id -> sequence; dicts keep the order
         self.version = 0  # changes whenever a sequence joins or leaves
         self.joined: list[Sequence] = []  # appended since the scheduler last cleared it
+        self.priorities: dict[int, int] = {}  # priority -> running sequences of it (> 0)
 
     def append(self, seq: Sequence) -> None:
         self._seqs[seq.request_id] = seq
         self.version += 1
         self.joined.append(seq)
+        self.priorities[seq.priority] = self.priorities.get(seq.priority, 0) + 1
 
     def remove(self, seq: Sequence) -> None:
         del self._seqs[seq.request_id]
         self.version += 1
+        if self.priorities[seq.priority] > 1:
+            self.priorities[seq.priority] -= 1
+        else:
+            del self.priorities[seq.priority]
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -281,6 +287,14 @@ class Scheduler:
         # (the gateway sends one SUBMIT each) prefill it once and share its blocks.
         prefilling: set[int] | None = None  # found on first use: most steps admit no one
         num_held = 0
+        if self.waiting and len(self.running) >= max_seqs and not preempted:
+            # A full batch: a better priority waiting takes the slot of the worst running
+            # (admitted next step, once the victim's blocks are back).
+            victim = priority_policy.slot_victim(self.waiting[0], self.running)
+            if victim is not None:
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                self._is_plan_cut = True
         while (len(self.waiting) > num_held and budget > 0 and len(self.running) < max_seqs
                and not preempted):
             if len(scheduled) == max_seqs:

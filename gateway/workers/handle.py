@@ -84,6 +84,15 @@ class WorkerHandle:
         return self.status is WorkerStatus.READY and num_active < self.capacity
 
     @property
+    def can_accept_priority(self) -> bool:
+        """`can_accept` for a class above the default one: up to max_num_seqs more, so that
+        it reaches the worker's queue, which admits it ahead of the lower classes and takes
+        a full batch's slot from the worst of them (worker/priority_policy.py)."""
+        num_active = len(self.request_ids) + self.num_foreign - self.num_paused
+        return (self.status is WorkerStatus.READY
+                and num_active < self.capacity + self.hello.max_num_seqs)
+
+    @property
     def load(self) -> int:
         return self.num_running + self.num_waiting + self.num_sent_since_heartbeat
 

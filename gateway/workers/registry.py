@@ -135,12 +135,17 @@ class WorkerRegistry:
     def remove(self, worker_id: str) -> WorkerHandle | None:
         return self.workers.pop(worker_id, None)
 
-    def pick(self, prefix: Prefix | None = None,
-             target: Target | None = None) -> WorkerHandle | None:
+    def pick(self, prefix: Prefix | None = None, target: Target | None = None,
+             is_priority: bool = False) -> WorkerHandle | None:
         """The worker for a request with this prompt (gateway/workers/routing.py: the one holding
         its prefix within a load bound, else the least loaded), among those of its target
         (model, version; None: any) that can take it; None if none can. Without a prompt:
-        the least loaded."""
+        the least loaded. `is_priority`: a class above the default (WorkerHandle.
+        can_accept_priority)."""
+        if is_priority:
+            return self.router.pick([w for w in self.workers.values() if w.can_accept_priority
+                                     and (target is None or target.matches(w.model,
+                                                                           w.version))], prefix)
         if target is None:
             return self.router.pick([w for w in self.workers.values() if w.can_accept], prefix)
         return self.router.pick([w for w in self.workers.values()

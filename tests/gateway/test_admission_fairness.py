@@ -147,10 +147,10 @@ def test_a_share_changed_at_run_time_changes_the_order():
         adm = Admission(reg, max_queued=100, timeout_s=5)
         await adm.acquire("x", ticket=Ticket(STANDARD, 9))
         tasks = [asyncio.create_task(adm.acquire(f"{kind}-{i}", ticket=Ticket(rank, i)))
-                 for i in range(10) for kind, rank in (("c", CRITICAL), ("s", STANDARD))]
+                 for i in range(10) for kind, rank in (("t", STANDARD), ("s", SHEDDABLE))]
         await settle()
-        assert adm.set_share("standard", 1000.0) and not adm.set_share("nope", 1.0)
-        assert adm.shares()["standard"] == 1000.0
+        assert adm.set_share("sheddable", 1000.0) and not adm.set_share("nope", 1.0)
+        assert adm.shares()["sheddable"] == 1000.0
         order: list[str] = []
         await serve_all(reg, adm, "x", order, 20)
         await asyncio.gather(*tasks)
@@ -221,3 +221,32 @@ def test_bad_priority_settings_fail_at_start(tmp_path, table):
 ])
 def test_a_request_may_lower_its_priority_never_raise_it(asked, ceiling, expected):
     assert PriorityClasses().effective_rank(ceiling, asked) == expected
+
+
+def test_a_class_above_the_default_reaches_a_full_worker_where_it_can_take_a_slot():
+    """A full worker (capacity: max_num_seqs + its queue) still takes a critical request, up
+    to a batch more, so the worker admits it ahead of the rest; standard ones wait."""
+    async def main():
+        reg = WorkerRegistry(max_waiting_per_worker=0)
+        reg.register(hello("a", max_num_seqs=2), route("a", max_num_seqs=2), 0.0)
+        adm = Admission(reg, max_queued=10, timeout_s=5)
+        for i in range(2):
+            await adm.acquire(f"t{i}", ticket=Ticket(STANDARD, 0))
+        waiting = asyncio.create_task(adm.acquire("t2", ticket=Ticket(STANDARD, 0)))
+        await settle()
+        assert adm.num_queued == 1
+        for i in range(2):  # past the queued standard request, at once
+            worker = await asyncio.wait_for(adm.acquire(f"c{i}", ticket=Ticket(CRITICAL, 1)),
+                                            1)
+            assert worker.worker_id == "a"
+        late = asyncio.create_task(adm.acquire("c2", ticket=Ticket(CRITICAL, 1)))
+        await settle()
+        assert not late.done() and adm.num_queued == 2  # a batch more, no further
+        reg.release("a", "t0")
+        adm.wake()
+        await settle()
+        assert late.done() and not waiting.done()  # the critical one goes first
+        assert Admission(reg, 10, 5, is_fair=False).try_acquire("x", rank=CRITICAL) is None
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+    asyncio.run(main())

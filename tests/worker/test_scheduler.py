@@ -392,7 +392,7 @@ def test_decodes_made_by_update_are_the_plan_made_from_scratch(churn):
 
 def test_admission_follows_priority_then_arrival():
     scheduler, runner = make_scheduler(max_num_seqs=1)
-    first = add(scheduler, 6, max_tokens=2)
+    first = add(scheduler, 6, max_tokens=2, priority=-1)  # (no one better: never preempted)
     run_step(scheduler, runner)  # first runs; the others wait for its slot
     late_low = add(scheduler, 6, max_tokens=2, priority=1)
     standard = add(scheduler, 6, max_tokens=2)
@@ -446,3 +446,23 @@ def test_equal_priorities_keep_the_fifo_and_newest_victim():
     run_step(scheduler, runner)
     plan, _ = run_step(scheduler, runner)
     assert plan.preempted == [seqs[-1].request_id]
+
+
+def test_a_better_priority_takes_a_full_batchs_slot_from_the_worst():
+    scheduler, runner = make_scheduler(max_num_seqs=2)
+    old_low = add(scheduler, 6, max_tokens=30, priority=1)
+    new_low = add(scheduler, 6, max_tokens=30, priority=1)
+    run_step(scheduler, runner)
+    same = add(scheduler, 6, max_tokens=2, priority=1)  # equal: waits its turn
+    plan, _ = run_step(scheduler, runner)
+    assert plan.preempted == [] and same.status is SequenceStatus.WAITING
+    critical = add(scheduler, 6, max_tokens=2, priority=-1)
+    plan, _ = run_step(scheduler, runner)
+    assert plan.preempted == [new_low.request_id]  # the newest of the worst
+    assert new_low.request_id not in [c.request_id for c in plan.chunks]
+    assert list(scheduler.waiting) == [critical, new_low, same]
+    plan, _ = run_step(scheduler, runner)
+    assert critical.request_id in [c.request_id for c in plan.chunks]
+    assert old_low.status is SequenceStatus.RUNNING
+    run_until_idle(scheduler, runner)
+    assert [s.num_output_tokens for s in (old_low, new_low, same, critical)] == [30, 30, 2, 2]

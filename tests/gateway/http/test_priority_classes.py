@@ -99,3 +99,26 @@ def test_shares_change_through_the_admin_api_and_metrics_show_the_classes(served
     for name in ("gateway_queue_requests", "gateway_shed_requests_total",
                  "gateway_queue_wait_seconds_bucket", "gateway_queue_requests_by_key"):
         assert f"zeroserve:{name}" in text
+
+
+def test_a_stream_moved_to_another_worker_keeps_its_class():
+    import threading
+
+    with GatewayServer() as gw:  # no keys: the default class; the request lowers its own
+        a = gw.worker(worker_id="a").start()
+        assert a.ready.wait(5)
+        a.is_stepping = False  # takes the request, then hangs before any token
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault("r", httpx.post(
+            gw.url + "/v1/completions", json={"prompt": "x", "max_tokens": 5,
+                                              "priority": "sheddable"}, timeout=10)))
+        t.start()
+        assert wait_until(lambda: a.submits)
+        b = gw.worker(worker_id="b").start()
+        assert b.ready.wait(5)
+        a.is_heartbeating = False  # ... and dies
+        t.join(10)
+        assert result["r"].status_code == 200
+        assert [s.priority for s in a.submits + b.submits] == [1, 1]
+        a.stop()
+        b.stop()

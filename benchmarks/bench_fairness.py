@@ -1,0 +1,241 @@
+"""Fairness benchmark: priority classes and fair queuing across API keys (issue 39).
+
+Starts `zeroserve serve --backend fake` (one worker, no model: the gateway's queue and the
+worker's scheduler are what is measured) with four API keys and a limits file:
+
+    key-a, key-b: standard     key-c: critical     key-s: sheddable
+
+and runs, each phase on a fresh server for `--seconds`:
+
+1. `b-alone`: key B sends one streamed request a second (open loop), nothing else runs.
+2. `a+b fair` / `a+b fcfs`: key A keeps `--a-in-flight` requests in flight (closed loop)
+   while B sends one a second; the gateway's queue is `--scheduling-policy fair` or `fcfs`.
+3. `c-alone`, then `flood+c fair` / `flood+c fcfs`: the sheddable key floods
+   (`--flood-in-flight` in flight, retrying a refusal after its Retry-After, or
+   `--flood-backoff` seconds) while
+   the critical key sends one request a second.
+
+It reports, per phase and key, requests done, refused (429) and failed, and TTFT p50/p99 (the
+first streamed token); for B and C the ratio of p99 to their p99 alone. The worker holds
+`--max-num-seqs` sequences and `--max-waiting-per-worker` more; the rest wait in the gateway.
+
+    python benchmarks/bench_fairness.py --seconds 20
+    python benchmarks/bench_fairness.py --seconds 10 --json /tmp/fair.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+from zeroserve.cli.harness import start_server  # noqa: E402
+
+KEYS = {"a": "key-a", "b": "key-b", "c": "key-c", "s": "key-s"}
+LIMITS = {"key-a": {}, "key-b": {}, "key-c": {"priority_class": "critical"},
+          "key-s": {"priority_class": "sheddable"}}
+
+
+@dataclass
+class KeyResult:
+    ttfts: list[float] = field(default_factory=list)
+    num_refused: int = 0
+    num_failed: int = 0
+    retry_after_s: float = 1.0  # the last refusal's Retry-After
+
+    def quantile(self, q: float) -> float | None:
+        if not self.ttfts:
+            return None
+        ordered = sorted(self.ttfts)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, key: str, max_tokens: int,
+                      result: KeyResult) -> bool:
+    """One streamed completion; its TTFT into `result`. False when refused (429)."""
+    body = {"model": "fake", "prompt": "Tell me a story about queues.", "stream": True,
+            "max_tokens": max_tokens, "ignore_eos": True}
+    start = time.perf_counter()
+    try:
+        async with session.post(url + "/v1/completions", json=body,
+                                headers={"Authorization": f"Bearer {key}"}) as r:
+            if r.status == 429:
+                result.num_refused += 1
+                await r.read()
+                result.retry_after_s = float(r.headers.get("Retry-After", "1"))
+                return False
+            if r.status != 200:
+                result.num_failed += 1
+                await r.read()
+                return True
+            first = None
+            async for line in r.content:
+                if first is None and line.startswith(b"data: {"):
+                    first = time.perf_counter() - start
+            if first is not None:
+                result.ttfts.append(first)
+    except (TimeoutError, aiohttp.ClientError):
+        result.num_failed += 1
+    return True
+
+
+async def closed_loop(session, url, key, num_in_flight, max_tokens, until, result,
+                      backoff_s: float = 0.0) -> None:
+    async def loop() -> None:
+        while time.perf_counter() < until:
+            if not await one_request(session, url, key, max_tokens, result):
+                await asyncio.sleep(result.retry_after_s if backoff_s is None else backoff_s)
+
+    await asyncio.gather(*(loop() for _ in range(num_in_flight)))
+
+
+async def open_loop(session, url, key, rate, max_tokens, until, result) -> None:
+    tasks = []
+    next_at = time.perf_counter()
+    while next_at < until:
+        await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+        tasks.append(asyncio.create_task(one_request(session, url, key, max_tokens, result)))
+        next_at += 1.0 / rate
+    await asyncio.gather(*tasks)
+
+
+async def run_phase(url: str, args, flows: dict[str, tuple]) -> dict[str, KeyResult]:
+    """flows: key name -> ("closed", in_flight, backoff) or ("open", rate)."""
+    results = {name: KeyResult() for name in flows}
+    timeout = aiohttp.ClientTimeout(total=args.seconds + 120)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        # Warm-up: the worker's first steps.
+        await one_request(session, url, KEYS["b"], 4, KeyResult())
+        until = time.perf_counter() + args.seconds
+        jobs = []
+        for name, spec in flows.items():
+            if spec[0] == "closed":
+                jobs.append(closed_loop(session, url, KEYS[name], spec[1], args.a_max_tokens,
+                                        until, results[name], spec[2]))
+            else:
+                jobs.append(open_loop(session, url, KEYS[name], spec[1], args.b_max_tokens,
+                                      until, results[name]))
+        await asyncio.gather(*jobs)
+    return results
+
+
+def serve_args(policy: str, args, limits_path: Path) -> list[str]:
+    return ["--backend", "fake", "--fake-forward-ms", str(args.forward_ms),
+            "--max-num-seqs", str(args.max_num_seqs),
+            "--max-waiting-per-worker", str(args.max_waiting_per_worker),
+            "--max-queued-requests", str(args.max_queued), "--scheduling-policy", policy,
+            "--served-model-name", "fake", "--rate-limits", str(limits_path),
+            "--api-key", ",".join(KEYS.values()), "--log-level", "warning"]
+
+
+def run(policy: str, args, limits_path: Path, log_dir: Path, flows: dict) -> dict:
+    server = start_server(args=tuple(serve_args(policy, args, limits_path)), wait=False,
+                          log_path=log_dir / f"serve-{policy}-{time.time():.0f}.log")
+    try:
+        wait_served(server.url)
+        return asyncio.run(run_phase(server.url, args, flows))
+    finally:
+        server.stop(timeout_s=10)
+
+
+def wait_served(url: str, timeout_s: float = 120.0) -> None:
+    """Until a key's request is answered (with API keys set, /health tells a caller without
+    one nothing about the workers)."""
+    request = urllib.request.Request(url + "/v1/models",
+                                     headers={"Authorization": f"Bearer {KEYS['b']}"})
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(request, timeout=2) as r:
+                if r.status == 200 and json.loads(r.read())["data"]:
+                    body = json.dumps({"model": "fake", "prompt": "hi", "max_tokens": 1})
+                    probe = urllib.request.Request(
+                        url + "/v1/completions", data=body.encode(), method="POST",
+                        headers={"Authorization": f"Bearer {KEYS['b']}",
+                                 "Content-Type": "application/json"})
+                    with urllib.request.urlopen(probe, timeout=10) as answer:
+                        if answer.status == 200:
+                            return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"{url} served nothing within {timeout_s:g}s")
+
+
+def fmt(value: float | None) -> str:
+    return "-" if value is None else f"{1000 * value:8.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=20.0, help="each phase's length")
+    parser.add_argument("--a-in-flight", type=int, default=64)
+    parser.add_argument("--flood-in-flight", type=int, default=256)
+    parser.add_argument("--flood-backoff", type=float, default=None,
+                        help="seconds a refused flood request waits before it retries "
+                             "[default: the refusal's Retry-After]")
+    parser.add_argument("--a-max-tokens", type=int, default=64,
+                        help="output tokens of the busy and flooding keys' requests")
+    parser.add_argument("--b-max-tokens", type=int, default=16,
+                        help="output tokens of the interactive keys' requests")
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--max-waiting-per-worker", type=int, default=2)
+    parser.add_argument("--max-queued", type=int, default=128)
+    parser.add_argument("--forward-ms", type=float, default=10.0,
+                        help="the fake worker's milliseconds per forward")
+    parser.add_argument("--skip-flood", action="store_true", help="only the A/B phases")
+    parser.add_argument("--json", default=None, help="write the results here too")
+    args = parser.parse_args()
+
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-fairness-"))
+    limits_path = log_dir / "limits.json"
+    limits_path.write_text(json.dumps(LIMITS))
+    phases: list[tuple[str, str, dict]] = [
+        ("b-alone", "fair", {"b": ("open", 1.0)}),
+        ("a+b fair", "fair", {"a": ("closed", args.a_in_flight, None), "b": ("open", 1.0)}),
+        ("a+b fcfs", "fcfs", {"a": ("closed", args.a_in_flight, None), "b": ("open", 1.0)}),
+    ]
+    if not args.skip_flood:
+        flood = ("closed", args.flood_in_flight, args.flood_backoff)
+        phases += [("c-alone", "fair", {"c": ("open", 1.0)}),
+                   ("flood+c fair", "fair", {"s": flood, "c": ("open", 1.0)}),
+                   ("flood+c fcfs", "fcfs", {"s": flood, "c": ("open", 1.0)})]
+    report = {}
+    alone: dict[str, float | None] = {}
+    print(f"{'phase':<14} {'key':<4} {'done':>6} {'429':>6} {'failed':>6} "
+          f"{'ttft p50 ms':>12} {'ttft p99 ms':>12} {'p99/alone':>10}")
+    for phase, policy, flows in phases:
+        results = run(policy, args, limits_path, log_dir, flows)
+        for name, result in results.items():
+            p99 = result.quantile(0.99)
+            if phase.endswith("alone"):
+                alone[name] = p99
+            ratio = None if p99 is None or not alone.get(name) else p99 / alone[name]
+            print(f"{phase:<14} {name:<4} {len(result.ttfts):>6} {result.num_refused:>6} "
+                  f"{result.num_failed:>6} {fmt(result.quantile(0.5)):>12} {fmt(p99):>12} "
+                  f"{'-' if ratio is None else f'{ratio:.2f}x':>10}")
+            report.setdefault(phase, {})[name] = {
+                "num_done": len(result.ttfts), "num_refused": result.num_refused,
+                "num_failed": result.num_failed, "ttft_p50_s": result.quantile(0.5),
+                "ttft_p99_s": p99, "p99_over_alone": ratio}
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "phases": report},
+                                              indent=2))
+    print(f"server logs: {log_dir}")
+
+
+if __name__ == "__main__":
+    main()
