@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 3  # 3: attempt-tagged SUBMIT/ABORT/CREDIT/TokenOutput, TOKENS seq
+PROTOCOL_VERSION = 4  # 4: SUBMIT.priority; 3: attempt-tagged SUBMIT/ABORT/CREDIT/TokenOutput, TOKENS seq
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # a 1M-token prompt still fits; anything bigger is garbage
 MAX_LIST_ITEMS = 2_000_000
 MAX_OUTPUTS_PER_STEP = 65_536  # streams one TOKENS message may carry

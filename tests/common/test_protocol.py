@@ -294,8 +294,8 @@ def test_heartbeat_counters_and_output_timings_are_checked():
 
 
 def test_submit_priority_travels_only_when_set_and_is_range_checked():
-    """Priority 0 (the default class) leaves the SUBMIT as protocol 3 had it, so a worker
-    built before the field reads it; a set one travels last and is range-checked."""
+    """Priority 0 (the default class) is left off the wire (and read back as 0); a set one
+    travels last and is range-checked."""
     plain = Submit("r", [1], {}, 4)
     assert len(msgpack.unpackb(encode(plain)[1])) == len(fields(Submit)) - 1
     assert decode(encode(plain)).priority == 0

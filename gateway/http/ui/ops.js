@@ -70,10 +70,37 @@ export class OpsView {
       this.updateWorkers(workers.value, now);
       this.lastUpdate = now;
     }
-    if (metrics.status === "fulfilled" && metrics.value) this.updateCharts(metrics.value);
+    if (metrics.status === "fulfilled" && metrics.value) {
+      this.updateCharts(metrics.value);
+      this.renderClasses(metrics.value);
+    }
     this.renderTable(now);
     this.renderNotes(now);
     this.drawCharts();
+  }
+
+  // The gateway queue's priority classes (docs/operations/priority-and-fairness.md): share,
+  // requests queued now and shed so far, from the /metrics scrape.
+  renderClasses(scrape) {
+    const table = document.getElementById("classes");
+    const shares = scrape.select("zeroserve:priority_class_share");
+    table.hidden = !shares.length;
+    table.tBodies[0].replaceChildren(...shares.map((share) => {
+      const where = { priority_class: share.labels.priority_class };
+      const cells = [
+        [share.labels.priority_class, ""], [String(share.value), "num"],
+        [String(scrape.sum("zeroserve:gateway_queue_requests", where) ?? 0), "num"],
+        [String(scrape.sum("zeroserve:gateway_shed_requests_total", where) ?? 0), "num"],
+      ];
+      const row = document.createElement("tr");
+      for (const [text, className] of cells) {
+        const cell = document.createElement("td");
+        cell.textContent = text;
+        cell.className = className;
+        row.append(cell);
+      }
+      return row;
+    }));
   }
 
   // --- data -------------------------------------------------------------------------------
