@@ -40,3 +40,16 @@ def test_serve_passes_the_limits_to_its_gateway(captured):  # noqa: F811
     config = captured["gateway"]
     assert config.max_tokens_limit == 77 and config.max_request_body_bytes == 65536
     assert config.header_timeout_s == 3.0
+
+
+def test_scheduling_policy_and_worker_queue_flags_reach_the_gateway_child(captured):  # noqa: F811
+    assert invoke(["gateway"]).exit_code == 0
+    config = captured["gateway"]
+    assert config.scheduling_policy == "fair" and config.max_waiting_per_worker is None
+    result = invoke(["serve", "--device", "cpu", "--backend", "fake", "--scheduling-policy",
+                     "fcfs", "--max-waiting-per-worker", "2"])
+    assert result.exit_code == 0, result.output
+    assert invoke(list(captured["children"][0].argv[3:])).exit_code == 0
+    config = captured["gateway"]
+    assert config.scheduling_policy == "fcfs" and config.max_waiting_per_worker == 2
+    assert invoke(["gateway", "--scheduling-policy", "lottery"]).exit_code == 2
