@@ -193,7 +193,7 @@ class Admission:
         if not self.is_fair:
             return self.max_queued
         fraction = self.classes.classes[rank].queue_fraction
-        return math.floor(self.max_queued * fraction)
+        return min(self.max_queued, max(1, math.floor(self.max_queued * fraction)))
 
     def _refusal(self, rank: int) -> APIError:
         if not self.is_fair:

@@ -14,6 +14,7 @@ import json
 import math
 import tomllib
 from dataclasses import dataclass, fields, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -156,16 +157,20 @@ class Priorities:
     key_shares: tuple[tuple[int, float], ...] = ()  # (key index, share)
     model_ranks: tuple[tuple[str, int], ...] = ()  # (served model, rank)
 
+    @cached_property
+    def _lookups(self) -> tuple[dict, dict, dict]:  # (built once: read per request)
+        return dict(self.key_ranks), dict(self.key_shares), dict(self.model_ranks)
+
     def ceiling(self, key: int | None, model: str | None) -> int:
         """The best rank a request of this key (None: no key) for this model may have."""
-        rank = dict(self.key_ranks).get(key, self.classes.default_rank) \
-            if key is not None else self.classes.default_rank
+        key_ranks, _, model_ranks = self._lookups
+        rank = key_ranks.get(key, self.classes.default_rank)
         if model is not None:
-            rank = max(rank, dict(self.model_ranks).get(model, 0))
+            rank = max(rank, model_ranks.get(model, 0))
         return rank
 
     def share(self, key: int | None) -> float:
-        return dict(self.key_shares).get(key, 1.0) if key is not None else 1.0
+        return self._lookups[1].get(key, 1.0)
 
 
 def load_priorities(path: str | None, api_keys: tuple[str, ...]) -> Priorities:
