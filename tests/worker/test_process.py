@@ -60,12 +60,14 @@ class ScriptedEngine:
         self.num_steps = 0
         self.num_paused_calls = 0
         self.step_hook = None  # called once inside the next step (e.g. to hang it)
+        self.priorities: dict[str, int] = {}  # request id -> its SUBMIT's priority
         self.failures = 0  # the next these many steps raise
         self.held: list[RequestOutput] = []  # the last step's outputs, emitted by the next
         self.last_step = EngineStepTiming()
 
     def add_request(self, request_id, prompt_token_ids, params, output_token_ids=(),
-                    grammar=None):
+                    grammar=None, priority=0):
+        self.priorities[request_id] = priority
         if not prompt_token_ids:
             raise RequestError("prompt is empty")
         if request_id in self.reqs:
@@ -283,6 +285,15 @@ def test_submit_streams_every_token_then_finishes(gateway):
     assert [t for o in outs["a"] for t in o.new_token_ids] == [101, 102, 103, 104, 105]
     assert outs["a"][-1].finish_reason == "length" and outs["a"][-1].num_output_tokens == 5
     assert len([t for o in outs["b"] for t in o.new_token_ids]) == 3
+    stop(gateway, worker)
+
+
+def test_a_submits_priority_reaches_the_engine(gateway):
+    worker, engine, _ = start(gateway)
+    gateway.send(Submit("low", [1], {"max_tokens": 2}, 32, priority=1))
+    gateway.send(Submit("plain", [1], {"max_tokens": 2}, 32))
+    gateway.collect({"low", "plain"})
+    assert engine.priorities == {"low": 1, "plain": 0}
     stop(gateway, worker)
 
 
