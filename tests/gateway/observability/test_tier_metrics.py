@@ -22,11 +22,12 @@ class _Gateway:
     """What GatewayCollector reads of a gateway: one ready worker."""
 
     def __init__(self):
+        from zeroserve.gateway.admission import Admission
         from zeroserve.gateway.workers.registry import WorkerRegistry
 
         self.registry = WorkerRegistry()
         self.registry.register(hello("w"), b"w.1", 0.0)
-        self.admission = type("A", (), {"num_queued": 0})()
+        self.admission = Admission(self.registry, max_queued=1, timeout_s=1)
         self.edge = type("E", (), {"num_dropped": 0, "num_receive_restarts": 0})()
 
 
