@@ -192,12 +192,12 @@ def test_a_crashed_worker_loses_no_stream_and_restarts_by_policy(stack):
     streams = start_streams()
     compose("exec", "-T", "worker-0", "sh", "-c", f"kill -9 {pid}")
     killed = time.monotonic()
-    assert_all_complete(streams)
     wait_until(lambda: int(docker("inspect", "-f", "{{.RestartCount}}", worker)) > restarts,
                120, "the restart policy restarting worker-0")
     wait_ready(not_in={"worker-0": old["worker-0"]})
     measured("worker container restart after its process is SIGKILLed, to ready",
              time.monotonic() - killed)
+    assert_all_complete(streams)
     serves_alone("worker-0")
 
 
