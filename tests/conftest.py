@@ -14,6 +14,16 @@ from zeroserve.worker.cpu_class import apply_to_environment
 
 apply_to_environment()
 
+import os  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two pytest processes share the cores (scripts/test runs `-n 2`): each computes with one
+    # OpenMP thread and spins little, or each one's barriers wait on the other's threads
+    # (a one-row step took 509 ms beside a busy process with libgomp's default spin, 8.7 ms
+    # alone). Set before torch loads; servers the tests start inherit it too.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
 from collections.abc import Iterator  # noqa: E402
 
 import pytest  # noqa: E402

@@ -10,6 +10,7 @@ before and after (see test_structured_output_real_model's prefix-cache test).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,7 +48,11 @@ def real_model_server(request, tmp_path_factory) -> Iterator[ServerProcess]:
 
 def pytest_runtest_teardown(item, nextitem) -> None:
     """Stop the shared server once the run leaves tests/e2e: the session's other tests need
-    no real model idling beside them (its memory, its heartbeats)."""
+    no real model idling beside them (its memory, its heartbeats). Not under pytest-xdist
+    (scripts/test's `-n 2`): there a process gets modules in no set order, e2e ones after
+    others, and the session fixture would hand them the stopped server; it stops at the end."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     server = item.config.stash.get(_REAL_MODEL_SERVER, None)
     if server is None or (nextitem is not None and Path(nextitem.path).is_relative_to(HERE)):
         return

@@ -378,11 +378,13 @@ def test_abort_frees_the_request_at_once(gateway):
 
 
 def test_heartbeats_keep_pace_during_a_long_step(gateway):
-    engine = ScriptedEngine(step_s=0.6)
+    # A long step, so that the window below lies inside it even on a loaded machine (a 0.6 s
+    # step with the window ending at 0.55 s saw the next step begin).
+    engine = ScriptedEngine(step_s=2.0)
     worker, _, _ = start(gateway, engine)
     gateway.send(Submit("a", [1], {"max_tokens": 1}, 4))
     time.sleep(0.1)  # the step has begun
-    window = (time.time(), time.time() + 0.45)  # inside the 0.6 s step
+    window = (time.time(), time.time() + 0.45)  # inside the 2 s step
     gateway.heartbeats.clear()
     gateway.beat_after(window[1])
     during = [b for b in gateway.heartbeats if window[0] < b.time < window[1]]
