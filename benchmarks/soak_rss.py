@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Soak a real server with mixed clients and sample its workers' resident memory (RSS).
 
-    .venv/bin/python scripts/soak_rss.py --minutes 5 --workers 2 --clients 8 \
+    .venv/bin/python benchmarks/soak_rss.py --minutes 5 --workers 2 --clients 8 \
         --out /tmp/soak.jsonl
 
 Starts `zeroserve serve` (or uses --url of one already running), then runs --clients
