@@ -16,6 +16,7 @@ Sockets (see docs/protocol.md):
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
 from dataclasses import MISSING as _MISSING
 from dataclasses import dataclass, field, fields
@@ -24,6 +25,18 @@ from typing import Any, ClassVar
 import msgpack
 
 PROTOCOL_VERSION = 4  # 4: SUBMIT.priority; 3: attempt-tagged SUBMIT/ABORT/CREDIT/TokenOutput, TOKENS seq
+
+
+# The ZMTP metadata property on a worker's TOKENS socket naming its process (the PULL side has
+# no routes): a gateway lets only the incarnation it bound by its HELLO move that worker id's
+# TOKENS sequence, so TOKENS still queued from a dead process of the same id cannot.
+INCARNATION_PROPERTY = "X-Incarnation"
+
+
+def incarnation(route: bytes) -> str:
+    """The public name of the worker process of `route` (its DEALER routing id, a secret):
+    what its TOKENS socket carries and what the gateways' admin APIs show."""
+    return hashlib.sha256(route).hexdigest()[:12]
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # a 1M-token prompt still fits; anything bigger is garbage
 MAX_LIST_ITEMS = 2_000_000
 MAX_OUTPUTS_PER_STEP = 65_536  # streams one TOKENS message may carry

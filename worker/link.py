@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import hashlib
 import logging
 import os
 import queue
@@ -28,6 +27,7 @@ import zmq
 
 from zeroserve.common.keys import WorkerKeys, curve_client
 from zeroserve.common.protocol import (
+    INCARNATION_PROPERTY,
     MAX_FRAME_BYTES,
     DebugReply,
     DebugRequest,
@@ -38,6 +38,7 @@ from zeroserve.common.protocol import (
     WorkerState,
     decode,
     encode,
+    incarnation,
 )
 from zeroserve.common.socket_liveness import set_liveness_options
 from zeroserve.worker.config import WorkerConfig
@@ -59,19 +60,6 @@ def new_route(worker_id: str) -> bytes:
     process by it (the `incarnation` its admin API shows), so all of them must name it alike.
     """
     return f"{worker_id}.{secrets.token_hex(12)}".encode()
-
-
-# The ZMTP metadata property on our TOKENS socket naming this process (the PULL side has no
-# routes): a gateway lets only the incarnation it bound (by its HELLO) move the stream's
-# TOKENS sequence, so TOKENS still queued from a dead process of the same worker id cannot
-# (gateway/workers/zmq_io.py reads it).
-INCARNATION_PROPERTY = "X-Incarnation"
-
-
-def incarnation(route: bytes) -> str:
-    """The public name of the process of `route` (the route is a secret): the same as the
-    gateway's WorkerHandle.incarnation."""
-    return hashlib.sha256(route).hexdigest()[:12]
 
 
 class GatewayLink(threading.Thread):

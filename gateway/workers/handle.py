@@ -6,17 +6,10 @@ registry owns the handles; routing, admission, metrics and health read them.
 from __future__ import annotations
 
 import enum
-import hashlib
 from dataclasses import dataclass, field
 
-from zeroserve.common.protocol import Hello
+from zeroserve.common.protocol import Hello, incarnation
 from zeroserve.gateway.workers.prefix import PrefixIndex
-
-
-def incarnation_of(route: bytes) -> str:
-    """The public name of the worker process of `route` (the route is a secret). A worker
-    names itself alike on its TOKENS socket (worker/link.py, `incarnation`)."""
-    return hashlib.sha256(route).hexdigest()[:12]
 
 
 class WorkerStatus(enum.Enum):
@@ -74,7 +67,7 @@ class WorkerHandle:
     def incarnation(self) -> str:
         """A short name for this worker process (its route is a secret; this is not). A
         worker uses one route on all its gateways, so each of them names it alike."""
-        return incarnation_of(self.route)
+        return incarnation(self.route)
 
     @property
     def can_accept(self) -> bool:

@@ -39,22 +39,22 @@ import zmq.asyncio
 from zeroserve.common.keys import GatewayKeys, curve_server
 from zeroserve.common.logging_setup import RateLimited, printable
 from zeroserve.common.protocol import (
+    INCARNATION_PROPERTY,
     MAX_FRAME_BYTES,
     Message,
     ProtocolError,
     Tokens,
     decode,
     encode,
+    incarnation,
 )
 from zeroserve.common.socket_liveness import set_liveness_options
 from zeroserve.gateway.config import prepare_ipc_endpoint
 from zeroserve.gateway.logging import get_logger
-from zeroserve.gateway.workers.handle import incarnation_of
 from zeroserve.gateway.workers.zap import ZAP_DOMAIN, ZapHandler
 
 log = get_logger("zmq")
 
-_INCARNATION_PROPERTY = "X-Incarnation"  # worker/link.py: INCARNATION_PROPERTY
 _MAX_BATCH = 256  # messages drained from one socket per wake-up, so neither starves
 _MAX_MSG_BYTES = MAX_FRAME_BYTES + 4096  # a bigger inbound message drops its connection
 _RCVHWM = 10_000  # messages queued per socket before ZeroMQ stops reading the peers
@@ -186,7 +186,7 @@ class ZmqEdge:
             self._workers.pop(old, None)
         self._routes[worker_id] = route
         self._workers[route] = worker_id
-        self._incarnations[worker_id] = incarnation_of(route)
+        self._incarnations[worker_id] = incarnation(route)
 
     def unbind(self, worker_id: str) -> None:
         self._incarnations.pop(worker_id, None)
@@ -364,7 +364,7 @@ class ZmqEdge:
         if bound is None:
             return True
         try:
-            sender = frame.get(_INCARNATION_PROPERTY)
+            sender = frame.get(INCARNATION_PROPERTY)
         except zmq.ZMQError:  # not set by the sender
             return True
         return sender == bound
