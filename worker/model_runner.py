@@ -330,6 +330,8 @@ def _low_bit_rows(num_decode: int, prefills: list[ScheduledChunk], below: int
     """The rows that take the low-bit kernels (worker.model.linear.LowBitRows): the decode
     rows, then every prefill row at a position below `below`. A count where those are the
     first rows (the chunks come in order of start position), else the two sets of rows."""
+    if not prefills:
+        return num_decode  # a decode step: every row
     low: list[int] = list(range(num_decode))
     row = num_decode
     for chunk in prefills:
