@@ -6,8 +6,10 @@ backend applies no masks, so only its timing matters."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -46,16 +48,28 @@ def slow_compiler(monkeypatch):
     return state
 
 
-def test_other_streams_keep_producing_tokens_while_a_grammar_compiles(tmp_path,
-                                                                     slow_compiler):
+@contextlib.contextmanager
+def serving(tmp_path, engine) -> Iterator[FakeGateway]:
+    """A worker process loop around `engine`, linked and ready to a fake gateway; shut down
+    (and the gateway closed) on leaving, whatever the test did."""
     gateway = FakeGateway(tmp_path, "worker-test")
-    engine = make_engine({"forward_time_s": 0.01}, max_num_seqs=8, max_model_len=256)
     config = WorkerConfig("worker-test", gateway.router_address, gateway.tokens_address,
                           backend="fake", heartbeat_interval_s=0.05)
     worker = RunningWorker(config, engine)
     try:
         gateway.recv(Hello)
         gateway.send(Ready(True))
+        yield gateway
+    finally:
+        gateway.send(Shutdown("test over"))
+        worker.wait()
+        gateway.close()
+
+
+def test_other_streams_keep_producing_tokens_while_a_grammar_compiles(tmp_path,
+                                                                     slow_compiler):
+    engine = make_engine({"forward_time_s": 0.01}, max_num_seqs=8, max_model_len=256)
+    with serving(tmp_path, engine) as gateway:
         gateway.send(Submit("plain", [5, 6], {"max_tokens": 150, "ignore_eos": True}, 200))
         gateway.collect_n("plain", 3)
         gateway.send(Submit("json", [5, 6], {"max_tokens": 5, "ignore_eos": True}, 200,
@@ -75,11 +89,7 @@ def test_other_streams_keep_producing_tokens_while_a_grammar_compiles(tmp_path,
         during = [t for t in arrivals if t < json_first_at]
         gaps = [b - a for a, b in zip([started, *during], during, strict=False)]
         assert len(during) > 20 and max(gaps) < 0.5, max(gaps)
-    finally:
         gateway.send(Abort(["plain", "json"]))
-        gateway.send(Shutdown("test over"))
-        worker.wait()
-        gateway.close()
 
 
 def test_a_grammar_that_does_not_compile_fails_its_request_with_the_error(slow_compiler):
@@ -164,14 +174,7 @@ def test_a_failover_with_a_grammar_and_no_credit_sends_nothing_until_credit(tmp_
                                                                             slow_compiler):
     from zeroserve.common.protocol import Credit, Heartbeat
 
-    gateway = FakeGateway(tmp_path, "worker-test")
-    engine = make_engine({"forward_time_s": 0.001})
-    config = WorkerConfig("worker-test", gateway.router_address, gateway.tokens_address,
-                          backend="fake", heartbeat_interval_s=0.05)
-    worker = RunningWorker(config, engine)
-    try:
-        gateway.recv(Hello)
-        gateway.send(Ready(True))
+    with serving(tmp_path, make_engine({"forward_time_s": 0.001})) as gateway:
         # Moved from a lost worker with 2 tokens sent, and a credit of 2: its window is used.
         gateway.send(Submit("json", [5, 6], {"max_tokens": 6, "ignore_eos": True}, 2,
                             [7, 8], grammar=SCHEMA))
@@ -188,7 +191,3 @@ def test_a_failover_with_a_grammar_and_no_credit_sends_nothing_until_credit(tmp_
         outs = gateway.collect({"json"}, timeout_s=30)["json"]
         assert outs[0].num_output_tokens == 3  # its first new token follows the two it had
         assert sum(len(o.new_token_ids) for o in outs) == 4
-    finally:
-        gateway.send(Shutdown("test over"))
-        worker.wait()
-        gateway.close()
