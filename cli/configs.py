@@ -68,7 +68,7 @@ def engine_config(opts: dict[str, Any], device: str | None = None) -> EngineConf
         num_threads=opts["num_threads"], seed=opts["seed"],
         attention_backend=opts["attention_backend"],
         weight_cache=opts["weight_cache"], weight_cache_dir=opts["weight_cache_dir"],
-        batch_invariant=opts["batch_invariant"],
+        batch_invariant=opts["batch_invariant"], int8_activations=opts["int8_activations"],
         enforce_eager=opts["enforce_eager"], max_capture_batch_size=opts["max_capture_batch_size"],
         speculative_config=opts["speculative_config"],
     )

@@ -93,6 +93,11 @@ ENGINE_OPTIONS = [
     option("--weight-cache-dir", default=None,
            help="Where the weight cache lives. [default: $ZEROSERVE_CACHE_DIR/weights or "
                 "~/.cache/zeroserve/weights]"),
+    option("--int8-activations/--no-int8-activations",
+           default=field_default(EngineConfig, "int8_activations"),
+           help="Decode rows on the CPU's 4-bit/8-bit block kernels (--dtype float32) quantize "
+                "their activations to int8 per block of 32 and use integer dot products "
+                "(VNNI where the CPU has it), as llama.cpp does; prompt rows stay fp32."),
     option("--batch-invariant/--no-batch-invariant",
            default=field_default(EngineConfig, "batch_invariant"),
            help="Each request's tokens the same whatever else shares its batch, at a cost "

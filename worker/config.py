@@ -43,6 +43,10 @@ class EngineConfig:
     # (worker/weight_cache.py). None: $ZEROSERVE_CACHE_DIR/weights or ~/.cache/zeroserve/weights.
     weight_cache: bool = True
     weight_cache_dir: str | None = None
+    # Decode rows on the native block kernels (fp32 on the CPU) quantize their activations to
+    # int8 per block of 32 and take integer dot products (worker/csrc/lowbit_int8.cpp);
+    # prompt rows keep fp32 activations. Off: the fp32-activation reference path.
+    int8_activations: bool = False
     # Exact batch invariance (docs/architecture.md, "Batch independence"): every row's result
     # is the same whatever shares its step, at a cost in throughput; off, the low-bit kernels
     # are chosen by the step's row count where that is faster (worker/model/llama.py).

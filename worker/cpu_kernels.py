@@ -49,8 +49,8 @@ from zeroserve.worker.cpu_class import CpuClass, Effective
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / "decode_attention.cpp", CSRC / "lowbit_matmul.cpp", CSRC / "row_ops.cpp",
-           CSRC / "decode_layers.cpp", CSRC / "module.cpp"]
+SOURCES = [CSRC / "decode_attention.cpp", CSRC / "lowbit_matmul.cpp", CSRC / "lowbit_int8.cpp",
+           CSRC / "row_ops.cpp", CSRC / "decode_layers.cpp", CSRC / "module.cpp"]
 # -fopenmp: at::parallel_for is inline OpenMP in torch's headers, serial without it. The
 # libgomp it links is the one torch already loaded (same soname), so they share one pool.
 BASE_FLAGS = ["-O3", "-fopenmp"]

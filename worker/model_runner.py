@@ -69,6 +69,8 @@ class ModelRunner:
         self.sampler = Sampler(self.info.vocab_size, self.info.eos_token_ids, self.device,
                                config.seed)
         self.group = self.model.config.num_queries_per_kv
+        if config.int8_activations:  # decode rows' block products (BlockQ4.decode_mm)
+            self.model.use_int8_activations()
         with timer.phase("kernel"):
             self.decode_kernel = self._decode_kernel(config.attention_backend)
         with timer.phase("compile"):

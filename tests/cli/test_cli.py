@@ -181,7 +181,8 @@ def test_engine_args_round_trip(captured):
                           max_num_batched_tokens=99, max_model_len=77, block_size=8,
                           num_kv_blocks=12, kv_cache_memory=4096, enable_prefix_caching=False,
                           batching_mode=BatchingMode.STATIC, batch_wait_ms=1.5,
-                          num_threads=3, seed=11, batch_invariant=True)
+                          num_threads=3, seed=11, batch_invariant=True,
+                          int8_activations=True)
     assert invoke(["worker", *engine_args(config)]).exit_code == 0
     assert captured["worker"].engine == config
     assert invoke(["worker", *engine_args(EngineConfig())]).exit_code == 0

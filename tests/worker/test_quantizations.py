@@ -139,15 +139,19 @@ def test_q4_k_blocks_reproduce_gguf_dequantization():
 
 
 @pytest.mark.skipif(packing(CPU, torch.float32) != BLOCKS, reason="needs the native CPU kernels")
-def test_decode_steps_call_the_kernels_directly_with_the_same_result(tmp_path, monkeypatch):
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8_activations"])
+def test_decode_steps_call_the_kernels_directly_with_the_same_result(tmp_path, monkeypatch,
+                                                                     int8):
     """A step of decode rows only runs all layers in one native call (decode_layers.cpp), or
     else each layer's LlamaLayer.decode_native (the kernels called directly): both bit for
-    bit what forward() computes layer by layer for the same rows, three sequences at once."""
+    bit what forward() computes layer by layer for the same rows, three sequences at once;
+    with int8 activations too (each of the three paths takes them for decode rows)."""
     model = make_model("llama", seed=2, tie_word_embeddings=False, **WIDE)
     path = write_gguf(model, tmp_path / "tiny.gguf", quantize_like_file(model, MIXES["Q4_K"]))
     engine = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", block_size=4,
-                                 num_kv_blocks=64, weight_cache=False))
+                                 num_kv_blocks=64, weight_cache=False, int8_activations=int8))
     llama = engine.runner.model
+    assert llama._fused.int8_activations is int8
     assert all(layer.native is not None for layer in llama.layers)
     steps = []
     forward = llama.forward
@@ -174,6 +178,11 @@ def test_decode_steps_call_the_kernels_directly_with_the_same_result(tmp_path, m
     layer_by_layer = forward(input_ids, positions, meta, kv_caches)
     assert torch.equal(direct, layer_by_layer)
     assert torch.equal(fused, layer_by_layer)
+    if int8:  # and it is not the fp32-activation step
+        for layer in llama.layers:
+            for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+                monkeypatch.setattr(lin.packed, "int8_activations", False)
+        assert not torch.equal(forward(input_ids, positions, meta, kv_caches), layer_by_layer)
 
 
 @pytest.mark.skipif(packing(CPU, torch.float32) != BLOCKS, reason="needs the native CPU kernels")
@@ -197,6 +206,7 @@ class RecordingFused:
         self.attention = fused.attention
         self.module = self
         self.weights, self.bits, self.out_features = fused.weights, fused.bits, fused.out_features
+        self.int8_activations = fused.int8_activations
         self._called = called
 
     def decode_layers(self, x, *args):

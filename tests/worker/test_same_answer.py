@@ -61,17 +61,20 @@ def run(engine: Engine, prompts: list[list[int]]) -> list[tuple[list[int], list]
     return [results[i] for i in ids]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float32+int8"])
 def test_a_request_gets_the_same_answer_alone_in_a_batch_and_from_the_prefix_cache(
         q4_model, dtype):
+    """float32+int8: decode rows with int8 activations (--int8-activations)."""
     if dtype == "bfloat16" and not int4_kernels_available():
         pytest.skip("torch has no int4 weight kernel here")
+    dtype, _, int8 = dtype.partition("+")
 
     def engine(prefix_caching: bool) -> Engine:
         return Engine(EngineConfig(model=str(q4_model), device="cpu", dtype=dtype,
                                    block_size=16, num_kv_blocks=256, max_model_len=512,
                                    max_num_batched_tokens=64, weight_cache=False,
-                                   enable_prefix_caching=prefix_caching))
+                                   enable_prefix_caching=prefix_caching,
+                                   int8_activations=bool(int8)))
 
     cold = engine(prefix_caching=False)
     alone = [run(cold, [p])[0] for p in PROMPTS]

@@ -17,6 +17,10 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t out_features);
 at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t out_features);
 
+// lowbit_int8.cpp: the same blocks times x quantized to int8 per block of 32
+at::Tensor q4_matmul_i8(const at::Tensor& x, const at::Tensor& blocks, int64_t out_features);
+at::Tensor q8_matmul_i8(const at::Tensor& x, const at::Tensor& blocks, int64_t out_features);
+
 // row_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta,
@@ -34,4 +38,4 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& 
                          const std::vector<at::Tensor>& kv_caches, const at::Tensor& slots,
                          const at::Tensor& block_tables, const at::Tensor& context_lens,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-                         double scale);
+                         double scale, bool int8_activations);

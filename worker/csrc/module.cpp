@@ -17,6 +17,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_matmul", &q8_matmul,
         "x [M, K] fp32 times 8-bit block weights in panels of 16 features (one uint8 tensor; "
         "see lowbit_matmul.cpp) -> [M, out_features]");
+  m.def("q4_matmul_i8", &q4_matmul_i8,
+        "q4_matmul with x quantized to int8 per block of 32 (lowbit_int8.cpp): integer dot "
+        "products, for decode rows with --int8-activations");
+  m.def("q8_matmul_i8", &q8_matmul_i8,
+        "q8_matmul with x quantized to int8 per block of 32 (lowbit_int8.cpp)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each fp32 row");
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm of x + delta), fp32 rows");
   m.def("write_kv", &write_kv, "Store new tokens' K/V in their slots of the paged pool");
@@ -34,9 +39,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 TORCH_LIBRARY(zeroserve, m) {
   m.def("q4_matmul(Tensor x, Tensor blocks, int out_features) -> Tensor");
   m.def("q8_matmul(Tensor x, Tensor blocks, int out_features) -> Tensor");
+  m.def("q4_matmul_i8(Tensor x, Tensor blocks, int out_features) -> Tensor");
+  m.def("q8_matmul_i8(Tensor x, Tensor blocks, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(zeroserve, CPU, m) {
   m.impl("q4_matmul", &q4_matmul);
   m.impl("q8_matmul", &q8_matmul);
+  m.impl("q4_matmul_i8", &q4_matmul_i8);
+  m.impl("q8_matmul_i8", &q8_matmul_i8);
 }

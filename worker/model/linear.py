@@ -33,7 +33,8 @@ class Linear:
             return padded_linear(x, self.dense, self.min_rows)
         return F.linear(x, self.dense)
 
-    def __call__(self, x: torch.Tensor, low_bit: LowBitRows | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, low_bit: LowBitRows | None = None,
+                 num_decode: int = 0) -> torch.Tensor:
         """x [num_tokens, in] -> [num_tokens, out]. The rows `low_bit` names go through the
         low-bit copy where there is one, the others through the dense weight: an int N for
         the first N rows, or (those rows, the others) as index tensors; None: all rows.
@@ -45,6 +46,8 @@ class Linear:
         compute-bound, where the dense kernel wins. So a row's kernel, and with it its result
         on the kernels that compute each row on its own, is the same alone or in any batch,
         and the same whether or not its prompt's beginning came from the prefix cache.
+        The first `num_decode` rows (always among the low-bit ones) are decode rows: they
+        take the copy's decode kernel, which may quantize them to int8 (`--int8-activations`).
         """
         rows = x.shape[0]
         if self.packed is None:
@@ -52,15 +55,27 @@ class Linear:
         if isinstance(low_bit, tuple):
             low, dense = low_bit
             out = x.new_empty(rows, self.dense.shape[0])
-            out.index_copy_(0, low, self.packed.mm(x.index_select(0, low)))
+            out.index_copy_(0, low, self._low_bit(x.index_select(0, low), num_decode))
             out.index_copy_(0, dense, self._dense(x.index_select(0, dense)))
             return out
         num_low_bit = rows if low_bit is None else min(low_bit, rows)
         if num_low_bit == 0:
             return self._dense(x)
         if num_low_bit == rows:
-            return self.packed.mm(x)
+            return self._low_bit(x, num_decode)
         out = x.new_empty(rows, self.dense.shape[0])
-        out[:num_low_bit] = self.packed.mm(x[:num_low_bit])
+        out[:num_low_bit] = self._low_bit(x[:num_low_bit], num_decode)
         out[num_low_bit:] = self._dense(x[num_low_bit:])
+        return out
+
+    def _low_bit(self, x: torch.Tensor, num_decode: int) -> torch.Tensor:
+        """Low-bit rows, the first `num_decode` of them decode rows: those through the copy's
+        decode kernel where it has its own (int8 activations), the others through mm."""
+        if num_decode == 0 or not getattr(self.packed, "int8_activations", False):
+            return self.packed.mm(x)
+        if num_decode >= x.shape[0]:
+            return self.packed.decode_mm(x)
+        out = x.new_empty(x.shape[0], self.dense.shape[0])
+        out[:num_decode] = self.packed.decode_mm(x[:num_decode])
+        out[num_decode:] = self.packed.mm(x[num_decode:])
         return out

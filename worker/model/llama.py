@@ -112,7 +112,7 @@ class LlamaLayer:
         h = ops.rms_norm(x, self.input_norm, cfg.rms_norm_eps)
         # Decode rows and early prompt positions take the low-bit kernels, other prompt rows
         # the dense weights (Linear).
-        qkv = self.qkv(h, meta.low_bit)  # [num_tokens, q_size + 2 * kv_size]
+        qkv = self.qkv(h, meta.low_bit, meta.num_decode)  # [num_tokens, q_size + 2 * kv_size]
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         qk = qkv[:, : cfg.q_size + cfg.kv_size].view(n, -1, cfg.head_dim)
@@ -128,11 +128,11 @@ class LlamaLayer:
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(n, cfg.num_kv_heads, cfg.head_dim)
         k_cache, v_cache = kv_cache if kv_cache is not None else (None, None)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta, cfg.head_dim**-0.5)
-        out = self.o_proj(attn, meta.low_bit)
+        out = self.o_proj(attn, meta.low_bit, meta.num_decode)
         x, h = ops.add_rms_norm(x, out if self.o_bias is None else out + self.o_bias,
                                 self.post_norm, cfg.rms_norm_eps)
-        act = ops.silu_mul(self.gate_up(h, meta.low_bit))  # [num_tokens, intermediate]
-        return x + self.down(act, meta.low_bit)
+        act = ops.silu_mul(self.gate_up(h, meta.low_bit, meta.num_decode))  # [num_tokens, intermediate]
+        return x + self.down(act, meta.low_bit, meta.num_decode)
 
     def decode_native(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -145,7 +145,7 @@ class LlamaLayer:
         n = x.shape[0]
         qk_size = cfg.q_size + cfg.kv_size
         h = native.rms_norm(x, self.input_norm, cfg.rms_norm_eps)
-        qkv = self.qkv.packed.mm(h)
+        qkv = self.qkv.packed.decode_mm(h)
         qk = native.rotary(qkv[:, :qk_size].view(n, -1, cfg.head_dim), cos, sin)
         k_cache, v_cache = kv_cache
         native.write_kv(k_cache, v_cache, qk[:, cfg.num_heads :],
@@ -154,9 +154,9 @@ class LlamaLayer:
         paged = meta.paged_decode
         attn = paged.kernel(qk[:, : cfg.num_heads], k_cache, v_cache, paged.block_tables,
                             paged.context_lens, cfg.head_dim**-0.5)
-        x, h = native.add_rms_norm(x, self.o_proj.packed.mm(attn), self.post_norm,
+        x, h = native.add_rms_norm(x, self.o_proj.packed.decode_mm(attn), self.post_norm,
                                    cfg.rms_norm_eps)
-        return x + self.down.packed.mm(native.silu_mul(self.gate_up.packed.mm(h)))
+        return x + self.down.packed.decode_mm(native.silu_mul(self.gate_up.packed.decode_mm(h)))
 
 
 @dataclass(frozen=True)
@@ -168,6 +168,7 @@ class FusedLayers:
     weights: list[torch.Tensor]  # per layer: input_norm, qkv, o_proj, post_norm, gate_up, down
     bits: list[int]  # per layer's four products: 4 (BlockQ4) or 8 (BlockQ8)
     out_features: list[int]
+    int8_activations: bool = False  # the products quantize x to int8 (BlockQ4.decode_mm)
 
 
 class LlamaModel:
@@ -234,7 +235,7 @@ class LlamaModel:
                 x, cos, sin, fused.weights, fused.bits, fused.out_features,
                 [pool for kv in kv_caches for pool in kv], meta.slot_mapping,
                 paged.block_tables, paged.context_lens, cfg.num_heads, cfg.num_kv_heads,
-                cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim**-0.5)
+                cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim**-0.5, fused.int8_activations)
         for i, layer in enumerate(self.layers):
             if all_decode and layer.native is not None:
                 x = layer.decode_native(x, cos, sin, kv_caches[i], meta)
@@ -256,7 +257,20 @@ class LlamaModel:
                         layer.post_norm, layer.gate_up.packed.data, layer.down.packed.data]
             bits += [4 if isinstance(lin.packed, BlockQ4) else 8 for lin in linears]
             out_features += [lin.packed.out_features for lin in linears]
-        return FusedLayers(module, module.decode_attention, weights, bits, out_features)
+        int8 = all(lin.packed.int8_activations for layer in self.layers
+                   for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+        return FusedLayers(module, module.decode_attention, weights, bits, out_features, int8)
+
+    def use_int8_activations(self) -> None:
+        """Decode rows of every layer's block products quantize their activations to int8
+        (`--int8-activations`, worker/csrc/lowbit_int8.cpp); prompt rows, and the lm_head,
+        keep fp32 activations. Nothing to do where the layers have no block copies (bf16's
+        torch kernels, a GPU)."""
+        for layer in self.layers:
+            for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+                if isinstance(lin.packed, BlockQ4 | BlockQ8):
+                    lin.packed.use_int8_activations()
+        self._fused = self._fused_layers()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden] -> fp32 logits [num_rows, vocab]."""

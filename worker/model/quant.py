@@ -5,6 +5,9 @@ without native bf16), torch's low-bit kernels have no vectorized path (30-60x sl
 dense at one row), so the native kernels of worker/csrc/lowbit_matmul.cpp run the file's
 blocks as they are (BlockQ4, BlockQ8): 6-8x less to read than the fp32 weights and the same
 weight values, so decode rows keep the reference path's numbers up to summation order.
+With `--int8-activations`, decode rows instead quantize x to int8 per block of 32 and take
+integer dot products over the same blocks (worker/csrc/lowbit_int8.cpp, llama.cpp's way:
+BlockQ4.use_int8_activations); prompt rows keep fp32 activations.
 
 A decode step with few sequences is bound by reading the weights (a bf16 matrix-vector product
 runs at ~5 GB/s here), so it pays to read 4-bit weights instead: torch's CPU int4 kernel
@@ -208,6 +211,8 @@ class BlockQ4:
         self.data = data  # [panels, blocks, unit] uint8
         self.out_features = out_features  # the last panel may be partly padding
         self._kernel = _native().q4_matmul
+        self.int8_activations = False  # decode rows: x quantized to int8 (use_int8_activations)
+        self._decode_kernel = self._kernel
 
     @staticmethod
     def tensors(blocks: Int4Blocks) -> torch.Tensor:
@@ -231,6 +236,17 @@ class BlockQ4:
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         return self._kernel(x, self.data, self.out_features)
 
+    def decode_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x's rows as decode rows: mm's product, or with int8 activations where they are
+        on (worker/csrc/lowbit_int8.cpp, the same blocks)."""
+        return self._decode_kernel(x, self.data, self.out_features)
+
+    def use_int8_activations(self) -> None:
+        """Decode rows (decode_mm) from now on quantize x to int8 per block of 32 and take
+        integer dot products (`--int8-activations`); mm, for prompt rows, is unchanged."""
+        self.int8_activations = True
+        self._decode_kernel = _native().q4_matmul_i8
+
 
 class BlockQ8:
     """An Int8Blocks matrix (GGUF Q8_0: the tied embedding and lm_head of most files) for
@@ -245,6 +261,8 @@ class BlockQ8:
         self.data = data  # [panels, blocks, unit] uint8
         self.out_features = out_features
         self._kernel = _native().q8_matmul
+        self.int8_activations = False  # as BlockQ4's
+        self._decode_kernel = self._kernel
 
     @staticmethod
     def tensors(blocks: Int8Blocks) -> torch.Tensor:
@@ -254,6 +272,13 @@ class BlockQ8:
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         return self._kernel(x, self.data, self.out_features)
+
+    def decode_mm(self, x: torch.Tensor) -> torch.Tensor:
+        return self._decode_kernel(x, self.data, self.out_features)
+
+    def use_int8_activations(self) -> None:
+        self.int8_activations = True
+        self._decode_kernel = _native().q8_matmul_i8
 
 
 def _native():
@@ -266,8 +291,8 @@ def _native():
 
 @functools.cache
 def _register_shapes() -> None:
-    """Output shapes of torch.ops.zeroserve.q4_matmul / q8_matmul, for tracing (the module
-    registers the operators when it loads)."""
+    """Output shapes of torch.ops.zeroserve.q4_matmul / q8_matmul and their int8-activation
+    twins (_i8), for tracing (the module registers the operators when it loads)."""
 
     @torch.library.register_fake("zeroserve::q4_matmul")
     def _q4(x, blocks, out_features):
@@ -275,6 +300,14 @@ def _register_shapes() -> None:
 
     @torch.library.register_fake("zeroserve::q8_matmul")
     def _q8(x, blocks, out_features):
+        return x.new_empty(x.shape[0], out_features)
+
+    @torch.library.register_fake("zeroserve::q4_matmul_i8")
+    def _q4_i8(x, blocks, out_features):
+        return x.new_empty(x.shape[0], out_features)
+
+    @torch.library.register_fake("zeroserve::q8_matmul_i8")
+    def _q8_i8(x, blocks, out_features):
         return x.new_empty(x.shape[0], out_features)
 
 

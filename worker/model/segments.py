@@ -30,7 +30,8 @@ from zeroserve.worker.model.llama_config import LlamaConfig
 from zeroserve.worker.model.quant import GROUP_SIZE, BlockQ4, BlockQ8, PackedInt4, PackedInt8
 
 # (dense [out, in], kind, low-bit tensors): kind names the low-bit copy decode rows use
-# ("int4", "int8": torch's kernels; "q4", "q8": the native block kernels; None: the dense weight).
+# ("int4", "int8": torch's kernels; "q4", "q8": the native block kernels, "q4_i8", "q8_i8" the
+# same with int8 activations; None: the dense weight).
 LinearTensors = tuple[torch.Tensor, str | None, tuple[torch.Tensor, ...]]
 
 
@@ -40,10 +41,10 @@ def linear_tensors(linear: Linear) -> LinearTensors:
         return linear.dense, "int4", (packed.weight, packed.scales_and_zeros)
     if isinstance(packed, PackedInt8):
         return linear.dense, "int8", (packed.weight, packed.scales)
-    if isinstance(packed, BlockQ4):
-        return linear.dense, "q4", (packed.data,)
-    if isinstance(packed, BlockQ8):
-        return linear.dense, "q8", (packed.data,)
+    if isinstance(packed, BlockQ4 | BlockQ8):
+        kind = ("q4" if isinstance(packed, BlockQ4) else "q8") + (
+            "_i8" if packed.int8_activations else "")
+        return linear.dense, kind, (packed.data,)
     return linear.dense, None, ()
 
 
@@ -58,6 +59,10 @@ def decode_rows(x: torch.Tensor, weights: LinearTensors) -> torch.Tensor:
         return torch.ops.zeroserve.q4_matmul(x, *low_bit, dense.shape[0])
     if kind == "q8":
         return torch.ops.zeroserve.q8_matmul(x, *low_bit, dense.shape[0])
+    if kind == "q4_i8":
+        return torch.ops.zeroserve.q4_matmul_i8(x, *low_bit, dense.shape[0])
+    if kind == "q8_i8":
+        return torch.ops.zeroserve.q8_matmul_i8(x, *low_bit, dense.shape[0])
     return F.linear(x, dense)
 
 
