@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 4  # 4: SUBMIT.priority; 3: attempt-tagged SUBMIT/ABORT/CREDIT/TokenOutput, TOKENS seq
+PROTOCOL_VERSION = 5  # 5: SUBMIT.flow; 4: SUBMIT.priority; 3: attempt-tagged SUBMIT/ABORT/CREDIT/TokenOutput, TOKENS seq
 
 
 # The ZMTP metadata property on a worker's TOKENS socket naming its process (the PULL side has
@@ -44,6 +44,7 @@ MAX_NAME_CHARS = 256  # worker ids, model names, devices
 GRAMMAR_KINDS = ("json_schema", "lark", "regex")  # Submit.grammar kinds
 MAX_GRAMMAR_CHARS = 256 * 1024
 MAX_PRIORITY = 255  # |SUBMIT.priority|: far more classes than any operator names
+MAX_FLOW = 2**32 - 1  # SUBMIT.flow: a 32-bit hash of the client (0: none)
 
 
 class ProtocolError(ValueError):
@@ -189,7 +190,8 @@ class Submit(Message):
     TYPE: ClassVar[MsgType] = MsgType.SUBMIT
     SCHEMA: ClassVar = {"request_id": _STR, "prompt_token_ids": _LIST, "params": _DICT,
                         "credit": _INT, "output_token_ids": _LIST,
-                        "grammar": (list, type(None)), "attempt": _INT, "priority": _INT}
+                        "grammar": (list, type(None)), "attempt": _INT, "priority": _INT,
+                        "flow": _INT}
     request_id: str
     prompt_token_ids: list[int]
     params: dict[str, Any]
@@ -209,16 +211,24 @@ class Submit(Message):
     # admits by it and preempts the worst first (worker/priority_policy.py). Left off the
     # wire at 0, so a SUBMIT of the default class is the one of protocol 3 before it.
     priority: int = 0
+    # The client it serves (an API key, or an address without keys) as a 32-bit hash the
+    # gateway makes, 0 for none: the worker shares a full batch's slots fairly across flows
+    # of one priority (worker/priority_policy.py). Left off the wire at 0.
+    flow: int = 0
 
     def to_wire(self) -> list:
         body = [getattr(self, f.name) for f in fields(self)]
-        return body if self.priority else body[:-1]
+        if self.flow:
+            return body
+        return body[:-1] if self.priority else body[:-2]  # trailing defaults stay off
 
     def validate(self) -> None:
         if not 1 <= self.attempt < _MAX_U32:
             raise ProtocolError("attempt must be in [1, 2^32)")
         if not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
             raise ProtocolError(f"priority must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
+        if not 0 <= self.flow <= MAX_FLOW:
+            raise ProtocolError("flow must be in [0, 2^32)")
         for ids in (self.prompt_token_ids, self.output_token_ids):
             if not all(type(t) is int and 0 <= t < _MAX_U32 for t in ids):
                 raise ProtocolError("token ids must be non-negative 32-bit ints")

@@ -34,6 +34,7 @@ from zeroserve.gateway.errors import APIError, no_worker, queue_full
 from zeroserve.gateway.fair_queue import DEFAULT_MAX_FLOWS, Entry, FairQueue
 from zeroserve.gateway.priority_classes import PriorityClasses
 from zeroserve.gateway.queue_stats import QueueStats
+from zeroserve.gateway.workers.flow_load import Flow
 from zeroserve.gateway.workers.handle import WorkerHandle
 from zeroserve.gateway.workers.models import Target
 from zeroserve.gateway.workers.prefix import Prefix
@@ -56,6 +57,7 @@ class _Waiter:
     prefix: Prefix | None
     future: asyncio.Future
     target: Target | None
+    flow: Flow | None = None  # its class and client, counted on the worker that takes it
 
 
 def shed(class_name: str, retry_after_s: int) -> APIError:
@@ -126,13 +128,15 @@ class Admission:
         `target`: the model (and version) whose workers may take it (None: any);
         `ticket`: its class and client (None: the default class, no client)."""
         ticket = ticket or self.default_ticket()
-        worker = self.try_acquire(request_id, prompt_token_ids, cache_key, target, ticket.rank)
+        worker = self.try_acquire(request_id, prompt_token_ids, cache_key, target, ticket.rank,
+                                  ticket.client)
         if worker is not None:
             return worker
         self._make_room(ticket)
         prefix = None if prompt_token_ids is None else Prefix(prompt_token_ids, cache_key)
         future: asyncio.Future = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(request_id, prefix, future, target)
+        waiter = _Waiter(request_id, prefix, future, target,
+                         self._flow(ticket.rank, ticket.client))
         rank, flow = (ticket.rank, (ticket.client, target)) if self.is_fair else (0, None)
         entry = Entry(waiter, rank, flow, ticket.weight, self.clock())
         self._queue.push(entry)
@@ -155,21 +159,28 @@ class Admission:
 
     def try_acquire(self, request_id: str, prompt_token_ids: list[int] | None = None,
                     cache_key: str | None = None, target: Target | None = None,
-                    rank: int | None = None) -> WorkerHandle | None:
+                    rank: int | None = None, client: Hashable = None) -> WorkerHandle | None:
         """`acquire` without waiting: a worker with the request assigned to it, if one of
         `target`'s can take it now and nobody waits ahead for the same workers (of its class
-        or a better one, for a class above the default); None otherwise. Raises what
-        `close` was given."""
+        or a better one, for a class above the default); None otherwise. A request whose
+        flow (class and `client`) has nothing queued here and holds 2 requests fewer on a
+        worker than its class's flow holding the most there goes to that worker even when
+        it is full or others wait (the worker gives it a slot of that flow's at once:
+        gateway/workers/flow_load.py). Raises what `close` was given."""
         if self._closed_with is not None:
             raise self._closed_with
         is_priority = rank is not None and self._is_priority(rank)
+        flow = None if rank is None else self._flow(rank, client)
+        prefix = None if prompt_token_ids is None else Prefix(prompt_token_ids, cache_key)
         if self._is_queued_for(target) and not (
                 is_priority and not any(self._queue.num_of_rank(r) for r in range(rank + 1))):
-            return None
-        prefix = None if prompt_token_ids is None else Prefix(prompt_token_ids, cache_key)
-        worker = self.registry.pick(prefix, target, is_priority)
+            if flow is None or self._queue.has_flow(rank, (client, target)):
+                return None  # behind those waiting (its own first)
+            worker = self.registry.pick_for_flow(prefix, target, flow)
+        else:
+            worker = self.registry.pick(prefix, target, is_priority, flow)
         if worker is not None:
-            self.registry.assign(worker, request_id, prefix)
+            self.registry.assign(worker, request_id, prefix, flow)
         return worker
 
     def close(self, error: APIError) -> None:
@@ -182,6 +193,10 @@ class Admission:
         self._num_waiting_for.clear()
 
     # --- inside ------------------------------------------------------------------------
+
+    def _flow(self, rank: int, client: Hashable) -> Flow | None:
+        """What a worker counts the request's share by (None: fcfs, or no client)."""
+        return (rank, client) if self.is_fair and client is not None else None
 
     def _is_priority(self, rank: int) -> bool:
         """A class above the default one: it may go to a worker past its capacity, up to a
@@ -269,5 +284,5 @@ class Admission:
             self._left(waiter.target)
             if waiter.future.done():
                 continue
-            self.registry.assign(picked[-1], waiter.request_id, waiter.prefix)
+            self.registry.assign(picked[-1], waiter.request_id, waiter.prefix, waiter.flow)
             waiter.future.set_result(picked[-1])

@@ -63,6 +63,7 @@ from zeroserve.gateway.streams import (
     WorkerOutbox,
 )
 from zeroserve.gateway.workers.debug_calls import DebugCalls
+from zeroserve.gateway.workers.flow_load import wire_flow
 from zeroserve.gateway.workers.handle import WorkerHandle, WorkerStatus
 from zeroserve.gateway.workers.models import ModelCatalog, Target
 from zeroserve.gateway.workers.registry import WorkerRegistry
@@ -193,7 +194,8 @@ class Gateway:
         True; False: nothing was done, `submit` waits its turn. Raises APIError."""
         worker = self.admission.try_acquire(state.request_id, state.prompt_token_ids,
                                             state.cache_key, state.target,
-                                            None if state.ticket is None else state.ticket.rank)
+                                            None if state.ticket is None else state.ticket.rank,
+                                            None if state.ticket is None else state.ticket.client)
         if worker is None:
             return False
         state.params = params
@@ -220,7 +222,7 @@ class Gateway:
         sent = self.edge.send(worker.worker_id, Submit(
             state.request_id, state.prompt_token_ids, sampling, state.credit_limit,
             state.output_token_ids, params.get("grammar"), state.attempt,
-            self._wire_priority(state)))
+            self._wire_priority(state), self._wire_flow(state)))
         if log.isEnabledFor(logging.DEBUG):  # (not even its fields built otherwise)
             log.debug("submitted", extra={"request_id": state.request_id,
                                           "worker_id": worker.worker_id,
@@ -233,6 +235,13 @@ class Gateway:
         if state.ticket is None or not self.admission.is_fair:
             return 0
         return self.priorities.classes.wire_priority(state.ticket.rank)
+
+    def _wire_flow(self, state: RequestState) -> int:
+        """SUBMIT.flow: the request's client, hashed, for the worker's fair share of slots
+        (0 with fcfs: the worker's plain FIFO)."""
+        if state.ticket is None or not self.admission.is_fair:
+            return 0
+        return wire_flow(state.ticket.client)
 
     def grant(self, state: RequestState, num_tokens: int) -> None:
         """The client took these tokens: let the worker send as many more."""

@@ -96,6 +96,10 @@ class FairQueue:
         """Queues held now, in all classes (the bookkeeping's size)."""
         return sum(len(c.queues) for c in self._classes)
 
+    def has_flow(self, rank: int, flow: Hashable) -> bool:
+        """Does `flow` have requests waiting in class `rank` (in a queue of its own)?"""
+        return flow in self._classes[rank].queues
+
     def shares(self) -> list[float]:
         return [c.share for c in self._classes]
 

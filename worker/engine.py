@@ -124,10 +124,11 @@ class Engine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         output_token_ids: list[int] | tuple[int, ...] = (),
-        grammar: GrammarSpec | None = None, priority: int = 0,
+        grammar: GrammarSpec | None = None, priority: int = 0, flow: int = 0,
     ) -> None:
         """Queue a request. Raises RequestError (user-facing message) if it can never run.
-        `priority`: lower is admitted first and preempted last (worker/priority_policy.py).
+        `priority`: lower is admitted first and preempted last (worker/priority_policy.py);
+        `flow`: the client, hashed (0: none), whose share of a full batch's slots it counts in.
 
         `output_token_ids`: tokens this request already produced elsewhere (a stream moved
         from a lost worker). They count as its own outputs (max_tokens, penalties, the
@@ -140,7 +141,8 @@ class Engine:
             raise RequestError("The request has produced all of its max_tokens already.")
         seq = Sequence(request_id, list(prompt_token_ids), params,
                        output_token_ids=list(output_token_ids),
-                       num_emitted_tokens=len(output_token_ids), priority=priority)
+                       num_emitted_tokens=len(output_token_ids), priority=priority,
+                       flow=flow)
         if grammar is not None:  # its matcher resumes over output_token_ids at the first mask
             state = self._cached_grammar(seq, grammar)
             if state is None:  # compiling off this thread: it waits, unscheduled

@@ -11,13 +11,27 @@ A sequence's `priority` comes from its SUBMIT (common/protocol.py): lower is ser
   With every priority equal this is the plain FIFO: append, and appendleft to requeue.
 - With the batch full (max_num_seqs), a waiting sequence of a better priority than the worst
   running one takes that one's slot: it is preempted (recompute) and the better one is
-  admitted at the next step. Equal priorities never preempt each other for a slot.
+  admitted in its place.
+- Fair across flows (SUBMIT.flow: the client, an API key, as the gateway hashed it) within
+  one priority: of the waiting sequences of the best priority, the one whose flow holds the
+  fewest running slots of that priority is admitted first; with the batch full it takes a
+  slot from the flow holding the most, if that one holds at least 2 more (so the shares
+  converge to within one slot and never swap back and forth). Priority beats flows: a
+  better priority's sequences are never preempted for a flow's share.
+- A slot's victim is the newest running sequence of the flow holding the most slots among
+  those of the worst priority; the newest has the least context to recompute, and it waits
+  at the front of its priority, ahead of its flow's other waiting sequences.
 - Under KV pressure the victim is the worst priority holding blocks; among equals a paused
-  sequence (idle without credit) before a running one, and the newest first. So a lower class
-  is always preempted before a higher one, and the order within one priority is the old one.
+  sequence (idle without credit) before a running one, then the flow holding the most
+  running slots, and the newest first. So a lower class is always preempted before a higher
+  one, and with one flow (or every flow 0) the order within one priority is the old one.
 
 Plain Python, no torch. Invariant: the queue stays sorted by priority (stable), so admission
-(the scheduler takes waiting[0], waiting[1], ...) follows priority.
+(the scheduler takes waiting[0], waiting[1], ...) follows priority. The flow rule reorders
+only the first MAX_FAIR_SCAN waiting sequences of the best priority, and takes at most one
+slot a step (the gateway keeps a worker's queue short; the engine used directly with
+thousands waiting looks no further, so a step's cost stays bounded). With one flow it moves
+nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +40,11 @@ from collections import deque
 from collections.abc import Iterable
 
 from zeroserve.worker.sequence import Sequence, SequenceStatus
+
+# How many waiting sequences of the best priority the flow rule looks at each step.
+MAX_FAIR_SCAN = 128
+# A flow takes a full batch's slot from another only when that one holds this many more.
+MIN_SLOT_LEAD = 2
 
 
 def enqueue(waiting: deque[Sequence], seq: Sequence) -> None:
@@ -51,15 +70,17 @@ def requeue_front(waiting: deque[Sequence], seq: Sequence) -> None:
     waiting.insert(index, seq)
 
 
-def pick_victim(paused: Iterable[Sequence], running: Iterable[Sequence],
-                scheduled_ids: set[str], needing: Sequence) -> Sequence | None:
+def pick_victim(paused: Iterable[Sequence], running, scheduled_ids: set[str],
+                needing: Sequence) -> Sequence | None:
     """The sequence to preempt for `needing`'s blocks: the worst priority among paused
     sequences holding blocks, running ones not scheduled this step, and scheduled ones of a
     worse priority than `needing` (the caller then drops their chunks: `drop_preempted`);
-    among equals paused first, then the newest (both iterables are oldest first). None when
-    no one can give blocks back."""
+    among equals paused first, then the flow holding the most running slots of that
+    priority, then the newest (both iterables are oldest first). `running` is the
+    scheduler's RunQueue. None when no one can give blocks back."""
+    flows = running.flows
     victim: Sequence | None = None
-    victim_key: tuple[int, int] | None = None
+    victim_key: tuple[int, int, int] | None = None
     for is_paused, seqs in ((1, paused), (0, running)):
         for seq in seqs:
             if is_paused and not seq.block_table:
@@ -67,24 +88,86 @@ def pick_victim(paused: Iterable[Sequence], running: Iterable[Sequence],
             if (not is_paused and seq.request_id in scheduled_ids
                     and seq.priority <= needing.priority):
                 continue
-            key = (seq.priority, is_paused)
+            key = (seq.priority, is_paused, flows.get((seq.priority, seq.flow), 0))
             if victim_key is None or key >= victim_key:  # >=: the newest of equals
                 victim, victim_key = seq, key
     return victim
 
 
-def slot_victim(waiting_head: Sequence, running) -> Sequence | None:
-    """With the batch full (max_num_seqs): the running sequence whose slot the first waiting
-    one takes, the newest of the worst priority if that is worse than the waiting one's;
-    None otherwise (equal priorities wait their turn, as in FCFS). `running` is the
-    scheduler's RunQueue (its `priorities` counts, oldest first)."""
-    if not running.priorities:
+def slot_victim(waiting: deque[Sequence], running, max_num_seqs: int) -> Sequence | None:
+    """With the batch full and `waiting` not empty: the running sequence whose slot a waiting
+    one takes, or None. `running` is the scheduler's RunQueue (its `priorities` and `flows`
+    counts, oldest first).
+
+    - A worse priority running than the first waiting: the newest of the flow holding the
+      most slots of the worst priority.
+    - Else the newest of the flow holding the most slots of the first waiting one's
+      priority, if that flow holds MIN_SLOT_LEAD more than the waiting flow holding the
+      fewest (among the first MAX_FAIR_SCAN waiting of that priority). One flow: None.
+    """
+    if len(running) < max_num_seqs or not running.priorities:
         return None
+    head = waiting[0]
     worst = max(running.priorities)
-    if worst <= waiting_head.priority:
+    if worst > head.priority:
+        return _newest_of_largest_flow(running, worst)
+    counts = _flow_counts(running, head.priority)
+    if not counts:
         return None
+    fewest = min(counts.get(seq.flow, 0) for seq in _window(waiting, head.priority))
+    if max(counts.values()) - fewest < MIN_SLOT_LEAD:
+        return None
+    return _newest_of_largest_flow(running, head.priority)
+
+
+def order_admissions(waiting: deque[Sequence], running, num_free: int) -> None:
+    """Before `num_free` slots are filled from `waiting` (not empty): its front reordered so
+    that each next admission goes to the waiting flow holding the fewest running slots of
+    the first one's priority (counting those admitted before it; ties: the oldest). Only the
+    first MAX_FAIR_SCAN waiting of that priority move; with one flow nothing does."""
+    priority = waiting[0].priority
+    counts = _flow_counts(running, priority)
+    window = list(_window(waiting, priority))
+    if num_free <= 0 or len(window) < 2:
+        return
+    order: list[Sequence] = []
+    rest = window
+    for _ in range(min(num_free, len(window))):
+        pick = min(range(len(rest)), key=lambda i: (counts.get(rest[i].flow, 0), i))
+        seq = rest.pop(pick)
+        order.append(seq)
+        counts[seq.flow] = counts.get(seq.flow, 0) + 1
+        if not rest:
+            break
+    if all(a is b for a, b in zip(order, window, strict=False)):
+        return  # already in this order (one flow, or FIFO is fair): the common case
+    for _ in range(len(order) + len(rest)):
+        waiting.popleft()
+    waiting.extendleft(reversed(order + rest))
+
+
+def _window(waiting: deque[Sequence], priority: int):
+    """The first MAX_FAIR_SCAN waiting sequences of `priority` (the best waiting one)."""
+    for index, seq in enumerate(waiting):
+        if seq.priority != priority or index == MAX_FAIR_SCAN:
+            return
+        yield seq
+
+
+def _flow_counts(running, priority: int) -> dict[int, int]:
+    """flow -> its running sequences of `priority`."""
+    return {flow: n for (p, flow), n in running.flows.items() if p == priority}
+
+
+def _newest_of_largest_flow(running, priority: int) -> Sequence | None:
+    """The newest running sequence of `priority` among those of the flow holding the most
+    running slots of it."""
+    counts = _flow_counts(running, priority)
+    if not counts:
+        return None
+    most = max(counts.values())
     for seq in reversed(running):
-        if seq.priority == worst:
+        if seq.priority == priority and counts[seq.flow] == most:
             return seq
     return None
 

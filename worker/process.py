@@ -387,7 +387,8 @@ class WorkerLoop:
             params = _sampling_params(msg.params)
             grammar = None if msg.grammar is None else GrammarSpec.from_wire(msg.grammar)
             self.engine.add_request(rid, msg.prompt_token_ids, params, msg.output_token_ids,
-                                    grammar=grammar, priority=msg.priority)
+                                    grammar=grammar, priority=msg.priority,
+                                    flow=msg.flow)
         except (RequestError, TypeError, ValueError) as e:
             self._reject(gw.index, rid, str(e), msg.attempt,
                          num_prompt_tokens=len(msg.prompt_token_ids))

@@ -5,9 +5,11 @@ CONTINUOUS (the product): every step is a ragged batch under `max_num_batched_to
 sequences from the waiting queue, all as chunks that fit the remaining token budget (chunked
 prefill), so a long prompt never stalls running streams. Sequences that finish or are aborted
 leave at once; their slots are refilled from the queue in the next plan. When the block pool
-runs out, the newest sequence of the worst priority is preempted (recompute: its blocks are
-freed, it goes back to the front of its priority in the queue and re-prefills prompt + outputs
-later; tokens already emitted stay). The queue is in priority order (worker/priority_policy.py).
+runs out, the newest sequence of the worst priority (of its flow holding the most slots) is
+preempted (recompute: its blocks are freed, it goes back to the front of its priority in the
+queue and re-prefills prompt + outputs later; tokens already emitted stay). The queue is in
+priority order, and a full batch's slots are shared fairly across flows (clients) of one
+priority (worker/priority_policy.py).
 
 STATIC and DYNAMIC exist only as benchmark baselines: a batch is taken from the queue (static:
 as soon as the engine is idle; dynamic: after `batch_wait_ms` from the first arrival or once
@@ -39,19 +41,22 @@ class RunQueue:
     """The running sequences in admission order (oldest first), with O(1) append and remove:
     pauses, finishes and aborts of any of 1,000 streams must not scan the others."""
 
-    __slots__ = ("_seqs", "version", "joined", "priorities")
+    __slots__ = ("_seqs", "version", "joined", "priorities", "flows")
 
     def __init__(self) -> None:
         self._seqs: dict[str, Sequence] = {}  # request id -> sequence; dicts keep the order
         self.version = 0  # changes whenever a sequence joins or leaves
         self.joined: list[Sequence] = []  # appended since the scheduler last cleared it
         self.priorities: dict[int, int] = {}  # priority -> running sequences of it (> 0)
+        self.flows: dict[tuple[int, int], int] = {}  # (priority, flow) -> the same (> 0)
 
     def append(self, seq: Sequence) -> None:
         self._seqs[seq.request_id] = seq
         self.version += 1
         self.joined.append(seq)
         self.priorities[seq.priority] = self.priorities.get(seq.priority, 0) + 1
+        flow = (seq.priority, seq.flow)
+        self.flows[flow] = self.flows.get(flow, 0) + 1
 
     def remove(self, seq: Sequence) -> None:
         del self._seqs[seq.request_id]
@@ -60,6 +65,11 @@ class RunQueue:
             self.priorities[seq.priority] -= 1
         else:
             del self.priorities[seq.priority]
+        flow = (seq.priority, seq.flow)
+        if self.flows[flow] > 1:
+            self.flows[flow] -= 1
+        else:
+            del self.flows[flow]
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -279,24 +289,32 @@ class Scheduler:
                 scheduled.append(seq)
                 budget -= num_new
 
-        # 3. New sequences from the queue (by priority, then FCFS: worker/priority_policy.py;
-        # stop at the first that does not fit). Not
-        # after a preemption: the pool is full, and a victim must not bounce straight back.
+        # 3. New sequences from the queue (by priority, then fairly across flows, then FCFS:
+        # worker/priority_policy.py; stop at the first that does not fit). Not after a
+        # preemption for blocks: the pool is full, and a victim must not bounce straight back.
         # A sequence whose prompt another one is prefilling keeps its place but waits for it,
         # then takes that prompt's blocks from the prefix cache: n choices of one prompt
         # (the gateway sends one SUBMIT each) prefill it once and share its blocks.
         prefilling: set[int] | None = None  # found on first use: most steps admit no one
         num_held = 0
-        if self.waiting and len(self.running) >= max_seqs and not preempted:
-            # A full batch: a better priority waiting takes the slot of the worst running
-            # (admitted next step, once the victim's blocks are back).
-            victim = priority_policy.slot_victim(self.waiting[0], self.running)
+        is_pool_short = bool(preempted)
+        if self.waiting and not is_pool_short:
+            # With the batch full, a better priority, or a flow holding 2 slots fewer than
+            # the one holding the most, takes a slot and is admitted now in its place (the
+            # victim waits behind it: it cannot bounce straight back). The free slots go to
+            # the flows holding the fewest.
+            victim = priority_policy.slot_victim(self.waiting, self.running, max_seqs)
             if victim is not None:
                 self._preempt(victim)
                 preempted.append(victim.request_id)
-                self._is_plan_cut = True
+                chunks, scheduled, prefills = priority_policy.drop_preempted(chunks, scheduled,
+                                                                             prefills)
+                budget = (self.config.max_num_batched_tokens - sum(n for _, n in prefills)
+                          - sum(len(chunk.token_ids) for chunk in chunks))
+            priority_policy.order_admissions(self.waiting, self.running,
+                                             max_seqs - len(self.running))
         while (len(self.waiting) > num_held and budget > 0 and len(self.running) < max_seqs
-               and not preempted):
+               and not is_pool_short):
             if len(scheduled) == max_seqs:
                 break
             seq = self.waiting[num_held]

@@ -137,6 +137,9 @@ class Sequence:
     draft_state: DraftState | None = None
     # Lower is served first, 0 by default (SUBMIT's priority; worker/priority_policy.py).
     priority: int = 0
+    # The client it serves, hashed (SUBMIT's flow; 0: none): a full batch's slots are shared
+    # fairly across the flows of one priority (worker/priority_policy.py).
+    flow: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -9,6 +9,7 @@ import enum
 from dataclasses import dataclass, field
 
 from zeroserve.common.protocol import Hello, incarnation
+from zeroserve.gateway.workers.flow_load import Flow, FlowLoad
 from zeroserve.gateway.workers.prefix import PrefixIndex
 
 
@@ -41,6 +42,8 @@ class WorkerHandle:
     # Requests routed here since its last heartbeat (not yet in the reported counts).
     num_sent_since_heartbeat: int = 0
     request_ids: set[str] = field(default_factory=set)  # in flight here, as we see it
+    # Those of them with a flow (class and client), counted by it (gateway/workers/flow_load.py).
+    flows: FlowLoad = field(default_factory=FlowLoad)
     # The highest TOKENS seq processed from this process, and when it last grew: a
     # heartbeat naming a higher one was sent while its outputs were still on their way.
     tokens_seq: int = 0
@@ -84,6 +87,12 @@ class WorkerHandle:
         num_active = len(self.request_ids) + self.num_foreign - self.num_paused
         return (self.status is WorkerStatus.READY
                 and num_active < self.capacity + self.hello.max_num_seqs)
+
+    def can_accept_flow(self, flow: Flow) -> bool:
+        """`can_accept_priority` for a request whose flow holds at least 2 requests fewer here
+        than its class's flow holding the most: the worker gives it a slot of that flow's
+        (worker/priority_policy.py), so it need not wait for one to free."""
+        return self.can_accept_priority and self.flows.is_behind(flow)
 
     @property
     def load(self) -> int:

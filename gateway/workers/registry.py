@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from zeroserve.common.protocol import Heartbeat, Hello, WorkerState
 from zeroserve.gateway.config import RoutingPolicy
+from zeroserve.gateway.workers.flow_load import Flow
 from zeroserve.gateway.workers.handle import WorkerHandle, WorkerStatus
 from zeroserve.gateway.workers.models import Target
 from zeroserve.gateway.workers.prefix import Prefix, PrefixIndex
@@ -136,24 +137,41 @@ class WorkerRegistry:
         return self.workers.pop(worker_id, None)
 
     def pick(self, prefix: Prefix | None = None, target: Target | None = None,
-             is_priority: bool = False) -> WorkerHandle | None:
+             is_priority: bool = False, flow: Flow | None = None) -> WorkerHandle | None:
         """The worker for a request with this prompt (gateway/workers/routing.py: the one holding
         its prefix within a load bound, else the least loaded), among those of its target
         (model, version; None: any) that can take it; None if none can. Without a prompt:
         the least loaded. `is_priority`: a class above the default (WorkerHandle.
-        can_accept_priority)."""
+        can_accept_priority); `flow`: its class and client, for a full worker where that
+        flow is behind (`pick_for_flow`) when no worker has room."""
         if is_priority:
             return self.router.pick([w for w in self.workers.values() if w.can_accept_priority
                                      and (target is None or target.matches(w.model,
                                                                            w.version))], prefix)
         if target is None:
-            return self.router.pick([w for w in self.workers.values() if w.can_accept], prefix)
-        return self.router.pick([w for w in self.workers.values()
-                                 if w.can_accept and target.matches(w.model, w.version)], prefix)
+            worker = self.router.pick([w for w in self.workers.values() if w.can_accept],
+                                      prefix)
+        else:
+            worker = self.router.pick([w for w in self.workers.values()
+                                       if w.can_accept and target.matches(w.model, w.version)],
+                                      prefix)
+        if worker is None and flow is not None:
+            return self.pick_for_flow(prefix, target, flow)
+        return worker
+
+    def pick_for_flow(self, prefix: Prefix | None, target: Target | None,
+                      flow: Flow) -> WorkerHandle | None:
+        """Among `target`'s workers, one where `flow` is behind (WorkerHandle.can_accept_flow):
+        it starts there at once, in a slot of the flow holding the most."""
+        return self.router.pick([w for w in self.workers.values() if w.can_accept_flow(flow)
+                                 and (target is None or target.matches(w.model, w.version))],
+                                prefix)
 
     def assign(self, worker: WorkerHandle, request_id: str,
-               prefix: Prefix | None = None) -> None:
+               prefix: Prefix | None = None, flow: Flow | None = None) -> None:
         worker.request_ids.add(request_id)
+        if flow is not None:
+            worker.flows.add(request_id, flow)
         worker.num_sent_since_heartbeat += 1
         self.router.on_assigned(worker, prefix)
 
@@ -161,6 +179,7 @@ class WorkerRegistry:
         worker = self.workers.get(worker_id)
         if worker is not None:
             worker.request_ids.discard(request_id)
+            worker.flows.discard(request_id)
 
     @property
     def num_live(self) -> int:

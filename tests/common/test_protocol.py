@@ -9,6 +9,7 @@ import msgpack
 import pytest
 
 from zeroserve.common.protocol import (
+    MAX_FLOW,
     MAX_FRAME_BYTES,
     MAX_PRIORITY,
     MESSAGE_CLASSES,
@@ -293,11 +294,25 @@ def test_heartbeat_counters_and_output_timings_are_checked():
             decode(encode(Tokens("w", 1, [out])))
 
 
+def test_submit_flow_travels_only_when_set_and_is_range_checked():
+    """Protocol 5: SUBMIT.flow (the client, hashed) after priority; 0 stays off the wire,
+    and a set flow carries a 0 priority before it."""
+    assert PROTOCOL_VERSION == 5
+    assert len(msgpack.unpackb(encode(Submit("r", [1], {}, 4, priority=1))[1])) == \
+        len(fields(Submit)) - 1
+    both = decode(encode(Submit("r", [1], {}, 4, flow=MAX_FLOW)))
+    assert (both.priority, both.flow) == (0, MAX_FLOW)
+    assert decode(encode(Submit("r", [1], {}, 4, priority=-1, flow=7))).flow == 7
+    for bad in (-1, MAX_FLOW + 1):
+        with pytest.raises(ProtocolError, match="flow"):
+            decode(_frames(MsgType.SUBMIT, ["r", [1], {}, 4, [], None, 1, 0, bad]))
+
+
 def test_submit_priority_travels_only_when_set_and_is_range_checked():
     """Priority 0 (the default class) is left off the wire (and read back as 0); a set one
     travels last and is range-checked."""
     plain = Submit("r", [1], {}, 4)
-    assert len(msgpack.unpackb(encode(plain)[1])) == len(fields(Submit)) - 1
+    assert len(msgpack.unpackb(encode(plain)[1])) == len(fields(Submit)) - 2
     assert decode(encode(plain)).priority == 0
     assert decode(encode(Submit("r", [1], {}, 4, priority=-1))).priority == -1
     for bad in (MAX_PRIORITY + 1, -MAX_PRIORITY - 1, 2 ** 40):

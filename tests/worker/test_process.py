@@ -61,13 +61,15 @@ class ScriptedEngine:
         self.num_paused_calls = 0
         self.step_hook = None  # called once inside the next step (e.g. to hang it)
         self.priorities: dict[str, int] = {}  # request id -> its SUBMIT's priority
+        self.flows: dict[str, int] = {}  # request id -> its SUBMIT's flow
         self.failures = 0  # the next these many steps raise
         self.held: list[RequestOutput] = []  # the last step's outputs, emitted by the next
         self.last_step = EngineStepTiming()
 
     def add_request(self, request_id, prompt_token_ids, params, output_token_ids=(),
-                    grammar=None, priority=0):
+                    grammar=None, priority=0, flow=0):
         self.priorities[request_id] = priority
+        self.flows[request_id] = flow
         if not prompt_token_ids:
             raise RequestError("prompt is empty")
         if request_id in self.reqs:
@@ -288,12 +290,13 @@ def test_submit_streams_every_token_then_finishes(gateway):
     stop(gateway, worker)
 
 
-def test_a_submits_priority_reaches_the_engine(gateway):
+def test_a_submits_priority_and_flow_reach_the_engine(gateway):
     worker, engine, _ = start(gateway)
-    gateway.send(Submit("low", [1], {"max_tokens": 2}, 32, priority=1))
+    gateway.send(Submit("low", [1], {"max_tokens": 2}, 32, priority=1, flow=77))
     gateway.send(Submit("plain", [1], {"max_tokens": 2}, 32))
     gateway.collect({"low", "plain"})
     assert engine.priorities == {"low": 1, "plain": 0}
+    assert engine.flows == {"low": 77, "plain": 0}
     stop(gateway, worker)
 
 

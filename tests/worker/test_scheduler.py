@@ -460,9 +460,9 @@ def test_a_better_priority_takes_a_full_batchs_slot_from_the_worst():
     plan, _ = run_step(scheduler, runner)
     assert plan.preempted == [new_low.request_id]  # the newest of the worst
     assert new_low.request_id not in [c.request_id for c in plan.chunks]
-    assert list(scheduler.waiting) == [critical, new_low, same]
-    plan, _ = run_step(scheduler, runner)
+    # It starts in the very step that freed the slot; the victim waits at the front.
     assert critical.request_id in [c.request_id for c in plan.chunks]
+    assert list(scheduler.waiting) == [new_low, same]
     assert old_low.status is SequenceStatus.RUNNING
     run_until_idle(scheduler, runner)
     assert [s.num_output_tokens for s in (old_low, new_low, same, critical)] == [30, 30, 2, 2]

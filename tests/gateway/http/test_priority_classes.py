@@ -122,3 +122,29 @@ def test_a_stream_moved_to_another_worker_keeps_its_class():
         assert [s.priority for s in a.submits + b.submits] == [1, 1]
         a.stop()
         b.stop()
+
+
+def test_each_key_reaches_the_worker_as_a_flow_of_its_own(served):
+    """SUBMIT.flow: the same for a key's requests, another for another key's (the worker
+    shares a full batch's slots across them)."""
+    gw, worker = served
+
+    def flow_of(key: str) -> int:
+        priority_of(served, key, *COMPLETION)
+        return worker.submits[-1].flow
+
+    gold = flow_of(GOLD)
+    assert gold != 0 and flow_of(GOLD) == gold
+    assert flow_of(BULK) not in (0, gold)
+
+
+def test_fcfs_sends_no_flow():
+    with GatewayServer(scheduling_policy="fcfs") as gw:
+        worker = gw.worker().start()
+        assert worker.ready.wait(5)
+        r = httpx.post(gw.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                       timeout=10)
+        assert r.status_code == 200
+        assert wait_until(lambda: worker.submits)
+        assert worker.submits[-1].flow == 0
+        worker.stop()
