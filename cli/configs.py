@@ -71,6 +71,9 @@ def engine_config(opts: dict[str, Any], device: str | None = None) -> EngineConf
         batch_invariant=opts["batch_invariant"], int8_activations=opts["int8_activations"],
         enforce_eager=opts["enforce_eager"], max_capture_batch_size=opts["max_capture_batch_size"],
         speculative_config=opts["speculative_config"],
+        kv_offloading_size=opts["kv_offloading_size"],
+        kv_offloading_dir=opts["kv_offloading_dir"], kv_tier_dir=opts["kv_tier_dir"],
+        kv_tier_dir_size=opts["kv_tier_dir_size"],
     )
 
 

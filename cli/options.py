@@ -109,6 +109,21 @@ ENGINE_OPTIONS = [
     option("--max-capture-batch-size", type=click.IntRange(min=1), default=None,
            help="Compiled decode steps up to this many sequences; larger ones run eagerly. "
                 "[default: --max-num-seqs]"),
+    option("--kv-offloading-size", type=click.FloatRange(min=0),
+           default=field_default(EngineConfig, "kv_offloading_size"),
+           help="GiB of shared memory for the box's KV tier: full KV blocks every worker of "
+                "the box can load instead of computing (failover, restart, prefixes another "
+                "worker computed). 0: off. Off, with a warning, where the folder's file "
+                "system is smaller (a container's 64 MiB /dev/shm)."),
+    option("--kv-offloading-dir", default=None,
+           help="The KV tier's shared-memory folder (mode 700). "
+                "[default: /dev/shm/zeroserve-$UID/kv-tier]"),
+    option("--kv-tier-dir", default=None,
+           help="A disk folder below the KV tier: it keeps what memory evicts, and survives "
+                "a restart of the box. [default: none]"),
+    option("--kv-tier-dir-size", type=click.FloatRange(min=0, min_open=True),
+           default=field_default(EngineConfig, "kv_tier_dir_size"),
+           help="GiB the --kv-tier-dir level may hold."),
 ]
 
 # Who may call the HTTP API, and how often (gateway/http/auth.py, gateway/http/rate_limit.py).

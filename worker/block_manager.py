@@ -19,6 +19,11 @@ first-out, blocks would walk the whole pool and a worker's memory would climb fo
 as it serves (a 4 GB pool touched page by page, though a few hundred blocks were ever in
 use at once). Last-freed-first keeps the blocks written near the working set.
 
+A box-wide KV tier (worker/kv_tier/, off unless set as `tier`) extends both ends: blocks
+registered in the cache are reported to it for write-through (`on_full`), and an admission
+whose prefix the cache does not hold looks the next blocks up there (`match_tier`) and loads
+them into fresh blocks, which then count as computed and are registered like any other.
+
 Invariants:
 - every block is in exactly one place: held (ref_count > 0), free-uncached or evictable;
 - a block another sequence may share is always full and is never written again (a sequence
@@ -30,6 +35,7 @@ from __future__ import annotations
 import secrets
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Protocol
 
 from zeroserve.worker.sequence import Sequence
 
@@ -39,6 +45,26 @@ HashFn = Callable[[int | None, tuple[int, ...]], int]
 def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     """Key of a full block: depends on every token before it through the parent hash."""
     return hash((parent_hash, token_ids))
+
+
+class TierHook(Protocol):
+    """The box's KV tier as the block manager sees it (worker/kv_tier/connector.py)."""
+
+    def num_available(self, seq: Sequence, start: int, max_blocks: int) -> int:
+        """How many of seq's full blocks start, start + 1, ... (< max_blocks) it holds."""
+        ...
+
+    def load(self, seq: Sequence, start: int, block_ids: list[int]) -> int:
+        """Copy those blocks into pool blocks block_ids; how many (a prefix) were loaded."""
+        ...
+
+    def on_full(self, seq: Sequence, start: int, end: int, block_table: list[int]) -> None:
+        """seq's blocks start .. end - 1 are newly full of computed K/V."""
+        ...
+
+    def forget(self, seq: Sequence) -> None:
+        """seq will never be scheduled again."""
+        ...
 
 
 class Block:
@@ -71,6 +97,8 @@ class BlockManager:
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
         self._hash_fn = hash_fn
+        self.tier: TierHook | None = None  # the box's KV tier, when it is on
+        self.num_tier_hit_tokens = 0  # tokens loaded from the tier at admission
         # The chain's root: random per process, so hashes cannot be precomputed elsewhere.
         self._root = secrets.randbits(63)
         self._blocks = [Block(i) for i in range(num_blocks)]
@@ -132,15 +160,28 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def can_admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
-        """Whether seq (holding no blocks) can take `hits` and room for num_new_tokens more."""
-        num_needed = self.num_blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
+    def match_tier(self, seq: Sequence, num_hits: int) -> int:
+        """How many blocks after seq's `num_hits` cached ones the tier holds (0 without one).
+        Like match_prefix, the last token is always left to compute."""
+        if self.tier is None or not self.enable_prefix_caching:
+            return 0
+        return self.tier.num_available(seq, num_hits, (seq.num_tokens - 1) // self.block_size)
+
+    def can_admit(self, seq: Sequence, hits: list[int], num_new_tokens: int,
+                  num_tier_blocks: int = 0) -> bool:
+        """Whether seq (holding no blocks) can take `hits`, num_tier_blocks to load from the
+        tier and room for num_new_tokens more."""
+        num_held = len(hits) + num_tier_blocks
+        num_needed = self.num_blocks_for(num_held * self.block_size + num_new_tokens) - len(hits)
         # Hit blocks nobody holds are counted as free now; taking them makes them unavailable.
         num_free_hits = sum(1 for b in hits if self._blocks[b].ref_count == 0)
         return num_needed <= self.num_free_blocks - num_free_hits
 
-    def admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> None:
-        """Give seq the hit blocks plus fresh ones for num_new_tokens (check can_admit first)."""
+    def admit(self, seq: Sequence, hits: list[int], num_new_tokens: int,
+              num_tier_blocks: int = 0) -> None:
+        """Give seq the hit blocks, num_tier_blocks loaded from the tier (fewer if some went
+        missing meanwhile: those stay as fresh blocks) and fresh ones for num_new_tokens
+        (check can_admit first)."""
         assert not seq.block_table, "admit() is for sequences holding no blocks"
         for block_id in hits:
             block = self._blocks[block_id]
@@ -150,6 +191,13 @@ class BlockManager:
         seq.block_table = list(hits)
         self._num_registered[seq.request_id] = len(hits)
         seq.num_computed_tokens = len(hits) * self.block_size
+        if num_tier_blocks and self.tier is not None:
+            fresh = [self._take_free_block() for _ in range(num_tier_blocks)]
+            seq.block_table += fresh
+            num_loaded = self.tier.load(seq, len(hits), fresh)
+            seq.num_computed_tokens += num_loaded * self.block_size
+            self.num_tier_hit_tokens += num_loaded * self.block_size
+            self._register(seq, write_through=False)  # findable in this pool from now on
         if seq.num_preemptions == 0:
             # Usage reports what the cache saved the request on arrival; a re-admission
             # after preemption finds its own blocks again, which saved the client nothing.
@@ -210,9 +258,15 @@ class BlockManager:
         """Free seq's blocks and drop its hash chain: it will never be scheduled again."""
         self.free(seq)
         self._hash_chains.pop(seq.request_id, None)
+        if self.tier is not None:
+            self.tier.forget(seq)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register seq's blocks that are now full of computed K/V in the prefix cache."""
+        """Register seq's blocks that are now full of computed K/V in the prefix cache (and
+        hand them to the tier, when there is one)."""
+        self._register(seq, write_through=True)
+
+    def _register(self, seq: Sequence, write_through: bool) -> None:
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
@@ -232,6 +286,8 @@ class BlockManager:
             # Otherwise it is a hit block (already registered) or an equal block computed
             # concurrently by another sequence; the first one stays the cached copy.
         self._num_registered[seq.request_id] = num_full
+        if write_through and self.tier is not None:
+            self.tier.on_full(seq, start, num_full, seq.block_table)
 
     # ---- internals --------------------------------------------------------------------------
 
@@ -248,6 +304,10 @@ class BlockManager:
             block.parent_id = None
         self._blocks[block_id].ref_count = 1
         return block_id
+
+    def block_tokens(self, seq: Sequence, index: int) -> tuple[int, ...]:
+        """The token ids of seq's block number `index` (which must be full)."""
+        return self._block_tokens(seq, index)
 
     def _block_tokens(self, seq: Sequence, index: int) -> tuple[int, ...]:
         start = index * self.block_size

@@ -59,6 +59,13 @@ class EngineConfig:
     max_capture_batch_size: int | None = None
     # n-gram speculative decoding (worker/speculative.py); None: off.
     speculative_config: SpeculativeConfig | None = None
+    # The box's KV tier (worker/kv_tier/): GiB of shared memory for full KV blocks that every
+    # worker of the box reads (failover, restart, prefix reuse), 0: off; its folder (None:
+    # /dev/shm/zeroserve-$UID/kv-tier); a disk level below it and that level's GiB.
+    kv_offloading_size: float = 0.0
+    kv_offloading_dir: str | None = None
+    kv_tier_dir: str | None = None
+    kv_tier_dir_size: float = 16.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -77,6 +84,10 @@ class EngineConfig:
             raise ValueError("batch_wait_ms must be >= 0")
         if self.max_capture_batch_size is not None and self.max_capture_batch_size < 1:
             raise ValueError("max_capture_batch_size must be >= 1")
+        if not 0 <= self.kv_offloading_size < 1 << 20:
+            raise ValueError("kv_offloading_size must be >= 0 GiB")
+        if not 0 < self.kv_tier_dir_size < 1 << 30:
+            raise ValueError("kv_tier_dir_size must be > 0 GiB")
 
 
 BACKENDS = ("model", "fake")

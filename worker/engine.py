@@ -87,6 +87,12 @@ class Engine:
         self.block_manager = BlockManager(
             runner.num_kv_blocks, runner.block_size, config.enable_prefix_caching
         )
+        # The box's KV tier (worker/kv_tier/), None when off; it imports torch.
+        self.tier = None
+        if config.kv_offloading_size:
+            from zeroserve.worker.kv_tier.setup import attach
+
+            self.tier = attach(config, runner, self.block_manager)
         # The longest sequence this worker can hold: the model's context, the configured cap,
         # and the KV pool (a sequence must fit the pool alone, or it could never finish).
         limits = [self.info.max_model_len, runner.num_kv_blocks * runner.block_size]
@@ -320,6 +326,8 @@ class Engine:
         t2 = time.perf_counter()
         self._changed = self.scheduler.update(plan, sampled)
         self._sampled = sampled
+        if self.tier is not None:
+            self.tier.flush()  # blocks filled this step, before the next may reuse them
         t3 = time.perf_counter()
         self._num_steps += 1
         self._last_step = StepTiming(
@@ -351,6 +359,7 @@ class Engine:
             num_steps=self._num_steps,
             last_step=self._last_step,
             spec_decode=scheduler.spec_stats,
+            kv_tier=None if self.tier is None else self.tier.counters,
         )
 
     def generate(

@@ -142,6 +142,7 @@ class ModelRunner:
             pool = _zeroed_cpu_tensor(shape, self.dtype)
         else:
             pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_pool = pool  # the KV tier's view (worker/kv_tier/connector.py)
         return [(pool[i, 0], pool[i, 1]) for i in range(info.num_layers)]
 
     @torch.inference_mode()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from zeroserve.worker.kv_tier.store import TierCounters
 from zeroserve.worker.sequence import FinishReason
 from zeroserve.worker.speculative import SpecDecodeStats
 
@@ -63,3 +64,4 @@ class EngineStats:
     num_prefix_hits: int = 0  # ... and found there
     last_step: StepTiming = field(default_factory=StepTiming)
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # cumulative
+    kv_tier: TierCounters | None = None  # the box's KV tier, cumulative; None: off

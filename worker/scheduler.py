@@ -682,11 +682,13 @@ class Scheduler:
         bm = self.block_manager
         # Prompt logprobs come from computing the prompt: no cached blocks for those.
         hits = bm.match_prefix(seq) if seq.params.prompt_logprobs is None else []
-        num_new = min(seq.num_tokens - len(hits) * bm.block_size, budget)
-        if not bm.can_admit(seq, hits, num_new):
+        # Blocks after those the box's KV tier holds (worker/kv_tier/), loaded at admit.
+        num_tier = bm.match_tier(seq, len(hits)) if seq.params.prompt_logprobs is None else 0
+        num_new = min(seq.num_tokens - (len(hits) + num_tier) * bm.block_size, budget)
+        if not bm.can_admit(seq, hits, num_new, num_tier):
             return None
         del self.waiting[index]
-        bm.admit(seq, hits, num_new)
+        bm.admit(seq, hits, num_new, num_tier)
         self._mark_scheduled(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)

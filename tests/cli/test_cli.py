@@ -333,3 +333,16 @@ def test_bad_speculative_configs_are_usage_errors(captured, text, fragment):
     result = CliRunner().invoke(cli.main, ["worker", "--speculative-config", text])
     assert result.exit_code == 2, result.output
     assert fragment in result.output and "Traceback" not in result.output
+
+
+def test_kv_tier_flags_reach_the_engine_config_and_serve_children(captured, tmp_path):
+    result = invoke(["worker", "--kv-offloading-size", "0.5", "--kv-tier-dir", str(tmp_path),
+                     "--kv-tier-dir-size", "2"])
+    assert result.exit_code == 0, result.output
+    engine = captured["worker"].engine
+    assert (engine.kv_offloading_size, engine.kv_tier_dir, engine.kv_tier_dir_size) == (
+        0.5, str(tmp_path), 2.0)
+    assert engine.kv_offloading_dir is None
+    assert EngineConfig().kv_offloading_size == 0  # off unless asked for
+    assert invoke(["worker", *engine_args(engine)]).exit_code == 0  # what serve gives a child
+    assert captured["worker"].engine == engine

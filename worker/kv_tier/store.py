@@ -151,8 +151,9 @@ class TierLevel:
     # ---- read -----------------------------------------------------------------------------
 
     def get(self, digest: bytes, token_ids: tuple[int, ...] | list[int]) -> memoryview | None:
-        """The payload of a verified block (a read-only view of its mapped file), or None: a
-        miss. A block that fails verification is removed."""
+        """The payload of a verified block (a view of its file, mapped copy-on-write: writing
+        to it changes nothing shared), or None: a miss. A block that fails verification is
+        removed."""
         path = self.path(digest)
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -160,7 +161,7 @@ class TierLevel:
             return None
         try:
             size = os.fstat(fd).st_size
-            mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
+            mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else None
         except (OSError, ValueError):
             mapped = None
         finally:
@@ -197,7 +198,7 @@ class TierLevel:
         if zlib.crc32(payload) != crc:
             payload.release()
             return None
-        return payload.toreadonly()
+        return payload
 
     # ---- bound -----------------------------------------------------------------------------
 

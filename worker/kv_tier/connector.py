@@ -1,0 +1,195 @@
+"""Between a worker's KV pool and the box's tier (torch): write-through of full blocks after
+each step, and loading on admission. The block manager calls it through `TierHook`'s methods.
+
+Write-through: the block manager reports each block that became full of computed K/V (where
+it registers it in its prefix cache); after the step (`flush`) the reported blocks are
+gathered out of the pool in one copy, since the pool's blocks may be reused by the next
+step, and a background thread checksums and publishes them. The queue between is bounded in
+bytes and drops rather than blocks when the thread is behind: the tier is a cache, a block it
+misses is recomputed. On CUDA the gather stays on the device and the copy to host memory is
+asynchronous; the thread waits for it, the step does not.
+
+Loading: for a sequence being admitted whose prefix the pool's cache does not hold, the next
+blocks' digests are looked up (`num_available`: a stat each) and those found are read,
+verified and copied into fresh pool blocks (`load`). A block that fails verification ends the
+run: the sequence computes from there.
+
+Digests are computed only here, only with the tier on, per request and cached until the
+request ends (the block manager's `forget`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from zeroserve.worker.kv_tier.digest import block_digest
+from zeroserve.worker.kv_tier.store import TierCounters, TierStore
+from zeroserve.worker.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+# Bytes of gathered blocks waiting for the writer thread at most; more are dropped.
+MAX_QUEUED_BYTES = 256 << 20
+# Digests this process published (or found published) that it skips without a stat.
+KNOWN_DIGESTS = 65536
+
+
+@dataclass
+class _Batch:
+    entries: list[tuple[bytes, tuple[int, ...]]]  # (digest, tokens), one per gathered block
+    data: torch.Tensor  # [num_blocks, num_layers, 2, block_size, kv_heads, head_dim] (host)
+    ready: torch.cuda.Event | None  # set when the device-to-host copy is done (CUDA)
+    num_bytes: int
+
+
+class KVTierConnector:
+    """What the block manager calls (TierHook) over one worker's pool and the box's store."""
+
+    def __init__(self, store: TierStore, pool: torch.Tensor, model_key: bytes,
+                 block_tokens: Callable[[Sequence, int], tuple[int, ...]],
+                 max_queued_bytes: int = MAX_QUEUED_BYTES) -> None:
+        self.store = store
+        self.pool = pool  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        self.model_key = model_key
+        self._block_tokens = block_tokens
+        self._block_shape = (pool.shape[0], pool.shape[1], *pool.shape[3:])
+        self._chains: dict[str, list[bytes]] = {}  # request id -> digests of its full blocks
+        self._pending: list[tuple[bytes, tuple[int, ...], int]] = []  # (digest, tokens, block)
+        self._known: OrderedDict[bytes, None] = OrderedDict()
+        self._max_queued_bytes = max_queued_bytes
+        self._queued_bytes = 0
+        self._queue: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # the counters and _queued_bytes, with the writer
+        self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer",
+                                        daemon=True)
+        self._writer.start()
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block's K/V, every layer."""
+        return self.pool[:, :, 0].numel() * self.pool.element_size()
+
+    @property
+    def counters(self) -> TierCounters:
+        return self.store.counters
+
+    # ---- TierHook: lookups and loads at admission ----------------------------------------
+
+    def num_available(self, seq: Sequence, start: int, max_blocks: int) -> int:
+        """How many of seq's blocks start, start + 1, ... (below max_blocks) the tier holds."""
+        if start >= max_blocks:
+            return 0
+        chain = self._chain(seq, max_blocks)
+        num = 0
+        for index in range(start, max_blocks):
+            if not self.store.contains(chain[index]):
+                break
+            num += 1
+        if num < max_blocks - start:
+            self.store.counters.num_misses += 1  # the block the sequence computes from
+        return num
+
+    @torch.inference_mode()
+    def load(self, seq: Sequence, start: int, block_ids: list[int]) -> int:
+        """Copy seq's blocks start, start + 1, ... from the tier into pool blocks block_ids;
+        how many were loaded (they stop at the first one missing or bad)."""
+        chain = self._chain(seq, start + len(block_ids))
+        for offset, block_id in enumerate(block_ids):
+            index = start + offset
+            payload = self.store.get(chain[index], self._block_tokens(seq, index))
+            if payload is None:
+                return offset
+            block = torch.frombuffer(payload, dtype=self.pool.dtype).view(self._block_shape)
+            self.pool[:, :, block_id].copy_(block)
+            self._remember(chain[index])
+        return len(block_ids)
+
+    # ---- TierHook: write-through -----------------------------------------------------------
+
+    def on_full(self, seq: Sequence, start: int, end: int, block_table: list[int]) -> None:
+        """seq's blocks start .. end - 1 are now full of computed K/V: copy them after the step."""
+        chain = self._chain(seq, end)
+        for index in range(start, end):
+            digest = chain[index]
+            if digest not in self._known:
+                self._pending.append((digest, self._block_tokens(seq, index),
+                                      block_table[index]))
+
+    def forget(self, seq: Sequence) -> None:
+        self._chains.pop(seq.request_id, None)
+
+    @torch.inference_mode()
+    def flush(self) -> None:
+        """Gather the blocks reported this step out of the pool and queue them for writing
+        (call after the step, before the next one may reuse their pool blocks)."""
+        pending = self._pending
+        if not pending:
+            return
+        self._pending = []
+        num_bytes = len(pending) * self.block_bytes
+        with self._lock:
+            if self._queued_bytes + num_bytes > self._max_queued_bytes:
+                self.store.counters.num_dropped += len(pending)
+                return
+            self._queued_bytes += num_bytes
+        ids = torch.tensor([block_id for _, _, block_id in pending], dtype=torch.long,
+                           device=self.pool.device)
+        # [num_layers, 2, n, block_size, kv_heads, head_dim] -> one block after another.
+        data = self.pool.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).contiguous()
+        ready = None
+        if data.is_cuda:
+            host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+            host.copy_(data, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            data = host
+        for digest, _, _ in pending:
+            self._remember(digest)
+        self._queue.put(_Batch([(d, t) for d, t, _ in pending], data, ready, num_bytes))
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Write what is queued, then stop the writer thread."""
+        self.flush()
+        self._queue.put(None)
+        self._writer.join(timeout_s)
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            batch = self._queue.get()
+            if batch is None:
+                return
+            try:
+                if batch.ready is not None:
+                    batch.ready.synchronize()
+                raw = batch.data.view(torch.uint8).view(len(batch.entries), -1).numpy()
+                for (digest, tokens), row in zip(batch.entries, raw, strict=True):
+                    self.store.put(digest, tokens, memoryview(row))
+            except Exception:  # a cache: never let the writer die with the worker running
+                logger.exception("KV tier: writing %d blocks failed", len(batch.entries))
+            finally:
+                with self._lock:
+                    self._queued_bytes -= batch.num_bytes
+
+
+    def _chain(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        chain = self._chains.setdefault(seq.request_id, [])
+        while len(chain) < num_blocks:
+            parent = chain[-1] if chain else self.model_key
+            chain.append(block_digest(parent, self._block_tokens(seq, len(chain))))
+        return chain
+
+    def _remember(self, digest: bytes) -> None:
+        known = self._known
+        known[digest] = None
+        known.move_to_end(digest)
+        if len(known) > KNOWN_DIGESTS:
+            known.popitem(last=False)
