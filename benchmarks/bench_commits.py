@@ -18,6 +18,18 @@ median. A JSON result (every run's bench_serving summary) and a short table are 
     python benchmarks/bench_commits.py HEAD HEAD --head-args="--no-batch-invariant"
 
 `.` as a revision serves this checkout as it is, uncommitted changes included.
+
+`--relay` measures the gateway's relay instead (issue 36): every repeat runs
+benchmarks/bench_gateway_relay.py (this checkout's copy: the same C client and measurement) with
+`--worker fake --tree <checkout>` against each side in turn, `--relay-streams` streams of
+`--relay-tokens` tokens on the fake backend (`--relay-step-ms` steps), `--relay-rounds` bursts per
+server. Reported per run: relayed tokens/s over the whole burst, steady tokens/s (all streams
+open) and the gateway's CPU us per relayed token, each the median of the run's bursts; the
+summary is again the median of the paired head/base ratios. `--serve-args`, `--base-args` and
+`--head-args` are then flags for `zeroserve gateway`.
+
+    python benchmarks/bench_commits.py 85ea403 main --relay --repeats 3
+    python benchmarks/bench_commits.py main . --relay --relay-rounds 5
 """
 
 from __future__ import annotations
@@ -78,7 +90,7 @@ class Run:
 
     @property
     def cpu_ms_per_token(self) -> float | None:
-        tokens = self.summary["total_output_tokens"]
+        tokens = self.summary.get("total_output_tokens")  # None: a relay run
         return None if self.cpu_s is None or not tokens else self.cpu_s * 1000 / tokens
 
 
@@ -256,6 +268,75 @@ def serve_and_measure(side: Side, repeat: int, cfg: BenchConfig, samples, log_di
     return Run(side.name, repeat, summary, cpu_s)
 
 
+# -- the relay (--relay) -------------------------------------------------------------------------
+
+RELAY_BENCH = REPO_ROOT / "benchmarks" / "bench_gateway_relay.py"
+
+
+def relay_argv(side: Side, a: argparse.Namespace, port: int, result_json: Path) -> list[str]:
+    """bench_gateway_relay.py's command line for one side: that side's gateway and fake worker,
+    this checkout's client and measurement; the worker records no stamps (older commits'
+    workers may not have --fake-stamps, and the medians of rounds do not read them)."""
+    return [sys.executable, str(RELAY_BENCH), "--worker", "fake",
+            *(["--tree", str(side.tree)] if side.tree is not None else []),
+            "--streams", str(a.relay_streams), "--tokens", str(a.relay_tokens),
+            "--step-ms", str(a.relay_step_ms), "--rounds", str(a.relay_rounds),
+            "--port", str(port), "--no-stamps", "--result-json", str(result_json),
+            *(f"--gateway-arg={arg}" for arg in side.serve_args)]
+
+
+def relay_summary(result: dict) -> dict:
+    """The figures of one bench_gateway_relay.py result: its medians over the rounds (the
+    result of one round is its own median)."""
+    median = result.get("median", result)
+    return {"tokens_per_s": median.get("tokens_per_s"),
+            "steady_tokens_per_s": median.get("steady_tokens_per_s"),
+            "gateway_cpu_us_per_token": median.get("gateway_cpu_us_per_token"),
+            "errors": sum(r.get("errors", 0) for r in result.get("rounds", [result])),
+            "rounds": result.get("rounds", [result])}
+
+
+def relay_and_measure(side: Side, repeat: int, a: argparse.Namespace, log_dir: Path) -> Run:
+    """One side's relay run (its own gateway and worker, stopped by the relay script)."""
+    port = free_port()
+    out = log_dir / f"relay-{side.name}-{repeat}.json"
+    argv = relay_argv(side, a, port, out)
+    print(f"[{side.name} {side.rev} #{repeat}] {shlex.join(argv)}", flush=True)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with open(log_dir / f"relay-{side.name}-{repeat}.log", "wb") as log:
+        done = subprocess.run(argv, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode != 0 or not out.is_file():
+        raise SystemExit(f"the relay benchmark failed for {side.name} ({side.rev}): see "
+                         f"{log_dir / f'relay-{side.name}-{repeat}.log'}")
+    summary = relay_summary(json.loads(out.read_text()))
+    summary["command"] = shlex.join(argv)
+    print(f"  tokens/s {_fmt(summary['tokens_per_s'])}, steady "
+          f"{_fmt(summary['steady_tokens_per_s'])}, gateway CPU "
+          f"{_fmt(summary['gateway_cpu_us_per_token'])} us/token, errors {summary['errors']}",
+          flush=True)
+    return Run(side.name, repeat, summary, None)
+
+
+RELAY_METRICS = {  # name -> (how to read it from a relay Run, whether higher is better)
+    "tokens_per_s": (lambda r: r.summary["tokens_per_s"], True),
+    "steady_tokens_per_s": (lambda r: r.summary["steady_tokens_per_s"], True),
+    "gateway_cpu_us_per_token": (lambda r: r.summary["gateway_cpu_us_per_token"], False),
+}
+
+
+def relay_table(runs: list[Run], summary: dict, sides: tuple[Side, Side]) -> str:
+    lines = [*_side_lines(sides), "",
+             f"{'run':<10}{'tok/s':>10}{'steady tok/s':>14}{'gw CPU us/tok':>15}{'errors':>8}"]
+    for r in runs:
+        s = r.summary
+        lines.append(f"{r.side + ' #' + str(r.repeat):<10}{_fmt(s['tokens_per_s']):>10}"
+                     f"{_fmt(s['steady_tokens_per_s']):>14}"
+                     f"{_fmt(s['gateway_cpu_us_per_token'], 2):>15}{s['errors']:>8}")
+    lines.append("")
+    lines.extend(_ratio_lines(summary, RELAY_METRICS, width=26))
+    return "\n".join(lines)
+
+
 def order(repeat: int, sides: tuple[Side, Side]) -> tuple[Side, Side]:
     """Base first in even repeats, head first in odd ones: drift in the machine's load does
     not always favour the same side."""
@@ -272,9 +353,9 @@ METRICS = {  # name -> (how to read it from a Run, whether higher is better)
 }
 
 
-def paired_ratios(runs: list[Run], metric: str) -> list[float]:
+def paired_ratios(runs: list[Run], metric: str, metrics: dict = METRICS) -> list[float]:
     """head / base of `metric`, one per repeat that has both (and a nonzero base)."""
-    read = METRICS[metric][0]
+    read = metrics[metric][0]
     by_repeat: dict[int, dict[str, float | None]] = {}
     for r in runs:
         by_repeat.setdefault(r.repeat, {})[r.side] = read(r)
@@ -286,12 +367,12 @@ def median_or_none(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def summarize(runs: list[Run]) -> dict:
+def summarize(runs: list[Run], metrics: dict = METRICS) -> dict:
     out: dict = {}
-    for metric, (read, _) in METRICS.items():
+    for metric, (read, _) in metrics.items():
         per_side = {side: [v for r in runs if r.side == side and (v := read(r)) is not None]
                     for side in ("base", "head")}
-        ratios = paired_ratios(runs, metric)
+        ratios = paired_ratios(runs, metric, metrics)
         out[metric] = {"base": per_side["base"], "head": per_side["head"],
                        "base_median": median_or_none(per_side["base"]),
                        "head_median": median_or_none(per_side["head"]),
@@ -303,11 +384,25 @@ def _fmt(x: float | None, nd: int = 1) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
 
 
+def _side_lines(sides: tuple[Side, Side]) -> list[str]:
+    return [f"{s.name} = {s.rev} {s.commit[:9] or '(working tree)'} {shlex.join(s.serve_args)}"
+            for s in sides]
+
+
+def _ratio_lines(summary: dict, metrics: dict, width: int = 18) -> list[str]:
+    lines = [f"{'metric':<{width}}{'base':>9}{'head':>9}{'head/base (median; each repeat)':>36}"]
+    for metric, (_, is_higher_better) in metrics.items():
+        m = summary[metric]
+        each = ", ".join(f"{x:.3f}" for x in m["ratios"])
+        lines.append(f"{metric:<{width}}{_fmt(m['base_median'], 2):>9}"
+                     f"{_fmt(m['head_median'], 2):>9}"
+                     f"    {_fmt(m['median_ratio'], 3)}x ({each})"
+                     f"{'' if is_higher_better else '  lower is better'}")
+    return lines
+
+
 def table(runs: list[Run], summary: dict, sides: tuple[Side, Side]) -> str:
-    lines = [f"base = {sides[0].rev} {sides[0].commit[:9] or '(working tree)'} "
-             f"{shlex.join(sides[0].serve_args)}",
-             f"head = {sides[1].rev} {sides[1].commit[:9] or '(working tree)'} "
-             f"{shlex.join(sides[1].serve_args)}", "",
+    lines = [*_side_lines(sides), "",
              f"{'run':<10}{'tok/s':>9}{'TTFT p50':>10}{'ITL p50':>9}{'CPU ms/tok':>12}"
              f"{'failed':>8}"]
     for r in runs:
@@ -316,13 +411,7 @@ def table(runs: list[Run], summary: dict, sides: tuple[Side, Side]) -> str:
                      f"{_fmt(s['ttft_ms']['p50'], 0):>10}{_fmt(s['itl_ms']['p50']):>9}"
                      f"{_fmt(r.cpu_ms_per_token, 2):>12}{s['failed']:>8}")
     lines.append("")
-    lines.append(f"{'metric':<18}{'base':>9}{'head':>9}{'head/base (median; each repeat)':>36}")
-    for metric, (_, is_higher_better) in METRICS.items():
-        m = summary[metric]
-        each = ", ".join(f"{x:.3f}" for x in m["ratios"])
-        lines.append(f"{metric:<18}{_fmt(m['base_median'], 2):>9}{_fmt(m['head_median'], 2):>9}"
-                     f"    {_fmt(m['median_ratio'], 3)}x ({each})"
-                     f"{'' if is_higher_better else '  lower is better'}")
+    lines.extend(_ratio_lines(summary, METRICS))
     return "\n".join(lines)
 
 
@@ -351,8 +440,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="default: .bench/results/commits-<time>.json")
     ap.add_argument("--keep-worktrees", action="store_true",
                     help="leave the temporary checkouts (their logs are beside them)")
+    relay = ap.add_argument_group(
+        "relay", "--relay: the gateway's relay on the fake backend (bench_gateway_relay.py) "
+                 "instead of serving prompts; the serve flags are then gateway flags")
+    relay.add_argument("--relay", action="store_true")
+    relay.add_argument("--relay-streams", type=int, default=1000)
+    relay.add_argument("--relay-tokens", type=int, default=200, help="tokens per stream")
+    relay.add_argument("--relay-step-ms", type=float, default=20.0,
+                       help="the fake engine's step (one token per stream per step)")
+    relay.add_argument("--relay-rounds", type=int, default=3,
+                       help="bursts per server; a run reports their medians")
     a = ap.parse_args(argv)
-    for name in ("repeats", "concurrency", "num_prompts", "output_len"):
+    for name in ("repeats", "concurrency", "num_prompts", "output_len", "relay_streams",
+                 "relay_tokens", "relay_rounds"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
     try:
@@ -362,6 +462,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"cannot split the serve flags: {e}")
     if "--port" in a.serve_args + a.base_args + a.head_args:
         ap.error("--port is chosen by the script (a free port per server)")
+    if a.relay_step_ms <= 0:
+        ap.error("--relay-step-ms must be positive")
     return a
 
 
@@ -385,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = bench_config(a)
     base_commit, head_commit = resolve(a.base), resolve(a.head)
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    result_json = a.result_json or RESULTS_DIR / f"commits-{stamp}.json"
+    result_json = a.result_json or RESULTS_DIR / f"commits-{'relay-' if a.relay else ''}{stamp}.json"
     parent = Path(tempfile.mkdtemp(prefix="zeroserve-bench-commits-"))
     log_dir = parent / "logs"
     trees: dict[str, Path] = {}
@@ -405,19 +507,22 @@ def main(argv: list[str] | None = None) -> int:
             tree = side.tree or REPO_ROOT
             check_importable(launcher_for(tree), tree)
             print(f"{side.name}: {side.rev} -> {launcher_for(tree).module} in {tree}", flush=True)
-        samples = load_chat_samples(a.num_prompts, a.seed, max_prompt_tokens=a.max_prompt_tokens)
+        samples = None if a.relay else load_chat_samples(
+            a.num_prompts, a.seed, max_prompt_tokens=a.max_prompt_tokens)
         for repeat in range(a.repeats):
             for side in order(repeat, sides):
-                runs.append(serve_and_measure(side, repeat, cfg, samples, log_dir,
+                runs.append(relay_and_measure(side, repeat, a, log_dir) if a.relay else
+                            serve_and_measure(side, repeat, cfg, samples, log_dir,
                                               a.startup_timeout_s, teardown))
     finally:
         teardown.run()
-    summary = summarize(runs)
-    text = table(runs, summary, sides)
+    summary = summarize(runs, RELAY_METRICS if a.relay else METRICS)
+    text = (relay_table if a.relay else table)(runs, summary, sides)
     result = {
         "command": "python benchmarks/bench_commits.py " + shlex.join(
             sys.argv[1:] if argv is None else argv),
-        "started": stamp, "cpu_native_bf16": cpu_has_native_bf16(),
+        "started": stamp, "mode": "relay" if a.relay else "serve",
+        "cpu_native_bf16": cpu_has_native_bf16(),
         "sides": [{"name": s.name, "rev": s.rev, "commit": s.commit,
                    "serve_args": list(s.serve_args)} for s in sides],
         "summary": summary,
@@ -428,8 +533,11 @@ def main(argv: list[str] | None = None) -> int:
     result_json.parent.mkdir(parents=True, exist_ok=True)
     result_json.write_text(json.dumps(result, indent=1))
     print("\n" + text)
-    print(f"\n(--dtype auto is {'bf16' if cpu_has_native_bf16() else 'fp32'} on this CPU)")
+    if not a.relay:
+        print(f"\n(--dtype auto is {'bf16' if cpu_has_native_bf16() else 'fp32'} on this CPU)")
     print(f"wrote {result_json}; server logs in {log_dir}")
+    if a.relay:
+        return 0 if not any(r.summary["errors"] for r in runs) else 1
     return 0 if all(r.summary["completed"] for r in runs) else 1
 
 

@@ -26,6 +26,10 @@ It starts `zeroserve gateway` and one worker, opens N concurrent streaming compl
 - `--gateways N` (with `--worker fake` or `serve`): N gateway processes share
   the port, as `zeroserve serve --gateways N` runs them, and the worker serves all N; the
   gateway CPU is the sum over the N processes.
+- `--tree PATH` (with `--worker fake` or `serve`): the gateway(s) and the worker are another
+  checkout's (a `git worktree` of an older commit, as benchmarks/bench_commits.py makes them),
+  run by that checkout's own launcher; the client and the measurement stay this one's. So
+  two commits' relays are measured by the same code (bench_commits.py --relay does this).
 
 The client (`--client`, in the result as "client") shares this machine's cores with the
 gateway and the worker under test, so it should take as little of them as it can:
@@ -71,7 +75,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-from zeroserve.cli.harness import start_server  # noqa: E402
+from zeroserve.cli.harness import ServerProcess, start_server  # noqa: E402
 
 PROMPT_BASE_ID = 1000  # stream k sends the one-token prompt [PROMPT_BASE_ID + k]
 
@@ -301,6 +305,20 @@ def gateways_cpu_seconds(pids: list[int]) -> float | None:
     return None if None in used else sum(used)
 
 
+def launch(tree: Path | None, command: str, args: tuple[str, ...], port: int,
+           env: dict[str, str] | None = None) -> ServerProcess:
+    """`zeroserve COMMAND ARGS` from this checkout, or from the checkout `tree` by its own
+    launcher (its output is ours in both cases)."""
+    if tree is None:
+        return start_server(command=command, args=args, port=port, wait=False, env=env)
+    from benchmarks.bench_commits import launcher_for, make_importable, server_env
+
+    make_importable(tree)
+    launcher = launcher_for(tree)
+    return ServerProcess([sys.executable, "-m", launcher.module, command, *args], port, None,
+                         env=server_env(launcher) | (env or {}), cwd=tree)
+
+
 def default_endpoint_args(port: int, index: int) -> list[str]:
     from zeroserve.gateway.config import default_endpoints
 
@@ -476,7 +494,12 @@ def main() -> None:
                     help="run the gateway(s) under cProfile, stats written to PATH "
                          "(PATH.<index> for gateway index > 0) at the end; its CPU figures "
                          "are then inflated")
+    ap.add_argument("--tree", type=Path, default=None, metavar="PATH",
+                    help="serve the gateway(s) and the worker from this checkout (another "
+                         "commit's git worktree) by its own launcher; --worker fake or serve")
     args = ap.parse_args()
+    if args.tree is not None and args.worker == "stamped":
+        ap.error("--tree needs --worker fake or serve (the stamped worker is this checkout's)")
     if args.gateways > 1 and args.worker == "stamped":
         ap.error("--gateways N > 1 needs --worker fake or serve (the stamped worker has one "
                  "link)")
@@ -500,10 +523,10 @@ def main() -> None:
     for index in range(args.gateways if args.worker != "serve" else 0):
         shared = ["--reuse-port", *default_endpoint_args(args.port, index)] \
             if args.gateways > 1 else []
-        gateways.append(start_server(command="gateway", args=(
+        gateways.append(launch(args.tree, "gateway", (
             "--port", str(args.port), "--log-level", "warning", "--max-queued-requests",
             str(args.streams * 2), "--credit-window", str(args.credit_window), *shared,
-            *args.gateway_arg), port=args.port, wait=False, env=profile_env))
+            *args.gateway_arg), args.port, profile_env))
     procs = list(gateways)
     stamps_path, stop_path = os.path.join(tmp, "stamps.json"), os.path.join(tmp, "stop")
     stamped = None
@@ -517,20 +540,19 @@ def main() -> None:
                 router, tokens, args.step_ms / 1000, word_id, stamps_path, stop_path))
             stamped.start()
         elif args.worker == "serve":
-            procs.append(start_server(command="serve", args=(
+            procs.append(launch(args.tree, "serve", (
                 "--port", str(args.port), "--gateways", str(args.gateways), "--backend",
                 "fake", "--fake-forward-ms", str(args.step_ms), "--max-num-seqs",
                 str(args.streams), "--credit-window", str(args.credit_window), "--log-level",
-                "warning", *args.gateway_arg), port=args.port, wait=False, env=profile_env))
+                "warning", *args.gateway_arg), args.port, profile_env))
         else:
-            procs.append(start_server(command="worker", args=(
+            procs.append(launch(args.tree, "worker", (
                 "--port", str(args.port), "--gateways", str(args.gateways), "--backend",
                 "fake", "--fake-forward-ms", str(args.step_ms), "--max-num-seqs",
                 str(max(args.streams, 64)), "--max-num-batched-tokens",
                 str(max(args.streams, 512)), "--num-kv-blocks",
                 str(args.streams * (args.tokens // 16 + 3)), "--log-level", "warning",
-                *([] if args.no_stamps else ["--fake-stamps", stamps_path])),
-                port=args.port, wait=False))
+                *([] if args.no_stamps else ["--fake-stamps", stamps_path])), args.port))
         # Every process in procs that speaks HTTP (the gateways, serve) answers on args.port.
         procs[0].wait_answering(
             num_in_a_row=1 if args.gateways == 1 else 10 * args.gateways)
@@ -539,7 +561,8 @@ def main() -> None:
         if args.worker == "serve":
             children = child_processes(procs[-1].process.pid)
             gateway_pids = [pid for pid, cmd in children.items() if " gateway " in cmd]
-            (worker_pid,) = [pid for pid, cmd in children.items() if "zeroserve.cli worker" in cmd]
+            (worker_pid,) = [pid for pid, cmd in children.items()  # main's, or older ones'
+                             if "zeroserve.cli worker" in cmd or "zeroserve.worker" in cmd]
         rounds = [measure_round(args, client_exe, tmp, gateway_pids, worker_pid)
                   for _ in range(args.rounds)]
     finally:

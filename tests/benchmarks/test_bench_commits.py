@@ -11,6 +11,7 @@ import time
 import pytest
 
 from benchmarks.bench_commits import (
+    RELAY_METRICS,
     Run,
     Side,
     launcher_for,
@@ -18,6 +19,9 @@ from benchmarks.bench_commits import (
     paired_ratios,
     parse_args,
     process_tree_cpu_s,
+    relay_argv,
+    relay_summary,
+    relay_table,
     summarize,
     table,
 )
@@ -115,3 +119,65 @@ def test_cpu_time_counts_the_servers_children():
     finally:
         os.killpg(parent.pid, signal.SIGKILL)
         parent.wait(timeout=10)
+
+
+def make_relay_run(side: str, repeat: int, tok_s: float, us_per_token: float,
+                   errors: int = 0) -> Run:
+    return Run(side, repeat, relay_summary({"median": {
+        "tokens_per_s": tok_s, "steady_tokens_per_s": tok_s * 1.5,
+        "gateway_cpu_us_per_token": us_per_token}, "rounds": [{"errors": errors}]}), None)
+
+
+def test_relay_flags_and_each_sides_command(tmp_path):
+    a = parse_args(["85ea403", ".", "--relay", "--relay-rounds", "5", "--relay-streams", "200",
+                    "--head-args=--disable-metrics"])
+    assert (a.relay, a.relay_rounds, a.relay_streams, a.relay_tokens, a.relay_step_ms) == (
+        True, 5, 200, 200, 20.0)
+    old = Side("base", "85ea403", (), "c" * 40, tmp_path / "old")
+    here = Side("head", ".", a.serve_args + a.head_args)
+    argv = relay_argv(old, a, 4321, tmp_path / "out.json")
+    assert argv[argv.index("--tree") + 1] == str(tmp_path / "old")  # that commit's servers
+    assert argv[argv.index("--streams") + 1:argv.index("--streams") + 2] == ["200"]
+    assert argv[argv.index("--rounds") + 1] == "5"
+    assert "--no-stamps" in argv  # older workers may not have --fake-stamps
+    here_argv = relay_argv(here, a, 4321, tmp_path / "out.json")
+    assert "--tree" not in here_argv  # the working tree: this checkout's servers
+    assert here_argv[-1] == "--gateway-arg=--disable-metrics"  # head's flag, for its gateway
+
+
+@pytest.mark.parametrize("argv", [
+    ["main", "HEAD", "--relay", "--relay-rounds", "0"],
+    ["main", "HEAD", "--relay", "--relay-streams", "0"],
+    ["main", "HEAD", "--relay", "--relay-step-ms", "0"],
+])
+def test_bad_relay_flags_are_refused(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_a_relay_result_reads_its_medians_and_counts_every_rounds_errors():
+    summary = relay_summary({"rounds": [{"errors": 0}, {"errors": 2}, {"errors": 1}],
+                             "median": {"tokens_per_s": 30000.0,
+                                        "gateway_cpu_us_per_token": 18.5}})
+    assert (summary["tokens_per_s"], summary["gateway_cpu_us_per_token"]) == (30000.0, 18.5)
+    assert summary["steady_tokens_per_s"] is None  # no window with every stream open
+    assert summary["errors"] == 3
+    one_round = relay_summary({"tokens_per_s": 25000.0, "errors": 0,
+                               "gateway_cpu_us_per_token": 20.0})  # --rounds 1: no median
+    assert one_round["tokens_per_s"] == 25000.0
+
+
+def test_the_relay_report_gives_paired_ratios_of_tokens_and_gateway_cpu():
+    runs = [make_relay_run("base", 0, 30000.0, 20.0), make_relay_run("head", 0, 33000.0, 18.0),
+            make_relay_run("head", 1, 20000.0, 25.0), make_relay_run("base", 1, 25000.0, 25.0)]
+    summary = summarize(runs, RELAY_METRICS)
+    assert summary["tokens_per_s"]["ratios"] == pytest.approx([1.1, 0.8])
+    assert summary["gateway_cpu_us_per_token"]["median_ratio"] == pytest.approx(0.95)
+    text = relay_table(runs, summary, (Side("base", "85ea403", (), "a" * 40),
+                                       Side("head", ".", ())))
+    assert "head = . (working tree)" in text
+    assert "0.950x (0.900, 1.000)  lower is better" in text
+    assert "tokens_per_s" in text and "0.950x (1.100, 0.800)" in text
+    assert text.splitlines()[4].split() == ["base", "#0", "30000.0", "45000.0", "20.00", "0"]
