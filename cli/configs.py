@@ -92,7 +92,7 @@ def _chat_template(opts: dict[str, Any]) -> str | None:
 
 
 def gateway_config(opts: dict[str, Any]):
-    from zeroserve.gateway.config import GatewayConfig
+    from zeroserve.gateway.config import GatewayConfig, tier_class_shares_file
 
     if opts["otlp_traces_endpoint"] and importlib.util.find_spec("opentelemetry.sdk") is None:
         raise click.UsageError("--otlp-traces-endpoint needs the OpenTelemetry SDK: "
@@ -104,6 +104,7 @@ def gateway_config(opts: dict[str, Any]):
         extra_models=tuple(opts.get("extra_models") or ()),
         model_aliases=tuple(opts.get("model_aliases") or ()),
         aliases_file=opts.get("aliases_file"),
+        class_shares_file=tier_class_shares_file(opts["port"]),
         router_address=opts["router_address"],
         tokens_address=opts["tokens_address"], credit_window=opts["credit_window"],
         slow_client_timeout_s=opts["slow_client_timeout"],

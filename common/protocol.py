@@ -85,12 +85,18 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 # gateway fails it instead of moving it.
 POISON_REQUEST = "poison_request"
 
+# The box's KV tier (worker/kv_tier/), reported by a worker that has it on: blocks loaded
+# from it, lookups that found no (or a bad) block, bytes read and written, blocks evicted to
+# keep its bound, and the time spent reading and verifying blocks.
+KV_TIER_COUNTER_NAMES = ("kv_tier_hits", "kv_tier_misses", "kv_tier_read_bytes",
+                         "kv_tier_written_bytes", "kv_tier_evictions",
+                         "kv_tier_load_microseconds")
 # Heartbeat.counters a worker reports (others are ignored): prompt tokens looked up in the
 # prefix cache and found there (at each request's first admission), sequences preempted, and
 # speculative decoding's verified drafts, their tokens and the accepted ones.
 COUNTER_NAMES = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
                  "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
-                 "spec_decode_num_accepted_tokens")
+                 "spec_decode_num_accepted_tokens", *KV_TIER_COUNTER_NAMES)
 # ... and the accepted drafts at each position of a proposal: this prefix + the position
 # (0, 1, ...: at most worker.speculative.MAX_SPECULATIVE_TOKENS of them).
 SPEC_DECODE_PER_POS_COUNTER = "spec_decode_num_accepted_tokens_per_pos_"

@@ -135,6 +135,9 @@ class GatewayConfig:
     extra_models: tuple[str, ...] = ()
     model_aliases: tuple[str, ...] = ()
     aliases_file: str | None = None
+    # Where class shares set through the admin API are kept for the next start
+    # (gateway/class_shares.py; the CLI sets tier_class_shares_file(port)); None: not kept.
+    class_shares_file: str | None = None
 
     def __post_init__(self) -> None:
         self._check_input_limits()
@@ -245,6 +248,11 @@ def parse_model_spec(spec: str) -> tuple[str, str | None, str, int | None]:
 def tier_aliases_file(port: int) -> str:
     """Where the gateways of `serve --gateways N` on `port` share alias weights."""
     return str(_ipc_dir() / f"gw-{port}-aliases" / "aliases.json")
+
+
+def tier_class_shares_file(port: int) -> str:
+    """Where the gateways on `port` keep class shares set at run time across restarts."""
+    return str(_ipc_dir() / f"gw-{port}-classes" / "shares.json")
 
 
 def _ipc_dir() -> Path:

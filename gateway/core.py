@@ -42,6 +42,7 @@ from zeroserve.common.protocol import (
     Undrain,
 )
 from zeroserve.gateway.admission import Admission
+from zeroserve.gateway.class_shares import ClassShares
 from zeroserve.gateway.config import GatewayConfig
 from zeroserve.gateway.errors import (
     APIError,
@@ -102,6 +103,10 @@ class Gateway:
         self.admission = Admission(self.registry, config.max_queued_requests,
                                    config.queue_timeout_s, classes=self.priorities.classes,
                                    is_fair=config.scheduling_policy == "fair")
+        # Shares the admin API set before a restart, unless the limits file changed them since.
+        self.class_shares = ClassShares(config.class_shares_file, self.priorities.classes)
+        for name, share in self.class_shares.restore().items():
+            self.admission.set_share(name, share)
         router, tokens = config.endpoints
         keys = None if config.keys_dir is None else load_gateway_keys(config.keys_dir)
         self.edge = ZmqEdge(router, tokens, self._on_message, keys)

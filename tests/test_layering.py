@@ -33,7 +33,7 @@ MAY_IMPORT = {
 # gateway/: lowest first. A top-level module is named by its stem, a sub-package by its folder.
 GATEWAY_RANKS = {
     "__init__": 0, "config": 0, "errors": 0, "logging": 0, "key_limits": 0,
-    "priority_classes": 0, "fair_queue": 0, "queue_stats": 0,
+    "priority_classes": 0, "fair_queue": 0, "queue_stats": 0, "class_shares": 0,
     "text": 1, "workers": 1, "observability": 1,
     "core": 2, "streams": 2, "generation": 2, "admission": 2, "reconcile": 2,
     "api": 3,

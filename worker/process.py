@@ -78,6 +78,7 @@ from zeroserve.worker.debug import WorkerDebug
 from zeroserve.worker.discovery import GatewayDiscovery, GatewaysFound, Resolver
 from zeroserve.worker.engine import StepFailed
 from zeroserve.worker.grammar import GrammarSpec
+from zeroserve.worker.kv_tier.store import kv_tier_counters
 from zeroserve.worker.link import GatewayPeer, LinkState, new_route
 from zeroserve.worker.outputs import RequestOutput
 from zeroserve.worker.sequence import RequestError, SamplingParams
@@ -695,7 +696,8 @@ class WorkerLoop:
         counters = {"prefix_cache_queries": stats.num_prefix_queries,
                     "prefix_cache_hits": stats.num_prefix_hits,
                     "num_preemptions": stats.num_preemptions,
-                    **spec_decode_counters(stats.spec_decode)}
+                    **spec_decode_counters(stats.spec_decode),
+                    **kv_tier_counters(stats.kv_tier)}
         for index, request_ids in ids_by_gateway.items():
             gw = self.gateways[index]
             attempts = attempts_by_gateway[index]

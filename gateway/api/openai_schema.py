@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from zeroserve.common.protocol import MAX_PRIORITY
 from zeroserve.gateway.api.limits import RequestLimits
 from zeroserve.gateway.api.structured_output import (
     ANY_OBJECT,
@@ -18,6 +19,12 @@ from zeroserve.gateway.api.structured_output import (
     required_tool_grammar,
 )
 from zeroserve.gateway.errors import invalid_request, model_not_found
+
+# OpenAI's `service_tier` as a `priority` (relative to the default class; the class's rank is
+# clamped to the classes there are): "priority" asks for the best class, "default" for the
+# default one, "flex" for the lowest; "auto" and "scale" ask for nothing (the key's class).
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
+SERVICE_TIER_PRIORITY = {"priority": -MAX_PRIORITY, "default": 0, "flex": MAX_PRIORITY}
 
 MAX_N = 128
 # echo + logprobs: each choice carries its prompt's logprobs (prompt tokens x (logprobs + 1)
@@ -340,11 +347,19 @@ def _parse_sampling(body: dict, *, max_tokens: int | None, logprobs: int | None,
 
 def _parse_priority(body: dict) -> int | str | None:
     """vLLM's `priority`: an integer (lower is served first), or a priority class's name
-    (checked against the classes where the request is admitted)."""
+    (checked against the classes where the request is admitted). Without it, OpenAI's
+    `service_tier` asks for a class (SERVICE_TIER_PRIORITY); either way never above the
+    key's (gateway/priority_classes.py)."""
     priority = _get(body, "priority", (int, str))
     if isinstance(priority, str) and not 0 < len(priority) <= 64:
         raise invalid_request("'priority' must be an integer or a priority class's name.",
                               param="priority")
+    tier = body.get("service_tier")
+    if tier is not None and tier not in SERVICE_TIERS:
+        raise invalid_request(f"'service_tier' must be one of {', '.join(SERVICE_TIERS)}.",
+                              param="service_tier")
+    if priority is None and tier is not None:
+        return SERVICE_TIER_PRIORITY.get(tier)
     return priority
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from zeroserve.gateway.api.openai_schema import SERVICE_TIERS
 from zeroserve.gateway.errors import invalid_request
 
 # The request fields a response object repeats, and their defaults.
@@ -28,7 +29,6 @@ ECHOED_DEFAULTS: dict[str, Any] = {
 # Free-text identifiers: OpenAI's bound for safety_identifier; metadata's value bound for
 # the others (a conversation or end-user name needs no more).
 MAX_IDENTIFIER_CHARS = {"safety_identifier": 64, "user": 512, "prompt_cache_key": 512}
-SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 # A tool this server does not run is echoed as sent, so it is bounded as JSON, each and all.
 MAX_DROPPED_TOOL_BYTES = 16 * 1024
 MAX_DROPPED_TOOLS = 128

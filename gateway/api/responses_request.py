@@ -36,7 +36,7 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "stop", "parallel_tool_calls",
                     "logit_bias", "min_tokens", "ignore_eos", "skip_special_tokens",
-                    "priority")
+                    "priority", "service_tier")
 # Text parts of a message, by what they hold.
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 # Items of earlier turns that carry nothing the model needs to see again.

@@ -15,8 +15,9 @@
     GET  /admin/classes                       the queue's policy and priority classes: share,
                                               queue fraction, requests queued and shed
     POST /admin/classes/{name}/share          {"share": 2}: a class's share of the queue's
-                                              service from now on (this gateway; not kept
-                                              across a restart: the limits file is)
+                                              service from now on (this gateway), kept across
+                                              its restart until the limits file changes that
+                                              class's share (gateway/class_shares.py)
 
 Who may call it: gateway/http/admin_access.py (an admin key; keyless only from this machine,
 with the admin token where API keys are set; never a web page).
@@ -127,8 +128,10 @@ class AdminApi:
             return error_response(APIError(
                 404, f"No priority class {printable(name)!r}; the classes are "
                      f"{', '.join(admission.classes.names)}.", code="class_not_found"))
-        log.info("class share set", extra={"priority_class": name, "share": float(share)})
-        return JSONResponse(describe_classes(admission))
+        is_kept = self.gateway.class_shares.record(name, float(share))
+        log.info("class share set", extra={"priority_class": name, "share": float(share),
+                                           "is_kept": is_kept})
+        return JSONResponse({**describe_classes(admission), "kept_across_restart": is_kept})
 
     async def drain(self, request: Request) -> Response:
         return await self._drain(request, exit_when_drained=False)

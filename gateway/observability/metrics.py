@@ -81,6 +81,13 @@ _WORKER_COUNTER_DOCS = {
     "spec_decode_num_drafts": "Speculative proposals a worker verified.",
     "spec_decode_num_draft_tokens": "Draft tokens of the verified speculative proposals.",
     "spec_decode_num_accepted_tokens": "Draft tokens the model accepted.",
+    "kv_tier_hits": "KV blocks a worker loaded from the box's KV tier instead of computing.",
+    "kv_tier_misses": "Admissions whose next KV block the box's KV tier did not hold (or "
+                      "held damaged): computed from there.",
+    "kv_tier_read_bytes": "Bytes of KV blocks a worker read from the box's KV tier.",
+    "kv_tier_written_bytes": "Bytes of KV blocks a worker wrote to the box's KV tier.",
+    "kv_tier_evictions": "KV blocks a worker evicted from the box's KV tier to keep its bound.",
+    "kv_tier_load_microseconds": "Time a worker spent reading and verifying KV tier blocks.",
 }
 # The worker counters of accepted drafts per position (common/protocol.py), as one family
 # labelled by position, vLLM's spec_decode_num_accepted_tokens_per_pos.

@@ -45,7 +45,9 @@ WORKER_FAMILIES = frozenset(PREFIX + name for name in (
     "kv_cache_usage_perc", "workers", "prefix_cache_queries", "prefix_cache_hits",
     "num_preemptions", "worker_events", "spec_decode_num_drafts",
     "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
-    "spec_decode_num_accepted_tokens_per_pos"))
+    "spec_decode_num_accepted_tokens_per_pos", "kv_tier_hits", "kv_tier_misses",
+    "kv_tier_read_bytes", "kv_tier_written_bytes", "kv_tier_evictions",
+    "kv_tier_load_microseconds"))
 
 
 class TierMetrics:

@@ -70,6 +70,18 @@ class TierCounters:
     load_s: float = 0.0  # seconds reading and verifying blocks (TierStore.get)
 
 
+def kv_tier_counters(counters: TierCounters | None) -> dict[str, int]:
+    """A worker's tier figures as HEARTBEAT counters (common/protocol.py's
+    KV_TIER_COUNTER_NAMES); none with the tier off."""
+    if counters is None:
+        return {}
+    return {"kv_tier_hits": counters.num_hits, "kv_tier_misses": counters.num_misses,
+            "kv_tier_read_bytes": counters.bytes_read,
+            "kv_tier_written_bytes": counters.bytes_written,
+            "kv_tier_evictions": counters.num_evictions,
+            "kv_tier_load_microseconds": int(counters.load_s * 1e6)}
+
+
 def default_folder() -> Path:
     """/dev/shm/zeroserve-$UID/kv-tier where /dev/shm exists, else the runtime dir's."""
     shm = Path("/dev/shm")

@@ -148,3 +148,20 @@ def test_fcfs_sends_no_flow():
         assert wait_until(lambda: worker.submits)
         assert worker.submits[-1].flow == 0
         worker.stop()
+
+
+@pytest.mark.parametrize("path, body", [RESPONSES, CHAT], ids=["responses", "chat"])
+def test_service_tier_maps_onto_the_classes_never_above_the_key(served, path, body):
+    """OpenAI's service_tier: "priority" the best class the key allows, "default" the
+    default class, "flex" the lowest, "auto" the key's own; an explicit `priority` wins."""
+    expected = {GOLD: {"priority": -1, "default": 0, "flex": 1, "auto": -1, "scale": -1},
+                BULK: {"priority": 1, "default": 1, "flex": 1, "auto": 1, "scale": 1}}
+    for key, tiers in expected.items():
+        for tier, priority in tiers.items():
+            assert priority_of(served, key, path, {**body, "service_tier": tier}) == priority
+    assert priority_of(served, GOLD, path, {**body, "service_tier": "flex",
+                                            "priority": "standard"}) == 0
+    gw, _ = served
+    r = httpx.post(gw.url + path, json={"model": MODEL, **body, "service_tier": "turbo"},
+                   headers={"Authorization": f"Bearer {GOLD}"}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "service_tier"

@@ -1,0 +1,95 @@
+"""The box's KV tier end to end (issue 37): `serve --workers 2 --kv-offloading-size ...` on a
+tiny real model (a random 2-layer Llama over bytes), a streamed completion whose worker is
+SIGKILLed mid-stream continues on the other worker from the tier, with exactly the tokens of
+the undisturbed run, and the surviving worker reports tier hits on /metrics."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.helpers import MODEL, stream_in_thread
+from tests.worker.conftest import write_tiny_chat_model
+
+pytestmark = pytest.mark.slow
+
+# ~270 byte tokens (the tiny model's context is 512): its full blocks of 16 tokens.
+PROMPT = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog. " for i in range(5))
+NUM_PROMPT_BLOCKS = len(PROMPT.encode()) // 16
+BODIES = {
+    "greedy": {"prompt": PROMPT, "max_tokens": 160, "temperature": 0, "ignore_eos": True},
+    "seeded": {"prompt": PROMPT, "max_tokens": 160, "temperature": 0.9, "seed": 7,
+               "ignore_eos": True},
+}
+
+
+@pytest.fixture(scope="module")
+def tier_server(module_servers, tmp_path_factory):
+    model = write_tiny_chat_model(tmp_path_factory.mktemp("tier-model"), seed=3)
+    tier = tmp_path_factory.mktemp("tier") / "kv"
+    server = module_servers(args=(
+        "--model", str(model), "--served-model-name", MODEL, "--device", "cpu",
+        "--dtype", "float32", "--workers", "2",
+        "--max-model-len", "512", "--num-kv-blocks", "256", "--kv-offloading-size", "0.05",
+        "--kv-offloading-dir", str(tier)), num_workers=2, timeout_s=180,
+        env={"ZEROSERVE_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))})
+    return server, tier
+
+
+def tier_hits(server, worker_id: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    found = re.search(rf'^zeroserve:kv_tier_hits_total\{{[^}}]*worker_id="{worker_id}"[^}}]*\}}'
+                      r" (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def restart_all(server, tier) -> None:
+    """Kill every worker and empty the tier: no worker's pool or the tier holds the prompt."""
+    old = {w["worker_id"]: w["pid"] for w in server.workers()}
+    for pid in old.values():
+        os.kill(pid, signal.SIGKILL)
+    server.wait_for(lambda ws: len(ws) == 2 and all(
+        w["status"] == "ready" and w["pid"] != old.get(w["worker_id"]) for w in ws),
+        timeout_s=120, what="both workers restarted")
+    for path in tier.glob("*.kv"):
+        path.unlink()
+
+
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+def test_a_killed_workers_stream_continues_from_the_tier_with_the_same_tokens(
+        tier_server, kind):
+    server, tier = tier_server
+    body = BODIES[kind]
+    reference = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, **body},
+                           timeout=120)
+    assert reference.status_code == 200, reference.text
+    expected = reference.json()["choices"][0]["text"]
+    restart_all(server, tier)
+
+    thread, result = stream_in_thread(server.url, body)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(result.chunks) < 40:
+        time.sleep(0.02)
+    victim = next(w for w in server.workers() if w["num_in_flight"])
+    survivor = next(w["worker_id"] for w in server.workers()
+                    if w["worker_id"] != victim["worker_id"])
+    # The victim's prompt blocks reached the tier (written after each step, off its path).
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(list(tier.glob("*.kv"))) < NUM_PROMPT_BLOCKS:
+        time.sleep(0.05)
+    hits_before = tier_hits(server, survivor)
+    os.kill(victim["pid"], signal.SIGKILL)
+    thread.join(timeout=120)
+
+    assert result.exception is None and result.error is None, result.error
+    assert result.text == expected  # exactly the undisturbed run's tokens
+    assert "failover" in server.log_tail(2000)
+    deadline = time.monotonic() + 10  # heartbeats carry the counters
+    while time.monotonic() < deadline and tier_hits(server, survivor) - hits_before < NUM_PROMPT_BLOCKS:
+        time.sleep(0.1)
+    assert tier_hits(server, survivor) - hits_before >= NUM_PROMPT_BLOCKS  # not recomputed
