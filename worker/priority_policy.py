@@ -36,6 +36,7 @@ nothing.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Iterable
 
@@ -125,23 +126,32 @@ def order_admissions(waiting: deque[Sequence], running, num_free: int) -> None:
     that each next admission goes to the waiting flow holding the fewest running slots of
     the first one's priority (counting those admitted before it; ties: the oldest). Only the
     first MAX_FAIR_SCAN waiting of that priority move; with one flow nothing does."""
-    priority = waiting[0].priority
-    counts = _flow_counts(running, priority)
-    window = list(_window(waiting, priority))
-    if num_free <= 0 or len(window) < 2:
+    if num_free <= 0:
         return
+    priority = waiting[0].priority
+    window = list(_window(waiting, priority))
+    first_flow = window[0].flow
+    if all(seq.flow == first_flow for seq in window):
+        return  # one flow waiting: its own order (the common case, without a dict)
+    counts = _flow_counts(running, priority)
+    # Each flow's waiting sequences in order; a heap of (its slots, its oldest's place).
+    queues: dict[int, deque[tuple[int, Sequence]]] = {}
+    for index, seq in enumerate(window):
+        queues.setdefault(seq.flow, deque()).append((index, seq))
+    heap = [(counts.get(flow, 0), queue[0][0], flow) for flow, queue in queues.items()]
+    heapq.heapify(heap)
     order: list[Sequence] = []
-    rest = window
-    for _ in range(min(num_free, len(window))):
-        pick = min(range(len(rest)), key=lambda i: (counts.get(rest[i].flow, 0), i))
-        seq = rest.pop(pick)
-        order.append(seq)
-        counts[seq.flow] = counts.get(seq.flow, 0) + 1
-        if not rest:
-            break
+    while heap and len(order) < num_free:
+        held, _, flow = heapq.heappop(heap)
+        queue = queues[flow]
+        order.append(queue.popleft()[1])
+        if queue:
+            heapq.heappush(heap, (held + 1, queue[0][0], flow))
     if all(a is b for a, b in zip(order, window, strict=False)):
-        return  # already in this order (one flow, or FIFO is fair): the common case
-    for _ in range(len(order) + len(rest)):
+        return  # already in this order (FIFO is fair here): nothing moves
+    chosen = {id(seq) for seq in order}
+    rest = [seq for seq in window if id(seq) not in chosen]
+    for _ in window:
         waiting.popleft()
     waiting.extendleft(reversed(order + rest))
 
