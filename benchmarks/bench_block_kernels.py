@@ -8,6 +8,14 @@ before) and the block kernels (worker/csrc/lowbit_matmul.cpp: q4 for the layers,
 lm_head) are timed in turn, `--rounds` times; medians of each round's median.
 
     python benchmarks/bench_block_kernels.py --rows 1 4 16 32 --rounds 3
+
+`--int8` times, instead, the same blocks with fp32 activations against int8 activations
+(worker/csrc/lowbit_int8.cpp, what decode rows take with --int8-activations), interleaved
+call by call, the minimum of each; `--accuracy` then also runs the real default model over a
+prompt and reports, per projection kind, the largest difference between the two kernels'
+outputs on the inputs the model's layers actually saw.
+
+    python benchmarks/bench_block_kernels.py --int8 --rows 1 4 8 16 --accuracy
 """
 
 from __future__ import annotations
@@ -55,6 +63,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--fp32-scales", action="store_true",
                         help="scales that fp16 cannot hold (Q4_K's): the 384-byte q4 unit")
+    parser.add_argument("--int8", action="store_true",
+                        help="fp32 against int8 activations on the same blocks")
+    parser.add_argument("--accuracy", action="store_true",
+                        help="with --int8: the two kernels' outputs on the real model")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = cpu_kernels.load(required=True)
@@ -83,6 +95,12 @@ def main() -> None:
         rng.integers(-127, 128, (VOCAB, HIDDEN), dtype=np.int8), scales(VOCAB, HIDDEN, 0.01)))
     print(f"q4 unit {layers[0][0][1].shape[2]} bytes, q8 unit {head_q8.shape[2]} bytes")
 
+    if args.int8:
+        int8_table(args, kernels, [[blocks for _, blocks in layer] for layer in layers],
+                   head_q8, gen)
+        if args.accuracy:
+            int8_accuracy()
+        return
     print(f"threads={args.threads}; ms per call of all 30 layers' projections / of the lm_head")
     print("| rows | layers dense fp32 | layers q4 | dense / q4 | lm_head dense fp32 | lm_head q8 | dense / q8 |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
@@ -109,6 +127,104 @@ def main() -> None:
         m = {k: statistics.median(v) for k, v in figures.items()}
         print(f"| {rows} | {m['dense']:.1f} | {m['q4']:.1f} | {m['dense'] / m['q4']:.2f}x "
               f"| {m['head_dense']:.1f} | {m['q8']:.1f} | {m['head_dense'] / m['q8']:.2f}x |")
+
+
+def int8_table(args, kernels, layers: list[list[torch.Tensor]], head_q8: torch.Tensor,
+               gen: torch.Generator) -> None:
+    """ms per call, fp32 activations (q4_matmul / q8_matmul) against int8 (the _i8 twins),
+    each the minimum over rounds x repeats, the two timed alternately."""
+    outs = [out for out, _ in LAYER_SHAPES]
+    print(f"threads={args.threads}; ms per call of all 30 layers' projections / of the lm_head "
+          f"(min of {args.rounds * args.repeats}); {cpu_kernels.process_class().describe()}")
+    print("| rows | layers q4 fp32-x | layers q4 int8-x | speed-up | lm_head q8 fp32-x "
+          "| lm_head q8 int8-x | speed-up |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for rows in args.rows:
+        xs = {n: torch.randn(rows, n, generator=gen) for n in (576, 1536)}
+
+        def all_layers(q4, xs=xs):
+            for layer in layers:
+                for blocks, out in zip(layer, outs, strict=True):
+                    q4(xs[blocks.shape[1] * 32], blocks, out)
+
+        x = xs[576]
+        cases = {
+            "q4": lambda: all_layers(kernels.q4_matmul),
+            "q4_i8": lambda: all_layers(kernels.q4_matmul_i8),
+            "q8": lambda x=x: kernels.q8_matmul(x, head_q8, VOCAB),
+            "q8_i8": lambda x=x: kernels.q8_matmul_i8(x, head_q8, VOCAB),
+        }
+        best = {k: float("inf") for k in cases}
+        for _ in range(args.rounds):
+            for name, fn in cases.items():
+                best[name] = min(best[name], min_time(fn, args.repeats))
+        print(f"| {rows} | {best['q4']:.2f} | {best['q4_i8']:.2f} | "
+              f"{best['q4'] / best['q4_i8']:.2f}x | {best['q8']:.2f} | {best['q8_i8']:.2f} | "
+              f"{best['q8'] / best['q8_i8']:.2f}x |")
+
+
+def min_time(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return min(times) * 1e3
+
+
+def int8_accuracy() -> None:
+    """The default model (fp32, its file's Q4/Q8_0 blocks) over a prompt; every projection's
+    inputs as the layers saw them, through both kernels: the largest |difference| and the
+    largest |output| per kind of projection."""
+    from zeroserve.worker.model import linear
+    from zeroserve.worker.model.loader import load_model
+
+    model, _ = load_model("default", torch.device("cpu"), torch.float32)
+    seen: dict[int, list[torch.Tensor]] = {}
+    call = linear.Linear.__call__
+
+    def recording(self, x, *rest, **kw):
+        seen.setdefault(id(self), []).append(x.clone())
+        return call(self, x, *rest, **kw)
+
+    from zeroserve.gateway.text.tokenizer import load_tokenizer
+
+    text = ("In 1905 Albert Einstein published four papers that changed physics: on the "
+            "photoelectric effect, on Brownian motion, on special relativity, and on the "
+            "equivalence of mass and energy. Each of them would have been enough to make "
+            "his name; together they opened the century's physics.")
+    ids = load_tokenizer("default").encode(text)[:60]
+    linear.Linear.__call__ = recording
+    try:
+        model.forward_unpaged(ids)  # prompt rows below 64: all through the blocks
+    finally:
+        linear.Linear.__call__ = call
+    kinds = {"qkv": [], "o_proj": [], "gate_up": [], "down": [], "lm_head": []}
+    for layer in model.layers:
+        for name in ("qkv", "o_proj", "gate_up", "down"):
+            kinds[name].append(getattr(layer, name))
+    kinds["lm_head"].append(model.lm_head)
+    print(f"\n{len(ids)} tokens of English text through every layer")
+    print("| projection | max abs diff int8-x vs fp32-x | max abs output | ratio "
+          "| relative RMS error |")
+    print("|---|---:|---:|---:|---:|")
+    for name, lins in kinds.items():
+        diff = out_max = 0.0
+        squares = [0.0, 0.0]  # sum of squared differences, of squared outputs
+        for lin in lins:
+            packed = lin.packed
+            i8 = (cpu_kernels.load().q4_matmul_i8 if packed.data.shape[2] in (320, 384)
+                  else cpu_kernels.load().q8_matmul_i8)
+            for x in seen.get(id(lin), []):
+                ref = packed.mm(x).double()
+                delta = i8(x, packed.data, packed.out_features).double() - ref
+                diff = max(diff, delta.abs().max().item())
+                out_max = max(out_max, ref.abs().max().item())
+                squares[0] += delta.square().sum().item()
+                squares[1] += ref.square().sum().item()
+        print(f"| {name} | {diff:.4g} | {out_max:.4g} | {diff / out_max:.2e} "
+              f"| {(squares[0] / squares[1]) ** 0.5:.2e} |")
 
 
 if __name__ == "__main__":
