@@ -164,7 +164,8 @@ class ModelRunner:
         hidden = forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
         logits = None
         if inputs.sample_chunks:
-            logits = self.model.compute_logits(hidden[inputs.sample_rows])
+            logits = self.model.compute_logits(hidden[inputs.sample_rows],
+                                               inputs.sample_rows < inputs.meta.num_decode)
         if self.device.type == "cuda":
             # Kernels run asynchronously: without this the forward's GPU time would show up
             # as sampling (the sampler's first .tolist() waits for it anyway).

@@ -262,20 +262,31 @@ class LlamaModel:
         return FusedLayers(module, module.decode_attention, weights, bits, out_features, int8)
 
     def use_int8_activations(self) -> None:
-        """Decode rows of every layer's block products quantize their activations to int8
-        (`--int8-activations`, worker/csrc/lowbit_int8.cpp); prompt rows, and the lm_head,
-        keep fp32 activations. Nothing to do where the layers have no block copies (bf16's
-        torch kernels, a GPU)."""
+        """Decode rows of every layer's block products and of the lm_head (compute_logits'
+        `decode`) quantize their activations to int8 (`--int8-activations`,
+        worker/csrc/lowbit_int8.cpp); prompt rows keep fp32 activations. Nothing to do where
+        there are no block copies (bf16's torch kernels, a GPU)."""
         for layer in self.layers:
             for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
                 if isinstance(lin.packed, BlockQ4 | BlockQ8):
                     lin.packed.use_int8_activations()
+        if isinstance(self.lm_head.packed, BlockQ4 | BlockQ8):
+            self.lm_head.packed.use_int8_activations()
         self._fused = self._fused_layers()
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [num_rows, hidden] -> fp32 logits [num_rows, vocab]."""
+    def compute_logits(self, hidden: torch.Tensor,
+                       decode: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [num_rows, hidden] -> fp32 logits [num_rows, vocab]. `decode` [num_rows]
+        bool: the rows that are decode rows, which take the lm_head's decode kernel (int8
+        activations where they are on); None: none is."""
         h = self.ops.rms_norm(hidden, self.norm, self.config.rms_norm_eps)
-        return self.lm_head(h).float()
+        packed = self.lm_head.packed
+        if decode is None or not getattr(packed, "int8_activations", False):
+            return self.lm_head(h).float()
+        order = torch.argsort(~decode, stable=True)  # decode rows first; each row on its own
+        logits = torch.empty(h.shape[0], packed.out_features, device=h.device)
+        logits[order] = self.lm_head(h[order], None, int(decode.sum())).float()
+        return logits
 
     def forward_unpaged(self, token_ids: list[int]) -> torch.Tensor:
         """Reference path: one sequence from scratch, no cache -> fp32 logits [len, vocab]."""

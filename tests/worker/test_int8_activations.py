@@ -1,0 +1,110 @@
+"""`--int8-activations` on a real engine: decode rows (and only they) take int8 activations
+in every projection and the lm_head; the promises of the fp32 path hold for it (greedy tokens
+the same with speculation and without; the same answer alone, batched or from the prefix
+cache is tests/worker/test_same_answer.py's float32+int8)."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+
+from tests.worker.arch_models import (
+    make_model,
+    one_thread,  # noqa: F401 - autouse
+    quantize_like_file,
+    write_gguf,
+)
+from tests.worker.test_quantizations import WIDE
+from zeroserve.worker.config import EngineConfig
+from zeroserve.worker.engine import Engine
+from zeroserve.worker.model.prepare import BLOCKS, packing
+from zeroserve.worker.model.quant import BlockQ4, BlockQ8
+from zeroserve.worker.sequence import SamplingParams
+from zeroserve.worker.speculative import SpeculativeConfig
+
+Q = gguf.GGMLQuantizationType
+pytestmark = pytest.mark.skipif(packing(torch.device("cpu"), torch.float32) != BLOCKS,
+                                reason="needs the native CPU kernels")
+
+_TEXT = [1, 17, 250, 3, 99, 42, 8, 7, 128, 64, 5, 31]
+# Prompts that repeat themselves (n-gram drafts), and one that does not.
+PROMPTS = [_TEXT * 3, [1, 9, 8, 7] * 5 + [1, 9], [1, *range(30, 46)], _TEXT[:7] * 2]
+SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+
+
+@pytest.fixture(scope="module")
+def q4_1_model(tmp_path_factory):
+    """Layers in Q4_1 and the lm_head in Q8_0, as SmolLM2-135M's file."""
+    model = make_model("llama", seed=4, tie_word_embeddings=False, **WIDE)
+    raws = quantize_like_file(
+        model, lambda name, _: Q.Q8_0 if name == "lm_head.weight" else Q.Q4_1)
+    return write_gguf(model, tmp_path_factory.mktemp("int8") / "tiny.gguf", raws)
+
+
+def engine_for(path, int8: bool, speculative: SpeculativeConfig | None = None) -> Engine:
+    return Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", block_size=4,
+                               num_kv_blocks=256, max_num_batched_tokens=16, max_model_len=256,
+                               weight_cache=False, int8_activations=int8,
+                               speculative_config=speculative))
+
+
+def test_every_block_product_of_decode_rows_takes_int8(q4_1_model):
+    llama = engine_for(q4_1_model, int8=True).runner.model
+    linears = [lin for layer in llama.layers
+               for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+    assert all(isinstance(lin.packed, BlockQ4) for lin in linears)
+    assert isinstance(llama.lm_head.packed, BlockQ8)
+    assert all(lin.packed.int8_activations for lin in [*linears, llama.lm_head])
+    assert llama._fused.int8_activations
+    off = engine_for(q4_1_model, int8=False).runner.model
+    assert not any(lin.packed.int8_activations for layer in off.layers
+                   for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+
+
+def test_logits_of_decode_rows_take_int8_and_of_prompt_rows_fp32(q4_1_model):
+    """compute_logits: each decode row's logits are the int8 kernel's, alone or beside prompt
+    rows, in any order; a prompt row's are the fp32-activation kernel's."""
+    llama = engine_for(q4_1_model, int8=True).runner.model
+    hidden = torch.randn(5, llama.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    decode = torch.tensor([False, True, True, False, True])
+    logits = llama.compute_logits(hidden, decode)
+    h = llama.ops.rms_norm(hidden, llama.norm, llama.config.rms_norm_eps)
+    head = llama.lm_head.packed
+    for i in range(5):
+        kernel = head.decode_mm if decode[i] else head.mm
+        assert torch.equal(logits[i], kernel(h[i:i + 1])[0]), i
+        alone = llama.compute_logits(hidden[i:i + 1], decode[i:i + 1])
+        assert torch.equal(alone[0], logits[i]), i
+    assert not torch.equal(head.decode_mm(h[:1]), head.mm(h[:1]))
+    assert torch.equal(llama.compute_logits(hidden), head.mm(h))  # prompt logprobs: fp32
+
+
+def test_the_first_token_is_the_fp32_paths_and_later_ones_differ_in_logprobs(q4_1_model):
+    """A prompt's rows keep fp32 activations: the first generated token and its logprobs are
+    bit for bit those without the flag; decode rows then compute otherwise."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3)
+
+    def run(engine: Engine) -> list[list]:
+        engine.add_request("r", PROMPTS[2], params)
+        entries = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                entries += out.logprobs or []
+        return entries
+
+    fp32, int8 = run(engine_for(q4_1_model, False)), run(engine_for(q4_1_model, True))
+    assert len(fp32) == len(int8) == 6
+    assert int8[0] == fp32[0]
+    assert int8[1:] != fp32[1:]
+
+
+def test_greedy_tokens_are_the_same_with_speculation(q4_1_model):
+    """Verify rows are decode rows: with int8 activations they compute what plain decoding
+    computes for the same positions, so the greedy tokens are the same with drafts or not."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    expected = engine_for(q4_1_model, True).generate(PROMPTS, greedy)
+    spec = engine_for(q4_1_model, True, SPEC)
+    assert spec.generate(PROMPTS, greedy) == expected
+    assert spec.generate([PROMPTS[0]], greedy) == [expected[0]]
+    assert spec.stats().spec_decode.num_accepted_tokens > 0
