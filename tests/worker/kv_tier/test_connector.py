@@ -1,0 +1,61 @@
+"""The connector between a KV pool and the tier: blocks written through after a step come back
+bit for bit into other pool blocks, in any dtype; a writer that is behind drops, never blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zeroserve.worker.block_manager import BlockManager
+from zeroserve.worker.kv_tier.connector import KVTierConnector
+from zeroserve.worker.kv_tier.store import TierLevel, TierStore
+from zeroserve.worker.sequence import SamplingParams, Sequence
+
+LAYERS, BLOCKS, BS, HEADS, DIM = 2, 8, 4, 2, 8
+KEY = bytes(16)
+
+
+def connector(tmp_path, dtype=torch.bfloat16, **kwargs) -> tuple[KVTierConnector, BlockManager]:
+    pool = torch.randn(LAYERS, 2, BLOCKS, BS, HEADS, DIM).to(dtype)
+    bm = BlockManager(BLOCKS, BS)
+    store = TierStore([TierLevel(tmp_path / "tier", 1 << 20, KEY)])
+    tier = KVTierConnector(store, pool, KEY, bm.block_tokens, **kwargs)
+    bm.tier = tier
+    return tier, bm
+
+
+def seq(request_id: str = "a") -> Sequence:
+    return Sequence(request_id, list(range(1, 10)), SamplingParams(max_tokens=4))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_blocks_written_through_load_back_bit_for_bit(tmp_path, dtype):
+    tier, _ = connector(tmp_path, dtype)
+    written = seq()
+    tier.on_full(written, 0, 2, [5, 3])
+    tier.flush()
+    tier.close()
+    assert tier.counters.num_puts == 2
+    reader = seq("b")  # the same tokens, another request (another worker)
+    assert tier.num_available(reader, 0, 2) == 2
+    assert tier.load(reader, 0, [0, 7]) == 2
+    assert torch.equal(tier.pool[:, :, 0], tier.pool[:, :, 5])
+    assert torch.equal(tier.pool[:, :, 7], tier.pool[:, :, 3])
+
+
+def test_a_writer_behind_drops_blocks_instead_of_blocking_the_step(tmp_path):
+    tier, _ = connector(tmp_path, max_queued_bytes=1)  # less than one block
+    tier.on_full(seq(), 0, 2, [5, 3])
+    tier.flush()  # returns at once
+    tier.close()
+    assert tier.counters.num_dropped == 2
+    assert tier.counters.num_puts == 0
+    assert tier.num_available(seq("b"), 0, 2) == 0  # a miss: computed, never wrong
+
+
+def test_other_tokens_find_nothing(tmp_path):
+    tier, _ = connector(tmp_path)
+    tier.on_full(seq(), 0, 2, [5, 3])
+    tier.close()
+    other = Sequence("c", [1, 2, 3, 4, 9, 9, 9, 9, 9], SamplingParams(max_tokens=4))
+    assert tier.num_available(other, 0, 2) == 1  # the first block is the same; the second not
