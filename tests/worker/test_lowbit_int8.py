@@ -157,6 +157,20 @@ def test_the_operators_trace_for_a_compiled_step(kernels):
     assert fake.shape == (5, 60)
 
 
+def test_the_compiled_step_calls_the_int8_kernels(kernels):
+    """A compiled decode step (worker/model/segments.py) computes decode rows with int8
+    activations where the copy has them on, as the eager step does."""
+    from zeroserve.worker.model.linear import Linear
+    from zeroserve.worker.model.segments import decode_rows, linear_tensors
+
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(8))
+    for kind in ("q4", "q8"):
+        matrix = packed(kind, 48, 64)
+        tensors = linear_tensors(Linear(weights(matrix).float(), matrix))
+        assert tensors[1] == f"{kind}_i8"
+        assert torch.equal(decode_rows(x, tensors), matrix.decode_mm(x))
+
+
 def outputs_digest() -> str:
     """A hash of both kernels' outputs on fixed inputs at 1, 4 and 16 rows (run under each
     CPU class by the test below)."""
@@ -173,11 +187,12 @@ def outputs_digest() -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("requested", [p for p in cpu_classes.params()
-                                       if p.id in ("avx512", "avx2")])
+                                       if p.id in ("avx512_vnni", "avx512", "avx2")])
 def test_every_cpu_class_computes_the_same_bits(requested):
     """The integer sums are exact and the fp32 operations the same on every path: VNNI's
-    dpbusd, AVX-512's 16-bit multiply-adds (avx512) and the portable loops (avx2) give the
-    outputs of this machine's own build bit for bit. Each class's first build takes minutes."""
+    dpbusd with the two-step transpose (avx512_vnni: no VBMI), AVX-512's 16-bit multiply-adds
+    (avx512) and the portable loops (avx2) give the outputs of this machine's own build bit
+    for bit. Each class's first build takes minutes."""
     if cpu_class.detected_class().label == requested:
         pytest.skip("this machine's own class: nothing to compare")
     assert cpu_classes.call(requested, "tests.worker.test_lowbit_int8:outputs_digest") == (
