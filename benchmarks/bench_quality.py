@@ -272,15 +272,7 @@ def run_child(args: argparse.Namespace) -> None:
         max_num_batched_tokens=max(512, context + scored), enable_prefix_caching=False,
         **path.engine))
     load_s = time.perf_counter() - started
-    captured: list[torch.Tensor] = []
-    compute_logits = runner.model.compute_logits
-
-    def watched(hidden: torch.Tensor) -> torch.Tensor:
-        logits = compute_logits(hidden)
-        captured.append(logits.clone())  # the sampler may change its copy in place
-        return logits
-
-    runner.model.compute_logits = watched
+    captured = watch_logits(runner)
     out: dict[str, np.ndarray] = {}
     timings = {}
     for mode in MODES:
@@ -295,7 +287,7 @@ def run_child(args: argparse.Namespace) -> None:
             ("nll", np.float64), ("kl", np.float64), ("top1", np.int64),
             ("ref_top1", np.int64))}
         t0, c0 = time.perf_counter(), time.process_time()
-        rows = (_decode_rows if mode == "decode" else _prompt_rows)(
+        rows = (decode_rows if mode == "decode" else prompt_rows)(
             runner, captured, tokens, starts, context, scored, batch, blocks_per_window)
         for first_row, logits in rows:
             end = first_row + logits.shape[0]
@@ -321,6 +313,21 @@ def run_child(args: argparse.Namespace) -> None:
         "cpu_class": cpu_class.effective().describe()}))
 
 
+def watch_logits(runner) -> list:
+    """Every logits tensor the runner's model computes from now on (the sampler's rows and
+    the prompt logprobs' rows, in the order of the calls), appended to the list returned."""
+    captured: list = []
+    compute_logits = runner.model.compute_logits
+
+    def watched(hidden, *args, **kwargs):
+        logits = compute_logits(hidden, *args, **kwargs)
+        captured.append(logits.clone())  # the sampler may change its copy in place
+        return logits
+
+    runner.model.compute_logits = watched
+    return captured
+
+
 def _params(prompt_logprobs: int | None = None):
     from zeroserve.worker.sequence import SamplingParams
 
@@ -328,7 +335,7 @@ def _params(prompt_logprobs: int | None = None):
                           prompt_logprobs=prompt_logprobs)
 
 
-def _decode_rows(runner, captured, tokens, starts, context, scored, batch, blocks_per_window):
+def decode_rows(runner, captured, tokens, starts, context, scored, batch, blocks_per_window):
     """Decode mode: --batch windows at a time, each prompted with its first `context` tokens
     (one prefill chunk per step), then fed its next tokens one decode step at a time, all
     windows in each step. Yields (first row, logits [rows, vocab]) per step."""
@@ -356,7 +363,7 @@ def _decode_rows(runner, captured, tokens, starts, context, scored, batch, block
                 yield w * scored + j, logits[i:i + 1]
 
 
-def _prompt_rows(runner, captured, tokens, starts, context, scored, batch, blocks_per_window):
+def prompt_rows(runner, captured, tokens, starts, context, scored, batch, blocks_per_window):
     """Prompt mode: each window as one prefill chunk of a request with prompt_logprobs (not
     its last chunk, so nothing is sampled: the watched logits are the prompt rows' only).
     Yields (first row, logits [scored, vocab]) per window."""
@@ -418,6 +425,7 @@ def machine() -> dict:
 
 def run_parent(args: argparse.Namespace) -> int:
     from zeroserve.gateway.text.tokenizer import load_tokenizer
+    from zeroserve.worker.cpu_class import ENV_VAR
 
     names = [n.strip() for n in args.paths.split(",") if n.strip()] if args.paths else None
     paths, skipped = choose_paths(names, engine_fields())
@@ -434,23 +442,29 @@ def run_parent(args: argparse.Namespace) -> int:
         print(f"skipped {note}", flush=True)
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="bench_quality-"))
     work.mkdir(parents=True, exist_ok=True)
-    (work / "spec.json").write_text(json.dumps({
-        "tokens": tokens, "starts": starts, "context": args.context, "scored": args.scored,
-        "batch": args.batch, "model": args.model, "block_size": args.block_size}))
+    spec = {"tokens": tokens, "starts": starts, "context": args.context, "scored": args.scored,
+            "batch": args.batch, "model": args.model, "block_size": args.block_size,
+            "cpu_class": os.environ.get(ENV_VAR, "native")}
+    spec_file = work / "spec.json"
+    reusable = args.reuse and spec_file.is_file() and json.loads(spec_file.read_text()) == spec
+    spec_file.write_text(json.dumps(spec))
     results: dict[str, dict[str, Metrics]] = {}
     runs: dict[str, dict] = {}
+    failed: dict[str, str] = {}
     try:
         for path in paths:
-            print(f"=== {path.name} ({path.flags}) ===", flush=True)
-            before = resource.getrusage(resource.RUSAGE_CHILDREN)
-            proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child",
-                                   path.name, "--work-dir", str(work)], cwd=ROOT)
-            after = resource.getrusage(resource.RUSAGE_CHILDREN)
-            if proc.returncode != 0:
-                raise SystemExit(f"{path.name} exited {proc.returncode}")
-            runs[path.name] = json.loads((work / f"{path.name}.json").read_text())
-            runs[path.name]["child_cpu_s"] = (after.ru_utime + after.ru_stime
-                                              - before.ru_utime - before.ru_stime)
+            if reusable and (work / f"{path.name}.npz").is_file():
+                print(f"=== {path.name}: reusing {work / path.name}.npz ===", flush=True)
+                runs[path.name] = json.loads((work / f"{path.name}.json").read_text())
+            else:
+                reusable = reusable and path.name != REFERENCE  # new reference, new figures
+                error = run_path(path, work, runs)
+                if error:
+                    if path.name in (REFERENCE, BASELINE):
+                        raise SystemExit(f"{path.name}: {error}")
+                    failed[path.name] = error
+                    print(f"{path.name}: {error}", flush=True)
+                    continue
             results[path.name] = load_metrics(work / f"{path.name}.npz")
             print(f"{path.name}: " + ", ".join(
                 f"{mode} PPL {m.perplexity:.4f} KL {m.mean_kl:.6f} top-1 {m.top1_agreement:.2%}"
@@ -462,9 +476,15 @@ def run_parent(args: argparse.Namespace) -> int:
     flags = {p.name: p.flags for p in paths}
     print()
     print(table(results, verdicts, flags))
+    print()
+    for name, run in runs.items():
+        print(f"{name}: {kernels_line(run['kernels'])}")
     for name, verdict in verdicts.items():
         for reason in verdict.reasons:
             print(f"{name} FAIL: {reason}")
+    for name, error in failed.items():
+        print(f"{name} not measured: {error}")
+    engines = {p.name: p.engine for p in paths}
     report = {
         "machine": machine(), "model": args.model,
         "text": {"file": str(TEXT_PATH.relative_to(ROOT)), "num_tokens": len(tokens)},
@@ -472,8 +492,8 @@ def run_parent(args: argparse.Namespace) -> int:
                     "batch": args.batch},
         "gate": {"reference": REFERENCE, "baseline": BASELINE,
                  "max_perplexity_change": MAX_PPL_CHANGE},
-        "skipped": skipped,
-        "paths": {name: {"flags": flags[name], "engine": {p.name: p.engine for p in paths}[name],
+        "skipped": skipped, "failed": failed,
+        "paths": {name: {"flags": flags[name], "engine": engines[name],
                          "modes": {mode: dataclasses.asdict(m) for mode, m in modes.items()},
                          "gate": dataclasses.asdict(verdicts[name]), "run": runs[name]}
                   for name, modes in results.items()},
@@ -483,11 +503,34 @@ def run_parent(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(report, indent=1))
     print(f"\nwrote {out}")
     required = [n.strip() for n in args.require.split(",") if n.strip()]
-    failed = [n for n in required if n not in verdicts or not verdicts[n].passed]
-    if failed:
-        print(f"required path(s) not passing the gate: {', '.join(failed)}")
+    not_passing = [n for n in required if n not in verdicts or not verdicts[n].passed]
+    if not_passing:
+        print(f"required path(s) not passing the gate: {', '.join(not_passing)}")
         return 1
     return 0
+
+
+def run_path(path: QualityPath, work: Path, runs: dict[str, dict]) -> str | None:
+    """One path in its own interpreter (this one's environment: the CPU class); what went
+    wrong, or None."""
+    print(f"=== {path.name} ({path.flags}) ===", flush=True)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child",
+                           path.name, "--work-dir", str(work)], cwd=ROOT)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        return f"exited {proc.returncode}"
+    runs[path.name] = json.loads((work / f"{path.name}.json").read_text())
+    runs[path.name]["child_cpu_s"] = (after.ru_utime + after.ru_stime
+                                      - before.ru_utime - before.ru_stime)
+    return None
+
+
+def kernels_line(kernels: dict) -> str:
+    return (f"{kernels['dtype']} activations; decode rows {kernels['decode_rows']} "
+            f"({kernels['decode_step']}, {kernels['decode_attention']} attention); prompt rows "
+            f"from position {kernels['low_bit_prompt_positions']} dense "
+            f"{kernels['prompt_rows_dense_dtype']}; lm_head {kernels['lm_head']}")
 
 
 def load_metrics(npz_path: Path) -> dict[str, Metrics]:
@@ -524,12 +567,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--work-dir", default="",
                     help="keep the reference log-probabilities and per-row figures here "
                     "(default: a temporary folder, removed at the end)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="with --work-dir: take the figures of paths already measured there "
+                    "for the same text, windows and CPU class instead of running them again "
+                    "(all of them again when the reference runs again)")
     ap.add_argument("--require", default="",
                     help="comma list of paths that must pass the gate, else exit 1")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.context < 1 or args.scored < 1 or not 1 <= args.batch <= 256:
         ap.error("--context and --scored must be >= 1, --batch in 1..256")
+    if args.reuse and not args.work_dir:
+        ap.error("--reuse needs --work-dir")
     return args
 
 

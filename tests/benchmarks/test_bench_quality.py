@@ -155,3 +155,59 @@ def test_the_text_is_the_fixed_prose_named_in_the_data_readme():
     text = TEXT_PATH.read_text()
     assert len(text) == 30_702 and text.startswith("Execution model\n\nStructure of a program")
     assert TEXT_PATH.name in (TEXT_PATH.parent / "README.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def text_tokens() -> list[int]:
+    from zeroserve.gateway.text.tokenizer import load_tokenizer
+
+    return load_tokenizer("default").encode(TEXT_PATH.read_text()[:600],
+                                            add_special_tokens=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_scored_rows_are_the_ones_the_engine_computes(dtype, text_tokens):
+    """Decode mode's logits pick the very tokens the engine generates greedily from the same
+    context, and prompt mode's give the engine's own prompt logprobs: the benchmark scores
+    what the server computes, not a path of its own."""
+    from benchmarks.bench_quality import decode_rows, prompt_rows, watch_logits
+    from zeroserve.worker.config import EngineConfig
+    from zeroserve.worker.engine import Engine
+    from zeroserve.worker.model_runner import ModelRunner
+    from zeroserve.worker.sequence import SamplingParams
+
+    prompt, num_new = text_tokens[:80], 12
+    config = EngineConfig(device="cpu", dtype=dtype, num_kv_blocks=32, max_num_seqs=4,
+                          enable_prefix_caching=False)
+    runner = ModelRunner(config)
+    engine = Engine(config, runner=runner)
+    engine.add_request("gen", prompt, SamplingParams(max_tokens=num_new, temperature=0.0,
+                                                     ignore_eos=True, logprobs=0))
+    engine.add_request("echo", prompt, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    generated, logprobs, expected = [], [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == "gen":
+                generated += out.new_token_ids
+                logprobs += [lp for lp, _ in out.logprobs]
+            elif out.prompt_logprobs is not None:
+                expected = out.prompt_logprobs
+
+    captured = watch_logits(runner)
+    tokens = prompt + generated
+    context, scored = len(prompt), num_new - 1  # row j feeds generated[j], predicts j + 1
+    rows = list(decode_rows(runner, captured, tokens, [0], context, scored, 1, 8))
+    assert [first for first, _ in rows] == list(range(scored))
+    assert [int(logits.argmax()) for _, logits in rows] == generated[1:]
+    got = [float(torch.log_softmax(logits.float(), dim=-1)[0, token])
+           for (_, logits), token in zip(rows, generated[1:], strict=True)]
+    assert got == pytest.approx(logprobs[1:], abs=1e-5)
+
+    # Prompt mode on the prompt alone: the rows after the first 40 give the engine's values.
+    rows = list(prompt_rows(runner, captured, prompt, [0], 40, len(prompt) - 41, 1, 8))
+    (_, logits), = rows
+    got = torch.log_softmax(logits.float(), dim=-1)
+    targets = torch.tensor(prompt[41:])
+    assert got.gather(1, targets[:, None])[:, 0].tolist() == pytest.approx(
+        [lp for lp, _ in expected[40:]], abs=1e-5)
