@@ -16,6 +16,12 @@ prompt and reports, per projection kind, the largest difference between the two 
 outputs on the inputs the model's layers actually saw.
 
     python benchmarks/bench_block_kernels.py --int8 --rows 1 4 8 16 --accuracy
+
+`--int8 --decode-steps` times whole decode steps of the real default model instead (fp32, an
+Engine with and one without --int8-activations in this process, N sequences decoding, steps
+alternated between the two): CPU ms per step (time.process_time, the minimum of the rounds).
+
+    python benchmarks/bench_block_kernels.py --int8 --decode-steps --rows 1 4 16 --threads 1
 """
 
 from __future__ import annotations
@@ -67,9 +73,14 @@ def main() -> None:
                         help="fp32 against int8 activations on the same blocks")
     parser.add_argument("--accuracy", action="store_true",
                         help="with --int8: the two kernels' outputs on the real model")
+    parser.add_argument("--decode-steps", action="store_true",
+                        help="with --int8: whole decode steps of the real model")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = cpu_kernels.load(required=True)
+    if args.int8 and args.decode_steps:
+        int8_decode_steps(args)
+        return
     rng = np.random.default_rng(0)
     scale_dtype = np.float32 if args.fp32_scales else np.float16
 
@@ -171,6 +182,44 @@ def min_time(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - started)
     return min(times) * 1e3
+
+
+def int8_decode_steps(args) -> None:
+    from zeroserve.worker.config import EngineConfig
+    from zeroserve.worker.engine import Engine
+    from zeroserve.worker.sequence import SamplingParams
+
+    engines = {int8: Engine(EngineConfig(model="default", device="cpu", dtype="float32",
+                                         int8_activations=int8, max_num_seqs=64))
+               for int8 in (False, True)}
+    steps = 8
+    print(f"threads={args.threads}; CPU ms per decode step of the default model, fp32 "
+          f"(min of {args.rounds} rounds of {steps} steps); "
+          f"{cpu_kernels.process_class().describe()}")
+    print("| sequences | fp32 activations | int8 activations | speed-up |")
+    print("|---:|---:|---:|---:|")
+    params = SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True)
+    for rows in args.rows:
+        for int8, engine in engines.items():
+            for i in range(rows):
+                engine.add_request(f"{rows}-{int8}-{i}", [1, 504, 3000 + 17 * i, 42, 9, 7],
+                                   params)
+            for _ in range(3):  # the prompts' prefill, then decodes only
+                engine.step()
+        best = {False: float("inf"), True: float("inf")}
+        for _ in range(args.rounds):
+            for int8, engine in engines.items():
+                started = time.process_time()
+                for _ in range(steps):
+                    engine.step()
+                best[int8] = min(best[int8], (time.process_time() - started) / steps * 1e3)
+        for int8, engine in engines.items():
+            for i in range(rows):
+                engine.abort(f"{rows}-{int8}-{i}")
+            while engine.has_unfinished():
+                engine.step()
+        print(f"| {rows} | {best[False]:.2f} | {best[True]:.2f} | "
+              f"{best[False] / best[True]:.2f}x |")
 
 
 def int8_accuracy() -> None:
