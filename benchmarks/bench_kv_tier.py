@@ -1,0 +1,189 @@
+"""The box's KV tier against replay (issue 37), side by side: `zeroserve serve --workers 2`
+once with the tier off and once with `--kv-offloading-size`, the same requests on each.
+
+1. Failover: a streamed completion with a `--context`-token prompt (random token ids, new
+   each run, so nothing holds them before); after `--chunks-before-kill` tokens its worker is
+   SIGKILLed. Reported: the time from the kill to the stream's next token (replay: the other
+   worker prefills the whole context again; tier: it loads the blocks the dead worker wrote),
+   beside the median gap between tokens before the kill.
+2. A prefix another worker computed: a `--prefix`-token prompt is completed once (one token),
+   then that worker is SIGKILLed and restarted, so that no worker's own pool holds the prefix
+   (the restart case, and the cross-worker case: both see only the tier); the same prefix
+   with a new tail is then sent again. Reported: its TTFT (tier: loaded; off: a miss).
+
+Tokens are compared too: with the tier the failed-over stream must give the undisturbed
+run's tokens (greedy). One JSON line per mode, then a summary.
+
+    python benchmarks/bench_kv_tier.py                       # default model, ~6k context
+    python benchmarks/bench_kv_tier.py --context 1500 --prefix 1000   # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+if __package__ in (None, ""):
+    sys.path.insert(0, str(REPO))
+from zeroserve.cli.harness import start_server  # noqa: E402
+
+TOKEN_RANGE = (1000, 30000)  # ordinary tokens of the default model's vocabulary
+
+
+def random_prompt(rng: random.Random, num_tokens: int) -> list[int]:
+    return [rng.randrange(*TOKEN_RANGE) for _ in range(num_tokens)]
+
+
+class Stream:
+    """A streamed completion read in a thread; each token's arrival time."""
+
+    def __init__(self, url: str, body: dict) -> None:
+        self.times: list[float] = []
+        self.text: list[str] = []
+        self.error: str | None = None
+        self.started = time.monotonic()
+        self._thread = threading.Thread(target=self._run, args=(url, body), daemon=True)
+        self._thread.start()
+
+    def _run(self, url: str, body: dict) -> None:
+        try:
+            with httpx.stream("POST", url + "/v1/completions", timeout=600,
+                              json={**body, "stream": True}) as response:
+                for line in response.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        self.error = str(event["error"])
+                        continue
+                    self.times.append(time.monotonic())
+                    self.text.append(event["choices"][0]["text"])
+        except Exception as exc:  # reported with the run
+            self.error = repr(exc)
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise TimeoutError(what)
+
+
+def restart_worker(server, worker: dict) -> None:
+    os.kill(worker["pid"], signal.SIGKILL)
+    server.wait_for(lambda ws: any(w["worker_id"] == worker["worker_id"]
+                                   and w["status"] == "ready" and w["pid"] != worker["pid"]
+                                   for w in ws), timeout_s=300, what="worker restarted")
+    server.wait_ready(2, timeout_s=300)
+
+
+def failover(server, args, rng: random.Random) -> dict:
+    body = {"prompt": random_prompt(rng, args.context), "max_tokens": args.max_tokens,
+            "temperature": 0, "ignore_eos": True}
+    reference = httpx.post(server.url + "/v1/completions", json=body, timeout=900).json()
+    expected = reference["choices"][0]["text"]
+    # The undisturbed run's worker holds the prompt in its pool: restart both, so the stream
+    # below and its failover find it nowhere but (with the tier) in the tier.
+    for worker in server.workers():
+        restart_worker(server, worker)
+    tier = args.tier_dir
+    if tier is not None:
+        for path in Path(tier).glob("*.kv"):
+            path.unlink()
+    stream = Stream(server.url, body)
+    wait_until(lambda: len(stream.times) >= args.chunks_before_kill, 900, "first tokens")
+    victim = next(w for w in server.workers() if w.get("num_in_flight"))
+    num_before = len(stream.times)
+    gaps = [b - a for a, b in zip(stream.times[1:num_before - 1], stream.times[2:num_before],
+                                  strict=True)]
+    killed_at = time.monotonic()
+    os.kill(victim["pid"], signal.SIGKILL)
+    wait_until(lambda: len(stream.times) > num_before or stream.error, 900, "next token")
+    resumed_s = stream.times[num_before] - killed_at if len(stream.times) > num_before else None
+    stream.join(900)
+    server.wait_ready(2, timeout_s=300)
+    return {"kill_to_next_token_s": resumed_s,
+            "median_gap_before_s": statistics.median(gaps) if gaps else None,
+            "same_tokens": "".join(stream.text) == expected, "error": stream.error}
+
+
+def shared_prefix(server, args, rng: random.Random) -> dict:
+    prefix = random_prompt(rng, args.prefix)
+    first = {"prompt": prefix + random_prompt(rng, 8), "max_tokens": 1, "temperature": 0}
+    stream = Stream(server.url, first)
+    wait_until(lambda: any(w.get("num_in_flight") for w in server.workers()), 60, "routed")
+    computing = next(w for w in server.workers() if w.get("num_in_flight"))
+    stream.join(900)
+    time.sleep(1.0)  # the last blocks' write-through, a step behind
+    restart_worker(server, computing)
+    second = Stream(server.url, {"prompt": prefix + random_prompt(rng, 8), "max_tokens": 1,
+                                 "temperature": 0})
+    second.join(900)
+    return {"ttft_s": (second.times[0] - second.started) if second.times else None,
+            "error": second.error}
+
+
+def run_mode(args, tier_size: float) -> dict:
+    rng = random.Random(args.seed)
+    folder = tempfile.mkdtemp(prefix="bench-kv-tier-")
+    args.tier_dir = os.path.join(folder, "kv") if tier_size else None
+    flags = ["--device", "cpu", "--workers", "2", "--max-model-len",
+             str(max(args.context, args.prefix) + args.max_tokens + 64), *args.server_args]
+    if tier_size:
+        flags += ["--kv-offloading-size", str(tier_size), "--kv-offloading-dir", args.tier_dir]
+    server = start_server(Path(folder), args=tuple(flags), num_workers=2, timeout_s=600)
+    try:
+        result = {"mode": "tier" if tier_size else "replay",
+                  "failover": failover(server, args, rng),
+                  "shared_prefix": shared_prefix(server, args, rng)}
+    finally:
+        server.stop(timeout_s=30)
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--context", type=int, default=6000)
+    parser.add_argument("--prefix", type=int, default=4000)
+    parser.add_argument("--max-tokens", type=int, default=60)
+    parser.add_argument("--chunks-before-kill", type=int, default=30)
+    parser.add_argument("--tier-size", type=float, default=2.0, help="GiB")
+    parser.add_argument("--seed", type=int, default=37)
+    parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[])
+    args = parser.parse_args(argv)
+    replay = run_mode(args, 0.0)
+    tier = run_mode(args, args.tier_size)
+    r, t = replay["failover"], tier["failover"]
+    if r["kill_to_next_token_s"] and t["kill_to_next_token_s"]:
+        print(f"failover, {args.context}-token context: kill to next token {r['kill_to_next_token_s']:.2f} s "
+              f"replay, {t['kill_to_next_token_s']:.2f} s tier "
+              f"({t['kill_to_next_token_s'] / r['kill_to_next_token_s']:.1%} of replay; "
+              f"median gap before {t['median_gap_before_s']:.3f} s); same tokens with the "
+              f"tier: {t['same_tokens']}")
+    rp, tp = replay["shared_prefix"]["ttft_s"], tier["shared_prefix"]["ttft_s"]
+    if rp and tp:
+        print(f"TTFT of a {args.prefix}-token prefix another worker computed: {rp:.2f} s miss, "
+              f"{tp:.2f} s tier ({rp / tp:.1f}x)")
+    return 0 if t["same_tokens"] and not t["error"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
