@@ -47,9 +47,18 @@ def workers_list(**opts: Any) -> None:
         click.echo(f"{w['worker_id']:<20} {w['status']:<10} running={w['num_running']} "
                    f"waiting={w['num_waiting']} paused={w['num_paused']} "
                    f"in_flight={w['num_in_flight']} pid={w['pid']} "
-                   f"incarnation={w['incarnation']}")
+                   f"incarnation={w['incarnation']}" + _kv_tier_text(w.get("kv_tier")))
     if not found:
         click.echo("no worker is connected")
+
+
+def _kv_tier_text(tier: dict | None) -> str:
+    """The box's KV tier as `workers list` shows it: blocks loaded from it, lookups missed,
+    MiB written; nothing with the tier off."""
+    if not tier:
+        return ""
+    return (f" tier_hits={tier.get('hits', 0)} tier_misses={tier.get('misses', 0)} "
+            f"tier_written_mib={tier.get('written_bytes', 0) / 2**20:.0f}")
 
 
 DEADLINE_OPTION = option("--deadline", type=click.FloatRange(0, 3600), default=30.0,

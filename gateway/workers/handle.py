@@ -53,6 +53,9 @@ class WorkerHandle:
     # The served model it runs (the HELLO's name as this gateway calls it: "" -> the
     # default model) and its version label (gateway/workers/models.py).
     model: str = ""
+    # The box's KV tier as its heartbeats last reported it (common/protocol.py's
+    # KV_TIER_COUNTER_NAMES, without the prefix); empty with its tier off.
+    kv_tier: dict[str, int] = field(default_factory=dict)
 
     @property
     def version(self) -> str:
@@ -110,4 +113,5 @@ class WorkerHandle:
             "num_in_flight": len(self.request_ids), "num_steps": self.num_steps,
             "progress_age_s": round(self.progress_age_s, 3),
             "startup_phases_s": self.hello.startup_phases,
+            "kv_tier": dict(self.kv_tier) or None,
         }

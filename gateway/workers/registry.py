@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zeroserve.common.protocol import Heartbeat, Hello, WorkerState
+from zeroserve.common.protocol import KV_TIER_COUNTER_NAMES, Heartbeat, Hello, WorkerState
 from zeroserve.gateway.config import RoutingPolicy
 from zeroserve.gateway.workers.flow_load import Flow
 from zeroserve.gateway.workers.handle import WorkerHandle, WorkerStatus
@@ -92,6 +92,8 @@ class WorkerRegistry:
         worker.num_steps, worker.progress_age_s = hb.num_steps, hb.progress_age_s
         num_held = hb.num_running + hb.num_waiting + hb.num_paused
         worker.num_foreign = max(0, num_held - len(hb.request_ids))
+        worker.kv_tier = {name.removeprefix("kv_tier_"): value
+                          for name, value in hb.counters.items() if name in KV_TIER_COUNTER_NAMES}
         # The worker's own word decides (it publishes "draining" before it says DRAIN, so a
         # heartbeat never contradicts a DRAIN sent before it). An operator's drain sent from
         # here holds until the worker's heartbeats say "draining": a heartbeat it sent before
