@@ -55,7 +55,7 @@ from zeroserve.gateway.key_limits import load_priorities
 from zeroserve.gateway.logging import get_logger
 from zeroserve.gateway.observability.metrics import Metrics, RequestMetrics
 from zeroserve.gateway.observability.tracing import RequestTracer
-from zeroserve.gateway.reconcile import Reconciler, TokenCheck, check_token_counts
+from zeroserve.gateway.reconcile import TOKENS_OK, Reconciler, TokenCheck, check_token_counts
 from zeroserve.gateway.streams import (
     RequestPhase,
     RequestState,
@@ -460,15 +460,15 @@ class Gateway:
                 continue
             state.last_activity = now
             check = check_token_counts(state, out)
-            if check is TokenCheck.DUPLICATE:
-                continue
-            if check is TokenCheck.GAP:
-                self._on_request_lost(state, "tokens from the worker were lost in transit")
-                is_capacity_freed = True
-                continue
-            if check is TokenCheck.OVER_LIMIT:
-                self._warn_peer(f"worker {worker_id!r} sent tokens beyond a stream's credit or "
-                                "max_tokens (dropped)")
+            if check is not TOKENS_OK:  # (a module name: see reconcile.TOKENS_OK)
+                if check is TokenCheck.DUPLICATE:
+                    continue
+                if check is TokenCheck.GAP:
+                    self._on_request_lost(state, "tokens from the worker were lost in transit")
+                    is_capacity_freed = True
+                    continue
+                self._warn_peer(f"worker {worker_id!r} sent tokens beyond a stream's credit "
+                                "or max_tokens (dropped)")  # TokenCheck.OVER_LIMIT
             if out.finish_reason is not None:
                 self.registry.release(msg.worker_id, out.request_id)
                 is_capacity_freed = True

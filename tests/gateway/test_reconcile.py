@@ -191,3 +191,26 @@ def test_token_counts_show_gaps_and_trim_repeats():
     # A finish with nothing new (an error after some output) still gets through.
     error = TokenOutput("r", [], "error", 1, 0, error="boom")
     assert check_token_counts(_state(5), error) is TokenCheck.OK
+
+
+def test_token_counts_drop_what_lies_beyond_the_credit_or_max_tokens():
+    # A worker may be 32 tokens (the window) ahead of the credit given back, never more.
+    state = _state(30)
+    state.num_credited, state.params = 0, {"max_tokens": 100}
+    over_credit = TokenOutput("r", [1, 2, 3, 4], None, 1, 34, logprobs=[[-1.0, []]] * 4)
+    assert check_token_counts(state, over_credit) is TokenCheck.OVER_LIMIT
+    assert over_credit.new_token_ids == [1, 2] and len(over_credit.logprobs) == 2
+    state = _state(8)
+    state.num_credited, state.params = 16, {"max_tokens": 10}  # max_tokens the tighter one
+    over_max = TokenOutput("r", [1, 2, 3], None, 1, 11)
+    assert check_token_counts(state, over_max) is TokenCheck.OVER_LIMIT
+    assert over_max.new_token_ids == [1, 2]
+    # Partly seen and partly beyond: the repeat trimmed first, then the excess.
+    state = _state(31)
+    state.params = None  # (no params: the credit limit alone)
+    both = TokenOutput("r", [5, 6, 7, 8], None, 1, 33)
+    assert check_token_counts(state, both) is TokenCheck.OVER_LIMIT
+    assert both.new_token_ids == [7]
+    within = _state(31)
+    within.params = {}
+    assert check_token_counts(within, TokenOutput("r", [9], None, 1, 32)) is TokenCheck.OK
