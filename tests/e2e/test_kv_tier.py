@@ -93,3 +93,38 @@ def test_a_killed_workers_stream_continues_from_the_tier_with_the_same_tokens(
     while time.monotonic() < deadline and tier_hits(server, survivor) - hits_before < NUM_PROMPT_BLOCKS:
         time.sleep(0.1)
     assert tier_hits(server, survivor) - hits_before >= NUM_PROMPT_BLOCKS  # not recomputed
+
+
+def test_a_drained_workers_stream_moves_with_its_kv_through_the_tier(tier_server):
+    """`workers drain --deadline 0`: the stream moves to the other worker at once, which
+    loads its blocks from the tier (only the last partial block is computed again)."""
+    from zeroserve.cli.admin_client import AdminClient
+
+    server, tier = tier_server
+    body = BODIES["greedy"]
+    expected = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, **body},
+                          timeout=120).json()["choices"][0]["text"]
+    restart_all(server, tier)
+    thread, result = stream_in_thread(server.url, body)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(result.chunks) < 40:
+        time.sleep(0.02)
+    drained = next(w for w in server.workers() if w["num_in_flight"])
+    other = next(w["worker_id"] for w in server.workers()
+                 if w["worker_id"] != drained["worker_id"])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(list(tier.glob("*.kv"))) < NUM_PROMPT_BLOCKS:
+        time.sleep(0.05)
+    hits_before = tier_hits(server, other)
+    admin = AdminClient(server.url)
+    admin.drain(drained["worker_id"], 0)
+    try:
+        thread.join(timeout=120)
+    finally:
+        admin.undrain(drained["worker_id"])
+    assert result.exception is None and result.error is None, result.error
+    assert result.text == expected
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and tier_hits(server, other) - hits_before < NUM_PROMPT_BLOCKS:
+        time.sleep(0.1)
+    assert tier_hits(server, other) - hits_before >= NUM_PROMPT_BLOCKS
