@@ -14,8 +14,15 @@ once with the tier off and once with `--kv-offloading-size`, the same requests o
 Tokens are compared too: with the tier the failed-over stream must give the undisturbed
 run's tokens (greedy). One JSON line per mode, then a summary.
 
+`--cost`: what the tier costs when nothing is reused, in one process: an engine on the
+default model runs `--clients` distinct prompts at once (prefill and decode, every full
+block written through), tier off and on alternated `--repeats` times; reported per mode:
+the least CPU seconds (the process's, the writer thread's included) and wall seconds per
+output token, and their ratio.
+
     python benchmarks/bench_kv_tier.py                       # default model, ~6k context
     python benchmarks/bench_kv_tier.py --context 1500 --prefix 1000   # quicker
+    python benchmarks/bench_kv_tier.py --cost --clients 16            # the cost, no reuse
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import sys
@@ -159,6 +167,43 @@ def run_mode(args, tier_size: float) -> dict:
     return result
 
 
+def cost(args) -> int:
+    """Tier off and on alternated in one process: CPU and wall seconds per output token."""
+    from zeroserve.worker.config import EngineConfig
+    from zeroserve.worker.engine import Engine
+    from zeroserve.worker.sequence import SamplingParams
+
+    folder = tempfile.mkdtemp(prefix="bench-kv-tier-cost-", dir="/dev/shm")
+    engines = {
+        "off": Engine(EngineConfig(device="cpu", max_num_seqs=args.clients)),
+        "on": Engine(EngineConfig(device="cpu", max_num_seqs=args.clients,
+                                  kv_offloading_size=args.tier_size,
+                                  kv_offloading_dir=os.path.join(folder, "kv"))),
+    }
+    rng = random.Random(args.seed)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    best: dict[str, tuple[float, float]] = {}
+    for repeat in range(args.repeats):
+        for mode, engine in engines.items():
+            prompts = [random_prompt(rng, args.prompt_len) for _ in range(args.clients)]
+            cpu0, wall0 = time.process_time(), time.perf_counter()
+            outputs = engine.generate(prompts, params)
+            if engine.tier is not None:
+                engine.tier.wait_written()  # its writes are part of the cost
+            cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+            num_tokens = sum(len(o) for o in outputs)
+            per_token = (cpu / num_tokens, wall / num_tokens)
+            print(json.dumps({"mode": mode, "repeat": repeat, "cpu_s_per_token": per_token[0],
+                              "wall_s_per_token": per_token[1]}), flush=True)
+            old = best.get(mode)
+            best[mode] = per_token if old is None else (min(old[0], per_token[0]),
+                                                        min(old[1], per_token[1]))
+    shutil.rmtree(folder, ignore_errors=True)
+    print(f"tier on / off, {args.clients} clients, nothing reused: CPU per output token "
+          f"{best['on'][0] / best['off'][0]:.3f}x, wall {best['on'][1] / best['off'][1]:.3f}x")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--context", type=int, default=6000)
@@ -167,8 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks-before-kill", type=int, default=30)
     parser.add_argument("--tier-size", type=float, default=2.0, help="GiB")
     parser.add_argument("--seed", type=int, default=37)
+    parser.add_argument("--cost", action="store_true", help="measure the tier's cost only")
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[])
     args = parser.parse_args(argv)
+    if args.cost:
+        return cost(args)
     replay = run_mode(args, 0.0)
     tier = run_mode(args, args.tier_size)
     r, t = replay["failover"], tier["failover"]

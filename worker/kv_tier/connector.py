@@ -65,7 +65,8 @@ class KVTierConnector:
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._max_queued_bytes = max_queued_bytes
         self._queued_bytes = 0
-        self._queue: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
+        # Batches to write; an Event is set when the writer reaches it; None stops the writer.
+        self._queue: queue.SimpleQueue[_Batch | threading.Event | None] = queue.SimpleQueue()
         self._lock = threading.Lock()  # the counters and _queued_bytes, with the writer
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer",
                                         daemon=True)
@@ -157,6 +158,13 @@ class KVTierConnector:
             self._remember(digest)
         self._queue.put(_Batch([(d, t) for d, t, _ in pending], data, ready, num_bytes))
 
+    def wait_written(self, timeout_s: float = 30.0) -> bool:
+        """Flush, and wait until the writer has written (or dropped) everything queued."""
+        self.flush()
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout_s)
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Write what is queued, then stop the writer thread."""
         self.flush()
@@ -170,6 +178,9 @@ class KVTierConnector:
             batch = self._queue.get()
             if batch is None:
                 return
+            if isinstance(batch, threading.Event):
+                batch.set()
+                continue
             try:
                 if batch.ready is not None:
                     batch.ready.synchronize()

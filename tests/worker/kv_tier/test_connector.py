@@ -59,3 +59,13 @@ def test_other_tokens_find_nothing(tmp_path):
     tier.close()
     other = Sequence("c", [1, 2, 3, 4, 9, 9, 9, 9, 9], SamplingParams(max_tokens=4))
     assert tier.num_available(other, 0, 2) == 1  # the first block is the same; the second not
+
+
+def test_wait_written_returns_once_every_queued_block_is_published(tmp_path):
+    tier, _ = connector(tmp_path)
+    tier.on_full(seq(), 0, 2, [5, 3])
+    assert tier.wait_written(timeout_s=30)
+    assert tier.counters.num_puts == 2  # written, and the writer still runs
+    tier.on_full(seq("b"), 0, 1, [1])
+    assert tier.wait_written(timeout_s=30)
+    tier.close()
