@@ -34,6 +34,9 @@ class ModelKey:
     head_dim: int
     device_type: str = "cpu"
     batch_invariant: bool = False
+    # What else decides the kernels that compute K/V (the CPU class, int8 activations):
+    # workers that differ there agree to rounding only, so they do not share blocks.
+    kernels: str = ""
 
     @classmethod
     def for_file(cls, path: str, **fields: object) -> ModelKey:
@@ -45,7 +48,7 @@ class ModelKey:
     def digest(self) -> bytes:
         text = repr((KV_FORMAT_VERSION, self.model_path, self.model_size, self.model_mtime_ns,
                      self.dtype, self.block_size, self.num_layers, self.num_kv_heads,
-                     self.head_dim, self.device_type, self.batch_invariant))
+                     self.head_dim, self.device_type, self.batch_invariant, self.kernels))
         return hashlib.blake2b(text.encode(), digest_size=DIGEST_BYTES).digest()
 
 

@@ -11,6 +11,7 @@ import logging
 import os
 from pathlib import Path
 
+from zeroserve.worker import cpu_class
 from zeroserve.worker.config import EngineConfig
 from zeroserve.worker.kv_tier.connector import KVTierConnector
 from zeroserve.worker.kv_tier.digest import ModelKey
@@ -35,7 +36,8 @@ def attach(config: EngineConfig, runner: object, block_manager: object) -> KVTie
     key = ModelKey.for_file(
         info.path, dtype=info.dtype, block_size=runner.block_size,  # type: ignore[attr-defined]
         num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
-        device_type=pool.device.type, batch_invariant=config.batch_invariant).digest()
+        device_type=pool.device.type, batch_invariant=config.batch_invariant,
+        kernels=_kernels(config, pool.device.type)).digest()
     folder = Path(config.kv_offloading_dir) if config.kv_offloading_dir else default_folder()
     room = _file_system_bytes(folder)
     if room is not None and room < size:
@@ -57,6 +59,14 @@ def attach(config: EngineConfig, runner: object, block_manager: object) -> KVTie
                 f" over {config.kv_tier_dir} ({config.kv_tier_dir_size:g} GiB)"
                 if config.kv_tier_dir else "", connector.block_bytes >> 10)
     return connector
+
+
+def _kernels(config: EngineConfig, device_type: str) -> str:
+    """The engine settings besides the model key's fields that change K/V's bits."""
+    parts = [f"int8_activations={getattr(config, 'int8_activations', False)}"]
+    if device_type == "cpu":
+        parts.append(f"cpu_class={cpu_class.effective().cpu_class.name}")
+    return ",".join(parts)
 
 
 def _file_system_bytes(folder: Path) -> int | None:

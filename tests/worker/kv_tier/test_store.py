@@ -44,6 +44,9 @@ def test_digests_follow_the_lineage_and_the_model(tmp_path):
     first = block_digest(key, TOKENS)
     assert block_digest(key, TOKENS) == first  # the same in every process
     assert block_digest(other, TOKENS) != first
+    other_cpu = ModelKey("/m", 1, 2, "bfloat16", 16, 30, 3, 64,
+                         kernels="int8_activations=False,cpu_class=AVX2").digest()
+    assert block_digest(other_cpu, TOKENS) != first  # other kernels: never shared
     assert block_digest(first, TOKENS) != block_digest(block_digest(key, TOKENS[::-1]), TOKENS)
 
 
