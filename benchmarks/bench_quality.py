@@ -446,8 +446,10 @@ def run_parent(args: argparse.Namespace) -> int:
             "batch": args.batch, "model": args.model, "block_size": args.block_size,
             "cpu_class": os.environ.get(ENV_VAR, "native")}
     spec_file = work / "spec.json"
-    reusable = args.reuse and spec_file.is_file() and json.loads(spec_file.read_text()) == spec
+    reusable = args.reuse and spec_file.is_file() and is_prefix_run(
+        spec, json.loads(spec_file.read_text()))
     spec_file.write_text(json.dumps(spec))
+    num_rows = len(starts) * args.scored
     results: dict[str, dict[str, Metrics]] = {}
     runs: dict[str, dict] = {}
     failed: dict[str, str] = {}
@@ -465,7 +467,7 @@ def run_parent(args: argparse.Namespace) -> int:
                     failed[path.name] = error
                     print(f"{path.name}: {error}", flush=True)
                     continue
-            results[path.name] = load_metrics(work / f"{path.name}.npz")
+            results[path.name] = load_metrics(work / f"{path.name}.npz", num_rows)
             print(f"{path.name}: " + ", ".join(
                 f"{mode} PPL {m.perplexity:.4f} KL {m.mean_kl:.6f} top-1 {m.top1_agreement:.2%}"
                 for mode, m in results[path.name].items()), flush=True)
@@ -533,12 +535,23 @@ def kernels_line(kernels: dict) -> str:
             f"{kernels['prompt_rows_dense_dtype']}; lm_head {kernels['lm_head']}")
 
 
-def load_metrics(npz_path: Path) -> dict[str, Metrics]:
+def is_prefix_run(new: dict, old: dict) -> bool:
+    """Whether a run of spec `new` may take the figures measured under spec `old`: the same
+    text, model, window shape and CPU class, and its windows the first of `old`'s (rows are
+    numbered window by window, so the first windows' rows are the same rows)."""
+    same = all(old.get(k) == v for k, v in new.items() if k != "starts")
+    return same and old.get("starts", [])[:len(new["starts"])] == new["starts"]
+
+
+def load_metrics(npz_path: Path, num_rows: int | None = None) -> dict[str, Metrics]:
+    """A path's figures per mode, from its first `num_rows` rows (None: all)."""
     import numpy as np
 
     data = np.load(npz_path)
-    return {mode: Metrics.of(data[f"{mode}_nll"].tolist(), data[f"{mode}_kl"].tolist(),
-                             (data[f"{mode}_top1"] == data[f"{mode}_ref_top1"]).tolist())
+    rows = slice(None, num_rows)
+    return {mode: Metrics.of(data[f"{mode}_nll"][rows].tolist(),
+                             data[f"{mode}_kl"][rows].tolist(),
+                             (data[f"{mode}_top1"][rows] == data[f"{mode}_ref_top1"][rows]).tolist())
             for mode in MODES}
 
 
@@ -569,8 +582,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "(default: a temporary folder, removed at the end)")
     ap.add_argument("--reuse", action="store_true",
                     help="with --work-dir: take the figures of paths already measured there "
-                    "for the same text, windows and CPU class instead of running them again "
-                    "(all of them again when the reference runs again)")
+                    "for the same text, window shape and CPU class (on as many windows or "
+                    "more) instead of running them again (all of them again when the "
+                    "reference runs again)")
     ap.add_argument("--require", default="",
                     help="comma list of paths that must pass the gate, else exit 1")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)

@@ -15,6 +15,8 @@ from benchmarks.bench_quality import (
     Metrics,
     choose_paths,
     gate,
+    is_prefix_run,
+    load_metrics,
     row_stats,
     table,
     window_starts,
@@ -139,6 +141,25 @@ def test_the_reference_and_baseline_always_run_first_and_missing_flags_are_skipp
     assert [p.name for p in chosen] == [REFERENCE, BASELINE, "fp32+int8"]
     with pytest.raises(SystemExit):
         choose_paths(["no-such-path"], known)
+
+
+def test_a_run_on_fewer_windows_reuses_the_first_windows_figures(tmp_path):
+    spec = {"tokens": [1, 2, 3], "starts": [0, 256, 512], "context": 256, "scored": 256,
+            "cpu_class": "native"}
+    assert is_prefix_run(dict(spec, starts=[0, 256]), spec)
+    assert is_prefix_run(spec, spec)
+    assert not is_prefix_run(dict(spec, starts=[0, 256, 512, 768]), spec)  # more windows
+    assert not is_prefix_run(dict(spec, cpu_class="avx512"), spec)
+    assert not is_prefix_run(dict(spec, context=128, starts=[0]), spec)
+    np = pytest.importorskip("numpy")
+    path = tmp_path / "fp32.npz"
+    rows = {f"{mode}_{k}": v for mode in ("decode", "prompt") for k, v in (
+        ("nll", np.array([1.0, 3.0])), ("kl", np.array([0.0, 0.5])),
+        ("top1", np.array([7, 8])), ("ref_top1", np.array([7, 9])))}
+    np.savez(path, **rows)
+    first = load_metrics(path, 1)["decode"]
+    assert (first.num_tokens, first.mean_nll, first.top1_agreement) == (1, 1.0, 1.0)
+    assert load_metrics(path)["prompt"].mean_nll == pytest.approx(2.0)
 
 
 def test_every_path_sets_fields_the_engine_config_has_or_a_flag_being_added():
