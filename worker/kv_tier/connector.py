@@ -61,6 +61,7 @@ class KVTierConnector:
         self._block_tokens = block_tokens
         self._block_shape = (pool.shape[0], pool.shape[1], *pool.shape[3:])
         self._chains: dict[str, list[bytes]] = {}  # request id -> digests of its full blocks
+        self._missed: set[str] = set()  # requests whose lookup missed (counted once)
         self._pending: list[tuple[bytes, tuple[int, ...], int]] = []  # (digest, tokens, block)
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._max_queued_bytes = max_queued_bytes
@@ -93,8 +94,11 @@ class KVTierConnector:
             if not self.store.contains(chain[index]):
                 break
             num += 1
-        if num < max_blocks - start:
-            self.store.counters.num_misses += 1  # the block the sequence computes from
+        if num < max_blocks - start and seq.request_id not in self._missed:
+            # The block the sequence computes from; once per request (a sequence that waits
+            # for room is looked up again each step).
+            self._missed.add(seq.request_id)
+            self.store.counters.num_misses += 1
         return num
 
     @torch.inference_mode()
@@ -125,6 +129,7 @@ class KVTierConnector:
 
     def forget(self, seq: Sequence) -> None:
         self._chains.pop(seq.request_id, None)
+        self._missed.discard(seq.request_id)
 
     @torch.inference_mode()
     def flush(self) -> None:

@@ -69,3 +69,13 @@ def test_wait_written_returns_once_every_queued_block_is_published(tmp_path):
     tier.on_full(seq("b"), 0, 1, [1])
     assert tier.wait_written(timeout_s=30)
     tier.close()
+
+
+def test_a_request_looked_up_again_while_it_waits_counts_one_miss(tmp_path):
+    tier, _ = connector(tmp_path)
+    waiting = seq()
+    for _ in range(5):  # the scheduler asks each step until the pool has room
+        assert tier.num_available(waiting, 0, 2) == 0
+    assert tier.counters.num_misses == 1
+    tier.forget(waiting)
+    tier.close()
