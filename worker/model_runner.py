@@ -69,8 +69,9 @@ class ModelRunner:
         self.sampler = Sampler(self.info.vocab_size, self.info.eos_token_ids, self.device,
                                config.seed)
         self.group = self.model.config.num_queries_per_kv
-        if config.int8_activations:  # decode rows' block products (BlockQ4.decode_mm)
-            self.model.use_int8_activations()
+        if config.int8_activations and not self.model.use_int8_activations():
+            logger.warning("--int8-activations: no 4-bit or 8-bit block copies here (they "
+                           "exist in float32 on the CPU); every row keeps its activations")
         with timer.phase("kernel"):
             self.decode_kernel = self._decode_kernel(config.attention_backend)
         with timer.phase("compile"):

@@ -19,7 +19,7 @@ from tests.worker.test_quantizations import WIDE
 from zeroserve.worker.config import EngineConfig
 from zeroserve.worker.engine import Engine
 from zeroserve.worker.model.prepare import BLOCKS, packing
-from zeroserve.worker.model.quant import BlockQ4, BlockQ8
+from zeroserve.worker.model.quant import BlockQ4, BlockQ8, int4_kernels_available
 from zeroserve.worker.sequence import SamplingParams
 from zeroserve.worker.speculative import SpeculativeConfig
 
@@ -108,3 +108,16 @@ def test_greedy_tokens_are_the_same_with_speculation(q4_1_model):
     assert spec.generate(PROMPTS, greedy) == expected
     assert spec.generate([PROMPTS[0]], greedy) == [expected[0]]
     assert spec.stats().spec_decode.num_accepted_tokens > 0
+
+
+def test_the_flag_says_where_it_changes_nothing(q4_1_model, caplog):
+    """bfloat16 decode rows run torch's int4 kernels, which have no int8 path: the worker
+    says so at start instead of silently serving without it."""
+    if not int4_kernels_available():
+        pytest.skip("torch has no int4 weight kernel here")
+    with caplog.at_level("WARNING", logger="zeroserve.worker.model_runner"):
+        engine = Engine(EngineConfig(model=str(q4_1_model), device="cpu", dtype="bfloat16",
+                                     block_size=4, num_kv_blocks=64, weight_cache=False,
+                                     int8_activations=True))
+    assert "--int8-activations: no 4-bit or 8-bit block copies" in caplog.text
+    assert engine.generate([PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=2))

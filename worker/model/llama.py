@@ -261,18 +261,20 @@ class LlamaModel:
                    for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
         return FusedLayers(module, module.decode_attention, weights, bits, out_features, int8)
 
-    def use_int8_activations(self) -> None:
+    def use_int8_activations(self) -> int:
         """Decode rows of every layer's block products and of the lm_head (compute_logits'
         `decode`) quantize their activations to int8 (`--int8-activations`,
         worker/csrc/lowbit_int8.cpp); prompt rows keep fp32 activations. Nothing to do where
-        there are no block copies (bf16's torch kernels, a GPU)."""
-        for layer in self.layers:
-            for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
-                if isinstance(lin.packed, BlockQ4 | BlockQ8):
-                    lin.packed.use_int8_activations()
-        if isinstance(self.lm_head.packed, BlockQ4 | BlockQ8):
-            self.lm_head.packed.use_int8_activations()
+        there are no block copies (bf16's torch kernels, a GPU). -> how many products now
+        take int8 activations."""
+        linears = [lin for layer in self.layers
+                   for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        blocks = [lin.packed for lin in [*linears, self.lm_head]
+                  if isinstance(lin.packed, BlockQ4 | BlockQ8)]
+        for packed in blocks:
+            packed.use_int8_activations()
         self._fused = self._fused_layers()
+        return len(blocks)
 
     def compute_logits(self, hidden: torch.Tensor,
                        decode: torch.Tensor | None = None) -> torch.Tensor:
