@@ -64,22 +64,40 @@ def cpu_supports_bf16() -> bool:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' -> bf16 on CUDA (fp16 on GPUs without native bf16) and on CPUs with native
-    bf16 (in the effective CPU class), fp32 otherwise. An explicit name always wins. On the
-    CPU, logs the effective class with the choice (once per worker, at its start)."""
+    """The dtype of the activations and the KV cache (resolve_precision's first)."""
+    return resolve_precision(name, device)[0]
+
+
+def resolve_precision(name: str, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
+    """(the activations' and KV cache's dtype, the prompt rows' projections' dtype).
+
+    'auto': on CUDA bf16 (fp16 on GPUs without native bf16). On a CPU with native bf16 (in
+    the effective CPU class) where the native block kernels build: fp32, with the prompt rows'
+    projections in bf16: decode rows run the fp32 block kernels (faster per token there than
+    torch's bf16 int4 kernel) and prompt rows the CPU's bf16 GEMM (about twice fp32's rate);
+    bf16 throughout where the block kernels cannot be built; fp32 on CPUs without native
+    bf16. An explicit name always wins, for both. On the CPU, logs the effective class with
+    the choice (once per worker, at its start)."""
     if name != "auto" and name not in _DTYPES:
         raise ValueError(f"unsupported dtype {name!r} (use auto, float32, bfloat16, float16)")
     if device.type == "cuda":
         if name != "auto":
-            return _DTYPES[name]
-        return torch.bfloat16 if cuda_supports_bf16(device) else torch.float16
+            return _DTYPES[name], _DTYPES[name]
+        chosen = torch.bfloat16 if cuda_supports_bf16(device) else torch.float16
+        return chosen, chosen
     if name != "auto":
-        chosen = _DTYPES[name]
+        chosen = prompt = _DTYPES[name]
+    elif not cpu_supports_bf16():
+        chosen = prompt = torch.float32
     else:
-        chosen = torch.bfloat16 if cpu_supports_bf16() else torch.float32
-    logger.info("%s: dtype %s%s", cpu_class.effective().describe(), dtype_name(chosen),
+        from zeroserve.worker.model.quant import block_kernels_available
+
+        chosen, prompt = ((torch.float32, torch.bfloat16) if block_kernels_available()
+                          else (torch.bfloat16, torch.bfloat16))
+    logger.info("%s: dtype %s%s%s", cpu_class.effective().describe(), dtype_name(chosen),
+                f", prompt projections {dtype_name(prompt)}" if prompt != chosen else "",
                 " (auto)" if name == "auto" else "")
-    return chosen
+    return chosen, prompt
 
 
 def cuda_supports_bf16(device: torch.device) -> bool:

@@ -20,7 +20,7 @@ from zeroserve.worker.attention import (
     causal_mask,
 )
 from zeroserve.worker.config import EngineConfig
-from zeroserve.worker.device import default_kv_cache_bytes, resolve_device, resolve_dtype
+from zeroserve.worker.device import default_kv_cache_bytes, resolve_device, resolve_precision
 from zeroserve.worker.model import compiled
 from zeroserve.worker.model.info import ModelInfo
 from zeroserve.worker.model.llama import KVCache
@@ -58,10 +58,10 @@ class ModelRunner:
             if self.device.type == "cuda":
                 # Allocations that name no index (workspaces, library handles) land on our GPU.
                 torch.cuda.set_device(self.device)
-            self.dtype = resolve_dtype(config.dtype, self.device)
+            self.dtype, prompt_dtype = resolve_precision(config.dtype, self.device)
         self.model, self.info = load_model(config.model, self.device, self.dtype,
                                            config.max_model_len, _weight_cache(config), timer,
-                                           config.batch_invariant)
+                                           config.batch_invariant, prompt_dtype)
         self.block_size = config.block_size
         with timer.phase("kv_cache"):
             self.num_kv_blocks = self._pool_size(config, self.info)

@@ -16,7 +16,7 @@ import torch
 from tests import cpu_classes
 from zeroserve.worker import cpu_class, cpu_kernels
 from zeroserve.worker.cpu_class import CpuClass, CpuClassError, Effective
-from zeroserve.worker.device import cpu_supports_bf16, resolve_dtype
+from zeroserve.worker.device import cpu_supports_bf16, resolve_dtype, resolve_precision
 
 CPU = torch.device("cpu")
 
@@ -106,13 +106,19 @@ def test_class_names_are_checked():
 @pytest.mark.parametrize("requested", CLASSES, ids=str)
 def test_each_class_chooses_the_dtype_on_a_machine_that_has_everything(
         requested, machine, monkeypatch, caplog):
-    """--dtype auto is bf16 only for the classes with native bf16 dot products, also where
-    the machine has more; cpu_supports_bf16, which kernel choices read, says the same."""
+    """--dtype auto computes prompt rows in bf16 only for the classes with native bf16 dot
+    products, also where the machine has more (fp32 activations, KV and decode rows beside
+    them, where the block kernels build); cpu_supports_bf16, which kernel choices read, says
+    the same."""
+    from zeroserve.worker.model import quant
+
     machine(SAPPHIRE_RAPIDS)
     monkeypatch.setenv(cpu_class.ENV_VAR, requested.label)
+    monkeypatch.setattr(quant, "block_kernels_available", lambda: True)  # built for no class here
     native = requested >= CpuClass.AVX512_BF16
     with caplog.at_level(logging.INFO, logger="zeroserve.worker.device"):
-        assert resolve_dtype("auto", CPU) == (torch.bfloat16 if native else torch.float32)
+        assert resolve_precision("auto", CPU) == (
+            torch.float32, torch.bfloat16 if native else torch.float32)
     assert cpu_supports_bf16() is native
     assert f"CPU class {requested.label} ({cpu_class.ENV_VAR}={requested.label}" in caplog.text
     assert resolve_dtype("float32", CPU) == torch.float32  # an explicit dtype still wins
@@ -130,11 +136,14 @@ def test_a_class_above_the_machine_runs_as_the_machine(requested, machine, monke
 
 
 def test_native_follows_the_machine(machine, monkeypatch):
+    from zeroserve.worker.model import quant
+
     monkeypatch.delenv(cpu_class.ENV_VAR, raising=False)
+    monkeypatch.setattr(quant, "block_kernels_available", lambda: True)
     machine(COOPER_LAKE)
-    assert resolve_dtype("auto", CPU) == torch.bfloat16
+    assert resolve_precision("auto", CPU) == (torch.float32, torch.bfloat16)
     machine(ICE_LAKE)
-    assert resolve_dtype("auto", CPU) == torch.float32
+    assert resolve_precision("auto", CPU) == (torch.float32, torch.float32)
     assert cpu_kernels.build_flags(cpu_class.effective()) == ["-O3", "-march=native", "-fopenmp"]
 
 

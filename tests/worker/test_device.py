@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from zeroserve.worker import device as device_mod
-from zeroserve.worker.device import resolve_device, resolve_dtype
+from zeroserve.worker.device import resolve_device, resolve_dtype, resolve_precision
 
 CPU = torch.device("cpu")
 GPU = torch.device("cuda:0")
@@ -53,11 +53,27 @@ def test_auto_dtype_on_cuda_is_bf16_only_where_native(monkeypatch, capability, e
 
 def test_an_explicit_dtype_always_wins(monkeypatch):
     monkeypatch.setattr(device_mod, "cpu_supports_bf16", lambda: True)
-    assert resolve_dtype("auto", CPU) == torch.bfloat16
-    assert resolve_dtype("float32", CPU) == torch.float32
+    assert resolve_precision("float32", CPU) == (torch.float32, torch.float32)
+    assert resolve_precision("bfloat16", CPU) == (torch.bfloat16, torch.bfloat16)
     assert resolve_dtype("fp16", GPU) == torch.float16
     with pytest.raises(ValueError, match="unsupported dtype"):
         resolve_dtype("int8", CPU)
+
+
+@pytest.mark.parametrize("native_bf16,block_kernels,expected", [
+    # decode rows on the fp32 block kernels, prompt rows at the CPU's bf16 rate
+    (True, True, (torch.float32, torch.bfloat16)),
+    (True, False, (torch.bfloat16, torch.bfloat16)),  # no compiler: torch's bf16 int4 path
+    (False, True, (torch.float32, torch.float32)),  # bf16 emulated: slower than fp32
+    (False, False, (torch.float32, torch.float32)),
+])
+def test_auto_on_the_cpu_picks_by_what_the_cpu_and_the_kernels_can(monkeypatch, native_bf16,
+                                                                    block_kernels, expected):
+    from zeroserve.worker.model import quant
+
+    monkeypatch.setattr(device_mod, "cpu_supports_bf16", lambda: native_bf16)
+    monkeypatch.setattr(quant, "block_kernels_available", lambda: block_kernels)
+    assert resolve_precision("auto", CPU) == expected
 
 
 def test_the_cpu_kv_budget_stays_inside_a_containers_memory_limit(tmp_path):

@@ -61,10 +61,11 @@ def run(engine: Engine, prompts: list[list[int]]) -> list[tuple[list[int], list]
     return [results[i] for i in ids]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float32+int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "auto", "float32+int8"])
 def test_a_request_gets_the_same_answer_alone_in_a_batch_and_from_the_prefix_cache(
         q4_model, dtype):
-    """float32+int8: decode rows with int8 activations (--int8-activations)."""
+    """float32+int8: decode rows with int8 activations (--int8-activations). auto: on a CPU
+    with native bf16, fp32 with the prompt rows' projections in bf16."""
     if dtype == "bfloat16" and not int4_kernels_available():
         pytest.skip("torch has no int4 weight kernel here")
     dtype, _, int8 = dtype.partition("+")

@@ -15,7 +15,7 @@ LowBitRows = int | tuple[torch.Tensor, torch.Tensor]
 class Linear:
     def __init__(self, dense: torch.Tensor, packed: PackedInt4 | PackedInt8 | None = None,
                  tile_rows: int | None = None, min_rows: int = 1):
-        self.dense = dense  # [out, in]
+        self.dense = dense  # [out, in]; may be bf16 beside fp32 activations (prepare.BLOCKS_BF16)
         self.packed = packed
         # Dense calls of fewer rows are padded to this many, where the dense kernel computes
         # smaller calls another way (worker.model.batch_invariance.dense_min_rows).
@@ -27,6 +27,8 @@ class Linear:
         self.tile_rows = tile_rows if packed is not None else None
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.dense.dtype:  # bf16 dense copies beside fp32 activations
+            return self._dense(x.to(self.dense.dtype)).to(x.dtype)
         if self.tile_rows is not None:
             return tiled_linear(x, self.dense, self.tile_rows)
         if x.shape[0] < self.min_rows:

@@ -184,23 +184,33 @@ class LlamaModel:
         self.device = device
         self.dtype = dtype
         self.embed = tensors["embed"].to(device)
+        lm_head = tensors["lm_head"].to(device) if "lm_head" in tensors else self.embed
+        # The projections' dense copies are in `dtype`, or bf16 beside fp32 activations
+        # (prepare.BLOCKS_BF16); the lm_head's always in `dtype`.
+        layer_dtype = tensors["layers.0.qkv"].dtype if config.num_layers else dtype
+        layer_inputs = {t.shape[1] for name, t in tensors.items()
+                        if name.endswith((".qkv", ".o_proj", ".gate_up", ".down"))}
         # Where the dense kernel is not row-independent (a CPU without native bf16), prefill
         # rows run in fixed tiles, so no row's result depends on its batch.
-        tile_rows = dense_tile_rows(dtype, device) if batch_invariant else None
         # Small dense calls padded where this machine computes them another way, in every
         # mode: a prompt's last row alone (after a prefix-cache hit) comes out as within the
         # whole prompt, so the same request gets the same tokens.
-        min_rows = dense_min_rows(dtype, device, sorted({
-            t.shape[1] for name, t in tensors.items()
-            if name.endswith((".qkv", ".o_proj", ".gate_up", ".down", "lm_head"))}))
+        def dense_rules(dense_dtype: torch.dtype, inputs: set[int]) -> tuple[int | None, int]:
+            tile = dense_tile_rows(dense_dtype, device) if batch_invariant else None
+            return tile, dense_min_rows(dense_dtype, device, sorted(inputs))
+
+        if layer_dtype == lm_head.dtype:  # one probe for all (lm_head's input is hidden)
+            tile_rows, min_rows = head_rules = dense_rules(dtype, layer_inputs | {lm_head.shape[1]})
+        else:
+            tile_rows, min_rows = dense_rules(layer_dtype, layer_inputs)
+            head_rules = dense_rules(lm_head.dtype, {lm_head.shape[1]})
         self.ops = row_ops(device, dtype)
         self.layers = [LlamaLayer(config, tensors, i, device, tile_rows, self.ops,
                                   min_rows)
                        for i in range(config.num_layers)]
         self.norm = tensors["norm"].to(device)
-        lm_head = tensors["lm_head"].to(device) if "lm_head" in tensors else self.embed
         self.lm_head = Linear(lm_head, low_bit_copy(tensors, "lm_head", lm_head.shape[0]),
-                              tile_rows, min_rows)
+                              *head_rules)
         self.rotary = RotaryEmbedding(config, max_len, device, tensors.get(ROPE_FREQS))
         self.windows = sorted({layer.window for layer in self.layers} - {None})
         self._fused = self._fused_layers()

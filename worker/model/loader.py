@@ -51,10 +51,11 @@ def _read_and_prepare(path: Path, dtype: torch.dtype, pack: str,
 
 def prepared_weights(path: Path, device: torch.device, dtype: torch.dtype,
                      cache: WeightCache | None = None,
-                     timer: StartupTimer | None = None) -> PreparedWeights:
+                     timer: StartupTimer | None = None,
+                     prompt_dtype: torch.dtype | None = None) -> PreparedWeights:
     """The model's prepared tensors: mapped from the cache, or read, prepared and cached."""
     timer = timer or StartupTimer()
-    pack = packing(device, dtype)
+    pack = packing(device, dtype, prompt_dtype)
     if cache is None:
         timer.notes["weight_cache"] = "off"
         return _read_and_prepare(path, dtype, pack, timer)
@@ -79,14 +80,16 @@ def prepared_weights(path: Path, device: torch.device, dtype: torch.dtype,
 def load_model(model: str, device: torch.device, dtype: torch.dtype,
                max_model_len: int | None = None, cache: WeightCache | None = None,
                timer: StartupTimer | None = None,
-               batch_invariant: bool = False) -> tuple[LlamaModel, ModelInfo]:
+               batch_invariant: bool = False,
+               prompt_dtype: torch.dtype | None = None) -> tuple[LlamaModel, ModelInfo]:
     """`model` as EngineConfig.model ("default", a .gguf path or a HF directory).
 
-    The context in effect is the smaller of max_model_len and the model's own.
+    The context in effect is the smaller of max_model_len and the model's own. `prompt_dtype`:
+    bf16 for the projections' dense copies beside fp32 (worker.device.resolve_precision).
     """
     timer = timer or StartupTimer()
     path = resolve_model(model)
-    prepared = prepared_weights(path, device, dtype, cache, timer)
+    prepared = prepared_weights(path, device, dtype, cache, timer, prompt_dtype)
     config = prepared.config
     timer.notes["weights_memory"] = prepared.memory_summary()
     logger.info("%s: %s model, %s weights in %s (file: %s)", path.name, config.architecture,
@@ -106,7 +109,8 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype,
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
         device=str(device),
-        dtype=dtype_name(dtype),
+        dtype=dtype_name(dtype) + (f" (prompt projections {dtype_name(prompt_dtype)})"
+                                   if prompt_dtype not in (None, dtype) else ""),
     )
     with timer.phase("model"):
         return LlamaModel(prepared, context_len, device, dtype, batch_invariant), info

@@ -4,7 +4,10 @@ Q/K/V and gate/up are fused into one matrix each, everything is converted to the
 dtype, and on the CPU the small-batch copies are made. In bfloat16 for torch's kernels: int4
 from GGUF Q4 blocks (the dense copy then holds the very values the int4 kernel uses) and int8
 for the lm_head. In float32 for the native block kernels (worker/csrc/lowbit_matmul.cpp): the
-file's own Q4 and Q8_0 blocks, the lm_head's included; the dense copy stays the file's values.
+file's own Q4 and Q8_0 blocks, the lm_head's included; the dense copy stays the file's values,
+in fp32, or in bf16 for the layers' projections (BLOCKS_BF16: `--dtype auto` on a CPU with
+native bf16, where prompt rows then run at its bf16 rate while decode rows, activations and
+the KV cache stay fp32).
 This is the slow part of a start after parsing the file; the result is plain CPU tensors, so
 the weight cache (worker/weight_cache.py) can store it once and map it on later starts.
 
@@ -48,17 +51,22 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 INT4 = "int4"  # torch's int4/int8 kernels, bf16 on the CPU
 BLOCKS = "blocks"  # the native kernels on the file's Q4/Q8_0 blocks, fp32 on the CPU
+# BLOCKS for decode rows, and the projections' dense copies (prompt rows) in bf16: fp32
+# activations and KV, the prompt's big products at the CPU's native bf16 rate.
+BLOCKS_BF16 = "blocks+bf16"
 
 
-def packing(device: torch.device, dtype: torch.dtype) -> str:
-    """Which low-bit copies decode rows get: INT4, BLOCKS, or "" (none: the dense weights
-    only, as on a GPU, or in fp32 where the native kernels cannot be built)."""
+def packing(device: torch.device, dtype: torch.dtype,
+            prompt_dtype: torch.dtype | None = None) -> str:
+    """Which low-bit copies decode rows get: INT4, BLOCKS (BLOCKS_BF16 where prompt rows
+    compute in bf16 beside fp32: `prompt_dtype`), or "" (none: the dense weights only, as on
+    a GPU, or in fp32 where the native kernels cannot be built)."""
     if device.type != "cpu":
         return ""
     if dtype == torch.bfloat16:
         return INT4 if int4_kernels_available() else ""
     if dtype == torch.float32 and block_kernels_available():
-        return BLOCKS
+        return BLOCKS_BF16 if prompt_dtype == torch.bfloat16 else BLOCKS
     return ""
 
 
@@ -78,9 +86,10 @@ def prepare_weights(weights: ModelWeights, dtype: torch.dtype, pack: str) -> Pre
             tensors[f"{name}.q8.blocks"] = BlockQ8.tensors(Int8Blocks.concat(int8))
 
     def linear(name: str, hf_names: list[str]) -> None:
-        if pack == BLOCKS:
+        if pack in (BLOCKS, BLOCKS_BF16):
             blocks_copy(name, hf_names)
-            tensors[name] = torch.cat([weights.take(n) for n in hf_names]).to(dtype).contiguous()
+            dense_dtype = torch.bfloat16 if pack == BLOCKS_BF16 else dtype
+            tensors[name] = torch.cat([weights.take(n) for n in hf_names]).to(dense_dtype).contiguous()
             return
         blocks = [weights.int4.pop(n, None) for n in hf_names]
         dense = torch.cat([weights.take(n) for n in hf_names])
@@ -101,7 +110,7 @@ def prepare_weights(weights: ModelWeights, dtype: torch.dtype, pack: str) -> Pre
             linear(f"layers.{i}.{name}", [f"{hf_prefix}{n}.weight" for n in hf_names])
         _attention_extras(weights, tensors, i, dtype)
     tensors["norm"] = weights.take("model.norm.weight").to(dtype)
-    if pack == BLOCKS:
+    if pack in (BLOCKS, BLOCKS_BF16):
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights.tensors
         blocks_copy("lm_head", ["model.embed_tokens.weight" if tied else "lm_head.weight"])
     weights.int4.clear()  # blocks no copy uses (the embedding's, when not tied)
