@@ -8,8 +8,9 @@ It starts `zeroserve gateway` and one worker, opens N concurrent streaming compl
   chunks/s seen by the clients), and `steady_tokens_per_s`: the token arrivals per second
   while all N streams are open (from the last stream's first token to the first stream's
   last one), the ramp up and the tail left out;
-- the CPU the gateway(s), the worker and the client used (`cpu_s`), per token for the
-  gateway and per chunk for the client (`client_cpu_us_per_chunk`);
+- the CPU the gateway(s), the worker and the client used (`cpu_s`; `gateway_system` is the
+  gateways' kernel part of theirs: socket writes and reads), per token for the gateway and
+  per chunk for the client (`client_cpu_us_per_chunk`);
 - with `--worker stamped` (default): the added latency per token = client receive time -
   the time the worker put that token on the wire (both CLOCK_MONOTONIC, same machine), as
   p50/p90/p99. The stamped worker is the gateway tests' fake worker in its own process; it
@@ -253,13 +254,14 @@ def run_c_client(exe: str, port: int, num_streams: int, max_tokens: int, out_pat
 
 # --- orchestration ----------------------------------------------------------------------
 
-def cpu_seconds(pid: int) -> float | None:
-    """user + system CPU time a process used so far (Linux /proc)."""
+def cpu_seconds(pid: int, which: tuple[int, ...] = (11, 12)) -> float | None:
+    """CPU time a process used so far (Linux /proc): user + system by default, (12,) for
+    the system (kernel) part alone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return sum(int(fields[i]) for i in which) / os.sysconf("SC_CLK_TCK")
 
 
 def child_processes(pid: int) -> dict[int, str]:
@@ -300,8 +302,8 @@ def threads_cpu_seconds(pids: list[int]) -> dict[str, float]:
     return used
 
 
-def gateways_cpu_seconds(pids: list[int]) -> float | None:
-    used = [cpu_seconds(pid) for pid in pids]
+def gateways_cpu_seconds(pids: list[int], which: tuple[int, ...] = (11, 12)) -> float | None:
+    used = [cpu_seconds(pid, which) for pid in pids]
     return None if None in used else sum(used)
 
 
@@ -362,6 +364,7 @@ def measure_round(args: argparse.Namespace, client_exe: str | None, tmp: str,
     CPU each process (and each gateway thread) used meanwhile."""
     threads_before = threads_cpu_seconds(gateway_pids)
     cpu_before = {"gateway": gateways_cpu_seconds(gateway_pids),
+                  "gateway_system": gateways_cpu_seconds(gateway_pids, (12,)),
                   "worker": cpu_seconds(worker_pid)}
     load_before = os.getloadavg()[0]
     if client_exe is not None:
@@ -377,6 +380,7 @@ def measure_round(args: argparse.Namespace, client_exe: str | None, tmp: str,
     gateway_threads = {name: round(used - threads_before.get(name, 0.0), 2)
                        for name, used in threads_cpu_seconds(gateway_pids).items()}
     cpu_used = {"gateway": gateways_cpu_seconds(gateway_pids),
+                "gateway_system": gateways_cpu_seconds(gateway_pids, (12,)),
                 "worker": cpu_seconds(worker_pid)}
     cpu_used = {k: (v - cpu_before[k]) if v is not None and cpu_before[k] is not None
                 else None for k, v in cpu_used.items()}
@@ -487,6 +491,9 @@ def main() -> None:
     ap.add_argument("--gateway-arg", action="append", default=[],
                     help="an extra flag for `zeroserve gateway` (repeatable), e.g. "
                          "--gateway-arg=--disable-metrics")
+    ap.add_argument("--worker-arg", action="append", default=[],
+                    help="an extra flag for `zeroserve worker` (repeatable; --worker fake), "
+                         "e.g. --worker-arg='--speculative-config={\"recent_ngrams\": 0}'")
     ap.add_argument("--rounds", type=int, default=1,
                     help="bursts of --streams streams, one after the other, on the same "
                          "servers: per-round figures and their medians (no added latency)")
@@ -552,7 +559,8 @@ def main() -> None:
                 str(max(args.streams, 64)), "--max-num-batched-tokens",
                 str(max(args.streams, 512)), "--num-kv-blocks",
                 str(args.streams * (args.tokens // 16 + 3)), "--log-level", "warning",
-                *([] if args.no_stamps else ["--fake-stamps", stamps_path])), args.port))
+                *([] if args.no_stamps else ["--fake-stamps", stamps_path]),
+                *args.worker_arg), args.port))
         # Every process in procs that speaks HTTP (the gateways, serve) answers on args.port.
         procs[0].wait_answering(
             num_in_a_row=1 if args.gateways == 1 else 10 * args.gateways)
