@@ -24,9 +24,9 @@ benchmarks/bench_gateway_relay.py (this checkout's copy: the same C client and m
 `--worker fake --tree <checkout>` against each side in turn, `--relay-streams` streams of
 `--relay-tokens` tokens on the fake backend (`--relay-step-ms` steps), `--relay-rounds` bursts per
 server. Reported per run: relayed tokens/s over the whole burst, steady tokens/s (all streams
-open) and the gateway's CPU us per relayed token, each the median of the run's bursts; the
-summary is again the median of the paired head/base ratios. `--serve-args`, `--base-args` and
-`--head-args` are then flags for `zeroserve gateway`.
+open) and the gateway's and the fake worker's CPU us per relayed token, each the median of the
+run's bursts; the summary is again the median of the paired head/base ratios. `--serve-args`,
+`--base-args` and `--head-args` are then flags for `zeroserve gateway`.
 
     python benchmarks/bench_commits.py 85ea403 main --relay --repeats 3
     python benchmarks/bench_commits.py main . --relay --relay-rounds 5
@@ -289,11 +289,16 @@ def relay_summary(result: dict) -> dict:
     """The figures of one bench_gateway_relay.py result: its medians over the rounds (the
     result of one round is its own median)."""
     median = result.get("median", result)
+    rounds = result.get("rounds", [result])
+    # The worker's too (the fake engine's loop around its simulated forward): the relay's
+    # tokens/s is the gateway's and the worker's, on the same cores.
+    worker = [r["cpu_s"]["worker"] / r["usage_tokens"] * 1e6 for r in rounds
+              if r.get("usage_tokens") and r.get("cpu_s", {}).get("worker") is not None]
     return {"tokens_per_s": median.get("tokens_per_s"),
             "steady_tokens_per_s": median.get("steady_tokens_per_s"),
             "gateway_cpu_us_per_token": median.get("gateway_cpu_us_per_token"),
-            "errors": sum(r.get("errors", 0) for r in result.get("rounds", [result])),
-            "rounds": result.get("rounds", [result])}
+            "worker_cpu_us_per_token": round(statistics.median(worker), 2) if worker else None,
+            "errors": sum(r.get("errors", 0) for r in rounds), "rounds": rounds}
 
 
 def relay_and_measure(side: Side, repeat: int, a: argparse.Namespace, log_dir: Path) -> Run:
@@ -312,7 +317,8 @@ def relay_and_measure(side: Side, repeat: int, a: argparse.Namespace, log_dir: P
     summary["command"] = shlex.join(argv)
     print(f"  tokens/s {_fmt(summary['tokens_per_s'])}, steady "
           f"{_fmt(summary['steady_tokens_per_s'])}, gateway CPU "
-          f"{_fmt(summary['gateway_cpu_us_per_token'])} us/token, errors {summary['errors']}",
+          f"{_fmt(summary['gateway_cpu_us_per_token'])} us/token, worker CPU "
+          f"{_fmt(summary['worker_cpu_us_per_token'])} us/token, errors {summary['errors']}",
           flush=True)
     return Run(side.name, repeat, summary, None)
 
@@ -321,17 +327,20 @@ RELAY_METRICS = {  # name -> (how to read it from a relay Run, whether higher is
     "tokens_per_s": (lambda r: r.summary["tokens_per_s"], True),
     "steady_tokens_per_s": (lambda r: r.summary["steady_tokens_per_s"], True),
     "gateway_cpu_us_per_token": (lambda r: r.summary["gateway_cpu_us_per_token"], False),
+    "worker_cpu_us_per_token": (lambda r: r.summary["worker_cpu_us_per_token"], False),
 }
 
 
 def relay_table(runs: list[Run], summary: dict, sides: tuple[Side, Side]) -> str:
     lines = [*_side_lines(sides), "",
-             f"{'run':<10}{'tok/s':>10}{'steady tok/s':>14}{'gw CPU us/tok':>15}{'errors':>8}"]
+             f"{'run':<10}{'tok/s':>10}{'steady tok/s':>14}{'gw CPU us/tok':>15}"
+             f"{'worker CPU us/tok':>19}{'errors':>8}"]
     for r in runs:
         s = r.summary
         lines.append(f"{r.side + ' #' + str(r.repeat):<10}{_fmt(s['tokens_per_s']):>10}"
                      f"{_fmt(s['steady_tokens_per_s']):>14}"
-                     f"{_fmt(s['gateway_cpu_us_per_token'], 2):>15}{s['errors']:>8}")
+                     f"{_fmt(s['gateway_cpu_us_per_token'], 2):>15}"
+                     f"{_fmt(s['worker_cpu_us_per_token'], 2):>19}{s['errors']:>8}")
     lines.append("")
     lines.extend(_ratio_lines(summary, RELAY_METRICS, width=26))
     return "\n".join(lines)

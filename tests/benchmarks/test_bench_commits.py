@@ -125,7 +125,8 @@ def make_relay_run(side: str, repeat: int, tok_s: float, us_per_token: float,
                    errors: int = 0) -> Run:
     return Run(side, repeat, relay_summary({"median": {
         "tokens_per_s": tok_s, "steady_tokens_per_s": tok_s * 1.5,
-        "gateway_cpu_us_per_token": us_per_token}, "rounds": [{"errors": errors}]}), None)
+        "gateway_cpu_us_per_token": us_per_token}, "rounds": [
+            {"errors": errors, "usage_tokens": 200_000, "cpu_s": {"worker": 1.5}}]}), None)
 
 
 def test_relay_flags_and_each_sides_command(tmp_path):
@@ -164,6 +165,11 @@ def test_a_relay_result_reads_its_medians_and_counts_every_rounds_errors():
     assert (summary["tokens_per_s"], summary["gateway_cpu_us_per_token"]) == (30000.0, 18.5)
     assert summary["steady_tokens_per_s"] is None  # no window with every stream open
     assert summary["errors"] == 3
+    assert summary["worker_cpu_us_per_token"] is None  # the rounds did not say
+    worker = relay_summary({"rounds": [
+        {"usage_tokens": 200_000, "cpu_s": {"worker": w}} for w in (1.2, 2.0, 1.4)],
+        "median": {}})
+    assert worker["worker_cpu_us_per_token"] == 7.0  # the median round's 1.4 s / 200,000
     one_round = relay_summary({"tokens_per_s": 25000.0, "errors": 0,
                                "gateway_cpu_us_per_token": 20.0})  # --rounds 1: no median
     assert one_round["tokens_per_s"] == 25000.0
@@ -180,4 +186,6 @@ def test_the_relay_report_gives_paired_ratios_of_tokens_and_gateway_cpu():
     assert "head = . (working tree)" in text
     assert "0.950x (0.900, 1.000)  lower is better" in text
     assert "tokens_per_s" in text and "0.950x (1.100, 0.800)" in text
-    assert text.splitlines()[4].split() == ["base", "#0", "30000.0", "45000.0", "20.00", "0"]
+    assert text.splitlines()[4].split() == ["base", "#0", "30000.0", "45000.0", "20.00",
+                                            "7.50", "0"]
+    assert "worker_cpu_us_per_token        7.50     7.50    1.000x (1.000, 1.000)" in text
