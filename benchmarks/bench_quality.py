@@ -16,7 +16,7 @@ llama.cpp's `llama-perplexity --kl-divergence` is the anchor (its "Mean KLD" and
 How the logits are computed: in-process, through the worker's own ModelRunner.execute (the
 model runner, kernels and sampler the server runs for that path's flags), with plans built
 here as the scheduler would build them, in a fresh interpreter per path with the CPU-class
-caps set before torch as the worker sets them (ZEROSERVE_CPU_CLASS, --cpu-class). The text is
+caps set before torch as the worker sets them (ZEROSERVE_CPU_CLASS). The text is
 cut into windows of --context + --scored tokens, one every --scored tokens, so each token
 after the first --context + 1 is scored exactly once, with --context to --context + --scored
 - 1 tokens before it. Each window is measured twice, since a prompt's rows and a generated
@@ -34,6 +34,9 @@ token's rows run different kernels here (worker/model_runner.py `_low_bit_rows`)
   in decode mode are scored: dense-weight rows (all scored positions are past the low-bit
   prompt positions).
 
+The server's default n-gram speculation is not run: its verify rows are computed as decode
+rows of the same positions (worker/model_runner.py `_prepare`), so decode mode stands for it.
+
 The logits are the ones the runner's sampler receives (LlamaModel.compute_logits, watched
 for the run), so the lm_head kernel is the server's too. The reference path runs first and
 keeps its log-probabilities (fp32, a memory-mapped file in --work-dir: about 1.3 GB per mode
@@ -48,6 +51,10 @@ per path and writes every figure as JSON (--json).
     python benchmarks/bench_quality.py                          # the default paths, this CPU
     ZEROSERVE_CPU_CLASS=avx512 python benchmarks/bench_quality.py   # a lower CPU class
     python benchmarks/bench_quality.py --paths fp32-reference,bf16,fp32-torch-attention
+
+A path costs about 260 CPU-seconds on the whole text (26 windows; measured on a 2-core
+AVX512_BF16 machine); --num-windows N measures the first N windows only, and --work-dir with
+--reuse keeps what was measured for a later run (another path, fewer windows).
 
 Adding a path (a new kernel flag) is one line in PATHS; a path whose EngineConfig field does
 not exist in this checkout is skipped with a note.
