@@ -228,6 +228,7 @@ class ModelRunner:
         )
         if self.decode_kernel is not None:
             meta.paged_decode = self._paged_decode(decodes)
+            meta.paged_prompt = self._paged_prompt(prefills)
         else:
             lengths = [c.context_len for c in decodes]
             for start, end in group_by_length(lengths, self.block_size):
@@ -259,6 +260,22 @@ class ModelRunner:
             kernel=self.decode_kernel,
             block_tables=torch.tensor(tables, dtype=torch.int32),
             context_lens=torch.tensor([c.context_len for c in decodes], dtype=torch.int32),
+        )
+
+    def _paged_prompt(self, prefills: list[ScheduledChunk]) -> PagedDecode | None:
+        """Every prefill row for the native kernel: its chunk's table, and as context the
+        positions up to its own (causal)."""
+        if not prefills:
+            return None
+        num_blocks = math.ceil(max(c.context_len for c in prefills) / self.block_size)
+        tables = torch.tensor(_padded_tables([c.block_table for c in prefills], num_blocks),
+                              dtype=torch.int32)  # [num_chunks, num_blocks]
+        num_rows = torch.tensor([len(c.token_ids) for c in prefills])
+        return PagedDecode(
+            kernel=self.decode_kernel,
+            block_tables=tables.repeat_interleave(num_rows, dim=0),  # [num_rows, num_blocks]
+            context_lens=torch.cat([torch.arange(c.start_pos + 1, c.context_len + 1,
+                                                 dtype=torch.int32) for c in prefills]),
         )
 
     def _decode_group(self, decodes: list[ScheduledChunk], start: int) -> DecodeGroup:

@@ -64,5 +64,6 @@ def windowed(meta: AttentionMetadata, window: int, block_size: int,
         bias = torch.zeros(len(lens), 1, max_context, dtype=dtype, device=lens.device)
         bias = _window_bias(bias.masked_fill(padding[:, None, :], float("-inf")), lens, window)
         groups.insert(0, DecodeGroup(0, meta.num_decode, tables.flatten(), bias, max_context))
-    return dataclasses.replace(meta, decode_groups=groups, paged_decode=None,
+    # Prompt rows likewise: the torch path, through their windowed masks.
+    return dataclasses.replace(meta, decode_groups=groups, paged_decode=None, paged_prompt=None,
                                prefills=[_prefill(s, window) for s in meta.prefills])

@@ -1,0 +1,89 @@
+"""Prompt rows attend through the native kernel, one row at a time, in place in the pool
+(worker/attention.py): causal by each row's context length, the same bits whether the prompt
+runs whole, in chunks or after a prefix-cache hit, and no SDPA call (whose query tiles cost
+7-15x more per prompt token)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.worker.arch_models import make_model, one_thread, write_gguf  # noqa: F401 - autouse
+from tests.worker.test_attention import reference
+from zeroserve.worker import attention, cpu_kernels
+from zeroserve.worker.attention import AttentionMetadata, PagedDecode, paged_attention
+from zeroserve.worker.config import EngineConfig
+from zeroserve.worker.engine import Engine
+from zeroserve.worker.sequence import SamplingParams
+
+
+@pytest.fixture
+def no_sdpa(monkeypatch):
+    """Fail any SDPA call from the attention module."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("prompt rows went to SDPA, not the native kernel")
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", refuse)
+
+
+def prompt_rows(kernel, table, start, end):
+    """The runner's paged_prompt for one chunk at positions start .. end - 1."""
+    return PagedDecode(kernel, torch.tensor([table], dtype=torch.int32).repeat(end - start, 1),
+                       torch.arange(start + 1, end + 1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_rows_are_causal_and_alike_in_any_chunk(no_sdpa, dtype):
+    kernel = cpu_kernels.load(required=True).decode_attention
+    gen = torch.Generator().manual_seed(1)
+    n, block_size, heads, kv_heads, d = 150, 16, 9, 3, 64
+    table = torch.randperm(40, generator=gen)[: -(-n // block_size)].tolist()
+    k_cache = torch.zeros(40, block_size, kv_heads, d, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    q = (torch.randn(n, heads, d, generator=gen) * 3).to(dtype)
+    k = (torch.randn(n, kv_heads, d, generator=gen) * 3).to(dtype)
+    v = torch.randn(n, kv_heads, d, generator=gen).to(dtype)
+    slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)])
+
+    def run(start, end):
+        meta = AttentionMetadata(slot_mapping=slots[start:end], num_decode=0,
+                                 decode_groups=[], prefills=[],
+                                 paged_prompt=prompt_rows(kernel, table, start, end))
+        return paged_attention(q[start:end], k[start:end], v[start:end], k_cache, v_cache,
+                               meta, 0.125)
+
+    whole = run(0, n)
+    tables = torch.tensor([table], dtype=torch.int32).repeat(n, 1)
+    expected = reference(q, k_cache, v_cache, tables, torch.arange(1, n + 1), 0.125)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(whole.float(), expected, atol=tolerance, rtol=tolerance)
+    for start, end in ((0, 17), (17, 64), (64, 65), (n - 1, n), (100, n)):
+        assert torch.equal(run(start, end), whole[start:end]), (start, end)
+
+
+def test_a_chunked_prompt_and_a_cache_hit_give_the_whole_prompts_answer_without_sdpa(
+        tmp_path, no_sdpa):
+    """On the engine: prompts in chunks beside decodes, and again from the prefix cache, give
+    the tokens and logprobs of each prompt alone, bit for bit, and no prefill step calls SDPA."""
+    model = write_gguf(make_model("llama", seed=4), tmp_path / "tiny.gguf")
+    prompts = [[(i * 7 + j * 3) % 200 + 3 for i in range(n)] for j, n in enumerate((90, 33, 70))]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2)
+
+    def answers(engine, batch):
+        for i, prompt in enumerate(batch):
+            engine.add_request(f"r{engine.stats().num_steps}-{i}", prompt, greedy)
+        got: dict[str, list] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).append((out.new_token_ids, out.logprobs))
+        return [got[k] for k in sorted(got)]
+
+    def engine(**kwargs):
+        return Engine(EngineConfig(model=str(model), device="cpu", dtype="float32",
+                                   block_size=16, num_kv_blocks=128, max_model_len=256,
+                                   weight_cache=False, **kwargs))
+
+    alone = [answers(engine(), [p])[0] for p in prompts]
+    chunked = engine(max_num_batched_tokens=32, enable_prefix_caching=True)
+    assert answers(chunked, prompts) == alone
+    assert [answers(chunked, [p])[0] for p in prompts] == alone  # now from the cache
+    assert chunked.stats().num_prefix_hits > 0
