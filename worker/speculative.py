@@ -22,7 +22,7 @@ follows how often its drafts were right (worker/draft_policy.py).
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,32 +169,52 @@ class RecentText:
         self.min_n, self.max_n, self.capacity = min_n, max_n, capacity
         # n-gram -> (the text it occurred in, the index just after it there), oldest first
         self._next: OrderedDict[tuple[int, ...], tuple[list[int], int]] = OrderedDict()
+        # Texts finished but not indexed yet, oldest first, with their n-gram counts: indexed
+        # when a draft is next asked for, so a step in which many requests finish (at a
+        # batch size where drafting is off) does no indexing at all. Only the newest texts
+        # whose n-grams fill the table are kept; older ones would be evicted by them anyway.
+        self._pending: deque[tuple[list[int], int, int]] = deque()  # (text, first, n-grams)
+        self._pending_ngrams = 0
 
     def __len__(self) -> int:
+        self._index_pending()
         return len(self._next)
 
     def add(self, prompt: list[int], output: list[int]) -> None:
-        """Index a finished request's output (and the n-grams ending in it that start in the
-        prompt's last tokens); a later occurrence of an n-gram replaces an earlier one."""
+        """Remember a finished request's output (and the n-grams ending in it that start in
+        the prompt's last tokens) for indexing; a later occurrence of an n-gram replaces an
+        earlier one."""
         if self.capacity == 0 or not output:
             return
         text = prompt[max(0, len(prompt) - (self.max_n - 1)):] + output
         first = len(text) - len(output)
+        count = len(output) * (self.max_n - self.min_n + 1)  # at most this many n-grams
+        self._pending.append((text, first, count))
+        self._pending_ngrams += count
+        while self._pending_ngrams - self._pending[0][2] >= self.capacity:
+            self._pending_ngrams -= self._pending.popleft()[2]
+
+    def _index_pending(self) -> None:
         table = self._next
-        # n-grams ending at the prompt's last token (followed by the first output token) and
-        # at each output token but the last.
-        for end in range(max(first - 1, self.min_n - 1), len(text) - 1):
-            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
-                key = tuple(text[end - n + 1:end + 1])
-                if key in table:
-                    table.move_to_end(key)  # the newest occurrence
-                table[key] = (text, end + 1)
+        while self._pending:
+            text, first, _count = self._pending.popleft()
+            # n-grams ending at the prompt's last token (followed by the first output token)
+            # and at each output token but the last.
+            for end in range(max(first - 1, self.min_n - 1), len(text) - 1):
+                for n in range(self.min_n, min(self.max_n, end + 1) + 1):
+                    key = tuple(text[end - n + 1:end + 1])
+                    if key in table:
+                        table.move_to_end(key)  # the newest occurrence
+                    table[key] = (text, end + 1)
+        self._pending_ngrams = 0
         for _ in range(len(table) - self.capacity):
             table.popitem(last=False)
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that followed tokens' last n tokens (the largest n that is in the
         table) where they last occurred; [] when none is."""
+        if self._pending:
+            self._index_pending()
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
             hit = self._next.get(tuple(tokens[-n:]))
             if hit is not None:

@@ -390,6 +390,22 @@ def test_recent_text_keeps_the_newest_occurrences_within_its_capacity():
     RecentText(2, 4, 0).add([1], [2, 3])  # capacity 0 keeps nothing
 
 
+def test_recent_text_indexes_finished_text_only_when_a_draft_is_asked_for():
+    """A step in which 1,000 requests finish (drafting is off at that batch size) does no
+    indexing: the relay's last-token step spent a third of its time there. What is kept
+    unindexed is bounded by the table's capacity, and drafts come out as from eager indexing."""
+    from zeroserve.worker.speculative import RecentText
+
+    text = RecentText(min_n=2, max_n=3, capacity=400)
+    for i in range(1000):
+        text.add([1, 2], [1000 + i, 2000 + i] * 10)  # 20 tokens: at most 40 n-grams each
+    assert not text._next  # nothing indexed yet
+    assert len(text._pending) <= 400 // 40 + 1  # only the newest that the table could hold
+    assert text.propose([1999, 2999], 3) == [1999, 2999]  # the newest text's, last occurrence
+    assert text.propose([1000, 2000], 3) == []  # the oldest: dropped, as eager eviction would
+    assert 0 < len(text) <= 400
+
+
 def test_drafts_take_only_blocks_left_after_every_plain_decode():
     # Two decoding streams and one free block. The older one's drafts would need that block;
     # the newer one's plain decode crosses a block boundary and needs it. The decode gets
