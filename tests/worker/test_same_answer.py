@@ -61,7 +61,7 @@ def run(engine: Engine, prompts: list[list[int]]) -> list[tuple[list[int], list]
     return [results[i] for i in ids]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "auto", "float32+int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "auto", "float32+int8", "auto+int8"])
 def test_a_request_gets_the_same_answer_alone_in_a_batch_and_from_the_prefix_cache(
         q4_model, dtype):
     """float32+int8: decode rows with int8 activations (--int8-activations). auto: on a CPU
