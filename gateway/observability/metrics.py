@@ -77,7 +77,8 @@ _WORKER_COUNTER_DOCS = {
     "prefix_cache_queries": "Prompt tokens looked up in a worker's prefix cache (at each "
                             "request's first admission).",
     "prefix_cache_hits": "Prompt tokens found in a worker's prefix cache.",
-    "num_preemptions": "Sequences a worker preempted for want of KV blocks.",
+    "num_preemptions": "Sequences a worker preempted (recompute) for want of KV blocks, or "
+                       "for their batch slot (a better class's, or a key holding fewer).",
     "spec_decode_num_drafts": "Speculative proposals a worker verified.",
     "spec_decode_num_draft_tokens": "Draft tokens of the verified speculative proposals.",
     "spec_decode_num_accepted_tokens": "Draft tokens the model accepted.",
