@@ -398,7 +398,8 @@ def describe_kernels(runner) -> dict:
     packed = layer.qkv.packed
     return {
         "dtype": str(runner.dtype).removeprefix("torch."),
-        "decode_rows": type(packed).__name__ if packed is not None else "dense",
+        "decode_rows": (type(packed).__name__ if packed is not None else "dense")
+        + (" int8 activations" if getattr(packed, "int8_activations", False) else ""),
         "decode_step": ("fused native decode_layers" if getattr(model, "_fused", None)
                         else "per layer") if runner.decode_step is None
         else type(runner.decode_step).__name__,
@@ -455,6 +456,9 @@ def run_parent(args: argparse.Namespace) -> int:
     spec_file = work / "spec.json"
     reusable = args.reuse and spec_file.is_file() and is_prefix_run(
         spec, json.loads(spec_file.read_text()))
+    if not reusable:  # figures of another text, window shape or class: never taken
+        for stale in (*work.glob("*.npz"), *work.glob("*.json")):
+            stale.unlink()
     spec_file.write_text(json.dumps(spec))
     num_rows = len(starts) * args.scored
     results: dict[str, dict[str, Metrics]] = {}
@@ -462,7 +466,7 @@ def run_parent(args: argparse.Namespace) -> int:
     failed: dict[str, str] = {}
     try:
         for path in paths:
-            if reusable and (work / f"{path.name}.npz").is_file():
+            if reusable and measured_rows(work / f"{path.name}.npz") >= num_rows:
                 print(f"=== {path.name}: reusing {work / path.name}.npz ===", flush=True)
                 runs[path.name] = json.loads((work / f"{path.name}.json").read_text())
             else:
@@ -548,6 +552,16 @@ def is_prefix_run(new: dict, old: dict) -> bool:
     numbered window by window, so the first windows' rows are the same rows)."""
     same = all(old.get(k) == v for k, v in new.items() if k != "starts")
     return same and old.get("starts", [])[:len(new["starts"])] == new["starts"]
+
+
+def measured_rows(npz_path: Path) -> int:
+    """How many rows a path's figures in the work dir cover (0: none there)."""
+    import numpy as np
+
+    if not npz_path.is_file():
+        return 0
+    with np.load(npz_path) as data:
+        return min(len(data[f"{mode}_nll"]) for mode in MODES)
 
 
 def load_metrics(npz_path: Path, num_rows: int | None = None) -> dict[str, Metrics]:

@@ -17,6 +17,7 @@ from benchmarks.bench_quality import (
     gate,
     is_prefix_run,
     load_metrics,
+    measured_rows,
     row_stats,
     table,
     window_starts,
@@ -160,6 +161,8 @@ def test_a_run_on_fewer_windows_reuses_the_first_windows_figures(tmp_path):
     first = load_metrics(path, 1)["decode"]
     assert (first.num_tokens, first.mean_nll, first.top1_agreement) == (1, 1.0, 1.0)
     assert load_metrics(path)["prompt"].mean_nll == pytest.approx(2.0)
+    # a run on more rows than a path's figures cover measures it again
+    assert measured_rows(path) == 2 and measured_rows(tmp_path / "bf16.npz") == 0
 
 
 def test_every_path_sets_fields_the_engine_config_has_or_a_flag_being_added():
