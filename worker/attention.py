@@ -209,6 +209,7 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     mask = span.mask.view(group, n, -1)  # [group, n, context]
     lead = (mask.shape[-1] - n) % tile  # the chunk's start position, modulo the tile
     trail = -(lead + n) % tile
+    first = mask.shape[-1] - n - lead  # the absolute position of the first tile's first row
     if lead or trail:
         q = torch.cat([q[:1].expand(lead, -1, -1), q, q[-1:].expand(trail, -1, -1)])
         mask = torch.cat([mask[:, :1].expand(-1, lead, -1), mask,
@@ -227,11 +228,16 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     v = v.transpose(0, 1).contiguous()[None]
     out = q.new_empty(q.shape[0], q.shape[1] * head_dim)
     for start in range(0, q.shape[0], tile):
+        # Causal: no row of a tile sees a key past the tile's end, so a tile takes the keys
+        # up to there and no more (half the work of a whole prompt), and their count follows
+        # from the tile's position alone, whatever the chunk.
+        keys = first + start + tile
         # 4-D inputs (a batch of one): with 3-D ones torch's CPU SDPA falls back to its math
         # path, 2-3x slower here than the fused kernel it picks for 4-D.
         tile_out = F.scaled_dot_product_attention(
-            _fold_group(q[start:start + tile], num_kv_heads)[None], k, v,
-            attn_mask=mask[:, start:start + tile].reshape(group * tile, -1), scale=scale)
+            _fold_group(q[start:start + tile], num_kv_heads)[None], k[:, :, :keys],
+            v[:, :, :keys], attn_mask=mask[:, start:start + tile, :keys].reshape(group * tile, -1),
+            scale=scale)
         out[start:start + tile] = _unfold_group(tile_out[0], tile)
     return out[lead:lead + n]
 

@@ -87,3 +87,35 @@ def test_a_chunked_prompt_and_a_cache_hit_give_the_whole_prompts_answer_without_
     assert answers(chunked, prompts) == alone
     assert [answers(chunked, [p])[0] for p in prompts] == alone  # now from the cache
     assert chunked.stats().num_prefix_hits > 0
+
+
+def test_the_torch_paths_query_tiles_take_keys_only_up_to_their_own_end(monkeypatch):
+    """Where prompt rows go to SDPA (the torch backend, other devices, sliding windows), a
+    32-row tile at positions a .. a + 31 computes against keys 0 .. a + 31 only (causal), not
+    the whole context, and a row still comes out alike whole or in a chunk."""
+    from zeroserve.worker.attention import PrefillSpan, _prefill_attention, causal_mask
+
+    real = attention.F.scaled_dot_product_attention
+    key_counts: list[int] = []
+
+    def counting(q, k, v, **kwargs):
+        key_counts.append(k.shape[2])
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counting)
+    gen = torch.Generator().manual_seed(2)
+    n, heads, kv_heads, d = 100, 9, 3, 64
+    q = torch.randn(n, heads, d, generator=gen)
+    k = torch.randn(n, kv_heads, d, generator=gen)
+    v = torch.randn(n, kv_heads, d, generator=gen)
+    cpu = torch.device("cpu")
+    whole = _prefill_attention(q, k, v, None, None,
+                               PrefillSpan(0, n, None, causal_mask(0, n, 3, cpu)), 0.125)
+    assert key_counts == [32, 64, 96, 128]
+    key_counts.clear()
+    pool_k, pool_v = k.view(n, 1, kv_heads, d), v.view(n, 1, kv_heads, d)
+    part = _prefill_attention(q[40:70], k[40:70], v[40:70], pool_k, pool_v,
+                              PrefillSpan(0, 30, torch.arange(70), causal_mask(40, 30, 3, cpu)),
+                              0.125)
+    assert key_counts == [64, 96]  # the tiles at 32 and 64
+    assert torch.equal(part, whole[40:70])
