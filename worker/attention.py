@@ -15,9 +15,12 @@ padding, no length groups. Prompt rows take the same kernel, one row at a time: 
 position p attends to keys 0 .. p of its table, computed in an order that depends on p alone,
 so a prompt row comes out bit for bit alike whole, in chunks of any size, or after a
 prefix-cache hit (docs/architecture.md, "Batch independence"), with no query tiles, key
-padding, gathered context or mask (measured 7-15x cheaper than SDPA in aligned tiles). The
-torch path below stays for other devices and dtypes, for sliding windows, and as the fallback
-where the kernel cannot be built.
+padding, gathered context or mask, and one parallel region per layer instead of one per tile.
+Measured per layer against SDPA in causal 32-row tiles: on one thread about even for long
+prompts (1,000 tokens 28.5 vs 27.9 ms fp32; 512 after 512, 22.7 vs 17.1) and 2-6x cheaper for
+the short chunks of a prefix-cache hit; on two threads of a loaded machine 10-30x cheaper
+(every tile's barrier waits for a descheduled thread). The torch path below stays for other
+devices and dtypes, for sliding windows, and as the fallback where the kernel cannot be built.
 
 Grouped-query attention never copies K/V per query head: the query heads that share a KV head
 are folded into one matrix (`[kv_heads, group * q_len, head_dim]`), so one matmul or SDPA call
