@@ -483,7 +483,7 @@ def bench_config(a: argparse.Namespace) -> BenchConfig:
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether `--dtype auto` serves bf16 here (else fp32): say which dtype a figure used."""
+    """Whether this CPU has native bf16: say which path `--dtype auto` served a figure with."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -543,7 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     result_json.write_text(json.dumps(result, indent=1))
     print("\n" + text)
     if not a.relay:
-        print(f"\n(--dtype auto is {'bf16' if cpu_has_native_bf16() else 'fp32'} on this CPU)")
+        print("\n(--dtype auto on this CPU: " + ("fp32 with bf16 prompt projections at this "
+              "commit, bf16 before 7152d79" if cpu_has_native_bf16() else "fp32") + ")")
     print(f"wrote {result_json}; server logs in {log_dir}")
     if a.relay:
         return 0 if not any(r.summary["errors"] for r in runs) else 1
