@@ -95,9 +95,11 @@ ENGINE_OPTIONS = [
                 "~/.cache/zeroserve/weights]"),
     option("--int8-activations/--no-int8-activations",
            default=field_default(EngineConfig, "int8_activations"),
-           help="Decode rows on the CPU's 4-bit/8-bit block kernels (--dtype float32) quantize "
+           help="Decode rows on the CPU's 4-bit/8-bit block kernels (fp32) quantize "
                 "their activations to int8 per block of 32 and use integer dot products "
-                "(VNNI where the CPU has it), as llama.cpp does; prompt rows stay fp32."),
+                "(VNNI where the CPU has it), as llama.cpp does; prompt rows stay fp32. "
+                "[default: on with --dtype auto, off with an explicit --dtype: --dtype "
+                "float32 alone is the exact reference path]"),
     option("--batch-invariant/--no-batch-invariant",
            default=field_default(EngineConfig, "batch_invariant"),
            help="Each request's tokens the same whatever else shares its batch, at a cost "

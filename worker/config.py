@@ -45,8 +45,10 @@ class EngineConfig:
     weight_cache_dir: str | None = None
     # Decode rows on the native block kernels (fp32 on the CPU) quantize their activations to
     # int8 per block of 32 and take integer dot products (worker/csrc/lowbit_int8.cpp);
-    # prompt rows keep fp32 activations. Off: the fp32-activation reference path.
-    int8_activations: bool = False
+    # prompt rows keep fp32 activations. Off: the fp32-activation reference path. None: on
+    # with --dtype auto (it passed the quality gate, benchmarks/bench_quality.py), off with
+    # an explicit dtype, so `--dtype float32` stays the exact reference (uses_int8_activations).
+    int8_activations: bool | None = None
     # Exact batch invariance (docs/architecture.md, "Batch independence"): every row's result
     # is the same whatever shares its step, at a cost in throughput; off, the low-bit kernels
     # are chosen by the step's row count where that is faster (worker/model/llama.py).
@@ -88,6 +90,13 @@ class EngineConfig:
             raise ValueError("kv_offloading_size must be >= 0 GiB")
         if not 0 < self.kv_tier_dir_size < 1 << 30:
             raise ValueError("kv_tier_dir_size must be > 0 GiB")
+
+    @property
+    def uses_int8_activations(self) -> bool:
+        """int8_activations as set, or (None) on exactly when the dtype is auto."""
+        if self.int8_activations is None:
+            return self.dtype == "auto"
+        return self.int8_activations
 
 
 BACKENDS = ("model", "fake")

@@ -69,7 +69,8 @@ class ModelRunner:
         self.sampler = Sampler(self.info.vocab_size, self.info.eos_token_ids, self.device,
                                config.seed)
         self.group = self.model.config.num_queries_per_kv
-        if config.int8_activations and not self.model.use_int8_activations():
+        applied = config.uses_int8_activations and self.model.use_int8_activations()
+        if config.int8_activations and not applied:  # asked for by name, not by auto
             logger.warning("--int8-activations: no 4-bit or 8-bit block copies here (they "
                            "exist in float32 on the CPU); every row keeps its activations")
         with timer.phase("kernel"):

@@ -121,3 +121,21 @@ def test_the_flag_says_where_it_changes_nothing(q4_1_model, caplog):
                                      int8_activations=True))
     assert "--int8-activations: no 4-bit or 8-bit block copies" in caplog.text
     assert engine.generate([PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=2))
+
+
+@pytest.mark.parametrize("dtype,flag,expected", [
+    ("auto", None, True),  # the default: passed the quality gate (benchmarks/bench_quality.py)
+    ("auto", False, False),  # --no-int8-activations
+    ("float32", None, False),  # an explicit float32 stays the exact reference path
+    ("float32", True, True),
+])
+def test_int8_activations_are_on_by_default_only_with_dtype_auto(q4_1_model, dtype, flag,
+                                                                  expected):
+    config = EngineConfig(model=str(q4_1_model), device="cpu", dtype=dtype, block_size=4,
+                          num_kv_blocks=64, max_model_len=64, weight_cache=False,
+                          int8_activations=flag)
+    llama = Engine(config).runner.model
+    if dtype == "auto" and llama.dtype != torch.float32:
+        pytest.skip("auto is bf16 throughout here (no block kernels): nothing to quantize")
+    assert config.uses_int8_activations is expected
+    assert llama._fused.int8_activations is expected

@@ -63,7 +63,7 @@ def attach(config: EngineConfig, runner: object, block_manager: object) -> KVTie
 
 def _kernels(config: EngineConfig, device_type: str) -> str:
     """The engine settings besides the model key's fields that change K/V's bits."""
-    parts = [f"int8_activations={getattr(config, 'int8_activations', False)}"]
+    parts = [f"int8_activations={config.uses_int8_activations}"]
     if device_type == "cpu":
         parts.append(f"cpu_class={cpu_class.effective().cpu_class.name}")
     return ",".join(parts)
