@@ -1,6 +1,7 @@
-"""The production path on the real default model: bfloat16, the int4/int8 small-batch kernels
-and the native decode attention kernel (what `dtype auto` picks on a CPU with native bf16;
-forced here, so it also runs, slower, on CPUs without).
+"""The production paths on the real default model: `--dtype auto` (fp32 activations and KV,
+decode rows on the native block kernels with int8 activations, prompt projections in bf16 on
+a CPU with native bf16) and bfloat16 (torch's int4/int8 small-batch kernels, forced here, so
+it also runs, slower, on CPUs without), both with the native decode attention kernel.
 
 - Batch independence (docs/architecture.md): a seeded or greedy request's tokens alone and
   beside 31 others are identical.
@@ -21,7 +22,13 @@ import torch
 from tests.worker.conftest import default_reference_tokenizer, encode_prompts
 from zeroserve.worker.config import EngineConfig
 from zeroserve.worker.engine import Engine
-from zeroserve.worker.model.quant import PackedInt4, PackedInt8, int4_kernels_available
+from zeroserve.worker.model.quant import (
+    BlockQ4,
+    PackedInt4,
+    PackedInt8,
+    block_kernels_available,
+    int4_kernels_available,
+)
 from zeroserve.worker.sequence import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -58,17 +65,28 @@ def prompts(tokenizer) -> list[list[int]]:
     return ids
 
 
-@pytest.fixture(scope="module")
-def engine() -> Engine:
-    if not int4_kernels_available():
+@pytest.fixture(scope="module", params=["auto", "bfloat16"])
+def engine(request) -> Engine:
+    """auto: what `--dtype auto` serves where the native block kernels build (fp32 with bf16
+    prompt projections on CPUs with native bf16, fp32 elsewhere; decode rows on the block
+    kernels with int8 activations); bfloat16: torch's int4/int8 kernels."""
+    dtype = request.param
+    if dtype == "bfloat16" and not int4_kernels_available():
         pytest.skip("torch has no CPU int4/int8 weight kernels here")
+    if dtype == "auto" and not block_kernels_available():
+        pytest.skip("the native block kernels do not build here")
     # The invariant mode: its tokens alone and beside others are what these tests hold to.
-    engine = Engine(EngineConfig(device="cpu", dtype="bfloat16", attention_backend="native",
+    engine = Engine(EngineConfig(device="cpu", dtype=dtype, attention_backend="native",
                                  num_kv_blocks=1024, max_model_len=1024, max_num_seqs=64,
                                  enable_prefix_caching=False, batch_invariant=True))
-    layer = engine.runner.model.layers[0]
-    assert isinstance(layer.qkv.packed, PackedInt4)  # the production path, not a fallback
-    assert isinstance(engine.runner.model.lm_head.packed, PackedInt8)
+    model = engine.runner.model
+    layer = model.layers[0]
+    if dtype == "bfloat16":  # the production path, not a fallback
+        assert isinstance(layer.qkv.packed, PackedInt4)
+        assert isinstance(model.lm_head.packed, PackedInt8)
+    else:
+        assert isinstance(layer.qkv.packed, BlockQ4) and layer.qkv.packed.int8_activations
+        assert model.dtype == torch.float32
     assert engine.runner.decode_kernel is not None
     return engine
 
