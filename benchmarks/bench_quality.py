@@ -107,6 +107,8 @@ PATHS: tuple[QualityPath, ...] = (
                 "--dtype float32 --int8-activations"),
     QualityPath("auto+int8", {"dtype": "auto", "int8_activations": True},
                 "--dtype auto --int8-activations"),
+    QualityPath("auto-no-int8", {"dtype": "auto", "int8_activations": False},
+                "--dtype auto --no-int8-activations"),
     QualityPath("fp32-torch-attention", {"dtype": "float32", "attention_backend": "torch"},
                 "--dtype float32 --attention-backend torch", is_default_set=False),
     QualityPath("bf16-torch-attention", {"dtype": "bfloat16", "attention_backend": "torch"},
