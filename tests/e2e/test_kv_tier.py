@@ -48,6 +48,38 @@ def tier_hits(server, worker_id: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
+def all_tier_hits(server) -> float:
+    """Tier hits of both workers: the killed worker's stream continues on the other one or on
+    its own restarted process, whichever the gateway picks; either loads from the tier."""
+    return tier_hits(server, "worker-0") + tier_hits(server, "worker-1")
+
+
+def stream_and_freeze(server, body: dict, after_chunks: int = 20) -> tuple[dict, str]:
+    """Start a streamed completion and SIGSTOP both workers from the reading thread once
+    `after_chunks` chunks arrived: the tiny model makes its 160 tokens in a fraction of a
+    second, so a kill or drain sent later could find the stream already finished. -> (the
+    frozen worker holding the stream, with "stream": (thread, result)), the other worker's
+    id, which runs again."""
+    pids = [w["pid"] for w in server.workers()]
+
+    def freeze(num_chunks: int) -> None:
+        if num_chunks == after_chunks:
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+
+    thread, result = stream_in_thread(server.url, body, on_chunk=freeze)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(result.chunks) < after_chunks:
+        time.sleep(0.01)
+    assert len(result.chunks) >= after_chunks, result.error
+    holder = next(w for w in server.workers() if w["num_in_flight"])  # as last heartbeated
+    for w in server.workers():
+        if w["worker_id"] != holder["worker_id"]:
+            os.kill(w["pid"], signal.SIGCONT)
+            other = w["worker_id"]
+    return {**holder, "stream": (thread, result)}, other
+
+
 def restart_all(server, tier) -> None:
     """Kill every worker and empty the tier: no worker's pool or the tier holds the prompt."""
     old = {w["worker_id"]: w["pid"] for w in server.workers()}
@@ -71,28 +103,23 @@ def test_a_killed_workers_stream_continues_from_the_tier_with_the_same_tokens(
     expected = reference.json()["choices"][0]["text"]
     restart_all(server, tier)
 
-    thread, result = stream_in_thread(server.url, body)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and len(result.chunks) < 40:
-        time.sleep(0.02)
-    victim = next(w for w in server.workers() if w["num_in_flight"])
-    survivor = next(w["worker_id"] for w in server.workers()
-                    if w["worker_id"] != victim["worker_id"])
+    victim, _other = stream_and_freeze(server, body)
+    thread, result = victim.pop("stream")
     # The victim's prompt blocks reached the tier (written after each step, off its path).
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and len(list(tier.glob("*.kv"))) < NUM_PROMPT_BLOCKS:
         time.sleep(0.05)
-    hits_before = tier_hits(server, survivor)
-    os.kill(victim["pid"], signal.SIGKILL)
+    hits_before = all_tier_hits(server)
+    os.kill(victim["pid"], signal.SIGKILL)  # frozen mid-stream: it cannot have finished
     thread.join(timeout=120)
 
     assert result.exception is None and result.error is None, result.error
     assert result.text == expected  # exactly the undisturbed run's tokens
     assert "failover" in server.log_tail(2000)
     deadline = time.monotonic() + 10  # heartbeats carry the counters
-    while time.monotonic() < deadline and tier_hits(server, survivor) - hits_before < NUM_PROMPT_BLOCKS:
+    while time.monotonic() < deadline and all_tier_hits(server) - hits_before < NUM_PROMPT_BLOCKS:
         time.sleep(0.1)
-    assert tier_hits(server, survivor) - hits_before >= NUM_PROMPT_BLOCKS  # not recomputed
+    assert all_tier_hits(server) - hits_before >= NUM_PROMPT_BLOCKS  # not recomputed
 
 
 def test_a_drained_workers_stream_moves_with_its_kv_through_the_tier(tier_server):
@@ -105,19 +132,15 @@ def test_a_drained_workers_stream_moves_with_its_kv_through_the_tier(tier_server
     expected = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, **body},
                           timeout=120).json()["choices"][0]["text"]
     restart_all(server, tier)
-    thread, result = stream_in_thread(server.url, body)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and len(result.chunks) < 40:
-        time.sleep(0.02)
-    drained = next(w for w in server.workers() if w["num_in_flight"])
-    other = next(w["worker_id"] for w in server.workers()
-                 if w["worker_id"] != drained["worker_id"])
+    drained, other = stream_and_freeze(server, body)
+    thread, result = drained.pop("stream")
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and len(list(tier.glob("*.kv"))) < NUM_PROMPT_BLOCKS:
         time.sleep(0.05)
     hits_before = tier_hits(server, other)
     admin = AdminClient(server.url)
-    admin.drain(drained["worker_id"], 0)
+    admin.drain(drained["worker_id"], 0)  # the stream moves while its worker is still frozen
+    os.kill(drained["pid"], signal.SIGCONT)
     try:
         thread.join(timeout=120)
     finally:
