@@ -51,6 +51,9 @@ class PrefillSpan:
     # [group * num_tokens, context_len] True where a query may attend (causal, offset by
     # start_pos); rows repeat per query head of a KV group.
     mask: torch.Tensor
+    # The chunk's first rows that the native prompt kernel computes (paged_prompt's rows):
+    # those at positions below NATIVE_PROMPT_POSITIONS; _prefill_attention takes the rest.
+    native_rows: int = 0
 
 
 @dataclass
@@ -80,6 +83,9 @@ class PagedDecode:
     kernel: DecodeKernel
     block_tables: torch.Tensor  # [num_rows, max_blocks] int32, padded with 0 (never read)
     context_lens: torch.Tensor  # [num_rows] int32
+    # paged_prompt only: the batch rows it computes, where not every prompt row (rows at
+    # positions from NATIVE_PROMPT_POSITIONS on take _prefill_attention); None: all of them.
+    rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -187,13 +193,19 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 # Prefill attention runs the queries of a chunk in calls of this many (_prefill_attention).
 PREFILL_QUERY_TILE = 32
+# Prompt rows at positions below this attend through the native kernel, one row at a time
+# (paged_prompt: 2-6x cheaper than SDPA's tiles for short chunks); later rows through
+# _prefill_attention's tiles, which share each tile's key loads and win on long contexts
+# (a lone 6,000-token prompt: 23.7 s all native against 15.6 s all tiles, 2 cores). By
+# position, a multiple of the tile, so a row's kernel does not depend on its chunk.
+NATIVE_PROMPT_POSITIONS = 512
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
                        span: PrefillSpan, scale: float) -> torch.Tensor:
     """One chunk: q [n, heads, d], its fresh k/v [n, kv_heads, d] -> [n, heads * d]."""
-    n = q.shape[0]
+    n = q.shape[0]  # the chunk's rows from span.native_rows on
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     if span.context_slots is not None:
         # Earlier positions are in the pool (this chunk's K/V were just written there too).
@@ -208,8 +220,9 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # positions (a row's place in its tile is its position modulo the tile), the ends filled
     # with copies of the chunk's first and last queries.
     tile = PREFILL_QUERY_TILE
-    group = span.mask.shape[0] // n
-    mask = span.mask.view(group, n, -1)  # [group, n, context]
+    num_tokens = span.end - span.start
+    group = span.mask.shape[0] // num_tokens
+    mask = span.mask.view(group, num_tokens, -1)[:, span.native_rows:]  # [group, n, context]
     lead = (mask.shape[-1] - n) % tile  # the chunk's start position, modulo the tile
     trail = -(lead + n) % tile
     first = mask.shape[-1] - n - lead  # the absolute position of the first tile's first row
@@ -257,7 +270,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     paged, prompt = meta.paged_decode, meta.paged_prompt
     if paged is not None and not meta.prefills:
         return paged.kernel(q, k_cache, v_cache, paged.block_tables, paged.context_lens, scale)
-    if prompt is not None and not meta.num_decode:
+    if prompt is not None and not meta.num_decode and prompt.rows is None:
         return prompt.kernel(q, k_cache, v_cache, prompt.block_tables, prompt.context_lens,
                              scale)
     if len(meta.decode_groups) == 1 and not meta.prefills:
@@ -270,10 +283,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         rows = slice(group.start, group.end)
         out[rows] = _decode_attention(q[rows], k_cache, v_cache, group, scale)
     if prompt is not None:
-        out[meta.num_decode:] = prompt.kernel(q[meta.num_decode:], k_cache, v_cache,
-                                              prompt.block_tables, prompt.context_lens, scale)
-        return out
+        if prompt.rows is None:
+            out[meta.num_decode:] = prompt.kernel(q[meta.num_decode:], k_cache, v_cache,
+                                                  prompt.block_tables, prompt.context_lens,
+                                                  scale)
+            return out
+        out.index_copy_(0, prompt.rows, prompt.kernel(
+            q.index_select(0, prompt.rows), k_cache, v_cache, prompt.block_tables,
+            prompt.context_lens, scale))
     for span in meta.prefills:
-        rows = slice(span.start, span.end)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, span, scale)
+        if span.start + span.native_rows == span.end:
+            continue
+        chunk = slice(span.start, span.end)
+        out[span.start + span.native_rows:span.end] = _prefill_attention(
+            q[span.start + span.native_rows:span.end], k[chunk], v[chunk], k_cache, v_cache,
+            span, scale)
     return out

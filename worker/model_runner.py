@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import mmap
@@ -12,6 +13,7 @@ import torch
 
 from zeroserve.worker import cpu_kernels, verify, weight_cache
 from zeroserve.worker.attention import (
+    NATIVE_PROMPT_POSITIONS,
     AttentionMetadata,
     DecodeGroup,
     DecodeKernel,
@@ -45,6 +47,12 @@ class StepInputs:
     sample_chunks: list[ScheduledChunk]  # in plan order, matching sample_rows
     # Chunks of requests that want prompt logprobs, with the row of their first token.
     prompt_rows: list[tuple[ScheduledChunk, int]] = field(default_factory=list)
+
+
+def _native_prompt_rows(chunk: ScheduledChunk) -> int:
+    """How many of a prefill chunk's first rows the native prompt kernel computes: those at
+    positions below NATIVE_PROMPT_POSITIONS (worker/attention.py)."""
+    return min(len(chunk.token_ids), max(0, NATIVE_PROMPT_POSITIONS - chunk.start_pos))
 
 
 class ModelRunner:
@@ -229,14 +237,17 @@ class ModelRunner:
         )
         if self.decode_kernel is not None:
             meta.paged_decode = self._paged_decode(decodes)
-            meta.paged_prompt = self._paged_prompt(prefills)
+            meta.paged_prompt = self._paged_prompt(prefills, len(decodes))
         else:
             lengths = [c.context_len for c in decodes]
             for start, end in group_by_length(lengths, self.block_size):
                 meta.decode_groups.append(self._decode_group(decodes[start:end], start))
         row = len(decodes)
         for chunk in prefills:
-            meta.prefills.append(self._prefill_span(chunk, row))
+            span = self._prefill_span(chunk, row)
+            if meta.paged_prompt is not None:  # its first rows go through the native kernel
+                span.native_rows = _native_prompt_rows(chunk)
+            meta.prefills.append(span)
             row += len(chunk.token_ids)
         sample_chunks = [c for c in chunks if c.do_sample]
         # A chunk with drafts samples at each of its 1 + k rows (worker/verify.py).
@@ -263,20 +274,30 @@ class ModelRunner:
             context_lens=torch.tensor([c.context_len for c in decodes], dtype=torch.int32),
         )
 
-    def _paged_prompt(self, prefills: list[ScheduledChunk]) -> PagedDecode | None:
-        """Every prefill row for the native kernel: its chunk's table, and as context the
-        positions up to its own (causal)."""
-        if not prefills:
+    def _paged_prompt(self, prefills: list[ScheduledChunk], first_row: int
+                      ) -> PagedDecode | None:
+        """The prefill rows at positions below NATIVE_PROMPT_POSITIONS for the native kernel:
+        its chunk's table, and as context the positions up to its own (causal). The chunks'
+        rows start at batch row `first_row`."""
+        native = [_native_prompt_rows(c) for c in prefills]
+        if not any(native):
             return None
-        num_blocks = math.ceil(max(c.context_len for c in prefills) / self.block_size)
+        num_blocks = math.ceil(max(c.start_pos + m for c, m in zip(prefills, native, strict=True))
+                               / self.block_size)
         tables = torch.tensor(_padded_tables([c.block_table for c in prefills], num_blocks),
                               dtype=torch.int32)  # [num_chunks, num_blocks]
-        num_rows = torch.tensor([len(c.token_ids) for c in prefills])
+        rows = None
+        if any(m < len(c.token_ids) for c, m in zip(prefills, native, strict=True)):
+            starts = itertools.accumulate((len(c.token_ids) for c in prefills), initial=first_row)
+            rows = torch.cat([torch.arange(start, start + m)
+                              for start, m in zip(starts, native, strict=False)])
         return PagedDecode(
             kernel=self.decode_kernel,
-            block_tables=tables.repeat_interleave(num_rows, dim=0),  # [num_rows, num_blocks]
-            context_lens=torch.cat([torch.arange(c.start_pos + 1, c.context_len + 1,
-                                                 dtype=torch.int32) for c in prefills]),
+            block_tables=tables.repeat_interleave(torch.tensor(native), dim=0),  # [rows, blocks]
+            context_lens=torch.cat([torch.arange(c.start_pos + 1, c.start_pos + m + 1,
+                                                 dtype=torch.int32)
+                                    for c, m in zip(prefills, native, strict=True)]),
+            rows=rows,
         )
 
     def _decode_group(self, decodes: list[ScheduledChunk], start: int) -> DecodeGroup:

@@ -89,6 +89,49 @@ def test_a_chunked_prompt_and_a_cache_hit_give_the_whole_prompts_answer_without_
     assert chunked.stats().num_prefix_hits > 0
 
 
+def test_rows_past_the_native_positions_take_the_tiles_and_agree_in_any_chunk(
+        tmp_path, monkeypatch):
+    """Rows from NATIVE_PROMPT_POSITIONS on go through the SDPA tiles, earlier ones through
+    the native kernel (here the boundary at 32, so the prompts cross it): prompts in chunks
+    beside decodes, and again from the prefix cache, still give each prompt's answer alone,
+    bit for bit, and both kernels ran."""
+    from zeroserve.worker import model_runner
+
+    monkeypatch.setattr(model_runner, "NATIVE_PROMPT_POSITIONS", 32)
+    sdpa_rows = []
+    real_sdpa = attention.F.scaled_dot_product_attention
+
+    def counting_sdpa(q, *args, **kwargs):
+        sdpa_rows.append(q.shape[-2])
+        return real_sdpa(q, *args, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counting_sdpa)
+    model = write_gguf(make_model("llama", seed=4), tmp_path / "tiny.gguf")
+    prompts = [[(i * 5 + j * 11) % 200 + 3 for i in range(n)] for j, n in enumerate((90, 20, 70))]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2)
+
+    def answers(engine, batch):
+        for i, prompt in enumerate(batch):
+            engine.add_request(f"r{engine.stats().num_steps}-{i}", prompt, greedy)
+        got: dict[str, list] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).append((out.new_token_ids, out.logprobs))
+        return [got[k] for k in sorted(got)]
+
+    def engine(**kwargs):
+        return Engine(EngineConfig(model=str(model), device="cpu", dtype="float32",
+                                   block_size=16, num_kv_blocks=128, max_model_len=256,
+                                   weight_cache=False, **kwargs))
+
+    alone = [answers(engine(), [p])[0] for p in prompts]
+    assert sdpa_rows  # the rows past 32 took the tiles
+    chunked = engine(max_num_batched_tokens=24, enable_prefix_caching=True)
+    assert answers(chunked, prompts) == alone  # chunks that start before, at and after 32
+    assert [answers(chunked, [p])[0] for p in prompts] == alone  # now from the cache
+    assert chunked.stats().num_prefix_hits > 0
+
+
 def test_the_torch_paths_query_tiles_take_keys_only_up_to_their_own_end(monkeypatch):
     """Where prompt rows go to SDPA (the torch backend, other devices, sliding windows), a
     32-row tile at positions a .. a + 31 computes against keys 0 .. a + 31 only (causal), not

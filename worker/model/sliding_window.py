@@ -23,7 +23,8 @@ def _prefill(span: PrefillSpan, window: int) -> PrefillSpan:
     query_pos = start_pos + torch.arange(rows, device=device) % num_tokens  # [rows]
     key_pos = torch.arange(context_len, device=device)
     in_window = key_pos[None, :] > query_pos[:, None] - window
-    return dataclasses.replace(span, mask=span.mask & in_window)
+    # Every row through _prefill_attention: the native prompt kernel sees no window.
+    return dataclasses.replace(span, mask=span.mask & in_window, native_rows=0)
 
 
 def _window_bias(bias: torch.Tensor, context_lens: torch.Tensor, window: int) -> torch.Tensor:
