@@ -16,6 +16,36 @@ from zeroserve.worker.config import EngineConfig
 from zeroserve.worker.engine import Engine
 from zeroserve.worker.sequence import SamplingParams
 
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2)
+
+
+def answers(engine: Engine, batch: list[list[int]]) -> list[list]:
+    """Each prompt's greedy tokens and logprobs, the batch added at once, in order."""
+    for i, prompt in enumerate(batch):
+        engine.add_request(f"r{engine.stats().num_steps}-{i}", prompt, GREEDY)
+    got: dict[str, list] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).append((out.new_token_ids, out.logprobs))
+    return [got[k] for k in sorted(got)]
+
+
+def tiny_engine(model, **kwargs) -> Engine:
+    return Engine(EngineConfig(model=str(model), device="cpu", dtype="float32", block_size=16,
+                               num_kv_blocks=128, max_model_len=256, weight_cache=False,
+                               **kwargs))
+
+
+def assert_chunks_and_cache_hits_answer_as_alone(model, prompts: list[list[int]],
+                                                 chunk_tokens: int) -> None:
+    """Prompts in chunks beside decodes, and again from the prefix cache, give each prompt's
+    tokens and logprobs alone, bit for bit."""
+    alone = [answers(tiny_engine(model), [p])[0] for p in prompts]
+    chunked = tiny_engine(model, max_num_batched_tokens=chunk_tokens, enable_prefix_caching=True)
+    assert answers(chunked, prompts) == alone
+    assert [answers(chunked, [p])[0] for p in prompts] == alone  # now from the cache
+    assert chunked.stats().num_prefix_hits > 0
+
 
 @pytest.fixture
 def no_sdpa(monkeypatch):
@@ -66,27 +96,7 @@ def test_a_chunked_prompt_and_a_cache_hit_give_the_whole_prompts_answer_without_
     the tokens and logprobs of each prompt alone, bit for bit, and no prefill step calls SDPA."""
     model = write_gguf(make_model("llama", seed=4), tmp_path / "tiny.gguf")
     prompts = [[(i * 7 + j * 3) % 200 + 3 for i in range(n)] for j, n in enumerate((90, 33, 70))]
-    greedy = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2)
-
-    def answers(engine, batch):
-        for i, prompt in enumerate(batch):
-            engine.add_request(f"r{engine.stats().num_steps}-{i}", prompt, greedy)
-        got: dict[str, list] = {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                got.setdefault(out.request_id, []).append((out.new_token_ids, out.logprobs))
-        return [got[k] for k in sorted(got)]
-
-    def engine(**kwargs):
-        return Engine(EngineConfig(model=str(model), device="cpu", dtype="float32",
-                                   block_size=16, num_kv_blocks=128, max_model_len=256,
-                                   weight_cache=False, **kwargs))
-
-    alone = [answers(engine(), [p])[0] for p in prompts]
-    chunked = engine(max_num_batched_tokens=32, enable_prefix_caching=True)
-    assert answers(chunked, prompts) == alone
-    assert [answers(chunked, [p])[0] for p in prompts] == alone  # now from the cache
-    assert chunked.stats().num_prefix_hits > 0
+    assert_chunks_and_cache_hits_answer_as_alone(model, prompts, chunk_tokens=32)
 
 
 def test_rows_past_the_native_positions_take_the_tiles_and_agree_in_any_chunk(
@@ -108,28 +118,9 @@ def test_rows_past_the_native_positions_take_the_tiles_and_agree_in_any_chunk(
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counting_sdpa)
     model = write_gguf(make_model("llama", seed=4), tmp_path / "tiny.gguf")
     prompts = [[(i * 5 + j * 11) % 200 + 3 for i in range(n)] for j, n in enumerate((90, 20, 70))]
-    greedy = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2)
-
-    def answers(engine, batch):
-        for i, prompt in enumerate(batch):
-            engine.add_request(f"r{engine.stats().num_steps}-{i}", prompt, greedy)
-        got: dict[str, list] = {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                got.setdefault(out.request_id, []).append((out.new_token_ids, out.logprobs))
-        return [got[k] for k in sorted(got)]
-
-    def engine(**kwargs):
-        return Engine(EngineConfig(model=str(model), device="cpu", dtype="float32",
-                                   block_size=16, num_kv_blocks=128, max_model_len=256,
-                                   weight_cache=False, **kwargs))
-
-    alone = [answers(engine(), [p])[0] for p in prompts]
+    # Chunks of 24 start before, at and after position 32.
+    assert_chunks_and_cache_hits_answer_as_alone(model, prompts, chunk_tokens=24)
     assert sdpa_rows  # the rows past 32 took the tiles
-    chunked = engine(max_num_batched_tokens=24, enable_prefix_caching=True)
-    assert answers(chunked, prompts) == alone  # chunks that start before, at and after 32
-    assert [answers(chunked, [p])[0] for p in prompts] == alone  # now from the cache
-    assert chunked.stats().num_prefix_hits > 0
 
 
 def test_the_torch_paths_query_tiles_take_keys_only_up_to_their_own_end(monkeypatch):
