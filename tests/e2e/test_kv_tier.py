@@ -54,6 +54,14 @@ def all_tier_hits(server) -> float:
     return tier_hits(server, "worker-0") + tier_hits(server, "worker-1")
 
 
+def wait_for_prompt_blocks(tier) -> None:
+    """Until the stream's prompt blocks are in the tier (its worker writes them after each
+    step, off the step's path)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(list(tier.glob("*.kv"))) < NUM_PROMPT_BLOCKS:
+        time.sleep(0.05)
+
+
 def stream_and_freeze(server, body: dict, after_chunks: int = 20) -> tuple[dict, str]:
     """Start a streamed completion and SIGSTOP both workers from the reading thread once
     `after_chunks` chunks arrived: the tiny model makes its 160 tokens in a fraction of a
@@ -105,10 +113,7 @@ def test_a_killed_workers_stream_continues_from_the_tier_with_the_same_tokens(
 
     victim, _other = stream_and_freeze(server, body)
     thread, result = victim.pop("stream")
-    # The victim's prompt blocks reached the tier (written after each step, off its path).
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and len(list(tier.glob("*.kv"))) < NUM_PROMPT_BLOCKS:
-        time.sleep(0.05)
+    wait_for_prompt_blocks(tier)
     hits_before = all_tier_hits(server)
     os.kill(victim["pid"], signal.SIGKILL)  # frozen mid-stream: it cannot have finished
     thread.join(timeout=120)
@@ -134,9 +139,7 @@ def test_a_drained_workers_stream_moves_with_its_kv_through_the_tier(tier_server
     restart_all(server, tier)
     drained, other = stream_and_freeze(server, body)
     thread, result = drained.pop("stream")
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and len(list(tier.glob("*.kv"))) < NUM_PROMPT_BLOCKS:
-        time.sleep(0.05)
+    wait_for_prompt_blocks(tier)
     hits_before = tier_hits(server, other)
     admin = AdminClient(server.url)
     admin.drain(drained["worker_id"], 0)  # the stream moves while its worker is still frozen
