@@ -294,21 +294,11 @@ def _register_shapes() -> None:
     """Output shapes of torch.ops.zeroserve.q4_matmul / q8_matmul and their int8-activation
     twins (_i8), for tracing (the module registers the operators when it loads)."""
 
-    @torch.library.register_fake("zeroserve::q4_matmul")
-    def _q4(x, blocks, out_features):
+    def _shape(x, blocks, out_features):
         return x.new_empty(x.shape[0], out_features)
 
-    @torch.library.register_fake("zeroserve::q8_matmul")
-    def _q8(x, blocks, out_features):
-        return x.new_empty(x.shape[0], out_features)
-
-    @torch.library.register_fake("zeroserve::q4_matmul_i8")
-    def _q4_i8(x, blocks, out_features):
-        return x.new_empty(x.shape[0], out_features)
-
-    @torch.library.register_fake("zeroserve::q8_matmul_i8")
-    def _q8_i8(x, blocks, out_features):
-        return x.new_empty(x.shape[0], out_features)
+    for name in ("q4_matmul", "q8_matmul", "q4_matmul_i8", "q8_matmul_i8"):
+        torch.library.register_fake(f"zeroserve::{name}")(_shape)
 
 
 def block_kernels_available() -> bool:
