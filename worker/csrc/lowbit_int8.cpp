@@ -35,6 +35,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
 
+#include "block_units.h"
 #include "chunks.h"
 #include "kernels.h"
 
@@ -42,37 +43,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define ZS_INT8_AVX512 1
-#endif
 
 namespace {
-
-constexpr int64_t kBlock = 32;
-constexpr int64_t kPanel = 16;
-constexpr int64_t kTile = 8;  // rows of x per pass, at most
-constexpr int64_t kChunkPanels = 4;
-constexpr int64_t kPrefetchBlocks = 2;
-
-// A matrix's units (lowbit_matmul.cpp): kValueBytes of weights, then kScaleRuns runs of 16
-// scale-like values of type S (uint16_t: fp16 bits, or float).
-template <typename S, int64_t kValueBytes, int64_t kScaleRuns>
-struct Units {
-  using Scale = S;
-  static constexpr bool kFourBit = kScaleRuns == 2;
-  static constexpr int64_t kUnit = kValueBytes + kScaleRuns * kPanel * sizeof(S);
-  const uint8_t* data;  // [panels, blocks, kUnit]
-  int64_t blocks;
-  const uint8_t* unit(int64_t panel, int64_t b) const { return data + (panel * blocks + b) * kUnit; }
-};
-
-template <typename S>
-using Q4 = Units<S, 256, 2>;
-template <typename S>
-using Q8 = Units<S, kBlock * kPanel, 1>;
 
 // Rows of x quantized per block of 32: xq [rows, cols] int8, then per (row, block) its scale
 // d, d * S and S.
@@ -91,7 +64,7 @@ struct QuantRows {
 
 // One block of 32 inputs of a row -> xq[0..31], returns S; *d_out its scale.
 inline int32_t quantize_block(const float* x, int8_t* xq, float* d_out) {
-#if ZS_INT8_AVX512
+#if ZS_LOWBIT_AVX512
   const __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
 #else
@@ -101,7 +74,7 @@ inline int32_t quantize_block(const float* x, int8_t* xq, float* d_out) {
   const float d = amax / 127.0f;
   const float id = d != 0.0f ? 1.0f / d : 0.0f;
   *d_out = d;
-#if ZS_INT8_AVX512
+#if ZS_LOWBIT_AVX512
   // Round half to even (the default rounding mode), as std::nearbyint below.
   const __m512 lim = _mm512_set1_ps(127.0f), neg = _mm512_set1_ps(-127.0f);
   const __m512i q_lo = _mm512_cvtps_epi32(
@@ -122,21 +95,7 @@ inline int32_t quantize_block(const float* x, int8_t* xq, float* d_out) {
 #endif
 }
 
-#if ZS_INT8_AVX512
-
-template <typename T>
-inline void prefetch(const T* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-}
-
-template <typename S>
-inline __m512 load16(const uint8_t* p) {
-  if constexpr (std::is_same_v<S, float>) {
-    return _mm512_loadu_ps(p);
-  } else {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
-}
+#if ZS_LOWBIT_AVX512
 
 // 64 bytes at p, byte 16 i + f (input i of 4, feature f of 16) -> byte 4 f + i: each 32-bit
 // lane then holds one feature's 4 inputs, as dpbusd takes them.
@@ -179,18 +138,6 @@ inline __m512i broadcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, sizeof v);
   return _mm512_set1_epi32(v);
-}
-
-template <int64_t P, int64_t R>
-inline void store_panels(const __m512 (&acc)[P][R], float* out, int64_t out_stride,
-                         int64_t width) {
-  for (int64_t p = 0; p < P; ++p) {
-    const int64_t n = std::min<int64_t>(kPanel, width - kPanel * p);
-    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
-    for (int64_t r = 0; r < R; ++r) {
-      _mm512_mask_storeu_ps(out + r * out_stride + kPanel * p, mask, acc[p][r]);
-    }
-  }
 }
 
 template <typename S, int64_t P, int64_t R>
@@ -280,17 +227,6 @@ inline void q8_panels(const Q8<S>& w, int64_t panel, const QuantRows& x, float* 
 }
 
 #else  // portable loops: the same integer sums and fp32 operations, lane by lane
-
-template <typename S>
-inline float scale_at(const uint8_t* p, int64_t f) {
-  S v;
-  std::memcpy(&v, p + f * sizeof(S), sizeof v);
-  if constexpr (std::is_same_v<S, float>) {
-    return v;
-  } else {
-    return c10::detail::fp16_ieee_to_fp32_value(v);
-  }
-}
 
 template <typename S, int64_t P, int64_t R>
 inline void q4_panels(const Q4<S>& w, int64_t panel, const QuantRows& x, float* out,
