@@ -41,8 +41,40 @@ class ServerError(RuntimeError):
         self.why = why
 
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free on 127.0.0.1 now, outside the kernel's ephemeral range.
+
+    A port the kernel handed out for `bind(0)` sits in the range it also gives to outgoing
+    connections, so between our probe and the server's bind any client socket of the suite
+    could take it ("address already in use"). Ports below the range are never given to a
+    client, and each is handed out once per process."""
+    import random
+
+    low, high = _ephemeral_range()
+    candidates = (10000, low - 1) if low > 12000 else (high + 1, 65535)
+    for _ in range(200):
+        port = random.randint(*candidates)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:  # a box with no room outside the range: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

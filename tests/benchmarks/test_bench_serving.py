@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 
@@ -18,6 +17,7 @@ from starlette.routing import Route  # noqa: E402
 
 from benchmarks.bench_data import ChatSample, iter_conversations  # noqa: E402
 from benchmarks.bench_serving import BenchConfig, percentile_stats, run  # noqa: E402
+from zeroserve.cli.harness import free_port  # noqa: E402
 
 FIRST_TOKEN_S = 0.05
 TOKEN_GAP_S = 0.01
@@ -38,9 +38,7 @@ class FakeServer:
             Route("/v1/models", self.models),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
         ])
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, port=self.port, log_level="error"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -167,9 +165,7 @@ def test_hf_server_generates_exactly_the_requested_tokens(tmp_path):
     from tests.worker.conftest import write_tiny_chat_model
 
     root = Path(__file__).resolve().parents[2]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = open(tmp_path / "hf.log", "wb")  # noqa: SIM115
     # A tiny HF model folder (the default model's GGUF takes most of a minute to dequantize).
     model = write_tiny_chat_model(tmp_path / "model")

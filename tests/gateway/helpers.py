@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import zmq
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from zeroserve.cli.harness import free_port
 from zeroserve.common.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -55,12 +56,6 @@ def byte_tokenizer(max_model_len: int = 4096) -> TextTokenizer:
 
 def text_tokens(text: str) -> list[int]:
     return list(text.encode("utf-8"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cyclic_reply(text: str) -> Callable[[list[int], dict], list[int]]:
@@ -408,7 +403,6 @@ class GatewayServer:
     def shrink_send_buffers(self, num_bytes: int = 4096) -> int:
         """Make every open client connection's server-side buffers tiny, so a client that
         stops reading blocks the server's writes after kilobytes instead of megabytes."""
-        import socket
 
         connections = list(self.server.server_state.connections)
 
@@ -461,7 +455,6 @@ def raw_completion(port: int, body: dict, rcvbuf: int | None = None):
     """POST /v1/completions on a plain socket (optionally with a tiny receive buffer) and
     return the socket, unread: for clients that stop reading."""
     import json
-    import socket
 
     sock = socket.socket()
     if rcvbuf is not None:
