@@ -1,13 +1,16 @@
 """The box's KV tier end to end (issue 37): `serve --workers 2 --kv-offloading-size ...` on a
 tiny real model (a random 2-layer Llama over bytes), a streamed completion whose worker is
 SIGKILLed mid-stream continues on the other worker from the tier, with exactly the tokens of
-the undisturbed run, and the surviving worker reports tier hits on /metrics."""
+the undisturbed run, and the surviving worker reports tier hits on /metrics. The same holds
+for a drain (at once, or when its deadline passes) and for `zeroserve workers restart`, whose
+new process finds the stream's blocks, and its old prefix cache's, in the tier."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
+import subprocess
 import time
 
 import httpx
@@ -15,6 +18,7 @@ import pytest
 
 from tests.e2e.helpers import MODEL, stream_in_thread
 from tests.worker.conftest import write_tiny_chat_model
+from zeroserve.cli.harness import REPO_ROOT, child_env, zeroserve_argv
 
 pytestmark = pytest.mark.slow
 
@@ -154,3 +158,133 @@ def test_a_drained_workers_stream_moves_with_its_kv_through_the_tier(tier_server
     while time.monotonic() < deadline and tier_hits(server, other) - hits_before < NUM_PROMPT_BLOCKS:
         time.sleep(0.1)
     assert tier_hits(server, other) - hits_before >= NUM_PROMPT_BLOCKS
+
+
+def complete(server, body: dict) -> str:
+    response = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, **body},
+                          timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def wait_for_tier_hits(server, worker_ids: tuple[str, ...], at_least: float) -> float:
+    """Until these workers' tier hits (heartbeats carry them) reach `at_least`; their sum."""
+    def hits() -> float:
+        return sum(tier_hits(server, w) for w in worker_ids)
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and hits() < at_least:
+        time.sleep(0.1)
+    return hits()
+
+
+def workers_cli(server, *args: str) -> subprocess.Popen:
+    """`zeroserve workers ARGS --url ...` as an operator on this machine types it (no key:
+    the user's admin token); its output (stderr too) on .stdout, line by line."""
+    return subprocess.Popen(zeroserve_argv("workers", *args, "--url", server.url),
+                            cwd=REPO_ROOT, env=child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def gateway_pid(server) -> int:
+    return httpx.get(f"{server.url}/health/live", timeout=10).json()["pid"]
+
+
+def test_a_stream_past_its_drain_deadline_moves_with_its_kv_through_the_tier(tier_server):
+    """`workers drain W --deadline 1`: a stream still running on W when the deadline passes
+    is handed to the other worker, which loads its blocks from the tier (not a replay). The
+    stream must outlive the deadline, so the gateway is frozen meanwhile: W stops at its
+    credit window (the stream paused, its KV kept) until the deadline hands it back."""
+    from zeroserve.cli.admin_client import AdminClient
+
+    server, tier = tier_server
+    body = BODIES["greedy"]
+    expected = complete(server, body)
+    restart_all(server, tier)
+    drained, other = stream_and_freeze(server, body)
+    thread, result = drained.pop("stream")
+    wait_for_prompt_blocks(tier)
+    hits_before = tier_hits(server, other)
+    admin = AdminClient(server.url)
+    num_handed_back = server.log_tail(100000).count("drain deadline: handing")
+    admin.drain(drained["worker_id"], 1.0)
+    gateway = gateway_pid(server)
+    os.kill(gateway, signal.SIGSTOP)
+    try:
+        os.kill(drained["pid"], signal.SIGCONT)  # it reads the DRAIN; the deadline runs
+        deadline = time.monotonic() + 60
+        while (time.monotonic() < deadline and server.log_tail(100000).count(
+                "drain deadline: handing") == num_handed_back):
+            time.sleep(0.1)
+    finally:
+        os.kill(gateway, signal.SIGCONT)
+    try:
+        thread.join(timeout=120)
+    finally:
+        admin.undrain(drained["worker_id"])
+    assert server.log_tail(100000).count("drain deadline: handing") > num_handed_back
+    assert result.exception is None and result.error is None, result.error
+    assert result.text == expected
+    assert wait_for_tier_hits(server, (other,), hits_before + NUM_PROMPT_BLOCKS) \
+        >= hits_before + NUM_PROMPT_BLOCKS
+
+
+def test_a_restarted_worker_finds_its_stream_in_the_tier(tier_server):
+    """`zeroserve workers restart W --deadline 0` of the worker holding a stream, the other
+    worker drained so that the stream can only go on on W's new process: the stream gives
+    exactly the undisturbed tokens, and W's new process loaded the prompt from the tier."""
+    from zeroserve.cli.admin_client import AdminClient
+
+    server, tier = tier_server
+    body = BODIES["greedy"]
+    expected = complete(server, body)
+    restart_all(server, tier)
+    held, other = stream_and_freeze(server, body)
+    thread, result = held.pop("stream")
+    wait_for_prompt_blocks(tier)
+    hits_before = tier_hits(server, held["worker_id"])
+    admin = AdminClient(server.url)
+    admin.drain(other, 600)
+    try:
+        restart = workers_cli(server, "restart", held["worker_id"], "--deadline", "0",
+                              "--timeout", "120")
+        said = restart.stdout.readline()
+        assert "draining" in said, said  # the gateway has sent the DRAIN: W reads it first
+        os.kill(held["pid"], signal.SIGCONT)
+        said += restart.communicate(timeout=180)[0]
+        assert restart.returncode == 0, said
+        thread.join(timeout=120)
+    finally:
+        admin.undrain(other)
+    assert result.exception is None and result.error is None, result.error
+    assert result.text == expected
+    [restarted] = [w for w in server.workers() if w["worker_id"] == held["worker_id"]]
+    assert restarted["pid"] != held["pid"]
+    assert wait_for_tier_hits(server, (held["worker_id"],), hits_before + NUM_PROMPT_BLOCKS) \
+        >= hits_before + NUM_PROMPT_BLOCKS
+
+
+def test_a_restarted_worker_finds_its_prefix_cache_in_the_tier(tier_server):
+    """A prompt completed on W (in W's prefix cache and the tier), then `workers restart W`:
+    the same prompt on W's new process loads the prompt's blocks from the tier."""
+    from zeroserve.cli.admin_client import AdminClient
+
+    server, tier = tier_server
+    body = BODIES["greedy"]
+    restart_all(server, tier)
+    admin = AdminClient(server.url)
+    admin.drain("worker-1", 600)  # every request goes to worker-0
+    try:
+        expected = complete(server, body)
+        wait_for_prompt_blocks(tier)
+        hits_before = tier_hits(server, "worker-0")
+        restart = workers_cli(server, "restart", "worker-0", "--deadline", "0",
+                              "--timeout", "120")
+        said = restart.communicate(timeout=180)[0]
+        assert restart.returncode == 0, said
+        again = complete(server, body)
+    finally:
+        admin.undrain("worker-1")
+    assert again == expected
+    assert wait_for_tier_hits(server, ("worker-0",), hits_before + NUM_PROMPT_BLOCKS) \
+        >= hits_before + NUM_PROMPT_BLOCKS
