@@ -523,15 +523,23 @@ class Gateway:
             for worker in self.registry.workers.values():
                 worker.last_seen = min(now, worker.last_seen + lag_s)
         for worker in self.registry.expire(now, self.config.worker_timeout_s):
-            log.error("worker lost", extra={"worker_id": worker.worker_id,
-                                            "silent_s": round(now - worker.last_seen, 3),
-                                            "num_in_flight": len(worker.request_ids)})
-            self.metrics.on_worker_event(worker.worker_id, "lost")
-            self._fail_worker_requests(worker.worker_id, "was lost (no heartbeat)")
-            self.edge.unbind(worker.worker_id)
-        for worker_id in list(self.registry.workers):
-            self.edge.send(worker_id, Heartbeat(worker_id=worker_id, time=time.time(),
-                                                gateway_id=self.gateway_id))
+            self._on_worker_lost(worker, "was lost (no heartbeat)",
+                                 silent_s=round(now - worker.last_seen, 3))
+        for worker in list(self.registry.workers.values()):
+            # Sent so that a route with no connection fails: a dead process (registry.
+            # on_reachable).
+            beat = Heartbeat(worker_id=worker.worker_id, time=time.time(),
+                             gateway_id=self.gateway_id)
+            is_reachable = self.edge.is_connected(worker.route, beat)
+            if self.registry.on_reachable(worker.worker_id, is_reachable, now) is not None:
+                self._on_worker_lost(worker, "exited (its connection closed)")
+
+    def _on_worker_lost(self, worker: WorkerHandle, what: str, **extra: Any) -> None:
+        log.error("worker lost: it %s", what, extra={
+            "worker_id": worker.worker_id, "num_in_flight": len(worker.request_ids), **extra})
+        self.metrics.on_worker_event(worker.worker_id, "lost")
+        self._fail_worker_requests(worker.worker_id, what)
+        self.edge.unbind(worker.worker_id)
 
     def _on_request_lost(self, state: RequestState, why: str) -> None:
         """A message of this request was lost (SUBMIT, final TOKENS, tokens mid-stream) or

@@ -129,11 +129,31 @@ class WorkerRegistry:
         """Remove and return the workers silent for longer than timeout_s."""
         lost = [w for w in self.workers.values() if now - w.last_seen > timeout_s]
         for w in lost:
-            del self.workers[w.worker_id]
-            if len(self.lost) >= _MAX_LOST:
-                self.lost.clear()
-            self.lost[w.worker_id] = LostWorker(w.worker_id, w.hello.pid, now)
+            self._lose(w, now)
         return lost
+
+    def on_reachable(self, worker_id: str, is_reachable: bool,
+                     now: float) -> WorkerHandle | None:
+        """Whether the worker's connection was there when we sent it a heartbeat. A process
+        that exits or is killed closes its connection at once, long before its heartbeats
+        lapse: the first beat that finds it gone stops routing to it, the next one in a row
+        removes and returns it (lost: its streams move at once instead of waiting for its
+        restart or its timeout). One beat of grace, because a live worker whose connection
+        dropped (a TCP reset) reconnects with its route within libzmq's reconnect interval."""
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            return None
+        if is_reachable or not worker.is_unreachable:
+            worker.is_unreachable = not is_reachable
+            return None
+        self._lose(worker, now)
+        return worker
+
+    def _lose(self, worker: WorkerHandle, now: float) -> None:
+        del self.workers[worker.worker_id]
+        if len(self.lost) >= _MAX_LOST:
+            self.lost.clear()
+        self.lost[worker.worker_id] = LostWorker(worker.worker_id, worker.hello.pid, now)
 
     def remove(self, worker_id: str) -> WorkerHandle | None:
         return self.workers.pop(worker_id, None)
