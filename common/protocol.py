@@ -136,6 +136,7 @@ class Hello(Message):
         "protocol_version": _INT, "worker_id": _STR, "model": _STR, "max_model_len": _INT,
         "num_kv_blocks": _INT, "block_size": _INT, "max_num_seqs": _INT, "device": _STR,
         "pid": _INT, "startup_phases": _DICT, "served_model_name": _STR, "model_version": _STR,
+        "kv_tier": _STR, "kv_tier_num_blocks": _INT,
     }
     protocol_version: int
     worker_id: str
@@ -153,6 +154,11 @@ class Hello(Message):
     # the gateway's default model, version "".
     served_model_name: str = ""
     model_version: str = ""
+    # The box's KV tier it reads and writes (worker/kv_tier/), "" with none: workers that
+    # name the same one load each other's blocks (one folder, one model key), so routing
+    # counts a prefix any of them computed as cheap on all of them. Its capacity in blocks.
+    kv_tier: str = ""
+    kv_tier_num_blocks: int = 0
 
     def validate(self) -> None:
         # A peer's claims feed routing and context checks: absurd values are refused here.
@@ -164,7 +170,9 @@ class Hello(Message):
         for name in ("worker_id", "model", "device"):
             if not 0 < len(getattr(self, name)) <= MAX_NAME_CHARS:
                 raise ProtocolError(f"Hello.{name} must have 1 to {MAX_NAME_CHARS} characters")
-        for name in ("served_model_name", "model_version"):
+        if not 0 <= self.kv_tier_num_blocks <= 2**40:
+            raise ProtocolError("Hello.kv_tier_num_blocks must be in [0, 2**40]")
+        for name in ("served_model_name", "model_version", "kv_tier"):
             if len(getattr(self, name)) > MAX_NAME_CHARS:
                 raise ProtocolError(f"Hello.{name} must have at most {MAX_NAME_CHARS} characters")
         phases = self.startup_phases

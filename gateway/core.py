@@ -523,7 +523,7 @@ class Gateway:
             for worker in self.registry.workers.values():
                 worker.last_seen = min(now, worker.last_seen + lag_s)
         for worker in self.registry.expire(now, self.config.worker_timeout_s):
-            self._on_worker_lost(worker, "was lost (no heartbeat)",
+            self._on_worker_lost(worker, "went silent (no heartbeat)",
                                  silent_s=round(now - worker.last_seen, 3))
         for worker in list(self.registry.workers.values()):
             # Sent so that a route with no connection fails: a dead process (registry.

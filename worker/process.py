@@ -78,6 +78,7 @@ from zeroserve.worker.debug import WorkerDebug
 from zeroserve.worker.discovery import GatewayDiscovery, GatewaysFound, Resolver
 from zeroserve.worker.engine import StepFailed
 from zeroserve.worker.grammar import GrammarSpec
+from zeroserve.worker.kv_tier.identity import hello_fields
 from zeroserve.worker.kv_tier.store import kv_tier_counters
 from zeroserve.worker.link import GatewayPeer, LinkState, new_route
 from zeroserve.worker.outputs import RequestOutput
@@ -539,6 +540,7 @@ class WorkerLoop:
             startup_phases=dict(getattr(self.engine, "startup_phases", {})),
             served_model_name=self.config.served_model_name,
             model_version=self.config.model_version,
+            **hello_fields(getattr(self.engine, "tier", None)),
         )
         gw.link.hello_sent_at = None  # so the next check waits for this HELLO's fate
         gw.send_control(encode(hello))

@@ -320,3 +320,17 @@ def test_submit_priority_travels_only_when_set_and_is_range_checked():
             decode(_frames(MsgType.SUBMIT, ["r", [1], {}, 4, [], None, 1, bad]))
     with pytest.raises(ProtocolError):
         decode(_frames(MsgType.SUBMIT, ["r", [1], {}, 4, [], None, 1, "critical"]))
+
+
+def test_hello_names_its_kv_tier_and_an_older_hello_has_none():
+    """HELLO.kv_tier and kv_tier_num_blocks (the box's KV tier, for routing): they round-trip,
+    are range-checked, and a HELLO without them (a worker before them) reads as no tier."""
+    hello = Hello(PROTOCOL_VERSION, "w", "m", 1, 1, 1, 1, "cpu", 1, {}, "", "", "a1b2", 4096)
+    assert decode(encode(hello)) == hello
+    older = _frames(MsgType.HELLO, [PROTOCOL_VERSION, "w", "m", 1, 1, 1, 1, "cpu", 1, {}, "", ""])
+    assert (decode(older).kv_tier, decode(older).kv_tier_num_blocks) == ("", 0)
+    for bad in (-1, 2**41):
+        with pytest.raises(ProtocolError, match="kv_tier_num_blocks"):
+            decode(encode(Hello(1, "w", "m", 1, 1, 1, 1, "cpu", 1, {}, "", "", "t", bad)))
+    with pytest.raises(ProtocolError, match="kv_tier"):
+        decode(encode(Hello(1, "w", "m", 1, 1, 1, 1, "cpu", 1, {}, "", "", "t" * 300, 1)))
