@@ -6,6 +6,7 @@ anything starts, so that what follows gets its local path.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from typing import Any
@@ -56,6 +57,7 @@ def _build(cls: type, **kwargs: Any) -> Any:
 
 
 def engine_config(opts: dict[str, Any], device: str | None = None) -> EngineConfig:
+    tier = _kv_tier_fields(opts)
     return _build(
         EngineConfig, model=opts["model"], device=device or opts["device"],
         dtype=opts["dtype"], max_num_seqs=opts["max_num_seqs"],
@@ -71,10 +73,30 @@ def engine_config(opts: dict[str, Any], device: str | None = None) -> EngineConf
         batch_invariant=opts["batch_invariant"], int8_activations=opts["int8_activations"],
         enforce_eager=opts["enforce_eager"], max_capture_batch_size=opts["max_capture_batch_size"],
         speculative_config=opts["speculative_config"],
-        kv_offloading_size=opts["kv_offloading_size"],
-        kv_offloading_dir=opts["kv_offloading_dir"], kv_tier_dir=opts["kv_tier_dir"],
-        kv_tier_dir_size=opts["kv_tier_dir_size"],
+        **tier,
     )
+
+
+def _kv_tier_fields(opts: dict[str, Any]) -> dict[str, Any]:
+    """The KV tier's fields: its flags, with --kv-transfer-config (vLLM's JSON) read onto
+    them (cli/kv_transfer_config.py)."""
+    names = ("kv_offloading_size", "kv_offloading_dir", "kv_tier_dir", "kv_tier_dir_size")
+    flags = {name: opts[name] for name in names}
+    text = opts.get("kv_transfer_config")
+    if not text:
+        return flags
+    from zeroserve.cli.kv_transfer_config import (
+        KVTransferConfigError,
+        merge_with_flags,
+        parse_kv_transfer_config,
+    )
+
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.name in names}
+    try:
+        return merge_with_flags(parse_kv_transfer_config(text, opts["block_size"]), flags,
+                                defaults)
+    except KVTransferConfigError as e:
+        raise click.BadParameter(str(e), param_hint="'--kv-transfer-config'") from None
 
 
 def _chat_template(opts: dict[str, Any]) -> str | None:

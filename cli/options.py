@@ -126,6 +126,12 @@ ENGINE_OPTIONS = [
     option("--kv-tier-dir-size", type=click.FloatRange(min=0, min_open=True),
            default=field_default(EngineConfig, "kv_tier_dir_size"),
            help="GiB the --kv-tier-dir level may hold."),
+    option("--kv-transfer-config", default=None,
+           help="vLLM's JSON for an offloading KV connector, read onto the flags above: "
+                '{"kv_connector": "OffloadingConnector" or "LMCacheConnectorV1", "kv_role": '
+                '"kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": BYTES} or '
+                "LMCache's local_cpu, max_local_cpu_size, local_disk, max_local_disk_size}. "
+                "[default: none]"),
 ]
 
 # Who may call the HTTP API, and how often (gateway/http/auth.py, gateway/http/rate_limit.py).
