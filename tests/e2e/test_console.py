@@ -331,6 +331,35 @@ def test_the_workers_table_lists_both_workers_and_offers_actions_only_to_admins(
     assert c.page.locator("#workers tbody tr").count() == 2
 
 
+def test_the_workers_table_shows_each_workers_kv_tier(console, server):
+    """The KV tier column: "off" for the fake backend's workers (no KV pool, no tier); the
+    page's own cell code, run in the browser, shows a worker with a tier as on with its hits
+    and misses (the rest in the tooltip), and one whose first report is still to come as on."""
+    c = console("ops")
+    for worker in server.workers():
+        c.wait_status(worker["worker_id"], "ready")
+        cell = c.row(worker["worker_id"]).locator("[data-tier]")
+        assert (cell.get_attribute("data-tier"), cell.inner_text()) == ("off", "off")
+    assert "KV tier" in c.page.inner_text("#workers thead")
+    cells = c.page.evaluate("""async () => {
+        const ops = await import("/ui/ops.js");
+        return [
+            ops.tierCell({kv_tier_id: "a1b2c3d4e5f60718", kv_tier: {
+                hits: 42, misses: 3, read_bytes: 15 * 2 ** 20, written_bytes: 7 * 2 ** 20,
+                evictions: 2, load_microseconds: 10500}}),
+            ops.tierCell({kv_tier_id: "a1b2c3d4e5f60718", kv_tier: null}),
+            ops.tierCell({kv_tier: null}),
+        ];
+    }""")
+    on, fresh, off = cells
+    assert (on["state"], on["text"]) == ("on", "on · 42 hits / 3 misses")
+    assert on["title"].split("\n") == [
+        "KV tier a1b2c3d4e5f60718", "42 blocks loaded, 3 lookups missed",
+        "15.0 MiB read, 7.0 MiB written", "2 evicted, 10.5 ms loading"]
+    assert (fresh["state"], fresh["text"]) == ("on", "on · 0 hits / 0 misses")
+    assert (off["state"], off["text"]) == ("off", "off")
+
+
 def test_drain_then_undrain_from_the_page(console, server):
     c = console("ops")
     c.set_keys(admin=ADMIN_KEY)

@@ -18,6 +18,26 @@ function clock(t = Date.now()) {
   return new Date(t).toLocaleTimeString([], { hour12: false });
 }
 
+// The box's KV tier of one worker as its table cell shows it: "off", or "on" with the
+// blocks loaded from it (hits) and the lookups that found nothing there (misses) since the
+// worker started; the tier's id and its other figures in the tooltip. `w` is a worker as
+// /admin/workers and /health describe it (kv_tier_id: the tier it shares; kv_tier: its
+// counters, null before its first report).
+export function tierCell(w) {
+  const tier = w.kv_tier || null;
+  if (!w.kv_tier_id && !tier) return { state: "off", text: "off", title: "No KV tier (--kv-offloading-size 0)." };
+  const hits = tier?.hits ?? 0;
+  const misses = tier?.misses ?? 0;
+  const mib = (bytes) => `${((bytes ?? 0) / 2 ** 20).toFixed(1)} MiB`;
+  const title = [
+    `KV tier ${w.kv_tier_id ?? "(id not reported)"}`,
+    `${hits} blocks loaded, ${misses} lookups missed`,
+    `${mib(tier?.read_bytes)} read, ${mib(tier?.written_bytes)} written`,
+    `${tier?.evictions ?? 0} evicted, ${((tier?.load_microseconds ?? 0) / 1000).toFixed(1)} ms loading`,
+  ].join("\n");
+  return { state: "on", text: `on · ${hits} hits / ${misses} misses`, title, hits, misses };
+}
+
 export class OpsView {
   constructor({ confirm }) {
     this.confirm = confirm;
@@ -278,7 +298,7 @@ export class OpsView {
     if (!rows.length) {
       const row = el("tr", "empty-row");
       const cell = el("td", "", this.lastUpdate ? "No worker is connected." : "Loading…");
-      cell.colSpan = 11;
+      cell.colSpan = 13;
       row.append(cell);
       rows.push(row);
     }
@@ -315,7 +335,8 @@ export class OpsView {
       el("td", "", w.served_model_name ? `${w.served_model_name}@${w.version}` : "–"),
       el("td", "num", String(w.num_running ?? 0)), el("td", "num", String(w.num_waiting ?? 0)),
       el("td", "num", String(w.num_paused ?? 0)), kv,
-      el("td", "num", this.prefixHitRate(id)), el("td", "num", String(this.restarts(id, known))),
+      el("td", "num", this.prefixHitRate(id)), this.tierTd(w),
+      el("td", "num", String(this.restarts(id, known))),
     ];
     cells[0].className = "mono";
     const actions = el("td", "actions");
@@ -326,6 +347,14 @@ export class OpsView {
     }
     row.append(...cells, actions);
     return row;
+  }
+
+  tierTd(w) {
+    const { state, text, title } = tierCell(w);
+    const cell = el("td", state === "off" ? "muted" : "", text);
+    cell.dataset.tier = state;
+    cell.title = title;
+    return cell;
   }
 
   prefixHitRate(id) {
