@@ -14,23 +14,40 @@ once with the tier off and once with `--kv-offloading-size`, the same requests o
 Tokens are compared too: in tier mode an undisturbed run goes first, and the failed-over
 stream must give its tokens (greedy). One JSON line per mode, then a summary.
 
-`--cost`: what the tier costs when nothing is reused, in one process: an engine on the
-default model runs `--clients` distinct prompts at once (prefill and decode, every full
-block written through), tier off and on alternated `--repeats` times; reported per mode:
-the least CPU seconds (the process's, the writer thread's included) and wall seconds per
+`--rolling`: a rolling restart of two workers under long streams, tier off then on:
+`--streams` (8) streams of `--rolling-context`-token prompts (random, the same in both
+modes); once each has its first tokens, worker-0 and then worker-1 are restarted as
+`zeroserve workers restart --all --deadline D` does (cli/admin_client.py: the next once the
+last is ready again); once every stream made `--tokens-after` more tokens, they hang up.
+Reported per stream: the longest gap between two of its tokens from the restart on; and
+the max over streams, the restart's seconds, the tier's hits.
+
+`--cost`: what the tier costs when nothing is reused: `serve` (one worker) at `--clients`
+clients on bench_serving's chat prompts, output tokens/s and server CPU per token, tier off
+and on alternated `--repeats` times (benchmarks/bench_commits.py's measurement). Each
+tier-on server gets a new, empty tier folder, removed after: the tier outlives its workers
+(in /dev/shm by default), and a folder an earlier run filled would give hits.
+`--cost-engine`: the same in one process: an engine on the default model runs `--clients`
+distinct prompts at once, tier off and on alternated; the least CPU and wall seconds per
 output token, and their ratio.
+
+Every tier-on server here gets a new tier folder under /dev/shm, removed with the server.
 
     python benchmarks/bench_kv_tier.py                       # default model, ~6k context
     python benchmarks/bench_kv_tier.py --context 1500 --prefix 1000   # quicker
-    python benchmarks/bench_kv_tier.py --cost --clients 16            # the cost, no reuse
+    python benchmarks/bench_kv_tier.py --rolling             # 8 streams, 2,000-token prompts
+    python benchmarks/bench_kv_tier.py --cost --clients 16   # the cost, no reuse
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -47,7 +64,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(REPO))
 from zeroserve.cli.harness import start_server  # noqa: E402
 
+SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None  # where the tier lives by default
 TOKEN_RANGE = (1000, 30000)  # ordinary tokens of the default model's vocabulary
+BLOCK = 16  # tokens per KV block (--block-size's default)
 
 
 def random_prompt(rng: random.Random, num_tokens: int) -> list[int]:
@@ -63,6 +82,7 @@ class Stream:
         self.error: str | None = None
         self.is_done = False
         self.started = time.monotonic()
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(url, body), daemon=True)
         self._thread.start()
 
@@ -71,6 +91,8 @@ class Stream:
             with httpx.stream("POST", url + "/v1/completions", timeout=600,
                               json={**body, "stream": True}) as response:
                 for line in response.iter_lines():
+                    if self._stop.is_set():
+                        break  # closing the connection aborts the request
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     event = json.loads(line[6:])
@@ -86,14 +108,27 @@ class Stream:
     def join(self, timeout_s: float) -> None:
         self._thread.join(timeout_s)
 
+    def stop(self) -> None:
+        """Stop reading at the next line and hang up."""
+        self._stop.set()
 
-def wait_until(predicate, timeout_s: float, what: str) -> None:
+
+def wait_until(predicate, timeout_s: float, what: str) -> bool:
+    """Poll until predicate() holds (True), or raise TimeoutError after timeout_s."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
-            return
+            return True
         time.sleep(0.02)
     raise TimeoutError(what)
+
+
+def tier_hits(server) -> dict[str, float]:
+    """Each worker's blocks loaded from the tier so far, from the gateway's /metrics."""
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^zeroserve:kv_tier_hits_total\{[^}]*worker_id="([^"]+)"[^}]*\} (\S+)$', text,
+        re.MULTILINE)}
 
 
 def restart_worker(server, worker: dict) -> None:
@@ -148,33 +183,185 @@ def shared_prefix(server, args, rng: random.Random) -> dict:
     stream.join(900)
     time.sleep(1.0)  # the last blocks' write-through, a step behind
     restart_worker(server, computing)
+    hits_before = sum(tier_hits(server).values())
     second = Stream(server.url, {"prompt": prefix + random_prompt(rng, 8), "max_tokens": 1,
                                  "temperature": 0})
     second.join(900)
+    # Heartbeats carry the counters: the restarted worker's hits show within a beat or two.
+    wait_until(lambda: sum(tier_hits(server).values()) - hits_before >= args.prefix // BLOCK
+               or args.tier_dir is None, 30, "tier hits reported")
     return {"ttft_s": (second.times[0] - second.started) if second.times else None,
-            "error": second.error}
+            "tier_hit_blocks": sum(tier_hits(server).values()) - hits_before,
+            "prefix_blocks": args.prefix // BLOCK, "error": second.error}
+
+
+@contextlib.contextmanager
+def serving(args, tier_size: float, max_model_len: int, num_workers: int = 2):
+    """`zeroserve serve --workers N`, with the tier in a new folder of its own (in /dev/shm,
+    where the tier lives by default) when tier_size > 0: the tier outlives its workers, so a
+    folder a run before us filled would give hits. The folder goes with the server."""
+    folder = tempfile.mkdtemp(prefix="bench-kv-tier-")
+    tier = tempfile.mkdtemp(prefix="bench-kv-tier-", dir=SHM) if tier_size else None
+    args.tier_dir = None if tier is None else os.path.join(tier, "kv")
+    flags = ["--device", "cpu", "--workers", str(num_workers),
+             "--max-model-len", str(max_model_len), *args.server_args]
+    if tier_size:
+        flags += ["--kv-offloading-size", str(tier_size), "--kv-offloading-dir", args.tier_dir]
+    server = start_server(Path(folder), args=tuple(flags), num_workers=num_workers,
+                          timeout_s=600)
+    try:
+        yield server
+    finally:
+        server.stop(timeout_s=30)
+        if tier is not None:
+            shutil.rmtree(tier, ignore_errors=True)
+        print(f"(server log: {server.log_path})", file=sys.stderr, flush=True)
 
 
 def run_mode(args, tier_size: float) -> dict:
     rng = random.Random(args.seed)
-    folder = tempfile.mkdtemp(prefix="bench-kv-tier-")
-    args.tier_dir = os.path.join(folder, "kv") if tier_size else None
-    flags = ["--device", "cpu", "--workers", "2", "--max-model-len",
-             str(max(args.context, args.prefix) + args.max_tokens + 64), *args.server_args]
-    if tier_size:
-        flags += ["--kv-offloading-size", str(tier_size), "--kv-offloading-dir", args.tier_dir]
-    server = start_server(Path(folder), args=tuple(flags), num_workers=2, timeout_s=600)
-    try:
+    with serving(args, tier_size, max(args.context, args.prefix) + args.max_tokens + 64) \
+            as server:
         result = {"mode": "tier" if tier_size else "replay",
                   "failover": failover(server, args, rng),
                   "shared_prefix": shared_prefix(server, args, rng)}
-    finally:
-        server.stop(timeout_s=30)
     print(json.dumps(result), flush=True)
     return result
 
 
+def rolling(server, args, rng: random.Random) -> dict:
+    """`--streams` streams of `--rolling-context`-token prompts; once each has tokens, a
+    rolling restart (cli/admin_client.py's, what `zeroserve workers restart --all` runs):
+    worker-0, then worker-1 once worker-0 is ready again. Then, once every stream has made
+    `--tokens-after` more tokens, they hang up. Per stream: the longest gap between two of
+    its tokens from the restart on, and the median gap before it."""
+    from zeroserve.cli.admin_client import AdminClient, rolling_restart
+
+    streams = [Stream(server.url, {"prompt": random_prompt(rng, args.rolling_context),
+                                   "max_tokens": args.rolling_max_tokens, "temperature": 0,
+                                   "ignore_eos": True}) for _ in range(args.streams)]
+    wait_until(lambda: all(len(s.times) >= 3 or s.is_done for s in streams), 7200,
+               "every stream's first tokens")
+    hits_before = sum(tier_hits(server).values())
+    started = time.monotonic()
+    said: list[str] = []
+    rolling_restart(AdminClient(server.url), args.rolling_deadline, 900,
+                    lambda line: said.append(f"{time.monotonic() - started:.1f}s {line}"))
+    restarted_s = time.monotonic() - started
+    counts = [len(s.times) for s in streams]
+    wait_until(lambda: all(len(s.times) >= n + args.tokens_after or s.is_done
+                           for s, n in zip(streams, counts, strict=True)), 7200,
+               "tokens after the restart")
+    finished_early = [s.is_done for s in streams]  # ran out of max_tokens: raise it
+    for stream in streams:
+        stream.stop()
+    for stream in streams:
+        stream.join(60)
+    per_stream = []
+    for stream, is_early in zip(streams, finished_early, strict=True):
+        pairs = list(itertools.pairwise(stream.times))
+        before = [b - a for a, b in pairs if b < started]
+        during = [(b - a, a - started) for a, b in pairs if b >= started]
+        longest = max(during) if during else (None, None)
+        per_stream.append({"longest_gap_s": round(longest[0], 3) if during else None,
+                           # when it began, from the restart's start (its log: restart_log)
+                           "longest_gap_from_s": round(longest[1], 1) if during else None,
+                           "median_gap_before_s": round(statistics.median(before), 4)
+                           if before else None, "num_tokens": len(stream.times),
+                           "finished_early": is_early, "error": stream.error})
+    longest = [s["longest_gap_s"] for s in per_stream if s["longest_gap_s"] is not None]
+    return {"restart_s": round(restarted_s, 1), "restart_log": said,
+            "longest_gap_s": max(longest) if longest else None, "streams": per_stream,
+            "tier_hit_blocks": sum(tier_hits(server).values()) - hits_before}
+
+
+def run_rolling(args, tier_size: float) -> dict:
+    rng = random.Random(args.seed)  # the same prompts in both modes
+    with serving(args, tier_size, args.rolling_context + args.rolling_max_tokens + 64) \
+            as server:
+        result = {"mode": "tier" if tier_size else "replay", "loadavg": os.getloadavg(),
+                  "rolling": rolling(server, args, rng)}
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def main_rolling(args) -> int:
+    replay = run_rolling(args, 0.0)
+    tier = run_rolling(args, args.tier_size)
+    print(f"rolling restart of 2 workers under {args.streams} streams of "
+          f"{args.rolling_context}-token prompts (deadline {args.rolling_deadline:g} s), "
+          "longest gap of each stream, s:")
+    for result in (replay, tier):
+        r = result["rolling"]
+        gaps = " ".join(f"{s['longest_gap_s']}" for s in r["streams"])
+        print(f"  {result['mode']:<6} max {r['longest_gap_s']} | {gaps} | restart took "
+              f"{r['restart_s']} s, tier hits {r['tier_hit_blocks']:.0f} blocks, load "
+              f"{result['loadavg'][0]:.1f}")
+    errors = [s["error"] for r in (replay, tier) for s in r["rolling"]["streams"] if s["error"]]
+    return 1 if errors else 0
+
+
 def cost(args) -> int:
+    """Output tokens/s of `zeroserve serve` at `--clients` clients (bench_serving's chat
+    prompts, benchmarks/bench_commits.py's measurement), tier off and on alternated, each
+    repeat in the other order; every tier-on server gets a new, empty tier folder (removed
+    after), so nothing a run before it wrote is found: the tier costs its write-through and
+    its lookups, and gives nothing back."""
+    from benchmarks.bench_commits import Side, Teardown, serve_and_measure
+    from benchmarks.bench_data import load_chat_samples
+    from benchmarks.bench_serving import BenchConfig
+
+    cfg = BenchConfig(num_prompts=args.num_prompts, concurrency=args.clients,
+                      output_len=args.output_len, seed=args.seed, show_progress=False)
+    samples = load_chat_samples(args.num_prompts, args.seed,
+                                max_prompt_tokens=cfg.max_prompt_tokens)
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-kv-tier-cost-"))
+    teardown = Teardown()
+    teardown.install()
+    runs: dict[str, list] = {"off": [], "on": []}
+    try:
+        for repeat in range(args.repeats):
+            for mode in (("off", "on") if repeat % 2 == 0 else ("on", "off")):
+                flags = tuple(args.server_args)
+                tier = None
+                if mode == "on":
+                    tier = tempfile.mkdtemp(prefix="bench-kv-tier-cost-", dir=SHM)
+                    flags += ("--kv-offloading-size", str(args.tier_size),
+                              "--kv-offloading-dir", os.path.join(tier, "kv"))
+                try:
+                    run = serve_and_measure(Side(mode, ".", flags), repeat, cfg, samples,
+                                            log_dir, 600, teardown)
+                finally:
+                    if tier is not None:
+                        shutil.rmtree(tier, ignore_errors=True)
+                runs[mode].append(run)
+                print(json.dumps({"mode": mode, "repeat": repeat,
+                                  "output_tok_s": run.summary.get("output_throughput"),
+                                  "cpu_ms_per_token": run.cpu_ms_per_token,
+                                  "loadavg": run.summary.get("loadavg")}), flush=True)
+    finally:
+        teardown.run()
+    ratios = [on.summary["output_throughput"] / off.summary["output_throughput"]
+              for on, off in zip(runs["on"], runs["off"], strict=True)
+              if on.summary.get("output_throughput") and off.summary.get("output_throughput")]
+    cpu = [on.cpu_ms_per_token / off.cpu_ms_per_token
+           for on, off in zip(runs["on"], runs["off"], strict=True)
+           if on.cpu_ms_per_token and off.cpu_ms_per_token]
+    load = os.getloadavg()[0]
+    print(f"tier on / off, {args.clients} clients, nothing reused (a new tier folder per "
+          f"run): output tok/s {_ratios(ratios)}, CPU per output token {_ratios(cpu)} "
+          f"(load {load:.1f} at the end; server logs in {log_dir})")
+    return 0 if ratios else 1
+
+
+def _ratios(values: list[float]) -> str:
+    if not values:
+        return "n/a"
+    return (f"median {statistics.median(values):.3f}x ("
+            + ", ".join(f"{v:.3f}" for v in values) + ")")
+
+
+def cost_engine(args) -> int:
     """Tier off and on alternated in one process: CPU and wall seconds per output token."""
     from zeroserve.worker.config import EngineConfig
     from zeroserve.worker.engine import Engine
@@ -219,14 +406,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks-before-kill", type=int, default=10)
     parser.add_argument("--tier-size", type=float, default=2.0, help="GiB")
     parser.add_argument("--seed", type=int, default=37)
-    parser.add_argument("--cost", action="store_true", help="measure the tier's cost only")
+    parser.add_argument("--cost", action="store_true",
+                        help="the tier's cost when nothing is reused: served output tok/s")
+    parser.add_argument("--cost-engine", action="store_true",
+                        help="the same in one engine, in-process: CPU and wall per token")
     parser.add_argument("--clients", type=int, default=16)
-    parser.add_argument("--prompt-len", type=int, default=200)
+    parser.add_argument("--num-prompts", type=int, default=48, help="--cost")
+    parser.add_argument("--output-len", type=int, default=128, help="--cost")
+    parser.add_argument("--prompt-len", type=int, default=200, help="--cost-engine")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--rolling", action="store_true",
+                        help="a rolling restart of 2 workers under long streams")
+    parser.add_argument("--streams", type=int, default=8, help="--rolling")
+    parser.add_argument("--rolling-context", type=int, default=2000, help="--rolling")
+    parser.add_argument("--rolling-max-tokens", type=int, default=2000, help="--rolling")
+    parser.add_argument("--rolling-deadline", type=float, default=0.0,
+                        help="--rolling: `workers restart --deadline`")
+    parser.add_argument("--tokens-after", type=int, default=10,
+                        help="--rolling: tokens every stream makes after the restart")
     parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[])
     args = parser.parse_args(argv)
     if args.cost:
         return cost(args)
+    if args.cost_engine:
+        return cost_engine(args)
+    if args.rolling:
+        return main_rolling(args)
     replay = run_mode(args, 0.0)
     tier = run_mode(args, args.tier_size)
     r, t = replay["failover"], tier["failover"]
