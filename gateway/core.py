@@ -81,6 +81,10 @@ MAX_SUBMITS_AFTER_ERROR = 2
 # Requests are being admitted while each comes within this long of the one before (500 a
 # second or more: a burst): the relay lets them in first (Gateway.is_admitting).
 ADMISSION_GAP_S = 0.002
+# A worker whose connection was gone at a heartbeat is asked again this much later: gone
+# then too, it is lost (more than libzmq's 100 ms reconnect interval, so a live worker whose
+# connection dropped is back by then).
+UNREACHABLE_RECHECK_S = 0.25
 
 
 class Gateway:
@@ -526,13 +530,25 @@ class Gateway:
             self._on_worker_lost(worker, "went silent (no heartbeat)",
                                  silent_s=round(now - worker.last_seen, 3))
         for worker in list(self.registry.workers.values()):
-            # Sent so that a route with no connection fails: a dead process (registry.
-            # on_reachable).
-            beat = Heartbeat(worker_id=worker.worker_id, time=time.time(),
-                             gateway_id=self.gateway_id)
-            is_reachable = self.edge.is_connected(worker.route, beat)
-            if self.registry.on_reachable(worker.worker_id, is_reachable, now) is not None:
-                self._on_worker_lost(worker, "exited (its connection closed)")
+            self._probe(worker)
+
+    def _probe(self, worker: WorkerHandle) -> None:
+        """Heartbeat a worker so that a route with no connection fails: its process is gone
+        (registry.on_reachable). Found gone once, it is asked again UNREACHABLE_RECHECK_S
+        later, not a whole heartbeat interval: its streams move within a fraction of a
+        second of its death."""
+        beat = Heartbeat(worker_id=worker.worker_id, time=time.time(),
+                         gateway_id=self.gateway_id)
+        is_reachable = self.edge.is_connected(worker.route, beat)
+        if self.registry.on_reachable(worker.worker_id, is_reachable,
+                                      self.clock()) is not None:
+            self._on_worker_lost(worker, "exited (its connection closed)")
+        elif not is_reachable:
+            asyncio.get_running_loop().call_later(UNREACHABLE_RECHECK_S, self._reprobe, worker)
+
+    def _reprobe(self, worker: WorkerHandle) -> None:
+        if self.registry.get(worker.worker_id) is worker and worker.is_unreachable:
+            self._probe(worker)
 
     def _on_worker_lost(self, worker: WorkerHandle, what: str, **extra: Any) -> None:
         log.error("worker lost: it %s", what, extra={

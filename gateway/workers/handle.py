@@ -40,8 +40,8 @@ class WorkerHandle:
     # An operator drained it through this gateway and its heartbeats do not say so yet.
     is_drain_requested: bool = False
     # Its connection was gone at the last heartbeat we sent (its process exited or was
-    # killed): nothing new is routed to it; gone at the next one too, it is lost
-    # (WorkerRegistry.on_unreachable).
+    # killed): nothing new is routed to it; gone at the next probe too, it is lost
+    # (WorkerRegistry.on_reachable).
     is_unreachable: bool = False
     # Requests routed here since its last heartbeat (not yet in the reported counts).
     num_sent_since_heartbeat: int = 0

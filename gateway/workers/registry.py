@@ -136,10 +136,11 @@ class WorkerRegistry:
                      now: float) -> WorkerHandle | None:
         """Whether the worker's connection was there when we sent it a heartbeat. A process
         that exits or is killed closes its connection at once, long before its heartbeats
-        lapse: the first beat that finds it gone stops routing to it, the next one in a row
-        removes and returns it (lost: its streams move at once instead of waiting for its
-        restart or its timeout). One beat of grace, because a live worker whose connection
-        dropped (a TCP reset) reconnects with its route within libzmq's reconnect interval."""
+        lapse: the first probe that finds it gone stops routing to it, the next one in a row
+        (the core asks again a moment later) removes and returns it (lost: its streams move
+        at once instead of waiting for its restart or its timeout). One probe of grace,
+        because a live worker whose connection dropped (a TCP reset) reconnects with its
+        route within libzmq's reconnect interval."""
         worker = self.workers.get(worker_id)
         if worker is None:
             return None
