@@ -28,7 +28,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from zeroserve.gateway.errors import APIError, no_worker, queue_full
 from zeroserve.gateway.fair_queue import DEFAULT_MAX_FLOWS, Entry, FairQueue
@@ -41,6 +41,23 @@ from zeroserve.gateway.workers.prefix import Prefix
 from zeroserve.gateway.workers.registry import WorkerRegistry
 
 
+class Arrival:
+    """A request that passed Admission.refusal_before_body (gateway/http/early_shed.py),
+    counted in its num_arriving until admission assigns, queues or refuses it, or it ends
+    before that (a 400, a client gone): `done`, which counts once."""
+
+    __slots__ = ("_admission",)
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission: Admission | None = admission
+        admission.num_arriving += 1
+
+    def done(self) -> None:
+        if self._admission is not None:
+            self._admission.num_arriving -= 1
+            self._admission = None
+
+
 @dataclass(frozen=True)
 class Ticket:
     """Where a request queues: its class's rank, its client (an API key's index, or the
@@ -49,6 +66,8 @@ class Ticket:
     rank: int
     client: Hashable = None
     weight: float = 1.0
+    # Counted as arriving (Admission.refusal_before_body) until it is assigned or queued.
+    arrival: Arrival | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -83,6 +102,7 @@ class Admission:
         self._queue = FairQueue(shares, max_flows)
         self._closed_with: APIError | None = None  # set by close(): later acquires fail
         self._num_waiting_for: Counter[Target | None] = Counter()  # entries in the queue
+        self.num_arriving = 0  # Arrivals not done (refusal_before_body counts them)
         self.stats = QueueStats(self.classes.names)
 
     @property
@@ -119,6 +139,29 @@ class Admission:
                 self.stats.on_shed(ticket.rank, ticket.client, num_requests)
                 raise self._refusal(ticket.rank)
 
+    def decides_before_body(self, key_rank: int) -> bool:
+        """Can a request of this key be refused before its body is read? Only where the key
+        alone decides its class: the lowest (a request may lower its class, never raise it,
+        so it stays there whatever model or `priority` its body names), or under fcfs (no
+        classes). gateway/http/early_shed.py asks, and `refusal_before_body` answers."""
+        return not self.is_fair or key_rank == len(self.classes.classes) - 1
+
+    def refusal_before_body(self, key_rank: int, client: Hashable = None) -> APIError | None:
+        """For a key that `decides_before_body`: its 429 now, counted as shed, or None. The
+        queue is at the class's limit, counting the requests of such keys still arriving
+        (past this check and not at admission yet: a burst's requests all pass here before
+        the first of them is queued) as queued, with nothing below the class to take the
+        place of; and no worker of any model can take a request of the key's flow now (so
+        none of the body's target could either)."""
+        if self._closed_with is not None:
+            return None
+        if self.num_queued + self.num_arriving < self._limit(key_rank):
+            return None
+        if self.registry.pick(None, None, False, self._flow(key_rank, client)) is not None:
+            return None
+        self.stats.on_shed(key_rank, client)
+        return self._refusal(key_rank)
+
     async def acquire(self, request_id: str, prompt_token_ids: list[int] | None = None,
                       cache_key: str | None = None, target: Target | None = None,
                       ticket: Ticket | None = None) -> WorkerHandle:
@@ -128,20 +171,24 @@ class Admission:
         `target`: the model (and version) whose workers may take it (None: any);
         `ticket`: its class and client (None: the default class, no client)."""
         ticket = ticket or self.default_ticket()
-        worker = self.try_acquire(request_id, prompt_token_ids, cache_key, target, ticket.rank,
-                                  ticket.client)
-        if worker is not None:
-            return worker
-        self._make_room(ticket)
-        prefix = None if prompt_token_ids is None else Prefix(prompt_token_ids, cache_key)
-        future: asyncio.Future = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(request_id, prefix, future, target,
-                         self._flow(ticket.rank, ticket.client))
-        rank, flow = (ticket.rank, (ticket.client, target)) if self.is_fair else (0, None)
-        entry = Entry(waiter, rank, flow, ticket.weight, self.clock())
-        self._queue.push(entry)
-        self._num_waiting_for[target] += 1
-        self.stats.on_queued(ticket.rank, ticket.client)
+        try:
+            worker = self.try_acquire(request_id, prompt_token_ids, cache_key, target,
+                                      ticket.rank, ticket.client)
+            if worker is not None:
+                return worker
+            self._make_room(ticket)
+            prefix = None if prompt_token_ids is None else Prefix(prompt_token_ids, cache_key)
+            future: asyncio.Future = asyncio.get_running_loop().create_future()
+            waiter = _Waiter(request_id, prefix, future, target,
+                             self._flow(ticket.rank, ticket.client))
+            rank, flow = (ticket.rank, (ticket.client, target)) if self.is_fair else (0, None)
+            entry = Entry(waiter, rank, flow, ticket.weight, self.clock())
+            self._queue.push(entry)
+            self._num_waiting_for[target] += 1
+            self.stats.on_queued(ticket.rank, ticket.client)
+        finally:
+            if ticket.arrival is not None:  # assigned, queued or refused: no longer arriving
+                ticket.arrival.done()
         is_handed_over = False
         try:
             worker = await asyncio.wait_for(asyncio.shield(future), self.timeout_s)

@@ -22,6 +22,7 @@ from zeroserve.gateway.http.admin import AdminApi
 from zeroserve.gateway.http.anthropic_errors import AnthropicErrorShape
 from zeroserve.gateway.http.auth import ApiKeyMiddleware, ApiKeys, warn_if_exposed
 from zeroserve.gateway.http.debug import DebugApi
+from zeroserve.gateway.http.early_shed import EarlyShedMiddleware
 from zeroserve.gateway.http.error_response import error_response
 from zeroserve.gateway.http.health import HealthEndpoints
 from zeroserve.gateway.http.host_check import AllowedHosts, HostCheckMiddleware
@@ -151,7 +152,7 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None,
         *([] if config.disable_ui else ConsolePages().routes()),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
-                    middleware=http_middleware(config, keys, metrics),
+                    middleware=http_middleware(config, keys, metrics, gateway),
                     exception_handlers={HTTPException: http_error, Exception: unexpected_error})
     app.state.gateway = gateway
     app.state.api = api
@@ -172,11 +173,12 @@ def metrics_endpoint(metrics: Metrics, keys: ApiKeys):
     return scrape
 
 
-def http_middleware(config: GatewayConfig, keys: ApiKeys,
-                    metrics: Metrics | None = None) -> list[Middleware]:
+def http_middleware(config: GatewayConfig, keys: ApiKeys, metrics: Metrics | None = None,
+                    gateway: Gateway | None = None) -> list[Middleware]:
     """Outermost first: Anthropic's error shape on /v1/messages* (for the errors of all the
     others), the Host check, CORS (so preflights and 401s carry its headers), the API key,
-    then the rate limiter (which needs to know the key)."""
+    the rate limiter (which needs to know the key), then the lowest class's 429 before the
+    body is read (gateway/http/early_shed.py)."""
     stack = [Middleware(AnthropicErrorShape)]  # outside the key check and rate limiter
     hosts = AllowedHosts.for_server(config.host, config.allowed_hosts)
     if hosts is not None:  # gateway/http/host_check.py: DNS rebinding
@@ -196,4 +198,6 @@ def http_middleware(config: GatewayConfig, keys: ApiKeys,
     if limiter.is_enabled:
         stack.append(Middleware(RateLimitMiddleware, limiter=limiter,
                                 on_refused=None if metrics is None else metrics.requests.on_refused))
+    if gateway is not None:
+        stack.append(Middleware(EarlyShedMiddleware, gateway=gateway))
     return stack

@@ -37,6 +37,7 @@ from zeroserve.gateway.config import GatewayConfig
 from zeroserve.gateway.core import Gateway
 from zeroserve.gateway.errors import APIError, client_too_slow, invalid_request, model_not_found
 from zeroserve.gateway.generation import RequestGroup
+from zeroserve.gateway.http.early_shed import arrival_of
 from zeroserve.gateway.http.error_response import error_response
 from zeroserve.gateway.http.offload import CpuPool
 from zeroserve.gateway.http.rate_limit import rate_limit_client, track_usage
@@ -356,8 +357,12 @@ class Api:
         try:
             # At once when a worker can take it; else raced against the client leaving
             # while it waits in the queue.
-            is_gone = False if group.submit_now() else \
-                (await race_disconnect(group.submit(), request.receive))[0]
+            if group.submit_now():
+                is_gone = False
+                if ticket.arrival is not None:  # at a worker (gateway/http/early_shed.py)
+                    ticket.arrival.done()
+            else:
+                is_gone = (await race_disconnect(group.submit(), request.receive))[0]
         except APIError as e:
             group.close()
             self.gateway.metrics.on_refused(e)
@@ -401,7 +406,7 @@ class Api:
                                   f"the classes are {', '.join(priorities.classes.names)}.",
                                   param="priority")
         rank = priorities.classes.effective_rank(priorities.ceiling(key, self.model_name), asked)
-        return Ticket(rank, client, priorities.share(key))
+        return Ticket(rank, client, priorities.share(key), arrival_of(request.scope))
 
     def _check_prompt(self, ids: list[int], sampling: SamplingOptions, what: str) -> int:
         """The max_tokens in effect for this prompt; a 400 when it does not fit."""

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from tests.gateway.workers.test_registry import hello, route
-from zeroserve.gateway.admission import Admission, Ticket
+from zeroserve.gateway.admission import Admission, Arrival, Ticket
 from zeroserve.gateway.errors import APIError
 from zeroserve.gateway.key_limits import RateLimitConfigError, load_priorities
 from zeroserve.gateway.priority_classes import PriorityClasses
@@ -249,4 +249,76 @@ def test_a_class_above_the_default_reaches_a_full_worker_where_it_can_take_a_slo
         assert Admission(reg, 10, 5, is_fair=False).try_acquire("x", rank=CRITICAL) is None
         waiting.cancel()
         await asyncio.gather(waiting, return_exceptions=True)
+    asyncio.run(main())
+
+
+def test_refusal_before_body_only_where_the_key_alone_decides_and_admission_would_refuse():
+    """Admission.refusal_before_body (gateway/http/early_shed.py asks it before reading a
+    body): the lowest class's 429 once its part of the queue is full and no worker has room;
+    never for a better class (a body may ask for any class below it, or take a lower one's
+    place); under fcfs, any key's once the whole queue is full."""
+    async def main() -> None:
+        reg = one_slot()
+        adm = Admission(reg, max_queued=4, timeout_s=5)
+        assert adm.refusal_before_body(SHEDDABLE, 0) is None  # a worker has room
+        await adm.acquire("s0", ticket=Ticket(SHEDDABLE, 0))
+        tasks = [asyncio.create_task(adm.acquire(f"s{i}", ticket=Ticket(SHEDDABLE, 0)))
+                 for i in (1, 2)]
+        await settle()
+        assert adm.num_queued == 2  # sheddable's half of the queue
+        refusal = adm.refusal_before_body(SHEDDABLE, 0)
+        assert refusal is not None and refusal.status == 429 and "sheddable" in refusal.message
+        assert adm.stats.by_class[SHEDDABLE].num_shed == 1
+        assert adm.refusal_before_body(STANDARD, 1) is None
+        assert adm.refusal_before_body(CRITICAL, 1) is None
+        # What admission does with such requests once their bodies are read: the same.
+        with pytest.raises(APIError) as e:
+            await adm.acquire("s3", ticket=Ticket(SHEDDABLE, 0))
+        assert e.value.status == 429
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+        fcfs = Admission(one_slot(), max_queued=2, timeout_s=5, is_fair=False)
+        await fcfs.acquire("a0", ticket=Ticket(STANDARD, 0))
+        assert fcfs.refusal_before_body(STANDARD, 0) is None  # room in the queue
+        tasks = [asyncio.create_task(fcfs.acquire(f"a{i}", ticket=Ticket(STANDARD, 0)))
+                 for i in (1, 2)]
+        await settle()
+        refusal = fcfs.refusal_before_body(CRITICAL, 1)
+        assert refusal is not None and refusal.status == 429
+        fcfs.close(APIError(503, "stopping"))
+        assert fcfs.refusal_before_body(CRITICAL, 1) is None  # closing: its own error
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_requests_still_arriving_count_as_queued_until_admission_takes_them():
+    """A burst's requests all pass refusal_before_body before the first is queued: each is
+    counted (an Arrival) until admission assigns, queues or refuses it, so the burst's
+    requests beyond the class's places are refused before their bodies too."""
+    async def main() -> None:
+        reg = one_slot()
+        adm = Admission(reg, max_queued=4, timeout_s=5)  # sheddable: 2 places
+        await adm.acquire("s0", ticket=Ticket(SHEDDABLE, 0))
+        burst = []
+        for _ in range(3):
+            if adm.refusal_before_body(SHEDDABLE, 0) is None:
+                burst.append(Arrival(adm))
+        assert len(burst) == 2 and adm.num_arriving == 2
+        tasks = [asyncio.create_task(adm.acquire(f"s{i}", ticket=Ticket(SHEDDABLE, 0, 1.0, a)))
+                 for i, a in enumerate(burst, 1)]
+        await settle()
+        assert adm.num_queued == 2 and adm.num_arriving == 0
+        late = Arrival(adm)  # one that passed before the queue filled: refused at admission
+        with pytest.raises(APIError):
+            await adm.acquire("s3", ticket=Ticket(SHEDDABLE, 0, 1.0, late))
+        assert adm.num_arriving == 0
+        late.done()  # counted once
+        assert adm.num_arriving == 0
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     asyncio.run(main())
