@@ -16,11 +16,15 @@ and runs, each phase on a fresh server for `--seconds`:
    the critical key sends one request a second.
 
 It reports, per phase and key, requests done, refused (429) and failed, and TTFT p50/p99 (the
-first streamed token); for B and C the ratio of p99 to their p99 alone. The worker holds
+first streamed token); for B and C the ratio of p99 to their p99 alone; per phase, the CPU
+seconds the server's processes (gateway, worker, supervisor) spent in it. B and C send one
+request a second, so a phase of `--seconds` N gives N samples and p99 is the slowest of them
+below 100: a longer phase gives a p99 less at the mercy of one sample. The worker holds
 `--max-num-seqs` sequences and `--max-waiting-per-worker` more; the rest wait in the gateway.
 
     python benchmarks/bench_fairness.py --seconds 20
     python benchmarks/bench_fairness.py --seconds 10 --json /tmp/fair.json
+    python benchmarks/bench_fairness.py --seconds 60 --phases "c-alone,flood+c fair"
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -140,14 +145,40 @@ def serve_args(policy: str, args, limits_path: Path) -> list[str]:
             "--api-key", ",".join(KEYS.values()), "--log-level", "warning"]
 
 
-def run(policy: str, args, limits_path: Path, log_dir: Path, flows: dict) -> dict:
+def run(policy: str, args, limits_path: Path, log_dir: Path,
+        flows: dict) -> tuple[dict, float]:
+    """The phase's results by key, and the server's CPU seconds during it."""
     server = start_server(args=tuple(serve_args(policy, args, limits_path)), wait=False,
                           log_path=log_dir / f"serve-{policy}-{time.time():.0f}.log")
     try:
         wait_served(server.url)
-        return asyncio.run(run_phase(server.url, args, flows))
+        cpu_before = tree_cpu_s(server.process.pid)
+        results = asyncio.run(run_phase(server.url, args, flows))
+        return results, tree_cpu_s(server.process.pid) - cpu_before
     finally:
         server.stop(timeout_s=10)
+
+
+def tree_cpu_s(root_pid: int) -> float:
+    """utime + stime of `root_pid` and its live descendants, in seconds."""
+    parent_of: dict[int, int] = {}
+    cpu_of: dict[int, float] = {}
+    ticks = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:  # fields after the command's name
+                    fields = f.read().rpartition(")")[2].split()
+            except OSError:
+                continue
+            parent_of[int(entry)] = int(fields[1])
+            cpu_of[int(entry)] = (int(fields[11]) + int(fields[12])) / ticks
+    total, todo = 0.0, [root_pid]
+    while todo:
+        pid = todo.pop()
+        total += cpu_of.get(pid, 0.0)
+        todo.extend(child for child, parent in parent_of.items() if parent == pid)
+    return total
 
 
 def wait_served(url: str, timeout_s: float = 120.0) -> None:
@@ -197,6 +228,9 @@ def main() -> None:
     parser.add_argument("--forward-ms", type=float, default=10.0,
                         help="the fake worker's milliseconds per forward")
     parser.add_argument("--skip-flood", action="store_true", help="only the A/B phases")
+    parser.add_argument("--phases", default=None,
+                        help="only these phases, by name, comma-separated (as printed); a "
+                             "ratio needs its key's `alone` phase among them")
     parser.add_argument("--json", default=None, help="write the results here too")
     args = parser.parse_args()
 
@@ -215,10 +249,16 @@ def main() -> None:
                    ("flood+c fcfs", "fcfs", {"s": flood, "c": ("open", 1.0)})]
     report = {}
     alone: dict[str, float | None] = {}
+    if args.phases is not None:
+        chosen = args.phases.split(",")
+        unknown = set(chosen) - {name for name, _, _ in phases}
+        if unknown:
+            parser.error(f"unknown phases: {', '.join(sorted(unknown))}")
+        phases = [phase for phase in phases if phase[0] in chosen]
     print(f"{'phase':<14} {'key':<4} {'done':>6} {'429':>6} {'failed':>6} "
-          f"{'ttft p50 ms':>12} {'ttft p99 ms':>12} {'p99/alone':>10}")
+          f"{'ttft p50 ms':>12} {'ttft p99 ms':>12} {'p99/alone':>10} {'server cpu s':>13}")
     for phase, policy, flows in phases:
-        results = run(policy, args, limits_path, log_dir, flows)
+        results, cpu_s = run(policy, args, limits_path, log_dir, flows)
         for name, result in results.items():
             p99 = result.quantile(0.99)
             if phase.endswith("alone"):
@@ -226,11 +266,11 @@ def main() -> None:
             ratio = None if p99 is None or not alone.get(name) else p99 / alone[name]
             print(f"{phase:<14} {name:<4} {len(result.ttfts):>6} {result.num_refused:>6} "
                   f"{result.num_failed:>6} {fmt(result.quantile(0.5)):>12} {fmt(p99):>12} "
-                  f"{'-' if ratio is None else f'{ratio:.2f}x':>10}")
+                  f"{'-' if ratio is None else f'{ratio:.2f}x':>10} {cpu_s:>13.1f}")
             report.setdefault(phase, {})[name] = {
                 "num_done": len(result.ttfts), "num_refused": result.num_refused,
                 "num_failed": result.num_failed, "ttft_p50_s": result.quantile(0.5),
-                "ttft_p99_s": p99, "p99_over_alone": ratio}
+                "ttft_p99_s": p99, "p99_over_alone": ratio, "server_cpu_s": cpu_s}
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "phases": report},
                                               indent=2))
