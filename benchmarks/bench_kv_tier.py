@@ -188,8 +188,9 @@ def shared_prefix(server, args, rng: random.Random) -> dict:
                                  "temperature": 0})
     second.join(900)
     # Heartbeats carry the counters: the restarted worker's hits show within a beat or two.
-    wait_until(lambda: sum(tier_hits(server).values()) - hits_before >= args.prefix // BLOCK
-               or args.tier_dir is None, 30, "tier hits reported")
+    with contextlib.suppress(TimeoutError):  # fewer hits: reported as they are
+        wait_until(lambda: args.tier_dir is None or sum(tier_hits(server).values())
+                   - hits_before >= args.prefix // BLOCK, 30, "tier hits reported")
     return {"ttft_s": (second.times[0] - second.started) if second.times else None,
             "tier_hit_blocks": sum(tier_hits(server).values()) - hits_before,
             "prefix_blocks": args.prefix // BLOCK, "error": second.error}
@@ -442,10 +443,13 @@ def main(argv: list[str] | None = None) -> int:
               f"median gap before {t['median_gap_before_s']:.3f} s); same tokens with the "
               f"tier: {t['same_tokens']}")
     rp, tp = replay["shared_prefix"]["ttft_s"], tier["shared_prefix"]["ttft_s"]
+    hits = tier["shared_prefix"]
+    is_refound = hits["tier_hit_blocks"] >= hits["prefix_blocks"]
     if rp and tp:
         print(f"TTFT of a {args.prefix}-token prefix another worker computed: {rp:.2f} s miss, "
-              f"{tp:.2f} s tier ({rp / tp:.1f}x)")
-    return 0 if t.get("same_tokens") and not t.get("error") else 1
+              f"{tp:.2f} s tier ({rp / tp:.1f}x); after the restart the tier gave "
+              f"{hits['tier_hit_blocks']:.0f} blocks of the prefix's {hits['prefix_blocks']}")
+    return 0 if t.get("same_tokens") and not t.get("error") and is_refound else 1
 
 
 if __name__ == "__main__":
