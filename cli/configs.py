@@ -63,6 +63,7 @@ def engine_config(opts: dict[str, Any], device: str | None = None) -> EngineConf
         dtype=opts["dtype"], max_num_seqs=opts["max_num_seqs"],
         max_num_batched_tokens=opts["max_num_batched_tokens"] or max(
             EngineConfig.max_num_batched_tokens, opts["max_num_seqs"]),
+        max_prefill_tokens_with_decodes=opts["max_prefill_tokens_with_decodes"] or None,
         max_model_len=opts["max_model_len"], block_size=opts["block_size"],
         num_kv_blocks=opts["num_kv_blocks"], kv_cache_memory=opts["kv_cache_memory"],
         enable_prefix_caching=opts["enable_prefix_caching"],

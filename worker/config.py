@@ -27,6 +27,12 @@ class EngineConfig:
     dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    # Prefill tokens a step may carry beside running decodes (chunked prefill as in Sarathi
+    # and vLLM): a big chunk holds every stream's next token for its whole length (a
+    # 512-token chunk costs about 20 decode steps on 2 CPU cores), so beside decodes prompts
+    # advance in smaller chunks; a step with no decodes still takes max_num_batched_tokens.
+    # None: no separate cap.
+    max_prefill_tokens_with_decodes: int | None = 128
     max_model_len: int | None = None  # None: the model's own context length
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit pool size wins over kv_cache_memory
@@ -74,6 +80,9 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if (self.max_prefill_tokens_with_decodes is not None
+                and self.max_prefill_tokens_with_decodes < 1):
+            raise ValueError("max_prefill_tokens_with_decodes must be >= 1")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a power of two")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

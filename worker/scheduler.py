@@ -3,8 +3,9 @@
 CONTINUOUS (the product): every step is a ragged batch under `max_num_batched_tokens` and
 `max_num_seqs`. Running decodes go first (one token each), then unfinished prefills, then new
 sequences from the waiting queue, all as chunks that fit the remaining token budget (chunked
-prefill), so a long prompt never stalls running streams. Sequences that finish or are aborted
-leave at once; their slots are refilled from the queue in the next plan. When the block pool
+prefill), so a long prompt never stalls running streams; beside decodes they take at most
+`max_prefill_tokens_with_decodes` (Sarathi's stall-free batching). Sequences that finish or
+are aborted leave at once; their slots are refilled from the queue in the next plan. When the block pool
 runs out, the newest sequence of the worst priority (of its flow holding the most slots) is
 preempted (recompute: its blocks are freed, it goes back to the front of its priority in the
 queue and re-prefills prompt + outputs later; tokens already emitted stay). The queue is in
@@ -272,6 +273,8 @@ class Scheduler:
                                          len(self.running), self.max_model_len,
                                          self.recent_text)
 
+        budget = self._prefill_budget(budget, chunks)
+
         # 2. Prefills already under way (chunked prompts, recomputes), as much as fits. Step 1
         # saw every running sequence unless it stopped early, and then this stops at once too.
         for seq in under_way:
@@ -309,8 +312,8 @@ class Scheduler:
                 preempted.append(victim.request_id)
                 chunks, scheduled, prefills = priority_policy.drop_preempted(chunks, scheduled,
                                                                              prefills)
-                budget = (self.config.max_num_batched_tokens - sum(n for _, n in prefills)
-                          - sum(len(chunk.token_ids) for chunk in chunks))
+                budget = self._prefill_budget(self.config.max_num_batched_tokens - sum(
+                    len(chunk.token_ids) for chunk in chunks), chunks) - sum(n for _, n in prefills)
             priority_policy.order_admissions(self.waiting, self.running,
                                              max_seqs - len(self.running))
         while (len(self.waiting) > num_held and budget > 0 and len(self.running) < max_seqs
@@ -340,6 +343,11 @@ class Scheduler:
         self._num_decodes = len(chunks)  # the plan's first chunks: one token, sampled
         chunks += [self._chunk(seq, n) for seq, n in prefills]
         return SchedulerOutput(chunks=chunks, preempted=preempted), scheduled
+
+    def _prefill_budget(self, budget: int, decodes: list[ScheduledChunk]) -> int:
+        """The prefill budget left beside `decodes`: every stream waits for the whole step."""
+        cap = self.config.max_prefill_tokens_with_decodes
+        return budget if cap is None or not decodes else min(budget, cap)
 
     def _next_decodes(
         self, budget: int, max_seqs: int

@@ -109,6 +109,15 @@ def test_the_step_budget_follows_max_num_seqs_unless_given(captured):
     assert captured["worker"].engine.max_num_batched_tokens == 300
 
 
+def test_the_prefill_cap_beside_decodes_is_a_flag_and_0_turns_it_off(captured):
+    assert invoke(["worker"]).exit_code == 0
+    assert captured["worker"].engine.max_prefill_tokens_with_decodes == 128
+    assert invoke(["worker", "--max-prefill-tokens-with-decodes", "64"]).exit_code == 0
+    assert captured["worker"].engine.max_prefill_tokens_with_decodes == 64
+    assert invoke(["worker"], {"ZEROSERVE_MAX_PREFILL_TOKENS_WITH_DECODES": "0"}).exit_code == 0
+    assert captured["worker"].engine.max_prefill_tokens_with_decodes is None
+
+
 def test_a_flag_wins_over_its_variable(captured):
     assert invoke(["worker", "--max-num-seqs", "5"], {"ZEROSERVE_MAX_NUM_SEQS": "3"}).exit_code == 0
     assert captured["worker"].engine.max_num_seqs == 5

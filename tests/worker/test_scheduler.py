@@ -79,6 +79,33 @@ def test_a_long_prompt_is_chunked_while_running_streams_keep_decoding():
     assert long.num_computed_tokens == 100
 
 
+@pytest.mark.parametrize("cap", [12, None])
+def test_beside_decodes_prompts_advance_in_chunks_of_the_prefill_cap(cap):
+    # A step's time is about its token count and every running stream waits for all of it,
+    # so beside decodes a prompt takes at most `cap` tokens a step; alone, the whole budget.
+    scheduler, runner = make_scheduler(max_num_batched_tokens=40, num_kv_blocks=200,
+                                       max_prefill_tokens_with_decodes=cap, max_model_len=512)
+    stream = add(scheduler, 60, max_tokens=50)
+    plan, _ = run_step(scheduler, runner)
+    assert plan.num_tokens == 40  # nothing decodes yet: the whole budget
+    run_step(scheduler, runner)
+    assert stream.num_output_tokens == 1
+    long = add(scheduler, 100, max_tokens=3)
+    chunk_sizes = []
+    while long.num_output_tokens == 0:
+        before = stream.num_output_tokens
+        plan, _ = run_step(scheduler, runner)
+        assert stream.num_output_tokens == before + 1  # the stream gets a token every step
+        chunk_sizes.append(len(plan.chunks[1].token_ids))
+    per_step = 39 if cap is None else cap
+    assert chunk_sizes == [per_step] * (100 // per_step) + ([100 % per_step] if 100 % per_step else [])
+
+
+def test_the_prefill_cap_must_be_positive():
+    with pytest.raises(ValueError, match="max_prefill_tokens_with_decodes"):
+        make_scheduler(max_prefill_tokens_with_decodes=0)
+
+
 def test_a_finished_slot_is_refilled_in_the_next_plan():
     scheduler, runner = make_scheduler(max_num_seqs=2)
     short = add(scheduler, 4, max_tokens=1)
