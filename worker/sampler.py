@@ -47,6 +47,17 @@ def row_seed(seed: int, num_output_tokens: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
+def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax [num_rows] (int64): the first maximum, NaN counting as the largest,
+    as torch.argmax. On the CPU numpy's, on the calling thread: torch's shares 16-32 rows of
+    a 49,152 vocabulary between the intra-op threads, a parallel region for about 50 us of
+    vectorized work, which took 0.6 ms of CPU per decode step on a quiet machine and 3-4 ms
+    on a loaded one (2 threads), against numpy's 0.05-0.1 ms."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+        return torch.argmax(logits, dim=-1)
+    return torch.from_numpy(np.argmax(logits.numpy(), axis=1))
+
+
 def _has_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
@@ -79,7 +90,7 @@ class Sampler:
         _apply_logit_bias(logits, chunks)
         self._mask_early_stops(logits, chunks)
         self._grammar_masks.apply(logits, chunks, self.eos_token_ids)
-        token_ids = torch.argmax(logits, dim=-1)  # [num_rows]; final for greedy rows
+        token_ids = _argmax_rows(logits)  # [num_rows]; final for greedy rows
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)

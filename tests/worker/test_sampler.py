@@ -42,6 +42,21 @@ def test_greedy_is_exact_argmax_per_row():
     assert [t.token_id for t in out] == [2, 5, 0]
 
 
+def test_greedy_takes_the_first_maximum_and_nan_as_torch_argmax_does():
+    # Ties, infinities, NaN, a row with every token masked, and a wide vocabulary in a batch
+    # (the CPU path is numpy's): each row's token is torch.argmax's.
+    nan, inf = math.nan, math.inf
+    narrow = logits_of([1.0, 3.0, 3.0, 0.0, 0, 0, 0, 0], [nan, 1.0, nan, 2.0, 0, 0, 0, 0],
+                       [2.0, inf, inf, 1.0, 0, 0, 0, 0], [-inf] * 8, [0.0] * 8)
+    wide = torch.randn(32, 49152, generator=torch.Generator().manual_seed(3))
+    wide[5, 100] = wide[5, 200] = wide[5].max() + 1
+    for rows in (narrow, wide):
+        big = Sampler(rows.shape[1], [EOS], torch.device("cpu"), 0)
+        out = big.sample(rows.clone(), [chunk(SamplingParams(temperature=0.0), str(i))
+                                        for i in range(len(rows))])
+        assert [t.token_id for t in out] == torch.argmax(rows, dim=-1).tolist()
+
+
 def test_top_k_one_is_greedy_even_with_temperature():
     assert set(draw_many(SamplingParams(temperature=5.0, top_k=1))) == {2}
 
