@@ -401,11 +401,14 @@ class Gateway:
             return
         worker_id = msg.worker_id
         model = self.models.model_of_worker(msg.served_model_name) or self.models.default
+        exited = self.registry.lost.get(worker_id)
         old = self.registry.register(msg, peer.route, self.clock(), model)
         self.edge.bind_route(worker_id, peer.route)
         if old is not None:
             self.metrics.on_worker_event(worker_id, "restarted")
             self._fail_worker_requests(worker_id, "restarted")
+        elif exited is not None and exited.has_exited:  # its streams moved when it exited
+            self.metrics.on_worker_event(worker_id, "restarted")
         log.info("worker ready", extra={"worker_id": worker_id, "pid": msg.pid,
                                         "device": msg.device, "model": msg.model,
                                         "served_model_name": model,
@@ -542,7 +545,7 @@ class Gateway:
         is_reachable = self.edge.is_connected(worker.route, beat)
         if self.registry.on_reachable(worker.worker_id, is_reachable,
                                       self.clock()) is not None:
-            self._on_worker_lost(worker, "exited (its connection closed)")
+            self._on_worker_lost(worker, "exited (its connection closed)", event="exited")
         elif not is_reachable:
             asyncio.get_running_loop().call_later(UNREACHABLE_RECHECK_S, self._reprobe, worker)
 
@@ -550,10 +553,11 @@ class Gateway:
         if self.registry.get(worker.worker_id) is worker and worker.is_unreachable:
             self._probe(worker)
 
-    def _on_worker_lost(self, worker: WorkerHandle, what: str, **extra: Any) -> None:
+    def _on_worker_lost(self, worker: WorkerHandle, what: str, event: str = "lost",
+                        **extra: Any) -> None:
         log.error("worker lost: it %s", what, extra={
             "worker_id": worker.worker_id, "num_in_flight": len(worker.request_ids), **extra})
-        self.metrics.on_worker_event(worker.worker_id, "lost")
+        self.metrics.on_worker_event(worker.worker_id, event)
         self._fail_worker_requests(worker.worker_id, what)
         self.edge.unbind(worker.worker_id)
 

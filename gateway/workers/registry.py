@@ -30,6 +30,9 @@ class LostWorker:
     worker_id: str
     pid: int
     lost_at: float
+    # Its connection closed (its process exited), rather than its heartbeats lapsing: a
+    # HELLO of its id next is its restart.
+    has_exited: bool = False
 
     def describe(self, now: float) -> dict:
         return {"worker_id": self.worker_id, "pid": self.pid,
@@ -147,14 +150,15 @@ class WorkerRegistry:
         if is_reachable or not worker.is_unreachable:
             worker.is_unreachable = not is_reachable
             return None
-        self._lose(worker, now)
+        self._lose(worker, now, has_exited=True)
         return worker
 
-    def _lose(self, worker: WorkerHandle, now: float) -> None:
+    def _lose(self, worker: WorkerHandle, now: float, has_exited: bool = False) -> None:
         del self.workers[worker.worker_id]
         if len(self.lost) >= _MAX_LOST:
             self.lost.clear()
-        self.lost[worker.worker_id] = LostWorker(worker.worker_id, worker.hello.pid, now)
+        self.lost[worker.worker_id] = LostWorker(worker.worker_id, worker.hello.pid, now,
+                                                 has_exited)
 
     def remove(self, worker_id: str) -> WorkerHandle | None:
         return self.workers.pop(worker_id, None)

@@ -5,6 +5,7 @@ stream waited ~2.6 s for that worker's restart)."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import httpx
@@ -45,7 +46,19 @@ def test_a_dead_workers_stream_moves_to_the_live_one_before_its_timeout():
                        json={"prompt": "a prompt of a few blocks " * 4, "max_tokens": 4})
         assert r.json()["choices"][0]["text"] == "abab"
         assert len(survivor.submits) == 2
+        # Its restart (a new process of its id) is counted once as such, after its exit.
+        back = gw.worker(worker_id=victim.worker_id, reply=cyclic_reply("ab")).start()
+        assert back.ready.wait(5)
+        metrics = httpx.get(gw.url + "/metrics").text
+        assert events(metrics, victim.worker_id) == {"exited": 1.0, "restarted": 1.0}
+        back.stop()
         survivor.stop()
+
+
+def events(metrics: str, worker_id: str) -> dict[str, float]:
+    found = re.findall(r'^zeroserve:worker_events_total\{([^}]*)\} (\S+)$', metrics, re.MULTILINE)
+    return {re.search(r'event="(\w+)"', labels).group(1): float(value)
+            for labels, value in found if f'worker_id="{worker_id}"' in labels}
 
 
 def test_one_missed_beat_stops_routing_and_the_second_loses_the_worker():
