@@ -52,6 +52,7 @@ LOAD_SLACK = 1
 # far above that: a tier hit is always worth much more than a miss and less than a pool hit.
 TIER_BLOCK_COST = 0.25
 MAX_TIERS = 256  # tier indexes kept (ids come from accepted HELLOs)
+MAX_TIER_INDEX_BLOCKS = 1 << 20  # a tier index's bound, whatever its tier holds (~100 MB)
 
 
 def load_of(worker: WorkerHandle) -> int:
@@ -92,12 +93,13 @@ class Router:
         tier = worker.hello.kv_tier
         if not tier:
             return None
+        num_blocks = min(worker.hello.kv_tier_num_blocks, MAX_TIER_INDEX_BLOCKS)
         index = self.tier_indexes.get(tier)
         if index is None:
             while len(self.tier_indexes) >= MAX_TIERS:
                 del self.tier_indexes[next(iter(self.tier_indexes))]
-            index = self.tier_indexes[tier] = PrefixIndex(worker.hello.kv_tier_num_blocks)
-        index.capacity = max(index.capacity, worker.hello.kv_tier_num_blocks)
+            index = self.tier_indexes[tier] = PrefixIndex(num_blocks)
+        index.capacity = max(index.capacity, num_blocks)
         return index
 
     def num_saved(self, worker: WorkerHandle, hashes: Sequence[int]) -> tuple[float, int]:

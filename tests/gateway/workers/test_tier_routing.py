@@ -15,6 +15,7 @@ from zeroserve.common.protocol import PROTOCOL_VERSION, Hello
 from zeroserve.gateway.workers.handle import WorkerStatus
 from zeroserve.gateway.workers.prefix import Prefix
 from zeroserve.gateway.workers.registry import WorkerRegistry
+from zeroserve.gateway.workers.routing import MAX_TIER_INDEX_BLOCKS
 
 BLOCK = 16
 TIER = "a1b2c3d4e5f60718"
@@ -161,3 +162,15 @@ def test_through_the_gateway_a_drained_workers_prefix_goes_to_its_tier():
         finally:
             for w in workers.values():
                 w.stop()
+
+
+def test_a_tier_index_is_bounded_by_its_tier_and_by_the_gateway():
+    reg = WorkerRegistry()
+    reg.register(Hello(PROTOCOL_VERSION, "w0", "m", 4096, 1000, BLOCK, 64, "cpu", 1, {}, "",
+                       "", TIER, 50), b"w0.0", 0.0)
+    reg.register(Hello(PROTOCOL_VERSION, "w1", "m", 4096, 1000, BLOCK, 64, "cpu", 2, {}, "",
+                       "", "huge", 2**40), b"w1.0", 0.0)
+    for i in range(10):
+        reg.router.on_assigned(reg.get("w0"), Prefix(tokens(i, 16 * 20)))
+    assert len(reg.router.tier_index(reg.get("w0"))) == 50
+    assert reg.router.tier_index(reg.get("w1")).capacity == MAX_TIER_INDEX_BLOCKS
