@@ -147,9 +147,12 @@ def int8_table(args, kernels, layers: list[list[torch.Tensor]], head_q8: torch.T
     outs = [out for out, _ in LAYER_SHAPES]
     print(f"threads={args.threads}; ms per call of all 30 layers' projections / of the lm_head "
           f"(min of {args.rounds * args.repeats}); {cpu_kernels.process_class().describe()}")
-    print("| rows | layers q4 fp32-x | layers q4 int8-x | speed-up | lm_head q8 fp32-x "
-          "| lm_head q8 int8-x | speed-up |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    layer_bytes = sum(blocks.numel() for layer in layers for blocks in layer)
+    print(f"(weights read per call: layers {layer_bytes / 1e6:.1f} MB, lm_head "
+          f"{head_q8.numel() / 1e6:.1f} MB; GB/s: those bytes over the int8-x time)")
+    print("| rows | layers q4 fp32-x | layers q4 int8-x | speed-up | GB/s | lm_head q8 fp32-x "
+          "| lm_head q8 int8-x | speed-up | GB/s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for rows in args.rows:
         xs = {n: torch.randn(rows, n, generator=gen) for n in (576, 1536)}
 
@@ -170,8 +173,9 @@ def int8_table(args, kernels, layers: list[list[torch.Tensor]], head_q8: torch.T
             for name, fn in cases.items():
                 best[name] = min(best[name], min_time(fn, args.repeats))
         print(f"| {rows} | {best['q4']:.2f} | {best['q4_i8']:.2f} | "
-              f"{best['q4'] / best['q4_i8']:.2f}x | {best['q8']:.2f} | {best['q8_i8']:.2f} | "
-              f"{best['q8'] / best['q8_i8']:.2f}x |")
+              f"{best['q4'] / best['q4_i8']:.2f}x | {layer_bytes / best['q4_i8'] / 1e6:.1f} "
+              f"| {best['q8']:.2f} | {best['q8_i8']:.2f} | {best['q8'] / best['q8_i8']:.2f}x "
+              f"| {head_q8.numel() / best['q8_i8'] / 1e6:.1f} |")
 
 
 def min_time(fn, repeats: int) -> float:

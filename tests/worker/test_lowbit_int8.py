@@ -14,7 +14,7 @@ import torch
 from tests import cpu_classes
 from tests.worker.test_lowbit_matmul import half_exact, q4_blocks, q8_blocks
 from zeroserve.worker import cpu_class, cpu_kernels
-from zeroserve.worker.model.quant import BlockQ4, BlockQ8, Int8Blocks
+from zeroserve.worker.model.quant import BlockQ4, BlockQ8, Int4Blocks, Int8Blocks
 
 
 @pytest.fixture(scope="module")
@@ -171,9 +171,40 @@ def test_the_compiled_step_calls_the_int8_kernels(kernels):
         assert torch.equal(decode_rows(x, tensors), matrix.decode_mm(x))
 
 
+def extreme_matrices() -> tuple[torch.Tensor, BlockQ4, BlockQ8]:
+    """The largest integer sums a block can have: q4 weights all 15, q8 weights all -128 or
+    127, times activations that quantize to +-127 in every position (constant blocks of each
+    sign, and alternating signs)."""
+    cols = 256
+    ones = np.ones((32, cols // 32), np.float32)
+    q4 = BlockQ4(BlockQ4.tensors(Int4Blocks(np.full((32, cols), 15, np.uint8), ones / 64,
+                                            ones / 8)), 32)  # w = 15 / 64
+    q8_values = np.full((32, cols), -128, np.int8)
+    q8_values[16:] = 127
+    q8 = BlockQ8(BlockQ8.tensors(Int8Blocks(q8_values, ones / 64)), 32)
+    for matrix in (q4, q8):
+        matrix.use_int8_activations()
+    x = torch.ones(4, cols)
+    x[1] = -1
+    x[2, ::2] = -1
+    x[3, :128] = -1
+    return x, q4, q8
+
+
+def test_the_largest_block_sums_are_exact(kernels):
+    """Sums at the integer limits of every class's arithmetic (VNNI's int32 sums here; the
+    16-bit pairs of AVX-512 without VNNI run the same inputs in outputs_digest): the exact
+    product of the quantized rows and the weights."""
+    x, q4, q8 = extreme_matrices()
+    for matrix in (q4, q8):
+        expected = (quantized_rows(x) @ weights(matrix).t()).float()
+        torch.testing.assert_close(matrix.decode_mm(x), expected, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(q4.decode_mm(x)[0], torch.full((32,), 256 * 15 / 64))
+
+
 def outputs_digest() -> str:
-    """A hash of both kernels' outputs on fixed inputs at 1, 4 and 16 rows (run under each
-    CPU class by the test below)."""
+    """A hash of both kernels' outputs on fixed inputs at 1, 4 and 16 rows, and on the largest
+    block sums (run under each CPU class by the test below)."""
     cpu_kernels.load(required=True)
     digest = hashlib.sha256()
     x = torch.randn(16, 1536, generator=torch.Generator().manual_seed(6))
@@ -182,6 +213,10 @@ def outputs_digest() -> str:
         matrix = packed(kind, 100, 1536, seed=7)
         for rows in (1, 4, 16):
             digest.update(matrix.decode_mm(x[:rows]).numpy().tobytes())
+    extreme_x, *extreme = extreme_matrices()
+    for matrix in extreme:
+        for rows in (1, 4):
+            digest.update(matrix.decode_mm(extreme_x[:rows]).numpy().tobytes())
     return digest.hexdigest()
 
 

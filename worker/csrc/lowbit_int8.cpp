@@ -23,9 +23,10 @@
 // transposed in registers to 16 features x 4 inputs (one byte permute with AVX512_VBMI, a
 // dword permute and a byte shuffle without). Q8 weights are signed: they enter as q + 128
 // (q xor 0x80) and 128 * S is taken off the integer sum. AVX-512 without VNNI computes the
-// same integer sums with 16-bit multiply-adds, and the portable loops (the avx2 class) with
-// scalar integers: integer sums are exact and every fp32 operation is the same, so all the
-// classes give the same bits.
+// same integer sums with maddubs (u8 x s8 pairs in int16; see q4_dot and q8_lanes) and a madd
+// with ones into int32; AVX2 (the avx2 class) the same with 8 features per vector; the
+// portable loops (no AVX2) with scalar integers. Integer sums are exact and every fp32
+// operation is the same, so all the classes give the same bits.
 //
 // Batch independence: quantization is per row and every (row, feature) lane runs the same
 // operations whatever shares the call (tiles of rows and groups of panels only share loads),
@@ -38,6 +39,10 @@
 #include "block_units.h"
 #include "chunks.h"
 #include "kernels.h"
+
+#if !ZS_LOWBIT_AVX512 && defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -119,20 +124,49 @@ inline __m512i load_transposed(const uint8_t* p) {
 #endif
 }
 
-// acc + the sums of 4 products u8(u) * s8(s) in each 32-bit lane, exactly.
-inline __m512i dot4(__m512i acc, __m512i u, __m512i s) {
+// The integer sums of a block, per 32-bit lane (one feature): with VNNI, dpbusd adds the 4
+// products u8(u) * s8(s) of each lane to an int32 sum. Without, q4's sums go through 16-bit
+// lanes, as llama.cpp's AVX2 kernels do: maddubs gives each pair's u * s (q4: at most
+// 2 * 15 * 127 = 3810 in magnitude, so never saturates), the block's 8 of them are added in
+// int16 (at most 30480, no overflow) and one madd with ones at the block's end sums each
+// lane's two halves into int32. Both are the exact integer sum, so the classes agree.
 #if defined(__AVX512VNNI__)
-  return _mm512_dpbusd_epi32(acc, u, s);
+inline __m512i q4_dot(__m512i acc, __m512i u, __m512i s) { return _mm512_dpbusd_epi32(acc, u, s); }
+inline __m512i q4_block_sum(__m512i acc) { return acc; }
 #else
-  // 16-bit halves: products of at most 255 * 128 and pairs of them fit the int32 sums.
-  const __m512i u_even = _mm512_and_si512(u, _mm512_set1_epi16(0x00FF));
-  const __m512i u_odd = _mm512_srli_epi16(u, 8);
-  const __m512i s_even = _mm512_srai_epi16(_mm512_slli_epi16(s, 8), 8);
-  const __m512i s_odd = _mm512_srai_epi16(s, 8);
-  return _mm512_add_epi32(acc, _mm512_add_epi32(_mm512_madd_epi16(u_even, s_even),
-                                                _mm512_madd_epi16(u_odd, s_odd)));
-#endif
+inline __m512i q4_dot(__m512i acc, __m512i u, __m512i s) {
+  return _mm512_add_epi16(acc, _mm512_maddubs_epi16(u, s));
 }
+inline __m512i q4_block_sum(__m512i acc) { return _mm512_madd_epi16(acc, _mm512_set1_epi16(1)); }
+#endif
+
+// q8's signed weights (4 inputs x 16 features, transposed) as one dot product takes them.
+// With VNNI: q + 128 (q xor 0x80) as u8, and 128 * S is taken off the block's sum
+// (kQ8Shift). Without: |q| as u8 (128 for -128) and the sign of q moved onto x, so maddubs
+// multiplies |q| by +-x (each pair at most 2 * 128 * 127 = 32512: never saturates) and a
+// madd with ones widens the pairs to int32.
+struct Q8Lanes {
+  __m512i u;
+#if !defined(__AVX512VNNI__)
+  __mmask64 negative;
+#endif
+};
+
+#if defined(__AVX512VNNI__)
+constexpr int32_t kQ8Shift = 128;
+inline Q8Lanes q8_lanes(__m512i q) { return {_mm512_xor_si512(q, _mm512_set1_epi8(-128))}; }
+inline __m512i q8_dot(__m512i acc, const Q8Lanes& w, __m512i s) {
+  return _mm512_dpbusd_epi32(acc, w.u, s);
+}
+#else
+constexpr int32_t kQ8Shift = 0;
+inline Q8Lanes q8_lanes(__m512i q) { return {_mm512_abs_epi8(q), _mm512_movepi8_mask(q)}; }
+inline __m512i q8_dot(__m512i acc, const Q8Lanes& w, __m512i s) {
+  const __m512i signed_s = _mm512_mask_sub_epi8(s, w.negative, _mm512_setzero_si512(), s);
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w.u, signed_s),
+                                                 _mm512_set1_epi16(1)));
+}
+#endif
 
 inline __m512i broadcast4(const int8_t* p) {
   int32_t v;
@@ -169,10 +203,13 @@ inline void q4_panels(const Q4<S>& w, int64_t panel, const QuantRows& x, float* 
         const __m512i x_lo = broadcast4(xb + 4 * j);
         const __m512i x_hi = broadcast4(xb + 16 + 4 * j);
         for (int64_t p = 0; p < P; ++p) {
-          isum[p][r] = dot4(isum[p][r], w_lo[p], x_lo);
-          isum[p][r] = dot4(isum[p][r], w_hi[p], x_hi);
+          isum[p][r] = q4_dot(isum[p][r], w_lo[p], x_lo);
+          isum[p][r] = q4_dot(isum[p][r], w_hi[p], x_hi);
         }
       }
+    }
+    for (int64_t p = 0; p < P; ++p) {
+      for (int64_t r = 0; r < R; ++r) isum[p][r] = q4_block_sum(isum[p][r]);
     }
     for (int64_t p = 0; p < P; ++p) {
       const __m512 s = load16<S>(unit[p] + 256);
@@ -191,7 +228,6 @@ template <typename S, int64_t P, int64_t R>
 inline void q8_panels(const Q8<S>& w, int64_t panel, const QuantRows& x, float* out,
                       int64_t out_stride, int64_t width) {
   constexpr int64_t kUnit = Q8<S>::kUnit;
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[P][R] = {};
   for (int64_t b = 0; b < w.blocks; ++b) {
     const uint8_t* unit[P];
@@ -204,26 +240,162 @@ inline void q8_panels(const Q8<S>& w, int64_t panel, const QuantRows& x, float* 
     }
     __m512i isum[P][R] = {};
     for (int64_t j = 0; j < kBlock / 4; ++j) {  // inputs 32b + 4j .. 32b + 4j + 3
-      __m512i wj[P];
-      for (int64_t p = 0; p < P; ++p) {
-        wj[p] = _mm512_xor_si512(load_transposed(unit[p] + 64 * j), flip);  // q + 128
-      }
+      Q8Lanes wj[P];
+      for (int64_t p = 0; p < P; ++p) wj[p] = q8_lanes(load_transposed(unit[p] + 64 * j));
       for (int64_t r = 0; r < R; ++r) {
         const __m512i xj = broadcast4(x.xq + r * x.cols + b * kBlock + 4 * j);
-        for (int64_t p = 0; p < P; ++p) isum[p][r] = dot4(isum[p][r], wj[p], xj);
+        for (int64_t p = 0; p < P; ++p) isum[p][r] = q8_dot(isum[p][r], wj[p], xj);
       }
     }
     for (int64_t p = 0; p < P; ++p) {
       const __m512 s = load16<S>(unit[p] + kBlock * kPanel);
       for (int64_t r = 0; r < R; ++r) {
-        const __m512i shift = _mm512_set1_epi32(128 * x.sum[r * x.blocks + b]);
+        __m512i sum = isum[p][r];
+        if constexpr (kQ8Shift != 0) {
+          sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(kQ8Shift * x.sum[r * x.blocks + b]));
+        }
         const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(x.d[r * x.blocks + b]));
-        acc[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[p][r], shift)),
-                                    sd, acc[p][r]);
+        acc[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), sd, acc[p][r]);
       }
     }
   }
   store_panels<P, R>(acc, out, out_stride, width);
+}
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// AVX2 (the avx2 class): 8 features per vector, each panel in two halves. The integer sums
+// as AVX-512 without VNNI takes them (maddubs; _mm256_sign_epi8 moves q8's signs onto x),
+// then per lane the same fp32 operations as every class.
+
+// The 64 bytes at p (4 inputs x 16 features) as 2 vectors of 8 features x 4 inputs: each
+// 32-bit lane holds one feature's 4 inputs, as maddubs and a madd with ones sum them.
+inline void load_transposed(const uint8_t* p, __m256i (&half)[2]) {
+  const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16));
+  const __m128i r2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32));
+  const __m128i r3 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 48));
+  const __m128i a = _mm_unpacklo_epi8(r0, r1), b = _mm_unpacklo_epi8(r2, r3);  // features 0..7
+  const __m128i c = _mm_unpackhi_epi8(r0, r1), d = _mm_unpackhi_epi8(r2, r3);  // 8..15
+  half[0] = _mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b));
+  half[1] = _mm256_set_m128i(_mm_unpackhi_epi16(c, d), _mm_unpacklo_epi16(c, d));
+}
+
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm256_set1_epi32(v);
+}
+
+// 8 scales (or offsets) at p as fp32.
+template <typename S>
+inline __m256 load8(const uint8_t* p) {
+  if constexpr (std::is_same_v<S, float>) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+}
+
+// acc[p][r] (panel p's 16 features for row r, in two halves) to out, only the first `width`
+// features of the call.
+template <int64_t P, int64_t R>
+inline void store_halves(const __m256 (&acc)[P][R][2], float* out, int64_t out_stride,
+                         int64_t width) {
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t n = std::min<int64_t>(kPanel, width - kPanel * p);
+    for (int64_t r = 0; r < R; ++r) {
+      float lanes[kPanel];
+      _mm256_storeu_ps(lanes, acc[p][r][0]);
+      _mm256_storeu_ps(lanes + 8, acc[p][r][1]);
+      std::memcpy(out + r * out_stride + kPanel * p, lanes, n * sizeof(float));
+    }
+  }
+}
+
+template <typename S, int64_t P, int64_t R>
+inline void q4_panels(const Q4<S>& w, int64_t panel, const QuantRows& x, float* out,
+                      int64_t out_stride, int64_t width) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[P][R][2] = {};
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    const uint8_t* unit[P];
+    for (int64_t p = 0; p < P; ++p) unit[p] = w.unit(panel + p, b);
+    __m256i isum[P][R][2] = {};  // int16 pairs, as q4_dot's without VNNI
+    for (int64_t j = 0; j < 4; ++j) {
+      __m256i w_lo[P][2], w_hi[P][2];
+      for (int64_t p = 0; p < P; ++p) {
+        __m256i v[2];
+        load_transposed(unit[p] + 64 * j, v);
+        for (int64_t h = 0; h < 2; ++h) {
+          w_lo[p][h] = _mm256_and_si256(v[h], low4);
+          w_hi[p][h] = _mm256_and_si256(_mm256_srli_epi16(v[h], 4), low4);
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const int8_t* xb = x.xq + r * x.cols + b * kBlock;
+        const __m256i x_lo = broadcast4(xb + 4 * j), x_hi = broadcast4(xb + 16 + 4 * j);
+        for (int64_t p = 0; p < P; ++p) {
+          for (int64_t h = 0; h < 2; ++h) {
+            isum[p][r][h] = _mm256_add_epi16(isum[p][r][h], _mm256_maddubs_epi16(w_lo[p][h], x_lo));
+            isum[p][r][h] = _mm256_add_epi16(isum[p][r][h], _mm256_maddubs_epi16(w_hi[p][h], x_hi));
+          }
+        }
+      }
+    }
+    for (int64_t p = 0; p < P; ++p) {
+      for (int64_t h = 0; h < 2; ++h) {
+        const __m256 s = load8<S>(unit[p] + 256 + 8 * h * sizeof(S));
+        const __m256 o = load8<S>(unit[p] + 256 + (kPanel + 8 * h) * sizeof(S));
+        for (int64_t r = 0; r < R; ++r) {
+          const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum[p][r][h], ones));
+          const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(x.d[r * x.blocks + b]));
+          acc[p][r][h] = _mm256_fmadd_ps(sum, sd, acc[p][r][h]);
+          acc[p][r][h] = _mm256_fmadd_ps(o, _mm256_set1_ps(x.sx[r * x.blocks + b]), acc[p][r][h]);
+        }
+      }
+    }
+  }
+  store_halves<P, R>(acc, out, out_stride, width);
+}
+
+template <typename S, int64_t P, int64_t R>
+inline void q8_panels(const Q8<S>& w, int64_t panel, const QuantRows& x, float* out,
+                      int64_t out_stride, int64_t width) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[P][R][2] = {};
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    const uint8_t* unit[P];
+    for (int64_t p = 0; p < P; ++p) unit[p] = w.unit(panel + p, b);
+    __m256i isum[P][R][2] = {};
+    for (int64_t j = 0; j < kBlock / 4; ++j) {  // inputs 32b + 4j .. 32b + 4j + 3
+      __m256i q[P][2], magnitude[P][2];
+      for (int64_t p = 0; p < P; ++p) {
+        load_transposed(unit[p] + 64 * j, q[p]);
+        for (int64_t h = 0; h < 2; ++h) magnitude[p][h] = _mm256_abs_epi8(q[p][h]);
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const __m256i xj = broadcast4(x.xq + r * x.cols + b * kBlock + 4 * j);
+        for (int64_t p = 0; p < P; ++p) {
+          for (int64_t h = 0; h < 2; ++h) {
+            // |q| * (x with q's sign): each pair at most 2 * 128 * 127, no saturation
+            const __m256i pairs =
+                _mm256_maddubs_epi16(magnitude[p][h], _mm256_sign_epi8(xj, q[p][h]));
+            isum[p][r][h] = _mm256_add_epi32(isum[p][r][h], _mm256_madd_epi16(pairs, ones));
+          }
+        }
+      }
+    }
+    for (int64_t p = 0; p < P; ++p) {
+      for (int64_t h = 0; h < 2; ++h) {
+        const __m256 s = load8<S>(unit[p] + kBlock * kPanel + 8 * h * sizeof(S));
+        for (int64_t r = 0; r < R; ++r) {
+          const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(x.d[r * x.blocks + b]));
+          acc[p][r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[p][r][h]), sd, acc[p][r][h]);
+        }
+      }
+    }
+  }
+  store_halves<P, R>(acc, out, out_stride, width);
 }
 
 #else  // portable loops: the same integer sums and fp32 operations, lane by lane
