@@ -3,10 +3,18 @@
     python benchmarks/profile_runner.py --batch 1 16 32 --context 256 --steps 20 [--profile]
     python benchmarks/profile_runner.py --batch 16 --prefill 128 --prefill-prompts 4 --profile
 
+    python benchmarks/profile_runner.py --batch 1 16 32 --threads 1 --split
+
 Each sequence gets a fresh block table covering `context` tokens (the pool content does not
 matter for timing); every step is one decode token per sequence, as in steady-state serving.
 Prints ms/step, tokens/s and the share of the step spent outside the model forward; on a
 shared machine also look at `min` and `cpu` (process CPU time per step, all threads).
+`--split` adds where a step's CPU time goes: the layers' block products alone (the same calls
+on the model's own weights, as many rows), the lm_head's decode product alone, and the rest
+(attention, norms, sampling, Python), with the weights' GB/s; minimum over the steps.
+As a worker does, the OpenMP threads' spinning is bounded (worker/omp_env.py) and the CPU class
+switch (ZEROSERVE_CPU_CLASS) applies to torch, both before torch loads: with torch's default
+spin, 2 threads on a shared machine measure the waits, not the step.
 """
 
 from __future__ import annotations
@@ -17,9 +25,15 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from zeroserve.worker import cpu_class  # noqa: E402
+from zeroserve.worker.omp_env import bound_omp_spinning  # noqa: E402
+
+bound_omp_spinning()
+cpu_class.apply_to_environment()
+
+import torch  # noqa: E402
 
 from zeroserve.worker.config import ATTENTION_BACKENDS, EngineConfig  # noqa: E402
 from zeroserve.worker.model_runner import ModelRunner  # noqa: E402
@@ -55,6 +69,8 @@ def main() -> None:
                              "512-token budget)")
     parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     parser.add_argument("--profile", action="store_true", help="print torch.profiler top ops")
+    parser.add_argument("--split", action="store_true",
+                        help="CPU time of the block products, the lm_head and the rest")
     parser.add_argument("--no-weight-cache", action="store_true",
                         help="prepare the weights in memory instead of mapping the weight cache")
     args = parser.parse_args()
@@ -89,6 +105,8 @@ def main() -> None:
               f"outside forward {statistics.median(outside) * 1e3:5.2f} ms "
               f"({statistics.median(outside) / statistics.median(totals):.1%})  "
               f"min {min(totals) * 1e3:.2f} ms, cpu {statistics.median(cpu) * 1e3:.2f} ms/step")
+        if args.split:
+            print(step_split(runner, plan, batch, args.steps))
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
@@ -96,6 +114,42 @@ def main() -> None:
                 for _ in range(5):
                     runner.execute(plan)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+
+
+def min_cpu_ms(fn, repeats: int) -> float:
+    """fn's smallest process CPU time over `repeats` calls, in ms (after one warm-up)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.process_time()
+        fn()
+        best = min(best, time.process_time() - started)
+    return best * 1e3
+
+
+def step_split(runner: ModelRunner, plan: SchedulerOutput, batch: int, repeats: int) -> str:
+    """Where a decode step's CPU time goes: the layers' block products (each layer's four, on
+    its own weights, `batch` rows of random activations), the lm_head's decode product, the
+    rest. Each is timed alone, so its weights stream from memory as in the step (the layers'
+    together are larger than the cache)."""
+    model = runner.model
+    products = [(lin.packed, lin.packed.data.shape[1] * 32) for layer in model.layers
+                for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+                if lin.packed is not None and hasattr(lin.packed, "decode_mm")]
+    head = model.lm_head.packed
+    if not products or head is None or not hasattr(head, "decode_mm"):
+        return "  split: the decode rows do not run on the block kernels on this path"
+    xs = {cols: torch.randn(batch, cols) for cols in {cols for _, cols in products}}
+    xs.setdefault(head.data.shape[1] * 32, torch.randn(batch, head.data.shape[1] * 32))
+    step = min_cpu_ms(lambda: runner.execute(plan), repeats)
+    layers = min_cpu_ms(lambda: [p.decode_mm(xs[cols]) for p, cols in products], repeats)
+    lm_head = min_cpu_ms(lambda: head.decode_mm(xs[head.data.shape[1] * 32]), repeats)
+    layer_mb = sum(p.data.numel() for p, _ in products) / 1e6
+    head_mb = head.data.numel() / 1e6
+    return (f"  split (CPU ms, min of {repeats}): step {step:.2f} = layers' products "
+            f"{layers:.2f} ({layer_mb:.0f} MB, {layer_mb / layers:.1f} GB/s) + lm_head "
+            f"{lm_head:.2f} ({head_mb:.0f} MB, {head_mb / lm_head:.1f} GB/s, "
+            f"{lm_head / step:.0%} of the step) + rest {step - layers - lm_head:.2f}")
 
 
 def time_prefill(runner: ModelRunner, num_tokens: int, num_prompts: int,
