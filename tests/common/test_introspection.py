@@ -99,7 +99,11 @@ def test_one_profile_at_a_time():
     first = threading.Thread(target=run_profile, args=(slot, ProfileArgs(5.0), stop))
     first.start()
     try:
-        time.sleep(0.05)
+        # Until the first holds the slot (a fixed nap lost the race on a loaded machine,
+        # where the thread may not have started yet).
+        deadline = time.monotonic() + 30
+        while not slot._lock.locked() and time.monotonic() < deadline:
+            time.sleep(0.01)
         with pytest.raises(Busy):
             run_profile(slot, ProfileArgs(0.1))
     finally:
