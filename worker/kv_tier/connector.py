@@ -16,13 +16,20 @@ run: the sequence computes from there.
 
 Digests are computed only here, only with the tier on, per request and cached until the
 request ends (the block manager's `forget`).
+
+Exit: a process that exits in order (a restart, a drain that ends in an exit, SIGTERM) first
+writes what is queued, for `EXIT_WRITE_S` at most (an atexit hook): the writer is a daemon
+thread, and without it the last steps' blocks died with it, so a stream that moved, or the
+worker's next process, computed them again. A killed or stalled process writes nothing more.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +46,8 @@ logger = logging.getLogger(__name__)
 MAX_QUEUED_BYTES = 256 << 20
 # Digests this process published (or found published) that it skips without a stat.
 KNOWN_DIGESTS = 65536
+# At an orderly exit, how long the queued blocks may take to be written (then dropped).
+EXIT_WRITE_S = 5.0
 
 
 @dataclass
@@ -72,6 +81,7 @@ class KVTierConnector:
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer",
                                         daemon=True)
         self._writer.start()
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     @property
     def block_bytes(self) -> int:
@@ -212,3 +222,10 @@ class KVTierConnector:
         known.move_to_end(digest)
         if len(known) > KNOWN_DIGESTS:
             known.popitem(last=False)
+
+
+def _close_at_exit(ref: weakref.ref[KVTierConnector]) -> None:
+    """At an orderly exit: write what is queued (EXIT_WRITE_S at most), then stop."""
+    connector = ref()
+    if connector is not None and connector._writer.is_alive():
+        connector.close(timeout_s=EXIT_WRITE_S)

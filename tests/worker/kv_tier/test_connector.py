@@ -3,9 +3,14 @@ bit for bit into other pool blocks, in any dtype; a writer that is behind drops,
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
+from zeroserve.cli.harness import REPO_ROOT, child_env
 from zeroserve.worker.block_manager import BlockManager
 from zeroserve.worker.kv_tier.connector import KVTierConnector
 from zeroserve.worker.kv_tier.store import TierLevel, TierStore
@@ -79,3 +84,41 @@ def test_a_request_looked_up_again_while_it_waits_counts_one_miss(tmp_path):
     assert tier.counters.num_misses == 1
     tier.forget(waiting)
     tier.close()
+
+
+# A process whose writer is slow (a busy disk: each put takes 0.2 s) queues two blocks and
+# exits at once, as a worker does at the end of a drain or a restart.
+EXITING_WRITER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    import torch
+    from zeroserve.worker.block_manager import BlockManager
+    from zeroserve.worker.kv_tier.connector import KVTierConnector
+    from zeroserve.worker.kv_tier.store import TierLevel, TierStore
+    from zeroserve.worker.sequence import SamplingParams, Sequence
+
+    class SlowStore(TierStore):
+        def put(self, *args):
+            time.sleep(0.2)
+            return super().put(*args)
+
+    key = bytes(16)
+    bm = BlockManager(8, 4)
+    store = SlowStore([TierLevel(Path(sys.argv[1]), 1 << 20, key)])
+    tier = KVTierConnector(store, torch.randn(2, 2, 8, 4, 2, 8), key, bm.block_tokens)
+    tier.on_full(Sequence("a", list(range(1, 10)), SamplingParams(max_tokens=4)), 0, 2, [5, 3])
+    tier.flush()
+    sys.exit(0)
+""")
+
+
+@pytest.mark.slow
+def test_an_orderly_exit_writes_the_queued_blocks_first(tmp_path):
+    """The writer is a daemon thread: without the exit hook the process ended with the
+    blocks still queued, and a stream that moved (or the worker's next process) computed
+    them again."""
+    folder = tmp_path / "tier"
+    done = subprocess.run([sys.executable, "-c", EXITING_WRITER, str(folder)], cwd=REPO_ROOT,
+                          env=child_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert len(list(folder.glob("*.kv"))) == 2
