@@ -59,48 +59,47 @@ def free_port() -> int:
     connections, so between our probe and the server's bind any client socket of the suite
     could take it ("address already in use"). Ports below the range are never given to a
     client, and each is handed out once per process."""
-    import random
-
-    low, high = _ephemeral_range()
-    candidates = (10000, low - 1) if low > 12000 else (high + 1, 65535)
-    for _ in range(200):
-        port = random.randint(*candidates)
-        if port in _handed_out:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    with socket.socket() as s:  # a box with no room outside the range: the kernel's pick
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports_on(["127.0.0.1"], 1)[0]
 
 
 def free_ports_on(ips: list[str], count: int) -> list[int]:
     """`count` distinct ports free on every one of `ips` (hosts or pods that bind the same
-    ports on their own addresses)."""
+    ports on their own addresses), outside the ephemeral range as `free_port`'s are."""
+    import random
+
+    low, high = _ephemeral_range()
+    candidates = (10000, low - 1) if low > 12000 else (high + 1, 65535)
     ports: list[int] = []
-    while len(ports) < count:
-        with socket.socket() as probe:
-            probe.bind((ips[0], 0))
-            port = probe.getsockname()[1]
-            socks = []
-            try:
-                for ip in ips[1:]:
-                    s = socket.socket()
-                    socks.append(s)
-                    s.bind((ip, port))
-            except OSError:
-                continue
-            finally:
-                for s in socks:
-                    s.close()
-            if port not in ports:
-                ports.append(port)
+    for _ in range(200 * count):
+        port = random.randint(*candidates)
+        if port in _handed_out or not _is_free_on(ips, port):
+            continue
+        _handed_out.add(port)
+        ports.append(port)
+        if len(ports) == count:
+            return ports
+    while len(ports) < count:  # a box with no room outside the range: the kernel's pick
+        with socket.socket() as s:
+            s.bind((ips[0], 0))
+            port = s.getsockname()[1]
+        if port not in ports and _is_free_on(ips, port):
+            ports.append(port)
     return ports
+
+
+def _is_free_on(ips: list[str], port: int) -> bool:
+    socks = []
+    try:
+        for ip in ips:
+            s = socket.socket()
+            socks.append(s)
+            s.bind((ip, port))
+    except OSError:
+        return False
+    finally:
+        for s in socks:
+            s.close()
+    return True
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
