@@ -80,12 +80,20 @@ def test_a_flood_keys_request_is_refused_before_its_body_and_a_better_class_stil
         error = json.loads(body)["error"]
         assert error["code"] == "queue_full" and "'sheddable'" in error["message"]
         assert admission.stats.by_class[2].num_shed == 1
+        # Messages: the same refusal, in Anthropic's error shape.
+        r = httpx.post(gw.url + "/v1/messages",
+                       json={"model": MODEL, "max_tokens": 2,
+                             "messages": [{"role": "user", "content": "hi"}]},
+                       headers={"Authorization": f"Bearer {BULK}"}, timeout=10)
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["type"] == "error" and r.json()["error"]["type"] == "rate_limit_error"
+        assert admission.stats.by_class[2].num_shed == 2
 
         # A standard key's request in the same state is not refused: it queues.
         post_in_background(gw, STANDARD)
         assert wait_until(lambda: admission.num_queued == 2)
         metrics = httpx.get(gw.url + "/metrics", headers={"Authorization": f"Bearer {BULK}"},
                             timeout=10).text
-        assert 'reason="queue_full"} 1.0' in metrics
+        assert 'reason="queue_full"} 2.0' in metrics
         assert admission.num_arriving == 0  # at the worker, queued, refused, or a 400
         worker.stop()
