@@ -294,7 +294,9 @@ def test_unknown_model_is_404(served):
 # --- capacity, admission ----------------------------------------------------------------
 
 def test_queue_full_is_429_with_retry_after():
-    with GatewayServer(max_queued_requests=1, queue_timeout_s=1) as gw, httpx.Client() as c:
+    # The first request must still be queued when the second comes: a queue timeout a loaded
+    # machine's slow second request cannot outlast (it was 1 s).
+    with GatewayServer(max_queued_requests=1, queue_timeout_s=5) as gw, httpx.Client() as c:
         import threading
         first = threading.Thread(target=lambda: c.post(
             gw.url + "/v1/completions", json={"prompt": "x"}, timeout=10))

@@ -151,7 +151,9 @@ def test_token_buckets_are_1_2_5():
 
 
 def test_429s_are_counted_by_reason():
-    with GatewayServer(max_queued_requests=1, queue_timeout_s=1, rate_limit_rps=1,
+    # The first request still queued and the bucket not refilled when the others come, however
+    # slow a loaded machine is between them (it was a 1 s queue timeout and 1 request/s).
+    with GatewayServer(max_queued_requests=1, queue_timeout_s=5, rate_limit_rps=0.05,
                        rate_limit_burst=2) as gw, httpx.Client() as c:
         import threading
         first = threading.Thread(target=lambda: c.post(
