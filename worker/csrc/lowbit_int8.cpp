@@ -72,6 +72,15 @@ inline int32_t quantize_block(const float* x, int8_t* xq, float* d_out) {
 #if ZS_LOWBIT_AVX512
   const __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+#elif defined(__AVX2__)
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 m = _mm256_and_ps(_mm256_loadu_ps(x), magnitude);
+  for (int64_t k = 8; k < kBlock; k += 8) {
+    m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + k), magnitude));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
 #else
   float amax = 0.0f;
   for (int64_t k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(x[k]));
@@ -89,6 +98,20 @@ inline int32_t quantize_block(const float* x, int8_t* xq, float* d_out) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(xq), _mm512_cvtepi32_epi8(q_lo));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + 16), _mm512_cvtepi32_epi8(q_hi));
   return _mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi));
+#elif defined(__AVX2__)
+  const __m256 lim = _mm256_set1_ps(127.0f), neg = _mm256_set1_ps(-127.0f);
+  int32_t q[kBlock];
+  for (int64_t k = 0; k < kBlock; k += 8) {  // rounding half to even, as AVX-512's
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + k), _mm256_set1_ps(id));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k),
+                        _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, neg), lim)));
+  }
+  int32_t sum = 0;
+  for (int64_t k = 0; k < kBlock; ++k) {
+    xq[k] = static_cast<int8_t>(q[k]);
+    sum += q[k];
+  }
+  return sum;
 #else
   int32_t sum = 0;
   for (int64_t k = 0; k < kBlock; ++k) {
