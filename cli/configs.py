@@ -60,7 +60,7 @@ def engine_config(opts: dict[str, Any], device: str | None = None) -> EngineConf
     tier = _kv_tier_fields(opts)
     return _build(
         EngineConfig, model=opts["model"], device=device or opts["device"],
-        dtype=opts["dtype"], max_num_seqs=opts["max_num_seqs"],
+        dtype=opts["dtype"], kv_cache_dtype=opts["kv_cache_dtype"], max_num_seqs=opts["max_num_seqs"],
         max_num_batched_tokens=opts["max_num_batched_tokens"] or max(
             EngineConfig.max_num_batched_tokens, opts["max_num_seqs"]),
         max_prefill_tokens_with_decodes=opts["max_prefill_tokens_with_decodes"] or None,

@@ -21,7 +21,12 @@ from zeroserve.cli.params import (
     positive,
     speculative_config,
 )
-from zeroserve.worker.config import ATTENTION_BACKENDS, BatchingMode, EngineConfig
+from zeroserve.worker.config import (
+    ATTENTION_BACKENDS,
+    KV_CACHE_DTYPES,
+    BatchingMode,
+    EngineConfig,
+)
 from zeroserve.worker.speculative import SpeculativeConfig
 
 LOG_FORMATS = ("text", "json")
@@ -46,6 +51,10 @@ ENGINE_OPTIONS = [
     option("--device", default="auto", callback=check_device,
            help="auto, cpu, cuda or cuda:N."),
     option("--dtype", type=click.Choice(DTYPES), default="auto"),
+    option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto",
+           help="The KV cache's dtype: bfloat16 stores K/V in half the bytes of float32 "
+                "under float32 activations (attention widens them back to float32 exactly "
+                "as it reads them; the CPU only). [default: auto, the activations' dtype]"),
     option("--max-num-seqs", type=click.IntRange(min=1),
            default=field_default(EngineConfig, "max_num_seqs"),
            help="Most sequences in one batch."),

@@ -126,12 +126,12 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     # The native copy where start-up loaded the CPU kernels (never a build mid-step): one
     # call instead of two index_copy_, the same pool.
     native = cpu_kernels.loaded() if k_cache.device.type == "cpu" else None
-    if native is not None:
+    if native is not None:  # rounds fp32 K/V into a bf16 pool itself
         native.write_kv(k_cache, v_cache, k, v, slot_mapping)
         return
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 @functools.cache
@@ -174,6 +174,7 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     # Whole blocks at a time: [rows * blocks, block_size * kv_heads * d] -> [rows, L, kv * d]
     k = k_cache.view(k_cache.shape[0], -1).index_select(0, group.blocks).view(n, length, -1)
     v = v_cache.view(v_cache.shape[0], -1).index_select(0, group.blocks).view(n, length, -1)
+    k, v = k.to(q.dtype), v.to(q.dtype)  # a bf16 pool under fp32 q (--kv-cache-dtype): exact
     eye = _eye(num_kv_heads, q.dtype, q.device)
     # [rows, heads, kv_heads * d]: head (j, g) holds q in KV head j's columns, zeros elsewhere.
     q_block = (q.view(n, num_kv_heads, group_size, 1, head_dim)
@@ -211,6 +212,11 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         # Earlier positions are in the pool (this chunk's K/V were just written there too).
         k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, span.context_slots)
         v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, span.context_slots)
+    elif k_cache is not None and k_cache.dtype != q.dtype:
+        # Fresh K/V as the pool holds them (bf16 under fp32 q): the same values as a later
+        # chunk reads back, so a row's result does not depend on its chunk.
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    k, v = k.to(q.dtype), v.to(q.dtype)
     # SDPA computes a query row differently by the blocks it cuts the queries into, which
     # follow the call's query count (blocks of 32, 64 or 256 rows; a block of one to three
     # rows takes another product), and by the row's place in its block: the same row came

@@ -18,6 +18,7 @@ class BatchingMode(enum.Enum):
 
 
 ATTENTION_BACKENDS = ("auto", "native", "torch")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,9 @@ class EngineConfig:
     model: str = "default"  # "default" (embedded SmolLM2), a .gguf path, or a HF directory
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
     dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16"
+    # The KV pool's dtype: "auto" (the activations'), "float32" or "bfloat16" (bf16 K/V under
+    # fp32 activations: half the pool's bytes and attention's reads; device.resolve_kv_dtype).
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     # Prefill tokens a step may carry beside running decodes (chunked prefill as in Sarathi
@@ -97,6 +101,8 @@ class EngineConfig:
             raise ValueError("max_capture_batch_size must be >= 1")
         if not 0 <= self.kv_offloading_size < 1 << 20:
             raise ValueError("kv_offloading_size must be >= 0 GiB")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
         if not 0 < self.kv_tier_dir_size < 1 << 30:
             raise ValueError("kv_tier_dir_size must be > 0 GiB")
 

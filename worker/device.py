@@ -100,6 +100,28 @@ def resolve_precision(name: str, device: torch.device) -> tuple[torch.dtype, tor
     return chosen, prompt
 
 
+def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV pool's dtype for --kv-cache-dtype `name` under activations in `dtype`.
+
+    'auto': the activations' dtype (so `--dtype float32` keeps the exact fp32 reference
+    path). An explicit name is either the activations' dtype or, on the CPU, bfloat16 under
+    float32 activations: K/V are rounded to bf16 as they are written and widened back to fp32
+    (exactly) as attention reads them, half the pool's bytes and half attention's reads."""
+    if name == "auto":
+        return dtype
+    chosen = _DTYPES.get(name)
+    if chosen not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"unsupported KV cache dtype {name!r} (use auto, float32, bfloat16)")
+    if chosen == dtype:
+        return chosen
+    if device.type == "cpu" and dtype == torch.float32 and chosen == torch.bfloat16:
+        logger.info("KV cache in bfloat16 under float32 activations")
+        return chosen
+    raise ValueError(f"--kv-cache-dtype {name} under {dtype_name(dtype)} activations on "
+                     f"{device.type}: a KV cache dtype other than the activations' is "
+                     "bfloat16 under float32 on the CPU only")
+
+
 def cuda_supports_bf16(device: torch.device) -> bool:
     """True on GPUs with bf16 tensor cores (compute capability 8.0, Ampere, and later; all
     ROCm GPUs torch supports). Not torch.cuda.is_bf16_supported(): by default it also counts

@@ -22,7 +22,12 @@ from zeroserve.worker.attention import (
     causal_mask,
 )
 from zeroserve.worker.config import EngineConfig
-from zeroserve.worker.device import default_kv_cache_bytes, resolve_device, resolve_precision
+from zeroserve.worker.device import (
+    default_kv_cache_bytes,
+    resolve_device,
+    resolve_kv_dtype,
+    resolve_precision,
+)
 from zeroserve.worker.model import compiled
 from zeroserve.worker.model.info import ModelInfo
 from zeroserve.worker.model.llama import KVCache
@@ -67,6 +72,7 @@ class ModelRunner:
                 # Allocations that name no index (workspaces, library handles) land on our GPU.
                 torch.cuda.set_device(self.device)
             self.dtype, prompt_dtype = resolve_precision(config.dtype, self.device)
+            self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.model, self.info = load_model(config.model, self.device, self.dtype,
                                            config.max_model_len, _weight_cache(config), timer,
                                            config.batch_invariant, prompt_dtype)
@@ -123,7 +129,7 @@ class ModelRunner:
     def kv_block_bytes(self) -> int:
         """Bytes of one block across all layers, K and V."""
         info = self.info
-        element = torch.empty((), dtype=self.dtype).element_size()
+        element = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * info.num_layers * self.block_size * info.num_kv_heads * info.head_dim * element
 
     def _pool_size(self, config: EngineConfig, info: ModelInfo) -> int:
@@ -149,9 +155,9 @@ class ModelRunner:
         shape = (info.num_layers, 2, self.num_kv_blocks, self.block_size, info.num_kv_heads,
                  info.head_dim)
         if self.device.type == "cpu":
-            pool = _zeroed_cpu_tensor(shape, self.dtype)
+            pool = _zeroed_cpu_tensor(shape, self.kv_dtype)
         else:
-            pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            pool = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_pool = pool  # the KV tier's view (worker/kv_tier/connector.py)
         return [(pool[i, 0], pool[i, 1]) for i in range(info.num_layers)]
 

@@ -7,8 +7,11 @@
 //
 // Work items are (sequence, KV head) pairs; each computes the `group` query heads that share
 // that KV head, so every K/V row is read once per item. Scores and sums are fp32 whatever
-// the storage dtype. Items are dealt round-robin to torch's intra-op threads: rows arrive
-// sorted by context length, so contiguous ranges would give one thread all the long ones.
+// the storage dtype; a bf16 pool under fp32 q (--kv-cache-dtype bfloat16) is widened to fp32
+// as it is read (exact), then takes the fp32 path's arithmetic, so its result is the fp32
+// kernel's over the widened pool, bit for bit, on every CPU class. Items are dealt
+// round-robin to torch's intra-op threads: rows arrive sorted by context length, so
+// contiguous ranges would give one thread all the long ones.
 //
 // Built at run time by worker/cpu_kernels.py with -O3 -march=native. Where the CPU has
 // AVX-512 BF16 and the head size is 64 or 128, bf16 items use the intrinsics path
@@ -53,12 +56,13 @@ inline float to_float(at::BFloat16 x) {
   return out;
 }
 
-template <typename T>
+// T: q's and out's dtype; KV: the pool's (T, or bf16 under fp32 q: --kv-cache-dtype).
+template <typename T, typename KV = T>
 struct Problem {
   const T* q;  // [n, heads, d] with rows q_stride apart
   int64_t q_stride;
-  const T* k_cache;  // [num_blocks, block_size, kv_heads, d]
-  const T* v_cache;
+  const KV* k_cache;  // [num_blocks, block_size, kv_heads, d]
+  const KV* v_cache;
   const int32_t* tables;  // [n, table_stride]
   int64_t table_stride;
   const int32_t* context_lens;  // [n]
@@ -69,8 +73,21 @@ struct Problem {
 
 // Scratch reused across the items of one thread.
 struct Scratch {
-  std::vector<float> q, acc, scores, inv_sums;
+  std::vector<float> q, acc, scores, inv_sums, row;
 };
+
+// A pool row as one_item reads it: itself where the pool has q's dtype, or (a bf16 pool
+// under fp32 q) widened into `buffer` (exact), so that the loops over it are the fp32
+// path's own, in the same order.
+template <typename T, typename KV>
+inline auto pool_row(const KV* row, int64_t d, float* buffer) {
+  if constexpr (std::is_same_v<T, float> && !std::is_same_v<KV, float>) {
+    for (int64_t j = 0; j < d; ++j) buffer[j] = to_float(row[j]);
+    return static_cast<const float*>(buffer);
+  } else {
+    return row;
+  }
+}
 
 // In place: each of `rows` rows of `len` scores -> exp(score - row max); inv_sums[r] gets
 // 1 / (sum of row r), applied to the output at the end.
@@ -92,12 +109,12 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t len, float* inv_su
 
 // Calls fn(l, pointer to row l of `cache` for this KV head) for l = 0 .. len-1, walking the
 // block table block by block (no division per position).
-template <typename T, typename Fn>
-inline void for_each_row(const Problem<T>& p, const int32_t* table, int64_t len,
-                         const T* cache, int64_t kv_head, Fn&& fn) {
+template <typename P, typename KV, typename Fn>
+inline void for_each_row(const P& p, const int32_t* table, int64_t len,
+                         const KV* cache, int64_t kv_head, Fn&& fn) {
   const int64_t slot_stride = p.kv_heads * p.d;  // elements between neighbouring pool slots
   for (int64_t start = 0, b = 0; start < len; start += p.block_size, ++b) {
-    const T* row = cache + static_cast<int64_t>(table[b]) * p.block_size * slot_stride +
+    const KV* row = cache + static_cast<int64_t>(table[b]) * p.block_size * slot_stride +
                    kv_head * p.d;
     const int64_t stop = std::min(len, start + p.block_size);
     for (int64_t l = start; l < stop; ++l, row += slot_stride) fn(l, row);
@@ -106,8 +123,8 @@ inline void for_each_row(const Problem<T>& p, const int32_t* table, int64_t len,
 
 // D is the head size when known at compile time (the common 64 and 128, so that the inner
 // loops unroll into a few vector instructions), or 0 to read it from the problem.
-template <int64_t D, typename T>
-void one_item(const Problem<T>& p, int64_t seq, int64_t kv_head, Scratch& s) {
+template <int64_t D, typename T, typename KV>
+void one_item(const Problem<T, KV>& p, int64_t seq, int64_t kv_head, Scratch& s) {
   const int64_t d = D > 0 ? D : p.d;
   const int64_t group = p.heads / p.kv_heads;
   const int64_t len = p.context_lens[seq];
@@ -116,6 +133,7 @@ void one_item(const Problem<T>& p, int64_t seq, int64_t kv_head, Scratch& s) {
   s.acc.assign(group * d, 0.0f);
   s.scores.resize(group * len);
   s.inv_sums.resize(group);
+  s.row.resize(d);
   float* q = s.q.data();
   float* acc = s.acc.data();
   float* scores = s.scores.data();
@@ -124,7 +142,8 @@ void one_item(const Problem<T>& p, int64_t seq, int64_t kv_head, Scratch& s) {
   for (int64_t i = 0; i < group * d; ++i) q[i] = to_float(q_in[i]) * p.scale;
 
   // scores[g, l] = q_g . k_l
-  for_each_row(p, table, len, p.k_cache, kv_head, [&](int64_t l, const T* k) {
+  for_each_row(p, table, len, p.k_cache, kv_head, [&](int64_t l, const KV* k_row) {
+    const auto* k = pool_row<T>(k_row, d, s.row.data());
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = q + g * d;
       float dot = 0.0f;
@@ -137,7 +156,8 @@ void one_item(const Problem<T>& p, int64_t seq, int64_t kv_head, Scratch& s) {
   softmax_rows(scores, group, len, s.inv_sums.data());
 
   // acc[g] = sum_l p[g, l] v_l
-  for_each_row(p, table, len, p.v_cache, kv_head, [&](int64_t l, const T* v) {
+  for_each_row(p, table, len, p.v_cache, kv_head, [&](int64_t l, const KV* v_row) {
+    const auto* v = pool_row<T>(v_row, d, s.row.data());
     for (int64_t g = 0; g < group; ++g) {
       const float weight = scores[g * len + l];
       float* ag = acc + g * d;
@@ -176,6 +196,17 @@ inline __m512 sum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
                        _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
 }
+
+// 16 bf16 values -> 16 floats (a bf16 is the high half of a float: exact).
+inline __m512 load_bf16x16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// 16 pool values as floats: fp32 rows as they are, bf16 rows (--kv-cache-dtype bfloat16)
+// widened, so a bf16 pool gives the fp32 path's exact arithmetic on the widened values.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) { return load_bf16x16(p); }
 
 // exp_nonpositive (fast_exp.h) on 16 lanes: the same power-of-two split and polynomial.
 inline __m512 exp_nonpositive16(__m512 x) {
@@ -218,8 +249,8 @@ inline float softmax_row16(float* scores, int64_t len) {
 // by query head (run(), for batches too small to keep the threads busy) changes nothing.
 // q.k as 16-row tiles of lane sums reduced together (sum16), softmax_row16,
 // then the weighted V rows summed in registers, kWays interleaved accumulator sets.
-template <int64_t D>
-void one_head_f32(const Problem<float>& p, int64_t seq, int64_t kv_head, int64_t g,
+template <int64_t D, typename KV>
+void one_head_f32(const Problem<float, KV>& p, int64_t seq, int64_t kv_head, int64_t g,
                   Scratch& s) {
   constexpr int64_t kVecs = D / 16;
   const int64_t group = p.heads / p.kv_heads;
@@ -234,9 +265,9 @@ void one_head_f32(const Problem<float>& p, int64_t seq, int64_t kv_head, int64_t
 
   __m512 tile[16];
   int64_t num_filled = 0;
-  for_each_row(p, table, len, p.k_cache, kv_head, [&](int64_t l, const float* k) {
-    __m512 dot = _mm512_mul_ps(q[0], _mm512_loadu_ps(k));
-    for (int64_t c = 1; c < kVecs; ++c) dot = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(k + 16 * c), dot);
+  for_each_row(p, table, len, p.k_cache, kv_head, [&](int64_t l, const KV* k) {
+    __m512 dot = _mm512_mul_ps(q[0], load16(k));
+    for (int64_t c = 1; c < kVecs; ++c) dot = _mm512_fmadd_ps(q[c], load16(k + 16 * c), dot);
     tile[num_filled++] = dot;
     if (num_filled == 16) {
       _mm512_storeu_ps(scores + l - 15, sum16(tile));
@@ -259,15 +290,15 @@ void one_head_f32(const Problem<float>& p, int64_t seq, int64_t kv_head, int64_t
   // unrolled so that the sets stay in registers.
   const int64_t slot_stride = p.kv_heads * D;
   for (int64_t start = 0, b = 0; start < len; start += p.block_size, ++b) {
-    const float* row = p.v_cache + static_cast<int64_t>(table[b]) * p.block_size * slot_stride +
-                       kv_head * D;
+    const KV* row = p.v_cache + static_cast<int64_t>(table[b]) * p.block_size * slot_stride +
+                    kv_head * D;
     const int64_t stop = std::min(len, start + p.block_size);
     int64_t l = start;
     for (; l + kWays <= stop; l += kWays, row += kWays * slot_stride) {
       for (int64_t w = 0; w < kWays; ++w) {
         const __m512 weight = _mm512_set1_ps(scores[l + w]);
         for (int64_t c = 0; c < kVecs; ++c) {
-          acc[w][c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(row + w * slot_stride + 16 * c),
+          acc[w][c] = _mm512_fmadd_ps(weight, load16(row + w * slot_stride + 16 * c),
                                       acc[w][c]);
         }
       }
@@ -276,7 +307,7 @@ void one_head_f32(const Problem<float>& p, int64_t seq, int64_t kv_head, int64_t
       if (l + w < stop) {
         const __m512 weight = _mm512_set1_ps(scores[l + w]);
         for (int64_t c = 0; c < kVecs; ++c) {
-          acc[w][c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(row + w * slot_stride + 16 * c),
+          acc[w][c] = _mm512_fmadd_ps(weight, load16(row + w * slot_stride + 16 * c),
                                       acc[w][c]);
         }
       }
@@ -293,12 +324,6 @@ void one_head_f32(const Problem<float>& p, int64_t seq, int64_t kv_head, int64_t
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define ZS_HAVE_AVX512_BF16 1
-
-// 16 bf16 values -> 16 floats (a bf16 is the high half of a float).
-inline __m512 load_bf16x16(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
 
 // The same item as one_item, with AVX-512 BF16 instructions for a head size D (a multiple
 // of 32): q.k as bf16 pair dot products accumulated in fp32 (exact products, no conversion
@@ -391,17 +416,17 @@ void one_item_bf16(const Problem<at::BFloat16>& p, int64_t seq, int64_t kv_head,
 // One item with the best path for this head size D (0: any) and storage type: query heads
 // [g_begin, g_end) of KV head `kv_head` (only the fp32 AVX-512 path takes part of a group;
 // the others always get the whole group).
-template <int64_t D, typename T>
-inline void item_for(const Problem<T>& p, int64_t seq, int64_t kv_head, int64_t g_begin,
+template <int64_t D, typename T, typename KV>
+inline void item_for(const Problem<T, KV>& p, int64_t seq, int64_t kv_head, int64_t g_begin,
                      int64_t g_end, Scratch& scratch) {
 #ifdef ZS_HAVE_AVX512
   if constexpr (D > 0 && std::is_same_v<T, float>) {
-    for (int64_t g = g_begin; g < g_end; ++g) one_head_f32<D>(p, seq, kv_head, g, scratch);
+    for (int64_t g = g_begin; g < g_end; ++g) one_head_f32<D, KV>(p, seq, kv_head, g, scratch);
     return;
   }
 #endif
 #ifdef ZS_HAVE_AVX512_BF16
-  if constexpr (D > 0 && std::is_same_v<T, at::BFloat16>) {
+  if constexpr (D > 0 && std::is_same_v<T, at::BFloat16> && std::is_same_v<KV, T>) {
     one_item_bf16<D>(p, seq, kv_head, scratch);
     return;
   }
@@ -409,8 +434,8 @@ inline void item_for(const Problem<T>& p, int64_t seq, int64_t kv_head, int64_t 
   one_item<D>(p, seq, kv_head, scratch);
 }
 
-template <typename T>
-void run(const Problem<T>& p) {
+template <typename T, typename KV>
+void run(const Problem<T, KV>& p) {
   // Items are (sequence, KV head) pairs, or (sequence, query head) where there are too few
   // pairs to share between the threads (a batch of one: 3 pairs on 2 threads leaves one
   // thread a third idle) and the path computes heads on their own (fp32, AVX-512).
@@ -477,8 +502,12 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes(),
               "k_cache and v_cache must be contiguous [num_blocks, block_size, kv_heads, d]");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "q, k_cache and v_cache must share a dtype");
+  // The pool shares q's dtype, or holds bf16 under fp32 q (--kv-cache-dtype bfloat16).
+  const bool bf16_pool = q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (k_cache.scalar_type() == q.scalar_type() || bf16_pool),
+              "q, k_cache and v_cache must share a dtype (or the pool be bfloat16 under "
+              "float32 q)");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
                   block_tables.dim() == 2 && block_tables.size(0) == q.size(0),
               "block_tables must be contiguous int32 [n, max_blocks]");
@@ -493,18 +522,21 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
   auto out = at::empty({n, heads * d}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (n == 0) return out;
 
-  auto launch = [&](auto tag) {
+  auto launch = [&](auto tag, auto kv_tag) {
     using T = decltype(tag);
-    Problem<T> p{q.data_ptr<T>(), q.stride(0), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+    using KV = decltype(kv_tag);
+    Problem<T, KV> p{q.data_ptr<T>(), q.stride(0), k_cache.data_ptr<KV>(), v_cache.data_ptr<KV>(),
                  block_tables.data_ptr<int32_t>(), block_tables.stride(0),
                  context_lens.data_ptr<int32_t>(), out.data_ptr<T>(), n, heads, kv_heads, d,
                  k_cache.size(1), static_cast<float>(scale)};
     run(p);
   };
   if (q.scalar_type() == at::kBFloat16) {
-    launch(at::BFloat16{});
+    launch(at::BFloat16{}, at::BFloat16{});
+  } else if (bf16_pool) {
+    launch(float{}, at::BFloat16{});
   } else if (q.scalar_type() == at::kFloat) {
-    launch(float{});
+    launch(float{}, float{});
   } else {
     TORCH_CHECK(false, "decode_attention supports bfloat16 and float32, not ", q.scalar_type());
   }

@@ -9,7 +9,8 @@
 //   add_rms_norm:  x + delta, and rms_norm of that sum (the residual add before a norm)
 //   rotary:        out = x * cos + rotate_half(x) * sin, per (row, head), sin signed
 //   silu_mul:      SwiGLU's silu(gate) * up
-//   write_kv:      the new tokens' K and V into their pool slots (two index_copy_ calls)
+//   write_kv:      the new tokens' K and V into their pool slots (two index_copy_ calls;
+//                  fp32 K/V into a bf16 pool rounded to nearest even, as torch rounds)
 //
 // The operations and their order are HF's (multiply by the reciprocal square root, then by
 // the weight; rotary's two products then their sum, never fused into a multiply-add: this
@@ -157,8 +158,11 @@ void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k,
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   for (const at::Tensor* t : {&k, &v}) {
     TORCH_CHECK(t->dim() == 3 && t->size(0) == n && t->size(1) == heads && t->size(2) == d &&
-                    t->stride(2) == 1 && t->scalar_type() == k_cache.scalar_type(),
-                "k and v must be [n, kv_heads, head_dim] in the pool's dtype, head_dim contiguous");
+                    t->stride(2) == 1 && t->scalar_type() == k.scalar_type() &&
+                    (t->scalar_type() == k_cache.scalar_type() ||
+                     (t->scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16)),
+                "k and v must be [n, kv_heads, head_dim] in the pool's dtype (or float32 into a "
+                "bfloat16 pool), head_dim contiguous");
   }
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
               "slots must be a contiguous int64 vector");
@@ -166,6 +170,24 @@ void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k,
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK_INDEX(sp[i] >= 0 && sp[i] < num_slots, "slot ", sp[i], " is outside the pool of ",
                       num_slots);
+  }
+  if (k.scalar_type() != k_cache.scalar_type()) {
+    // fp32 K/V into a bf16 pool (--kv-cache-dtype bfloat16): rounded to nearest even, as
+    // torch's .to(torch.bfloat16) rounds.
+    auto narrow = [&](at::Tensor& cache, const at::Tensor& src) {
+      at::BFloat16* base = cache.data_ptr<at::BFloat16>();
+      const float* in = src.data_ptr<float>();
+      for (int64_t i = 0; i < n; ++i) {
+        for (int64_t h = 0; h < heads; ++h) {
+          at::BFloat16* dst = base + (sp[i] * heads + h) * d;
+          const float* from = in + i * src.stride(0) + h * src.stride(1);
+          for (int64_t j = 0; j < d; ++j) dst[j] = at::BFloat16(from[j]);
+        }
+      }
+    };
+    narrow(k_cache, k);
+    narrow(v_cache, v);
+    return;
   }
   const int64_t elem = k_cache.element_size();
   const int64_t row = heads * d * elem;

@@ -10,12 +10,16 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from zeroserve.worker import cpu_class
 from zeroserve.worker.config import EngineConfig
 from zeroserve.worker.kv_tier.connector import KVTierConnector
 from zeroserve.worker.kv_tier.digest import ModelKey
 from zeroserve.worker.kv_tier.store import TierLevel, TierStore, default_folder
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +41,7 @@ def attach(config: EngineConfig, runner: object, block_manager: object) -> KVTie
         info.path, dtype=info.dtype, block_size=runner.block_size,  # type: ignore[attr-defined]
         num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
         device_type=pool.device.type, batch_invariant=config.batch_invariant,
-        kernels=_kernels(config, pool.device.type)).digest()
+        kernels=_kernels(config, pool)).digest()
     folder = Path(config.kv_offloading_dir) if config.kv_offloading_dir else default_folder()
     room = _file_system_bytes(folder)
     if room is not None and room < size:
@@ -61,10 +65,12 @@ def attach(config: EngineConfig, runner: object, block_manager: object) -> KVTie
     return connector
 
 
-def _kernels(config: EngineConfig, device_type: str) -> str:
-    """The engine settings besides the model key's fields that change K/V's bits."""
-    parts = [f"int8_activations={config.uses_int8_activations}"]
-    if device_type == "cpu":
+def _kernels(config: EngineConfig, pool: torch.Tensor) -> str:
+    """The engine settings besides the model key's fields that change K/V's bits, and the
+    pool's dtype (--kv-cache-dtype: bf16 K/V under fp32 activations are other bytes)."""
+    parts = [f"int8_activations={config.uses_int8_activations}",
+             f"kv_dtype={str(pool.dtype).removeprefix('torch.')}"]
+    if pool.device.type == "cpu":
         parts.append(f"cpu_class={cpu_class.effective().cpu_class.name}")
     return ",".join(parts)
 
