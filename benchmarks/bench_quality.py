@@ -109,6 +109,10 @@ PATHS: tuple[QualityPath, ...] = (
                 "--dtype auto --int8-activations"),
     QualityPath("auto-no-int8", {"dtype": "auto", "int8_activations": False},
                 "--dtype auto --no-int8-activations"),
+    QualityPath("fp32+kv-bf16", {"dtype": "float32", "kv_cache_dtype": "bfloat16"},
+                "--dtype float32 --kv-cache-dtype bfloat16"),
+    QualityPath("auto+kv-bf16", {"dtype": "auto", "kv_cache_dtype": "bfloat16"},
+                "--dtype auto --kv-cache-dtype bfloat16"),
     QualityPath("fp32-torch-attention", {"dtype": "float32", "attention_backend": "torch"},
                 "--dtype float32 --attention-backend torch", is_default_set=False),
     QualityPath("bf16-torch-attention", {"dtype": "bfloat16", "attention_backend": "torch"},
@@ -400,6 +404,7 @@ def describe_kernels(runner) -> dict:
     packed = layer.qkv.packed
     return {
         "dtype": str(runner.dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(getattr(runner, "kv_dtype", runner.dtype)).removeprefix("torch."),
         "decode_rows": (type(packed).__name__ if packed is not None else "dense")
         + (" int8 activations" if getattr(packed, "int8_activations", False) else ""),
         "decode_step": ("fused native decode_layers" if getattr(model, "_fused", None)
@@ -542,7 +547,8 @@ def run_path(path: QualityPath, work: Path, runs: dict[str, dict]) -> str | None
 
 
 def kernels_line(kernels: dict) -> str:
-    return (f"{kernels['dtype']} activations; decode rows {kernels['decode_rows']} "
+    return (f"{kernels['dtype']} activations, {kernels.get('kv_cache_dtype', '?')} KV cache; "
+            f"decode rows {kernels['decode_rows']} "
             f"({kernels['decode_step']}, {kernels['decode_attention']} attention); prompt rows "
             f"from position {kernels['low_bit_prompt_positions']} dense "
             f"{kernels['prompt_rows_dense_dtype']}; lm_head {kernels['lm_head']}")

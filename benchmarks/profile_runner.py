@@ -35,7 +35,7 @@ cpu_class.apply_to_environment()
 
 import torch  # noqa: E402
 
-from zeroserve.worker.config import ATTENTION_BACKENDS, EngineConfig  # noqa: E402
+from zeroserve.worker.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, EngineConfig  # noqa: E402
 from zeroserve.worker.model_runner import ModelRunner  # noqa: E402
 from zeroserve.worker.plan import ScheduledChunk, SchedulerOutput  # noqa: E402
 from zeroserve.worker.sequence import SamplingParams  # noqa: E402
@@ -60,6 +60,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--prefill", type=int, default=0,
@@ -76,12 +77,13 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
-    runner = ModelRunner(EngineConfig(dtype=args.dtype, num_kv_blocks=4000,
+    runner = ModelRunner(EngineConfig(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                                      num_kv_blocks=4000,
                                       attention_backend=args.attention_backend,
                                       weight_cache=not args.no_weight_cache))
     params = SamplingParams(temperature=args.temperature, max_tokens=1000)
     print(f"device={runner.info.device} dtype={runner.info.dtype} threads={torch.get_num_threads()}"
-          f" context={args.context} attention={args.attention_backend}")
+          f" kv={runner.kv_dtype} context={args.context} attention={args.attention_backend}")
     if args.prefill:
         time_prefill(runner, args.prefill, args.prefill_prompts, params, args.profile)
     for batch in args.batch:
