@@ -111,7 +111,7 @@ def test_the_step_budget_follows_max_num_seqs_unless_given(captured):
 
 def test_the_prefill_cap_beside_decodes_is_a_flag_and_0_turns_it_off(captured):
     assert invoke(["worker"]).exit_code == 0
-    assert captured["worker"].engine.max_prefill_tokens_with_decodes == 128
+    assert captured["worker"].engine.max_prefill_tokens_with_decodes == 256
     assert invoke(["worker", "--max-prefill-tokens-with-decodes", "64"]).exit_code == 0
     assert captured["worker"].engine.max_prefill_tokens_with_decodes == 64
     assert invoke(["worker"], {"ZEROSERVE_MAX_PREFILL_TOKENS_WITH_DECODES": "0"}).exit_code == 0
