@@ -241,3 +241,30 @@ def test_the_kv_tier_keeps_blocks_of_each_cache_dtype_apart(q4_model, tmp_path):
     assert cached == 0
     alone = _engine(q4_model, "float32", "bfloat16", prefix_caching=False)
     assert tokens == run(alone, [prompt])[0][0][:4]
+
+
+def test_speculation_gives_a_bf16_cache_the_same_greedy_tokens(q4_model):
+    """Verify rows read the bf16 cache as decode rows do: n-gram speculation on or off, the
+    same tokens."""
+    from zeroserve.worker.speculative import SpeculativeConfig
+
+    text = [1, 17, 250, 3, 99, 42, 8, 7, 128, 64, 5, 31]
+    prompts = [text * 3, [1, 9, 8, 7] * 5 + [1, 9], text[:7] * 2]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_max=3,
+                             prompt_lookup_min=1)
+
+    def tokens(engine: Engine) -> list[list[int]]:
+        out: dict[str, list[int]] = {f"s{i}": [] for i in range(len(prompts))}
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"s{i}", prompt, params)
+        while engine.has_unfinished():
+            for o in engine.step():
+                out[o.request_id] += o.new_token_ids
+        return list(out.values())
+
+    plain = _engine(q4_model, "float32", "bfloat16", prefix_caching=False)
+    drafted = _engine(q4_model, "float32", "bfloat16", prefix_caching=False,
+                      speculative_config=spec)
+    assert tokens(drafted) == tokens(plain)
+    assert drafted.stats().spec_decode.num_accepted_tokens > 0
