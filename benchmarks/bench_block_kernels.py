@@ -22,6 +22,14 @@ Engine with and one without --int8-activations in this process, N sequences deco
 alternated between the two): CPU ms per step (time.process_time, the minimum of the rounds).
 
     python benchmarks/bench_block_kernels.py --int8 --decode-steps --rows 1 4 16 --threads 1
+
+`--prompt-rows` times prompt rows of all 30 layers' projections: the bf16 dense product as
+worker/model/linear.py calls it beside block copies (tiled_linear in TILE_ROWS-row tiles
+where this CPU's bf16 GEMM is not row-independent, else one F.linear, on fp32 activations
+cast to bf16 and back) against the int8-activation block kernels (q4_matmul_i8), CPU time
+(time.process_time), alternated, the minimum of rounds x repeats.
+
+    python benchmarks/bench_block_kernels.py --prompt-rows --rows 32 128 256 512 --threads 1
 """
 
 from __future__ import annotations
@@ -75,6 +83,8 @@ def main() -> None:
                         help="with --int8: the two kernels' outputs on the real model")
     parser.add_argument("--decode-steps", action="store_true",
                         help="with --int8: whole decode steps of the real model")
+    parser.add_argument("--prompt-rows", action="store_true",
+                        help="bf16 dense (as linear.py) against int8-x blocks, prompt rows")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = cpu_kernels.load(required=True)
@@ -106,6 +116,9 @@ def main() -> None:
         rng.integers(-127, 128, (VOCAB, HIDDEN), dtype=np.int8), scales(VOCAB, HIDDEN, 0.01)))
     print(f"q4 unit {layers[0][0][1].shape[2]} bytes, q8 unit {head_q8.shape[2]} bytes")
 
+    if args.prompt_rows:
+        prompt_rows_table(args, kernels, layers, gen)
+        return
     if args.int8:
         int8_table(args, kernels, [[blocks for _, blocks in layer] for layer in layers],
                    head_q8, gen)
@@ -178,13 +191,50 @@ def int8_table(args, kernels, layers: list[list[torch.Tensor]], head_q8: torch.T
               f"| {head_q8.numel() / best['q8_i8'] / 1e6:.1f} |")
 
 
-def min_time(fn, repeats: int) -> float:
+def prompt_rows_table(args, kernels, layers, gen: torch.Generator) -> None:
+    """CPU ms per call of all 30 layers' projections, prompt rows: bf16 dense as
+    worker/model/linear.py calls it against the int8-activation block kernels."""
+    from zeroserve.worker.model.batch_invariance import dense_tile_rows, tiled_linear
+
+    tile = dense_tile_rows(torch.bfloat16, torch.device("cpu"))
+    bf16 = [[(dense.to(torch.bfloat16), blocks) for dense, blocks in layer] for layer in layers]
+    print(f"threads={args.threads}; CPU ms (process_time) per call of all 30 layers' "
+          f"projections, min of {args.rounds * args.repeats}; bf16 tile={tile}; "
+          f"{cpu_kernels.process_class().describe()}")
+    print("| rows | bf16 dense | int8-x blocks | bf16 / int8 | bf16 ms/row | int8 ms/row |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for rows in args.rows:
+        xs = {n: torch.randn(rows, n, generator=gen) for n in (576, 1536)}
+
+        def dense_layers(xs=xs):
+            for layer in bf16:
+                for dense, _ in layer:
+                    x = xs[dense.shape[1]].to(torch.bfloat16)
+                    out = tiled_linear(x, dense, tile) if tile else F.linear(x, dense)
+                    out.float()
+
+        def int8_layers(xs=xs):
+            for layer in bf16:
+                for dense, blocks in layer:
+                    kernels.q4_matmul_i8(xs[dense.shape[1]], blocks, dense.shape[0])
+
+        cases = {"bf16": dense_layers, "int8": int8_layers}
+        best = {k: float("inf") for k in cases}
+        for _ in range(args.rounds):
+            for name, fn in cases.items():
+                best[name] = min(best[name], min_time(fn, args.repeats, time.process_time))
+        print(f"| {rows} | {best['bf16']:.1f} | {best['int8']:.1f} | "
+              f"{best['bf16'] / best['int8']:.2f}x | {best['bf16'] / rows:.3f} "
+              f"| {best['int8'] / rows:.3f} |")
+
+
+def min_time(fn, repeats: int, clock=time.perf_counter) -> float:
     fn()
     times = []
     for _ in range(repeats):
-        started = time.perf_counter()
+        started = clock()
         fn()
-        times.append(time.perf_counter() - started)
+        times.append(clock() - started)
     return min(times) * 1e3
 
 
