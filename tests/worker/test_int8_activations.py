@@ -1,5 +1,5 @@
-"""`--int8-activations` on a real engine: decode rows (and only they) take int8 activations
-in every projection and the lm_head; the promises of the fp32 path hold for it (greedy tokens
+"""`--int8-activations` on a real engine: every row of the layers' projections (prompt rows
+too) and the lm_head's decode rows take int8 activations; the promises of the fp32 path hold for it (greedy tokens
 the same with speculation and without; the same answer alone, batched or from the prefix
 cache is tests/worker/test_same_answer.py's float32+int8)."""
 
@@ -80,9 +80,22 @@ def test_logits_of_decode_rows_take_int8_and_of_prompt_rows_fp32(q4_1_model):
     assert torch.equal(llama.compute_logits(hidden), head.mm(h))  # prompt logprobs: fp32
 
 
-def test_the_first_token_is_the_fp32_paths_and_later_ones_differ_in_logprobs(q4_1_model):
-    """A prompt's rows keep fp32 activations: the first generated token and its logprobs are
-    bit for bit those without the flag; decode rows then compute otherwise."""
+def test_prompt_rows_of_the_layers_take_int8_and_the_first_token_changes(q4_1_model):
+    """A prompt's rows take int8 activations in every layer's projections too (Linear.
+    int8_all_rows), whatever `low_bit` says: so the first generated token's logprobs differ
+    from those without the flag, while the lm_head keeps fp32 activations for prompt rows."""
+    llama = engine_for(q4_1_model, int8=True).runner.model
+    x = torch.randn(5, llama.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    for layer in llama.layers:
+        qkv = layer.qkv
+        assert qkv.int8_all_rows
+        for low_bit in (0, 2, None):
+            assert torch.equal(qkv(x, low_bit, 0), qkv.packed.decode_mm(x)), low_bit
+        assert not torch.equal(qkv(x, 0, 0), qkv.packed.mm(x))
+    assert not llama.lm_head.int8_all_rows
+    off = engine_for(q4_1_model, int8=False).runner.model
+    assert not any(lin.int8_all_rows for layer in off.layers
+                   for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3)
 
     def run(engine: Engine) -> list[list]:
@@ -95,8 +108,7 @@ def test_the_first_token_is_the_fp32_paths_and_later_ones_differ_in_logprobs(q4_
 
     fp32, int8 = run(engine_for(q4_1_model, False)), run(engine_for(q4_1_model, True))
     assert len(fp32) == len(int8) == 6
-    assert int8[0] == fp32[0]
-    assert int8[1:] != fp32[1:]
+    assert int8[0] != fp32[0]
 
 
 def test_greedy_tokens_are_the_same_with_speculation(q4_1_model):

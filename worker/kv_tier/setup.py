@@ -68,7 +68,10 @@ def attach(config: EngineConfig, runner: object, block_manager: object) -> KVTie
 def _kernels(config: EngineConfig, pool: torch.Tensor) -> str:
     """The engine settings besides the model key's fields that change K/V's bits, and the
     pool's dtype (--kv-cache-dtype: bf16 K/V under fp32 activations are other bytes)."""
-    parts = [f"int8_activations={config.uses_int8_activations}",
+    # int8 activations take every prompt row of the layers' projections too
+    # (Linear.int8_all_rows), so a prompt's K/V differ from the dense prompt rows' before.
+    int8 = config.uses_int8_activations
+    parts = [f"int8_activations={int8}", f"prompt_projections={'int8' if int8 else 'dense'}",
              f"kv_dtype={str(pool.dtype).removeprefix('torch.')}"]
     if pool.device.type == "cpu":
         parts.append(f"cpu_class={cpu_class.effective().cpu_class.name}")

@@ -25,6 +25,17 @@ class Linear:
         # call. Only beside a low-bit copy: then the dense path takes prefill rows alone, and
         # a single decode row never pays for a tile.
         self.tile_rows = tile_rows if packed is not None else None
+        # Every row, prompt rows too, through the copy's decode kernel (int8 activations):
+        # LlamaModel.use_int8_activations sets it for the layers' projections, where the
+        # int8 block kernels beat the dense GEMM at any row count (bench_block_kernels.py
+        # --prompt-rows). Then all rows of a call take one kernel, whatever the batch.
+        self.int8_all_rows = False
+
+    def use_int8_all_rows(self) -> bool:
+        """All rows from now on through the copy's int8-activation kernel, where it has one
+        (`--int8-activations`). -> whether it does."""
+        self.int8_all_rows = bool(getattr(self.packed, "int8_activations", False))
+        return self.int8_all_rows
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dense.dtype:  # bf16 dense copies beside fp32 activations
@@ -45,15 +56,20 @@ class Linear:
         has (docs/architecture.md, "Batch independence"): decode rows, which are bound by
         reading weights (the low-bit copy reads 4x less), and a prompt's first positions
         (LlamaModel.low_bit_prompt_positions) take the low-bit copy; later prompt rows are
-        compute-bound, where the dense kernel wins. So a row's kernel, and with it its result
+        compute-bound, where the dense kernel beats the fp32-activation block kernels (but
+        not the int8 ones: `int8_all_rows`). So a row's kernel, and with it its result
         on the kernels that compute each row on its own, is the same alone or in any batch,
         and the same whether or not its prompt's beginning came from the prefix cache.
         The first `num_decode` rows (always among the low-bit ones) are decode rows: they
         take the copy's decode kernel, which may quantize them to int8 (`--int8-activations`).
+        With `int8_all_rows` (the layers' projections under `--int8-activations`) every row,
+        prompt or decode, takes that kernel and `low_bit`/`num_decode` change nothing.
         """
         rows = x.shape[0]
         if self.packed is None:
             return self._dense(x)
+        if self.int8_all_rows and self.packed.int8_activations:  # every row alike
+            return self.packed.decode_mm(x)
         if isinstance(low_bit, tuple):
             low, dense = low_bit
             out = x.new_empty(rows, self.dense.shape[0])

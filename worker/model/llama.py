@@ -220,6 +220,8 @@ class LlamaModel:
         # row's kernel, and a KV block's contents, depend on nothing but its tokens: not on
         # what shares the step, nor on how much of the prompt the prefix cache held, nor on
         # which prompt computed a shared cached block (ModelRunner). 0: dense throughout.
+        # With int8 activations the layers' projections ignore it (Linear.int8_all_rows:
+        # every row on the int8 block kernels).
         self.low_bit_prompt_positions = min(
             (lin.packed.prefill_rows if lin.packed is not None else 0)
             for layer in self.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
@@ -272,17 +274,23 @@ class LlamaModel:
         return FusedLayers(module, module.decode_attention, weights, bits, out_features, int8)
 
     def use_int8_activations(self) -> int:
-        """Decode rows of every layer's block products and of the lm_head (compute_logits'
-        `decode`) quantize their activations to int8 (`--int8-activations`,
-        worker/csrc/lowbit_int8.cpp); prompt rows keep fp32 activations. Nothing to do where
-        there are no block copies (bf16's torch kernels, a GPU). -> how many products now
-        take int8 activations."""
+        """Every row of every layer's block products, prompt rows too (Linear.int8_all_rows),
+        and the lm_head's decode rows (compute_logits' `decode`) quantize their activations
+        to int8 (`--int8-activations`, worker/csrc/lowbit_int8.cpp); the lm_head's other
+        rows keep fp32 activations. Nothing to do where there are no block copies (bf16's
+        torch kernels, a GPU). -> how many products now take int8 activations."""
         linears = [lin for layer in self.layers
                    for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
         blocks = [lin.packed for lin in [*linears, self.lm_head]
                   if isinstance(lin.packed, BlockQ4 | BlockQ8)]
         for packed in blocks:
             packed.use_int8_activations()
+        # Prompt rows of the layers' projections take the int8 kernels too: 1.5x (512 rows)
+        # to 2.2x (32 rows) less CPU than the bf16 GEMM on AVX512_BF16 (bench_block_kernels
+        # --prompt-rows). Not the lm_head: the first token and prompt logprobs keep its
+        # dense kernel (compute_logits).
+        for lin in linears:
+            lin.use_int8_all_rows()
         self._fused = self._fused_layers()
         return len(blocks)
 

@@ -7,7 +7,9 @@ blocks as they are (BlockQ4, BlockQ8): 6-8x less to read than the fp32 weights a
 weight values, so decode rows keep the reference path's numbers up to summation order.
 With `--int8-activations`, decode rows instead quantize x to int8 per block of 32 and take
 integer dot products over the same blocks (worker/csrc/lowbit_int8.cpp, llama.cpp's way:
-BlockQ4.use_int8_activations); prompt rows keep fp32 activations.
+BlockQ4.use_int8_activations) through decode_mm; so do the layers' prompt rows, which
+Linear sends there too (Linear.int8_all_rows: the int8 kernels beat the bf16 GEMM at every
+row count measured, 32-512). `mm` keeps fp32 activations (the lm_head's prompt rows).
 
 A decode step with few sequences is bound by reading the weights (a bf16 matrix-vector product
 runs at ~5 GB/s here), so it pays to read 4-bit weights instead: torch's CPU int4 kernel
