@@ -32,7 +32,7 @@ token's rows run different kernels here (worker/model_runner.py `_low_bit_rows`)
 - prompt mode (what a prompt's rows and prompt_logprobs compute): the whole window is one
   prefill chunk of a request with prompt_logprobs, and the logits of the same positions as
   in decode mode are scored: dense-weight rows (all scored positions are past the low-bit
-  prompt positions).
+  prompt positions), or with int8 activations the int8 block kernels (Linear.int8_all_rows).
 
 The server's default n-gram speculation is not run: its verify rows are computed as decode
 rows of the same positions (worker/model_runner.py `_prepare`), so decode mode stands for it.
@@ -413,6 +413,8 @@ def describe_kernels(runner) -> dict:
         "decode_attention": "native" if runner.decode_kernel is not None else "torch",
         "prompt_rows_dense_dtype": str(layer.qkv.dense.dtype).removeprefix("torch."),
         "low_bit_prompt_positions": model.low_bit_prompt_positions,
+        "prompt_rows_int8": bool(getattr(layer.qkv, "int8_all_rows", False)
+                                 and getattr(packed, "int8_activations", False)),
         "lm_head": type(model.lm_head.packed).__name__ if model.lm_head.packed is not None
         else "dense",
     }
@@ -550,8 +552,10 @@ def kernels_line(kernels: dict) -> str:
     return (f"{kernels['dtype']} activations, {kernels.get('kv_cache_dtype', '?')} KV cache; "
             f"decode rows {kernels['decode_rows']} "
             f"({kernels['decode_step']}, {kernels['decode_attention']} attention); prompt rows "
-            f"from position {kernels['low_bit_prompt_positions']} dense "
-            f"{kernels['prompt_rows_dense_dtype']}; lm_head {kernels['lm_head']}")
+            + ("all on the decode rows' int8 block kernels" if kernels.get("prompt_rows_int8")
+               else f"from position {kernels['low_bit_prompt_positions']} dense "
+               f"{kernels['prompt_rows_dense_dtype']}")
+            + f"; lm_head {kernels['lm_head']}")
 
 
 def is_prefix_run(new: dict, old: dict) -> bool:
