@@ -26,8 +26,9 @@ class EngineConfig:
     model: str = "default"  # "default" (embedded SmolLM2), a .gguf path, or a HF directory
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
     dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16"
-    # The KV pool's dtype: "auto" (the activations'), "float32" or "bfloat16" (bf16 K/V under
-    # fp32 activations: half the pool's bytes and attention's reads; device.resolve_kv_dtype).
+    # The KV pool's dtype: "auto" (bfloat16 on the CPU for `--dtype auto` with int8
+    # activations, else the activations'), "float32" or "bfloat16" (bf16 K/V under fp32
+    # activations: half the pool's bytes and attention's reads; device.resolve_kv_dtype).
     kv_cache_dtype: str = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512

@@ -100,14 +100,19 @@ def resolve_precision(name: str, device: torch.device) -> tuple[torch.dtype, tor
     return chosen, prompt
 
 
-def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device,
+                     production: bool = False) -> torch.dtype:
     """The KV pool's dtype for --kv-cache-dtype `name` under activations in `dtype`.
 
-    'auto': the activations' dtype (so `--dtype float32` keeps the exact fp32 reference
-    path). An explicit name is either the activations' dtype or, on the CPU, bfloat16 under
+    'auto': bfloat16 on the CPU under float32 activations where `production` (`--dtype auto`
+    with int8 activations: the default path, whose quality gate ran with a bf16 cache;
+    benchmarks/bench_quality.py `auto+kv-bf16`), else the activations' dtype (so `--dtype
+    float32` keeps the exact fp32 reference path). An explicit name is either the activations' dtype or, on the CPU, bfloat16 under
     float32 activations: K/V are rounded to bf16 as they are written and widened back to fp32
     (exactly) as attention reads them, half the pool's bytes and half attention's reads."""
     if name == "auto":
+        if production and device.type == "cpu" and dtype == torch.float32:
+            return torch.bfloat16
         return dtype
     chosen = _DTYPES.get(name)
     if chosen not in (torch.float32, torch.bfloat16):

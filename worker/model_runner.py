@@ -72,7 +72,9 @@ class ModelRunner:
                 # Allocations that name no index (workspaces, library handles) land on our GPU.
                 torch.cuda.set_device(self.device)
             self.dtype, prompt_dtype = resolve_precision(config.dtype, self.device)
-            self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self.device)
+            self.kv_dtype = resolve_kv_dtype(
+                config.kv_cache_dtype, self.dtype, self.device,
+                production=config.dtype == "auto" and config.uses_int8_activations)
         self.model, self.info = load_model(config.model, self.device, self.dtype,
                                            config.max_model_len, _weight_cache(config), timer,
                                            config.batch_invariant, prompt_dtype)

@@ -140,6 +140,10 @@ def test_auto_keeps_the_activations_dtype_and_mixing_is_bf16_under_fp32_on_the_c
     f32, bf16 = torch.float32, torch.bfloat16
     assert resolve_kv_dtype("auto", f32, CPU) == f32
     assert resolve_kv_dtype("auto", bf16, CPU) == bf16
+    # The default path (--dtype auto, int8 activations) keeps its cache in bf16 on the CPU.
+    assert resolve_kv_dtype("auto", f32, CPU, production=True) == bf16
+    assert resolve_kv_dtype("auto", bf16, CPU, production=True) == bf16
+    assert resolve_kv_dtype("float32", f32, CPU, production=True) == f32
     assert resolve_kv_dtype("bfloat16", f32, CPU) == bf16
     assert resolve_kv_dtype("float32", f32, CPU) == f32
     with pytest.raises(ValueError, match="kv-cache-dtype"):
@@ -201,6 +205,18 @@ def test_a_bf16_cache_gives_a_request_the_same_answer_alone_in_a_batch_and_cache
     for prompt, expected in zip(PROMPTS, alone, strict=True):
         assert run(cached, [prompt]) == [expected]
     assert cached.stats().num_prefix_hits > 0
+
+
+def test_the_default_path_caches_in_bf16_unless_told_float32(q4_model):
+    """`--dtype auto` (int8 activations) stores its cache in bf16; `--kv-cache-dtype float32`
+    or `--no-int8-activations` keep fp32."""
+    def pool(kv: str, **overrides) -> torch.dtype:
+        return _engine(q4_model, "auto", kv, prefix_caching=False,
+                       **overrides).runner.kv_pool.dtype
+
+    assert pool("auto") == torch.bfloat16
+    assert pool("float32") == torch.float32
+    assert pool("auto", int8_activations=False) == torch.float32
 
 
 def test_auto_keeps_float32_the_exact_fp32_cache_and_bf16_halves_the_blocks_bytes(q4_model):
