@@ -543,8 +543,10 @@ def main(argv: list[str] | None = None) -> int:
     result_json.write_text(json.dumps(result, indent=1))
     print("\n" + text)
     if not a.relay:
-        print("\n(--dtype auto on this CPU: " + ("fp32 with bf16 prompt projections at this "
-              "commit, bf16 before 7152d79" if cpu_has_native_bf16() else "fp32") + ")")
+        print("\n(--dtype auto, as of this commit: fp32 activations, int8 in the layers' "
+              "projections for every row (ce216da), a bf16 KV cache; before ce216da prompt "
+              "rows took " + ("bf16 GEMMs (7152d79), and before 7152d79 bf16 throughout)"
+                               if cpu_has_native_bf16() else "fp32 GEMMs)"))
     print(f"wrote {result_json}; server logs in {log_dir}")
     if a.relay:
         return 0 if not any(r.summary["errors"] for r in runs) else 1
