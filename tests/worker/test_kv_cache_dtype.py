@@ -21,6 +21,7 @@ from tests.worker.arch_models import (
     quantize_like_file,
     write_gguf,
 )
+from tests.worker.kv_tier.test_engine_tier import run as run_one
 from tests.worker.test_attention import make_problem
 from tests.worker.test_quantizations import MIXES, WIDE
 from tests.worker.test_same_answer import PROMPTS, run
@@ -242,14 +243,8 @@ def test_the_kv_tier_keeps_blocks_of_each_cache_dtype_apart(q4_model, tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=4)
 
     def go(kv: str) -> tuple[list[int], int]:
-        engine = _engine(q4_model, "float32", kv, prefix_caching=True, **tier)
-        engine.add_request("r", prompt, params)
-        tokens, cached = [], 0
-        while engine.has_unfinished():
-            for out in engine.step():
-                tokens += out.new_token_ids
-                cached = out.num_cached_tokens
-        return tokens, cached
+        return run_one(_engine(q4_model, "float32", kv, prefix_caching=True, **tier), prompt,
+                       params)
 
     go("float32")
     assert go("float32")[1] > 0  # the tier serves an engine of the same cache dtype
@@ -257,6 +252,9 @@ def test_the_kv_tier_keeps_blocks_of_each_cache_dtype_apart(q4_model, tmp_path):
     assert cached == 0
     alone = _engine(q4_model, "float32", "bfloat16", prefix_caching=False)
     assert tokens == run(alone, [prompt])[0][0][:4]
+    # and a bf16 engine's own blocks come back from the tier with the same answer
+    again, cached = go("bfloat16")
+    assert cached > 0 and again == tokens
 
 
 def test_speculation_gives_a_bf16_cache_the_same_greedy_tokens(q4_model):

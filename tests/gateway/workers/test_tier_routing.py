@@ -4,13 +4,13 @@ beats its tier, its tier beats a miss, and the load bound still holds."""
 
 from __future__ import annotations
 
-import random
 import threading
 from dataclasses import dataclass
 
 import httpx
 
 from tests.gateway.helpers import FakeWorker, GatewayServer, cyclic_reply, wait_until
+from tests.gateway.workers.test_routing import tokens
 from zeroserve.common.protocol import PROTOCOL_VERSION, Hello
 from zeroserve.gateway.workers.handle import WorkerStatus
 from zeroserve.gateway.workers.prefix import Prefix
@@ -31,11 +31,6 @@ def make_registry(tiers: dict[str, str]) -> WorkerRegistry:
     for i, (worker_id, tier) in enumerate(tiers.items()):
         reg.register(hello(worker_id, tier, i + 1), f"{worker_id}.{i}".encode(), 0.0)
     return reg
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(50_000) for _ in range(n)]
 
 
 def route(reg: WorkerRegistry, request_id: str, prompt: list[int]) -> str:
