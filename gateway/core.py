@@ -81,10 +81,6 @@ MAX_SUBMITS_AFTER_ERROR = 2
 # Requests are being admitted while each comes within this long of the one before (500 a
 # second or more: a burst): the relay lets them in first (Gateway.is_admitting).
 ADMISSION_GAP_S = 0.002
-# A worker whose connection was gone at a heartbeat is asked again this much later: gone
-# then too, it is lost (more than libzmq's 100 ms reconnect interval, so a live worker whose
-# connection dropped is back by then).
-UNREACHABLE_RECHECK_S = 0.25
 
 
 class Gateway:
@@ -401,14 +397,11 @@ class Gateway:
             return
         worker_id = msg.worker_id
         model = self.models.model_of_worker(msg.served_model_name) or self.models.default
-        exited = self.registry.lost.get(worker_id)
         old = self.registry.register(msg, peer.route, self.clock(), model)
         self.edge.bind_route(worker_id, peer.route)
         if old is not None:
             self.metrics.on_worker_event(worker_id, "restarted")
             self._fail_worker_requests(worker_id, "restarted")
-        elif exited is not None and exited.has_exited:  # its streams moved when it exited
-            self.metrics.on_worker_event(worker_id, "restarted")
         log.info("worker ready", extra={"worker_id": worker_id, "pid": msg.pid,
                                         "device": msg.device, "model": msg.model,
                                         "served_model_name": model,
@@ -532,32 +525,14 @@ class Gateway:
         for worker in self.registry.expire(now, self.config.worker_timeout_s):
             self._on_worker_lost(worker, "went silent (no heartbeat)",
                                  silent_s=round(now - worker.last_seen, 3))
-        for worker in list(self.registry.workers.values()):
-            self._probe(worker)
+        for worker_id in list(self.registry.workers):
+            self.edge.send(worker_id, Heartbeat(worker_id=worker_id, time=time.time(),
+                                                gateway_id=self.gateway_id))
 
-    def _probe(self, worker: WorkerHandle) -> None:
-        """Heartbeat a worker so that a route with no connection fails: its process is gone
-        (registry.on_reachable). Found gone once, it is asked again UNREACHABLE_RECHECK_S
-        later, not a whole heartbeat interval: its streams move within a fraction of a
-        second of its death."""
-        beat = Heartbeat(worker_id=worker.worker_id, time=time.time(),
-                         gateway_id=self.gateway_id)
-        is_reachable = self.edge.is_connected(worker.route, beat)
-        if self.registry.on_reachable(worker.worker_id, is_reachable,
-                                      self.clock()) is not None:
-            self._on_worker_lost(worker, "exited (its connection closed)", event="exited")
-        elif not is_reachable:
-            asyncio.get_running_loop().call_later(UNREACHABLE_RECHECK_S, self._reprobe, worker)
-
-    def _reprobe(self, worker: WorkerHandle) -> None:
-        if self.registry.get(worker.worker_id) is worker and worker.is_unreachable:
-            self._probe(worker)
-
-    def _on_worker_lost(self, worker: WorkerHandle, what: str, event: str = "lost",
-                        **extra: Any) -> None:
+    def _on_worker_lost(self, worker: WorkerHandle, what: str, **extra: Any) -> None:
         log.error("worker lost: it %s", what, extra={
             "worker_id": worker.worker_id, "num_in_flight": len(worker.request_ids), **extra})
-        self.metrics.on_worker_event(worker.worker_id, event)
+        self.metrics.on_worker_event(worker.worker_id, "lost")
         self._fail_worker_requests(worker.worker_id, what)
         self.edge.unbind(worker.worker_id)
 

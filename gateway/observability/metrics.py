@@ -195,8 +195,7 @@ class RequestMetrics:
         self._aborted_by_reason = {r: self._aborted.labels(m, r)
                                    for r in ("disconnect", "slow_client")}
         self._worker_events = counter("worker_events", "Worker restarts (a HELLO replacing a "
-                                      "live incarnation, or one that exited), exits (its "
-                                      "connection closed) and losses (no heartbeat).",
+                                      "live incarnation) and losses (no heartbeat).",
                                       ["model_name", "worker_id", "event"])
         # Generation requests by the API they came through (completions, chat, responses,
         # messages): all share one pipeline, so the figures above cover them all.
@@ -334,8 +333,7 @@ class RequestMetrics:
         self._aborted_by_reason[reason].inc()
 
     def on_worker_event(self, worker_id: str, event: str) -> None:
-        """A worker "restarted", "exited" or was "lost" (rare: a label lookup each time is
-        fine)."""
+        """A worker "restarted" or was "lost" (rare: a label lookup each time is fine)."""
         self._worker_events.labels(self.model_name, worker_id, event).inc()
 
     def on_refused(self, error: APIError) -> None:

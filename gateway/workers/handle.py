@@ -39,10 +39,6 @@ class WorkerHandle:
     num_foreign: int = 0
     # An operator drained it through this gateway and its heartbeats do not say so yet.
     is_drain_requested: bool = False
-    # Its connection was gone at the last heartbeat we sent (its process exited or was
-    # killed): nothing new is routed to it; gone at the next probe too, it is lost
-    # (WorkerRegistry.on_reachable).
-    is_unreachable: bool = False
     # Requests routed here since its last heartbeat (not yet in the reported counts).
     num_sent_since_heartbeat: int = 0
     request_ids: set[str] = field(default_factory=set)  # in flight here, as we see it
@@ -84,11 +80,7 @@ class WorkerHandle:
         # Streams paused for credit hold KV blocks, not batch slots (the worker preempts
         # them when it needs the blocks), so they do not count against capacity.
         num_active = len(self.request_ids) + self.num_foreign - self.num_paused
-        return self.is_routable and num_active < self.capacity
-
-    @property
-    def is_routable(self) -> bool:
-        return self.status is WorkerStatus.READY and not self.is_unreachable
+        return self.status is WorkerStatus.READY and num_active < self.capacity
 
     @property
     def can_accept_priority(self) -> bool:
@@ -96,7 +88,8 @@ class WorkerHandle:
         it reaches the worker's queue, which admits it ahead of the lower classes and takes
         a full batch's slot from the worst of them (worker/priority_policy.py)."""
         num_active = len(self.request_ids) + self.num_foreign - self.num_paused
-        return self.is_routable and num_active < self.capacity + self.hello.max_num_seqs
+        return (self.status is WorkerStatus.READY
+                and num_active < self.capacity + self.hello.max_num_seqs)
 
     def can_accept_flow(self, flow: Flow) -> bool:
         """`can_accept_priority` for a request whose flow holds at least 2 requests fewer here
@@ -121,6 +114,4 @@ class WorkerHandle:
             "progress_age_s": round(self.progress_age_s, 3),
             "startup_phases_s": self.hello.startup_phases,
             "kv_tier": dict(self.kv_tier) or None,
-            # The box's KV tier it shares (an opaque id: equal ids, one tier), None: none.
-            "kv_tier_id": self.hello.kv_tier or None,
         }

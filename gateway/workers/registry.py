@@ -30,9 +30,6 @@ class LostWorker:
     worker_id: str
     pid: int
     lost_at: float
-    # Its connection closed (its process exited), rather than its heartbeats lapsing: a
-    # HELLO of its id next is its restart.
-    has_exited: bool = False
 
     def describe(self, now: float) -> dict:
         return {"worker_id": self.worker_id, "pid": self.pid,
@@ -132,33 +129,11 @@ class WorkerRegistry:
         """Remove and return the workers silent for longer than timeout_s."""
         lost = [w for w in self.workers.values() if now - w.last_seen > timeout_s]
         for w in lost:
-            self._lose(w, now)
+            del self.workers[w.worker_id]
+            if len(self.lost) >= _MAX_LOST:
+                self.lost.clear()
+            self.lost[w.worker_id] = LostWorker(w.worker_id, w.hello.pid, now)
         return lost
-
-    def on_reachable(self, worker_id: str, is_reachable: bool,
-                     now: float) -> WorkerHandle | None:
-        """Whether the worker's connection was there when we sent it a heartbeat. A process
-        that exits or is killed closes its connection at once, long before its heartbeats
-        lapse: the first probe that finds it gone stops routing to it, the next one in a row
-        (the core asks again a moment later) removes and returns it (lost: its streams move
-        at once instead of waiting for its restart or its timeout). One probe of grace,
-        because a live worker whose connection dropped (a TCP reset) reconnects with its
-        route within libzmq's reconnect interval."""
-        worker = self.workers.get(worker_id)
-        if worker is None:
-            return None
-        if is_reachable or not worker.is_unreachable:
-            worker.is_unreachable = not is_reachable
-            return None
-        self._lose(worker, now, has_exited=True)
-        return worker
-
-    def _lose(self, worker: WorkerHandle, now: float, has_exited: bool = False) -> None:
-        del self.workers[worker.worker_id]
-        if len(self.lost) >= _MAX_LOST:
-            self.lost.clear()
-        self.lost[worker.worker_id] = LostWorker(worker.worker_id, worker.hello.pid, now,
-                                                 has_exited)
 
     def remove(self, worker_id: str) -> WorkerHandle | None:
         return self.workers.pop(worker_id, None)

@@ -365,9 +365,7 @@ export class OpsView {
   }
 
   restarts(id, known) {
-    // A process that exited and came back counts once: its "exited" and its "restarted".
-    const events = (event) => this.latest?.sum(`${P}worker_events_total`, { worker_id: id, event }) ?? 0;
-    const counted = events("restarted") + events("lost");
+    const counted = this.latest?.sum(`${P}worker_events_total`, { worker_id: id }) ?? 0;
     return Math.max(counted, known.restarts);
   }
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -65,7 +68,10 @@ def test_a_tier_starts_on_a_fresh_machine_under_the_usual_umask(tmp_path):
 
     from tests.gateway.helpers import GatewayServer
 
-    ipc_dir = tmp_path / "zeroserve-uid"  # as the temp dir's zeroserve-UID, not made yet
+    # As the temp dir's zeroserve-UID, not made yet; under a short folder of its own, since an
+    # ipc:// path may not pass 107 characters (pytest's numbered tmp_path can).
+    short = Path(tempfile.mkdtemp(prefix="zs-"))
+    ipc_dir = short / "zeroserve-uid"
     router, tokens = (f"ipc://{ipc_dir}/gw-8000-1-{kind}.sock" for kind in ("router", "tokens"))
     previous = os.umask(0o022)
     try:
@@ -74,5 +80,8 @@ def test_a_tier_starts_on_a_fresh_machine_under_the_usual_umask(tmp_path):
             assert httpx.get(gw.url + "/metrics").status_code == 200
     finally:
         os.umask(previous)
-    for folder in (ipc_dir, ipc_dir / "gw-8000-metrics"):
-        assert folder.stat().st_mode & 0o777 == 0o700, folder
+    try:
+        for folder in (ipc_dir, ipc_dir / "gw-8000-metrics"):
+            assert folder.stat().st_mode & 0o777 == 0o700, folder
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
