@@ -114,4 +114,6 @@ class WorkerHandle:
             "progress_age_s": round(self.progress_age_s, 3),
             "startup_phases_s": self.hello.startup_phases,
             "kv_tier": dict(self.kv_tier) or None,
+            # The box's KV tier it shares (an opaque id: equal ids, one tier), None: none.
+            "kv_tier_id": self.hello.kv_tier or None,
         }
