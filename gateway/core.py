@@ -529,10 +529,22 @@ class Gateway:
             self.edge.send(worker_id, Heartbeat(worker_id=worker_id, time=time.time(),
                                                 gateway_id=self.gateway_id))
 
-    def _on_worker_lost(self, worker: WorkerHandle, what: str, **extra: Any) -> None:
+    def worker_exited(self, worker_id: str, pid: int, what: str) -> bool:
+        """The process `pid` of this worker exited, its supervisor says (gateway/http/admin.py):
+        lost now, its streams move on as on heartbeat expiry, without waiting for its
+        heartbeats to lapse. False (nothing done) if `pid` is not the process registered
+        under that id: a late notice about an older incarnation spares its successor."""
+        worker = self.registry.remove_exited(worker_id, pid, self.clock(), what)
+        if worker is None:
+            return False
+        self._on_worker_lost(worker, what, event="exited")
+        return True
+
+    def _on_worker_lost(self, worker: WorkerHandle, what: str, event: str = "lost",
+                        **extra: Any) -> None:
         log.error("worker lost: it %s", what, extra={
             "worker_id": worker.worker_id, "num_in_flight": len(worker.request_ids), **extra})
-        self.metrics.on_worker_event(worker.worker_id, "lost")
+        self.metrics.on_worker_event(worker.worker_id, event)
         self._fail_worker_requests(worker.worker_id, what)
         self.edge.unbind(worker.worker_id)
 

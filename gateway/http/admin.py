@@ -7,6 +7,10 @@
     POST /admin/workers/{id}/restart          {"deadline_s": 30}: drain, then the worker exits
                                               0 and its supervisor (serve, compose, k8s) starts
                                               it again; it comes back with a new incarnation
+    POST /admin/workers/{id}/exited           {"pid": 1234, "exit_code": -9}: that process of
+                                              the worker exited (`serve`'s supervisor reaped
+                                              it): lost at once, its streams move on; ignored
+                                              unless `pid` is the process registered now
     GET  /admin/models                        served models, their versions and workers, and
                                               the aliases with their weights
     POST /admin/models/{alias}/weights        {"weights": {"smollm@v1": 90, "smollm@v2": 10}}:
@@ -27,6 +31,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -62,6 +68,7 @@ class AdminApi:
             Route("/admin/workers/{worker_id}/drain", self.drain, methods=["POST"]),
             Route("/admin/workers/{worker_id}/undrain", self.undrain, methods=["POST"]),
             Route("/admin/workers/{worker_id}/restart", self.restart, methods=["POST"]),
+            Route("/admin/workers/{worker_id}/exited", self.exited, methods=["POST"]),
             Route("/admin/models", self.list_models, methods=["GET"]),
             Route("/admin/models/{alias}/weights", self.set_weights, methods=["POST"]),
             Route("/admin/classes", self.list_classes, methods=["GET"]),
@@ -148,6 +155,26 @@ class AdminApi:
             return error_response(_unknown_worker(worker_id))
         return JSONResponse({"worker_id": worker_id, "action": "undrain"})
 
+    async def exited(self, request: Request) -> Response:
+        """A worker's process exited: its supervisor says so the moment it reaps it
+        (cli/supervisor.py), long before the worker's heartbeats would lapse. The gateway
+        takes that process out and fails its streams over, only if it is the one registered
+        under the id now (a notice about an older incarnation does not remove its
+        successor). 200 either way, naming this gateway's pid: `serve --gateways N` tells
+        each of the gateways sharing the port."""
+        refusal = self._refusal(request)
+        if refusal is not None:
+            return error_response(refusal)
+        worker_id = request.path_params["worker_id"]
+        try:
+            pid, exit_code = exit_fields(json_object_body(await request.body()))
+        except APIError as e:
+            return error_response(e)
+        is_removed = self.gateway.worker_exited(worker_id, pid, describe_exit(exit_code))
+        return JSONResponse({"worker_id": worker_id, "action": "exited", "pid": pid,
+                             "exit_code": exit_code, "removed": is_removed,
+                             "gateway_pid": os.getpid()})
+
     async def _drain(self, request: Request, exit_when_drained: bool) -> Response:
         refusal = self._refusal(request)
         if refusal is not None:
@@ -211,6 +238,35 @@ def _deadline(raw: bytes) -> float:
         raise invalid_request(f"'deadline_s' must be a number in [0, {MAX_DEADLINE_S:g}].",
                               param="deadline_s")
     return float(value)
+
+
+_MAX_PID = 2**22  # Linux's pid_max at most
+
+
+def exit_fields(body: dict) -> tuple[int, int | None]:
+    """An exit notice's process id and exit code (Popen's: -N for death by signal N; absent:
+    None)."""
+    pid, code = body.get("pid"), body.get("exit_code")
+    if isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid <= _MAX_PID:
+        raise invalid_request(f"'pid' must be an integer in [1, {_MAX_PID}].", param="pid")
+    if code is not None and (isinstance(code, bool) or not isinstance(code, int)
+                             or not -128 <= code <= 255):
+        raise invalid_request("'exit_code' must be an integer in [-128, 255] (-N: killed by "
+                              "signal N).", param="exit_code")
+    return pid, code
+
+
+def describe_exit(exit_code: int | None) -> str:
+    """How the worker's process ended, as the loss's reason: 'exited (killed by SIGKILL)'."""
+    if exit_code is None:
+        return "exited"
+    if exit_code < 0:
+        try:
+            name = signal.Signals(-exit_code).name
+        except ValueError:
+            name = f"signal {-exit_code}"
+        return f"exited (killed by {name})"
+    return f"exited (exit code {exit_code})"
 
 
 def describe_classes(admission: Admission) -> dict:

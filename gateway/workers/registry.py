@@ -2,10 +2,11 @@
 
 A worker says HELLO once its model is loaded (and again after reconnecting); we answer
 READY and from then on expect a HEARTBEAT every interval. A worker silent for
-`worker_timeout_s` is lost. A HELLO from a known id replaces the old incarnation (its
-requests are gone with it); the core first refuses one while the old incarnation's
-connection is still open (two live processes with one id). A worker that says DRAIN gets nothing new, and neither does
-one whose heartbeats say its engine made no progress for `stall_timeout_s` (UNHEALTHY:
+`worker_timeout_s` is lost, and so is one whose process its supervisor saw exit (a notice
+naming the worker id and its pid: `remove_exited`). A HELLO from a known id replaces the
+old incarnation (its requests are gone with it); the core first refuses one while the old
+incarnation's connection is still open (two live processes with one id). A worker that says
+DRAIN gets nothing new, and neither does one whose heartbeats say its engine made no progress for `stall_timeout_s` (UNHEALTHY:
 its I/O thread is alive, its engine thread is stuck); it is READY again once it moves.
 """
 
@@ -24,16 +25,18 @@ from zeroserve.gateway.workers.routing import Router
 
 @dataclass(frozen=True)
 class LostWorker:
-    """A worker expired for silence, remembered until its id says HELLO again, so that
-    `serve`'s supervisor can see which process went silent and replace it."""
+    """A worker expired for silence (or whose process exited), remembered until its id says
+    HELLO again, so that `serve`'s supervisor can see which process went silent and replace
+    it."""
 
     worker_id: str
     pid: int
     lost_at: float
+    reason: str = "no heartbeat"
 
     def describe(self, now: float) -> dict:
         return {"worker_id": self.worker_id, "pid": self.pid,
-                "lost_s": round(max(0.0, now - self.lost_at), 3)}
+                "lost_s": round(max(0.0, now - self.lost_at), 3), "reason": self.reason}
 
 
 _MAX_LOST = 1024  # lost workers remembered (ids come from accepted HELLOs)
@@ -129,11 +132,26 @@ class WorkerRegistry:
         """Remove and return the workers silent for longer than timeout_s."""
         lost = [w for w in self.workers.values() if now - w.last_seen > timeout_s]
         for w in lost:
-            del self.workers[w.worker_id]
-            if len(self.lost) >= _MAX_LOST:
-                self.lost.clear()
-            self.lost[w.worker_id] = LostWorker(w.worker_id, w.hello.pid, now)
+            self._lose(w, now, "no heartbeat")
         return lost
+
+    def remove_exited(self, worker_id: str, pid: int, now: float,
+                      reason: str) -> WorkerHandle | None:
+        """The process `pid` of this worker exited (its supervisor reaped it: cli/
+        supervisor.py): remove and return the worker if `pid` is the process registered
+        under its id now. None otherwise: the id is unknown (lost already), or the notice is
+        about an older incarnation, late, and must not remove its successor."""
+        worker = self.workers.get(worker_id)
+        if worker is None or worker.hello.pid != pid:
+            return None
+        self._lose(worker, now, reason)
+        return worker
+
+    def _lose(self, worker: WorkerHandle, now: float, reason: str) -> None:
+        del self.workers[worker.worker_id]
+        if len(self.lost) >= _MAX_LOST:
+            self.lost.clear()
+        self.lost[worker.worker_id] = LostWorker(worker.worker_id, worker.hello.pid, now, reason)
 
     def remove(self, worker_id: str) -> WorkerHandle | None:
         return self.workers.pop(worker_id, None)
