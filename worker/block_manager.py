@@ -23,6 +23,8 @@ A box-wide KV tier (worker/kv_tier/, off unless set as `tier`) extends both ends
 registered in the cache are reported to it for write-through (`on_full`), and an admission
 whose prefix the cache does not hold looks the next blocks up there (`match_tier`) and loads
 them into fresh blocks, which then count as computed and are registered like any other.
+Every block taken for new contents is reported (`on_reuse`) before anything writes it: a
+pool that lives in the tier publishes blocks where they lie, and their readers must know.
 
 Invariants:
 - every block is in exactly one place: held (ref_count > 0), free-uncached or evictable;
@@ -64,6 +66,10 @@ class TierHook(Protocol):
 
     def forget(self, seq: Sequence) -> None:
         """seq will never be scheduled again."""
+        ...
+
+    def on_reuse(self, block_id: int) -> None:
+        """Pool block block_id is taken for new contents: whatever it held is going."""
         ...
 
 
@@ -303,6 +309,8 @@ class BlockManager:
             block.token_ids = None
             block.parent_id = None
         self._blocks[block_id].ref_count = 1
+        if self.tier is not None:
+            self.tier.on_reuse(block_id)  # before anything writes it (a pool in the tier)
         return block_id
 
     def block_tokens(self, seq: Sequence, index: int) -> tuple[int, ...]:

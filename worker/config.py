@@ -81,6 +81,9 @@ class EngineConfig:
     kv_offloading_dir: str | None = None
     kv_tier_dir: str | None = None
     kv_tier_dir_size: float = 16.0
+    # A CPU worker's KV pool is a file in the tier's folder (no copy per block) where it fits
+    # (worker/kv_tier/pool_file.py); False: its own memory, full blocks copied into the tier.
+    kv_pool_in_tier: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -81,7 +81,7 @@ class ModelRunner:
         self.block_size = config.block_size
         with timer.phase("kv_cache"):
             self.num_kv_blocks = self._pool_size(config, self.info)
-            self.kv_caches = self._allocate_kv(self.info)
+            self.kv_caches = self._allocate_kv(config, self.info)
         self.sampler = Sampler(self.info.vocab_size, self.info.eos_token_ids, self.device,
                                config.seed)
         self.group = self.model.config.num_queries_per_kv
@@ -147,16 +147,26 @@ class ModelRunner:
             raise ValueError("the KV cache budget is smaller than one block")
         return int(num_blocks)
 
-    def _allocate_kv(self, info: ModelInfo) -> list[KVCache]:
+    def _allocate_kv(self, config: EngineConfig, info: ModelInfo) -> list[KVCache]:
         """One pool for all layers, K and V. Every slot must hold finite values before it is
         first written: padded attention reads unwritten slots and weighs them by 0, and
         0 * NaN would leak. On the CPU the pool is a fresh anonymous mapping, which the OS
         hands out zeroed, page by page as blocks are first touched: no zero-fill pass at
-        start, and no memory committed for blocks never used. On a GPU zeroing is a fast
+        start, and no memory committed for blocks never used (or, with the KV tier on, a new
+        file in the tier's folder: the same, and its full blocks are published without a
+        copy, worker/kv_tier/pool_file.py). On a GPU zeroing is a fast
         memset (and the caching allocator may hand back dirty memory)."""
         shape = (info.num_layers, 2, self.num_kv_blocks, self.block_size, info.num_kv_heads,
                  info.head_dim)
-        if self.device.type == "cpu":
+        in_tier = None
+        if self.device.type == "cpu" and config.kv_offloading_size:
+            from zeroserve.worker.kv_tier.setup import allocate_pool  # the tier's file, or None
+
+            in_tier = allocate_pool(config, info, self.block_size, shape, self.kv_dtype)
+        self.kv_pool_file = None if in_tier is None else in_tier[1]  # the KV tier's, or None
+        if in_tier is not None:
+            pool = in_tier[0]  # zeroed too (a new file), shared with the tier's readers
+        elif self.device.type == "cpu":
             pool = _zeroed_cpu_tensor(shape, self.kv_dtype)
         else:
             pool = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)

@@ -9,6 +9,12 @@ bytes and drops rather than blocks when the thread is behind: the tier is a cach
 misses is recomputed. On CUDA the gather stays on the device and the copy to host memory is
 asynchronous; the thread waits for it, the step does not.
 
+A pool in the tier (a CPU worker's, worker/kv_tier/pool_file.py): nothing is gathered. The
+step records each reported block's generation; the thread takes the crc32 of the block where
+it lies, checks that the block was not taken for new contents meanwhile (its generation, which
+the block manager's `on_reuse` bumps), and publishes a small entry naming (pool file, block,
+generation). Only a disk level below gets the block's bytes (a copy, on the thread).
+
 Loading: for a sequence being admitted whose prefix the pool's cache does not hold, the next
 blocks' digests are looked up (`num_available`: a stat each) and those found are read,
 verified and copied into fresh pool blocks (`load`). A block that fails verification ends the
@@ -37,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from zeroserve.worker.kv_tier.digest import block_digest
+from zeroserve.worker.kv_tier.pool_file import PoolFile
 from zeroserve.worker.kv_tier.store import TierCounters, TierStore
 from zeroserve.worker.sequence import Sequence
 
@@ -58,14 +65,28 @@ class _Batch:
     num_bytes: int
 
 
+@dataclass
+class _RefBatch:
+    """Blocks of a pool in the tier to publish where they lie."""
+
+    entries: list[tuple[bytes, tuple[int, ...], int, int]]  # (digest, tokens, block, gen)
+    num_bytes: int
+
+
+# What a queued entry of a pool in the tier is counted as against MAX_QUEUED_BYTES.
+REF_ENTRY_BYTES = 256
+
+
 class KVTierConnector:
     """What the block manager calls (TierHook) over one worker's pool and the box's store."""
 
     def __init__(self, store: TierStore, pool: torch.Tensor, model_key: bytes,
                  block_tokens: Callable[[Sequence, int], tuple[int, ...]],
-                 max_queued_bytes: int = MAX_QUEUED_BYTES) -> None:
+                 max_queued_bytes: int = MAX_QUEUED_BYTES,
+                 pool_file: PoolFile | None = None) -> None:
         self.store = store
         self.pool = pool  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        self.pool_file = pool_file  # the pool's file in the tier's folder, or None: copies
         self.model_key = model_key
         self._block_tokens = block_tokens
         self._block_shape = (pool.shape[0], pool.shape[1], *pool.shape[3:])
@@ -76,7 +97,8 @@ class KVTierConnector:
         self._max_queued_bytes = max_queued_bytes
         self._queued_bytes = 0
         # Batches to write; an Event is set when the writer reaches it; None stops the writer.
-        self._queue: queue.SimpleQueue[_Batch | threading.Event | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Batch | _RefBatch | threading.Event | None] = \
+            queue.SimpleQueue()
         self._lock = threading.Lock()  # the counters and _queued_bytes, with the writer
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer",
                                         daemon=True)
@@ -141,6 +163,11 @@ class KVTierConnector:
         self._chains.pop(seq.request_id, None)
         self._missed.discard(seq.request_id)
 
+    def on_reuse(self, block_id: int) -> None:
+        """Pool block block_id is taken for new contents (before anything writes it)."""
+        if self.pool_file is not None:
+            self.pool_file.bump(block_id)
+
     @torch.inference_mode()
     def flush(self) -> None:
         """Gather the blocks reported this step out of the pool and queue them for writing
@@ -149,12 +176,19 @@ class KVTierConnector:
         if not pending:
             return
         self._pending = []
-        num_bytes = len(pending) * self.block_bytes
+        pool_file = self.pool_file
+        num_bytes = len(pending) * (self.block_bytes if pool_file is None else REF_ENTRY_BYTES)
         with self._lock:
             if self._queued_bytes + num_bytes > self._max_queued_bytes:
                 self.store.counters.num_dropped += len(pending)
                 return
             self._queued_bytes += num_bytes
+        if pool_file is not None:  # published where they lie: no copy
+            for digest, _, _ in pending:
+                self._remember(digest)
+            self._queue.put(_RefBatch([(d, t, b, pool_file.generation(b))
+                                       for d, t, b in pending], num_bytes))
+            return
         # One block after another: [n, num_layers, 2, block_size, kv_heads, head_dim]. A copy
         # per block measured 2.5x faster than index_select + permute + contiguous (one copy
         # instead of two): ~40 us per block of the default model on this CPU.
@@ -197,6 +231,9 @@ class KVTierConnector:
                 batch.set()
                 continue
             try:
+                if isinstance(batch, _RefBatch):
+                    self._publish_refs(batch)
+                    continue
                 if batch.ready is not None:
                     batch.ready.synchronize()
                 raw = batch.data.view(torch.uint8).view(len(batch.entries), -1).numpy()
@@ -208,6 +245,18 @@ class KVTierConnector:
                 with self._lock:
                     self._queued_bytes -= batch.num_bytes
 
+    def _publish_refs(self, batch: _RefBatch) -> None:
+        pool_file = self.pool_file
+        assert pool_file is not None
+        has_lower_levels = len(self.store.levels) > 1
+        for digest, tokens, block, generation in batch.entries:
+            crc = pool_file.crc(block)
+            payload = pool_file.block_bytes(block) if has_lower_levels else None
+            # Taken for new contents while we read it: what we read may be part of those.
+            if pool_file.generation(block) != generation:
+                self.store.counters.num_dropped += 1
+                continue
+            self.store.put_ref(digest, tokens, crc, pool_file, block, generation, payload)
 
     def _chain(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         chain = self._chains.setdefault(seq.request_id, [])

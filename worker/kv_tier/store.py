@@ -22,6 +22,14 @@ count is raised before the rename, so a writer killed between them only overcoun
 the next scan heals. A full tier evicts, it never fails a put; a put larger than the whole
 bound is dropped.
 
+A CPU worker's pool may live in the folder itself (pool_file.py, a `.kvpool` file): its
+blocks are published as entries under the same names with the same header and the crc32 of
+the block's bytes, but instead of the payload they name (pool file, block, generation). A
+reader copies the block out of the pool file and verifies it (generation and crc32): a block
+the owner reused since is a miss, removed like a torn one. Pool files count in `usage` by
+their whole size; eviction takes a pool file only from a dead process (it must be able to
+lock it exclusively: a live owner holds a shared lock), least recently read first.
+
 Permissions: the folder is made mode 700 and must be this user's and closed to others (the
 ipc:// plane's model, common/runtime_dir.py); files are created 600.
 """
@@ -40,14 +48,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zeroserve.common.runtime_dir import is_private_dir, make_private_dirs, runtime_dir
+from zeroserve.worker.kv_tier import pool_file
 from zeroserve.worker.kv_tier.digest import DIGEST_BYTES, tokens_bytes
+from zeroserve.worker.kv_tier.pool_file import POOL_ID_BYTES, POOL_SUFFIX, PoolFile
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"ZSKV"
+REF_MAGIC = b"ZSKR"  # an entry whose payload lives in a worker's pool file (pool_file.py)
 FILE_VERSION = 1
 # magic, version, model key, block digest, num tokens, payload bytes, crc32 of the payload
 HEADER = struct.Struct(f"<4sH{DIGEST_BYTES}s{DIGEST_BYTES}sIQI")
+# After an entry's tokens: its pool file's id, the block's index there, its generation.
+REF = struct.Struct(f"<{POOL_ID_BYTES}sIQ")
+# A worker's pool lives in the tier only while the live pools, its own included, take at
+# most this share of the bound: the rest keeps blocks and dead workers' pools readable.
+POOL_SHARE = 0.5
 SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
 # A temporary file older than this is a dead writer's: the eviction scan removes it.
@@ -133,11 +149,27 @@ class TierLevel:
         final = self.path(digest)
         if os.path.exists(final):
             return True
-        tokens = tokens_bytes(token_ids)
         view = memoryview(payload).cast("B")
         header = HEADER.pack(MAGIC, FILE_VERSION, self.model_key, digest, len(token_ids),
                              view.nbytes, zlib.crc32(view))
-        size = len(header) + len(tokens) + view.nbytes
+        return self._publish(digest, header + tokens_bytes(token_ids), view)
+
+    def put_ref(self, digest: bytes, token_ids: tuple[int, ...] | list[int], payload_len: int,
+                crc: int, pool: PoolFile, block: int, generation: int) -> bool:
+        """Publish a block that stays in `pool` (a file of this folder) as an entry naming it.
+        False if it was not written."""
+        final = self.path(digest)
+        if os.path.exists(final):
+            return True
+        header = HEADER.pack(REF_MAGIC, FILE_VERSION, self.model_key, digest, len(token_ids),
+                             payload_len, crc)
+        data = header + tokens_bytes(token_ids) + REF.pack(pool.pool_id, block, generation)
+        return self._publish(digest, data)
+
+    def _publish(self, digest: bytes, *parts: bytes | memoryview) -> bool:
+        """Write parts under a temporary name, count them, rename into place."""
+        final = self.path(digest)
+        size = sum(memoryview(part).nbytes for part in parts)
         if size > self.max_bytes:
             self.counters.num_dropped += 1
             return False
@@ -145,8 +177,8 @@ class TierLevel:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                _write_all(fd, header + tokens)
-                _write_all(fd, view)
+                for part in parts:
+                    _write_all(fd, part)
             finally:
                 os.close(fd)
             self._reserve(size)  # counted before it is visible: a crash only overcounts
@@ -159,6 +191,32 @@ class TierLevel:
         self.counters.num_puts += 1
         self.counters.bytes_written += size
         return True
+
+    def create_pool(self, num_blocks: int, num_slabs: int, slab_bytes: int) -> PoolFile | None:
+        """A pool file for this process's KV pool, counted in the bound; None when it would
+        take the live pools past POOL_SHARE of the bound (or cannot be made)."""
+        size = pool_file.file_bytes(num_blocks, num_slabs, slab_bytes)
+        with self._locked() as fd:
+            if self._live_pool_bytes() + size > self.max_bytes * POOL_SHARE:
+                return None
+            try:
+                pool = PoolFile(self.folder, self.model_key, num_blocks, num_slabs, slab_bytes)
+            except OSError as exc:
+                logger.warning("KV tier: cannot make a pool file in %s: %s", self.folder, exc)
+                return None
+            self._reserve_locked(fd, size)
+        return pool
+
+    def _live_pool_bytes(self) -> int:
+        total = 0
+        for path in self.folder.glob("*" + POOL_SUFFIX):
+            try:
+                size = path.stat().st_size
+            except OSError:
+                continue
+            if pool_file.is_live(path):
+                total += size
+        return total
 
     # ---- read -----------------------------------------------------------------------------
 
@@ -180,10 +238,15 @@ class TierLevel:
             os.close(fd)
         payload = None if mapped is None else self._verify(mapped, digest, token_ids)
         if payload is None:
+            is_ref = mapped is not None and mapped[:len(REF_MAGIC)] == REF_MAGIC
             if mapped is not None:
                 mapped.close()
             self.counters.num_bad += 1
-            logger.warning("KV tier: removed a bad block %s", path.name)
+            if is_ref:
+                # Mostly a block its owner reused since (or a dead owner's evicted pool).
+                logger.debug("KV tier: removed a stale pool entry %s", path.name)
+            else:
+                logger.warning("KV tier: removed a bad block %s", path.name)
             _unlink(path)
             return None
         try:
@@ -198,14 +261,19 @@ class TierLevel:
             return None
         magic, version, model_key, stored_digest, num_tokens, payload_len, crc = \
             HEADER.unpack_from(mapped, 0)
-        if (magic != MAGIC or version != FILE_VERSION or model_key != self.model_key
-                or stored_digest != digest or num_tokens != len(token_ids)):
+        if (magic not in (MAGIC, REF_MAGIC) or version != FILE_VERSION
+                or model_key != self.model_key or stored_digest != digest
+                or num_tokens != len(token_ids)):
             return None
         start = HEADER.size + 4 * num_tokens
-        if len(mapped) != start + payload_len:
+        if len(mapped) != start + (REF.size if magic == REF_MAGIC else payload_len):
             return None  # truncated, or more than a block
         if mapped[HEADER.size:start] != tokens_bytes(token_ids):
             return None
+        if magic == REF_MAGIC:
+            pool_id, block, generation = REF.unpack_from(mapped, start)
+            return pool_file.read_block(self.folder, pool_id, self.model_key, block,
+                                        generation, payload_len, crc)
         payload = memoryview(mapped)[start:]
         if zlib.crc32(payload) != crc:
             payload.release()
@@ -221,14 +289,18 @@ class TierLevel:
 
     def _reserve(self, size: int) -> None:
         with self._locked() as fd:
-            used = _read_usage(fd)
-            if used + size > self.max_bytes:
-                used = self._evict(int(self.max_bytes * LOW_WATERMARK) - size)
-            _write_usage(fd, used + size)
+            self._reserve_locked(fd, size)
+
+    def _reserve_locked(self, fd: int, size: int) -> None:
+        used = _read_usage(fd)
+        if used + size > self.max_bytes:
+            used = self._evict(int(self.max_bytes * LOW_WATERMARK) - size)
+        _write_usage(fd, used + size)
 
     def _evict(self, target: int) -> int:
-        """Remove least recently used blocks until at most `target` bytes remain (and dead
-        writers' stale temporary files); the bytes that remain. Called under the lock."""
+        """Remove least recently used blocks and dead workers' pool files until at most
+        `target` bytes remain (and dead writers' stale temporary files); the bytes that
+        remain, live pools included. Called under the lock."""
         files = []
         total = 0
         now = time.time()
@@ -246,6 +318,10 @@ class TierLevel:
                 if name.endswith(SUFFIX):
                     files.append((info.st_mtime_ns, name, info.st_size))
                     total += info.st_size
+                elif name.endswith(POOL_SUFFIX):
+                    total += info.st_size
+                    if not pool_file.is_live(Path(entry.path)):  # a live one is never taken
+                        files.append((info.st_mtime_ns, name, info.st_size))
         files.sort()  # oldest first
         for _, name, size in files:
             if total <= target:
@@ -325,6 +401,18 @@ class TierStore:
     def put(self, digest: bytes, token_ids: tuple[int, ...] | list[int],
             payload: bytes | bytearray | memoryview) -> bool:
         written = [level.put(digest, token_ids, payload) for level in self.levels]
+        return any(written)
+
+    def put_ref(self, digest: bytes, token_ids: tuple[int, ...] | list[int], crc: int,
+                pool: PoolFile, block: int, generation: int,
+                payload: bytes | None = None) -> bool:
+        """Publish a block of `pool` (in the first level's folder) as an entry there, and its
+        bytes (`payload`, needed only with more levels) in the levels below."""
+        payload_len = pool.num_slabs * pool.slab_bytes
+        written = [self.levels[0].put_ref(digest, token_ids, payload_len, crc, pool, block,
+                                          generation)]
+        if payload is not None:
+            written += [level.put(digest, token_ids, payload) for level in self.levels[1:]]
         return any(written)
 
     def get(self, digest: bytes, token_ids: tuple[int, ...] | list[int]) -> memoryview | None:

@@ -20,6 +20,7 @@ class FakeTier:
         self.loaded: list[tuple[int, int]] = []  # (block index, pool block id)
         self.written: list[tuple[int, ...]] = []
         self.forgotten: list[str] = []
+        self.reused: list[int] = []  # pool blocks taken for new contents, in order
 
     def _prefix(self, seq: Sequence, index: int) -> tuple[int, ...]:
         return tuple(t for i in range(index + 1) for t in self.bm.block_tokens(seq, i))
@@ -46,6 +47,9 @@ class FakeTier:
 
     def forget(self, seq: Sequence) -> None:
         self.forgotten.append(seq.request_id)
+
+    def on_reuse(self, block_id: int) -> None:
+        self.reused.append(block_id)
 
 
 def tiered(num_blocks: int = 32, budget: int = 64):
@@ -126,3 +130,23 @@ def test_admission_counts_the_tier_blocks_against_the_pool():
     assert bm.can_admit(seq, [], 2, num_tier_blocks=2)  # 3 blocks: all the pool
     bm.allocate(make_seq(request_id="x", prompt_token_ids=[1]), 1)  # one block taken
     assert not bm.can_admit(seq, [], 2, num_tier_blocks=2)
+
+
+def test_every_block_taken_for_new_contents_is_reported_first():
+    """A pool in the tier publishes blocks where they lie: when a cached block is evicted and
+    taken for another sequence, the tier must hear of it before the step writes it (its
+    published copy is stale from then on)."""
+    scheduler, tier = tiered(num_blocks=3)
+    bm = scheduler.block_manager
+    first = make_seq(request_id="a", prompt_token_ids=list(range(1, 9)))  # two full blocks
+    bm.allocate(first, 8)
+    first.num_computed_tokens = 8
+    bm.cache_full_blocks(first)
+    assert tier.written == [tuple(range(1, 5)), tuple(range(1, 9))]
+    cached = list(first.block_table)
+    assert tier.reused == cached  # taken (fresh) for the first sequence
+    bm.forget(first)  # its blocks stay cached, evictable
+    second = make_seq(request_id="b", prompt_token_ids=list(range(20, 32)))  # three blocks
+    bm.allocate(second, 12)
+    assert sorted(tier.reused[2:]) == sorted(second.block_table)
+    assert set(cached) <= set(tier.reused[2:])  # the cached blocks it evicted, reported

@@ -11,10 +11,9 @@ from zeroserve.worker.kv_tier.setup import _kernels
 
 
 def test_the_key_names_the_prompt_rows_kernel():
-    pool = torch.empty(1, dtype=torch.float32)
-    on = _kernels(EngineConfig(model="default", dtype="float32", int8_activations=True), pool)
-    off = _kernels(EngineConfig(model="default", dtype="float32", int8_activations=False), pool)
-    auto = _kernels(EngineConfig(model="default", dtype="auto"), pool)
+    on = _kernels(EngineConfig(model="default", dtype="float32", int8_activations=True), torch.float32, "cpu")
+    off = _kernels(EngineConfig(model="default", dtype="float32", int8_activations=False), torch.float32, "cpu")
+    auto = _kernels(EngineConfig(model="default", dtype="auto"), torch.float32, "cpu")
     assert "prompt_projections=int8" in on.split(",")
     assert "prompt_projections=dense" in off.split(",")
     assert auto == on != off
