@@ -16,20 +16,36 @@ steady state it costs nothing. A second probe (`GatewayWorkerWatch`) runs all al
 few seconds: it names the worker children that the gateway reports lost (in `/health`'s
 `lost_workers`) or stalled (`unhealthy`) with the pid we started, and the supervisor kills
 and restarts one that stays so past `--worker-replace-timeout`. With API keys on, the gateway shows pids and worker ids only
-to callers with a key, so the probe sends one (`serve` gives it the first key). It imports
-nothing from the CLI, so the dependency runs one way: cli/main.py -> cli/children.py,
-cli/main.py -> cli/supervisor.py.
+to callers with a key, so the probe sends one (`serve` gives it the first key).
+
+A third (`GatewayExitNotice`) runs when the supervisor reaps a worker child: it tells the
+gateway at once (`POST /admin/workers/{id}/exited` with the pid that exited, with admin
+rights: the admin key, or keyless from loopback with this user's admin token), so that the
+gateway takes that process out and moves its streams on at once instead of when its
+heartbeats lapse; the gateway ignores a notice whose pid is not the process it holds under
+that id. With `--gateways N` sharing the port, the kernel picks the gateway each new
+connection reaches, so the notice is sent until every gateway (by its pid) has answered, a
+bounded number of times.
+
+It imports nothing from the CLI, so the dependency runs one way: cli/main.py ->
+cli/children.py, cli/main.py -> cli/supervisor.py.
 """
 
 from __future__ import annotations
 
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
+
+from zeroserve.common.admin_token import TOKEN_HEADER, read_token
 
 GATEWAY_CHILD = "gateway"
 _TIMEOUT_S = 1.0
 _LIVE_ASKS_PER_GATEWAY = 3  # per probe round, while some gateway has not answered yet
+# An exit notice is sent up to this many times per gateway until each one has answered
+# (`serve --gateways N`: the kernel spreads new connections over them at random).
+_NOTICE_ASKS_PER_GATEWAY = 6
 
 
 def gateway_child_names(num_gateways: int) -> list[str]:
@@ -136,3 +152,49 @@ class GatewayWorkerWatch:
             if is_bad and name in workers and entry.get("pid") == workers[name]:
                 bad.add(name)
         return bad
+
+
+def _post_json(url: str, body: dict, admin_key: str | None) -> dict | None:
+    """An admin POST from this machine: the admin key if there is one, else this user's
+    admin token (the gateway asks for it where API keys are set). The answer's JSON body on
+    success; None otherwise."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
+    request.add_header("content-type", "application/json")
+    if admin_key:
+        request.add_header("authorization", f"Bearer {admin_key}")
+    else:
+        token = read_token()
+        if token is not None:
+            request.add_header(TOKEN_HEADER, token)
+    try:
+        with urllib.request.urlopen(request, timeout=_TIMEOUT_S) as response:
+            parsed = json.loads(response.read())
+    except (OSError, ValueError):  # HTTPError included: refused, or not answering
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
+class GatewayExitNotice:
+    """An `ExitNotice` for `serve`: a worker child's process exited (reaped, so certainly
+    dead): each gateway takes that process out now and fails its streams over, as when its
+    heartbeats lapse, only sooner. A gateway child's exit is nobody's to tell."""
+
+    def __init__(self, base_url: str, admin_key: str | None = None, num_gateways: int = 1):
+        self.base_url = base_url.rstrip("/")
+        self.admin_key = admin_key
+        self.num_gateways = num_gateways
+
+    def __call__(self, name: str, pid: int, exit_code: int) -> set[int]:
+        """The pids of the gateways that heard it (at most `num_gateways`)."""
+        if is_gateway_child(name):
+            return set()
+        url = f"{self.base_url}/admin/workers/{urllib.parse.quote(name, safe='')}/exited"
+        told: set[int] = set()
+        for _ in range(_NOTICE_ASKS_PER_GATEWAY * self.num_gateways):
+            answer = _post_json(url, {"pid": pid, "exit_code": exit_code}, self.admin_key)
+            if answer is None:
+                break  # refused or not answering: the heartbeat path remains
+            told.add(answer.get("gateway_pid"))
+            if len(told) >= self.num_gateways:
+                break
+        return told

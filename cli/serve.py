@@ -116,7 +116,12 @@ def serve(**opts: Any) -> None:
     SIGTERM or Ctrl-C: workers drain (finish in-flight requests, up to --drain-timeout),
     then the gateway stops. Killing one worker's pid restarts just that worker.
     """
-    from zeroserve.cli.children import GatewayReadiness, GatewayWorkerWatch, local_url
+    from zeroserve.cli.children import (
+        GatewayExitNotice,
+        GatewayReadiness,
+        GatewayWorkerWatch,
+        local_url,
+    )
     from zeroserve.cli.supervisor import RestartPolicy, Supervisor
     from zeroserve.common.logging_setup import setup_logging
 
@@ -148,8 +153,10 @@ def serve(**opts: Any) -> None:
         url = local_url(gateway.host, gateway.port)
         api_key = gateway.api_keys[0] if gateway.api_keys else None
         policy = RestartPolicy(unresponsive_timeout_s=opts["worker_replace_timeout"] or None)
+        admin_key = gateway.admin_keys[0] if gateway.admin_keys else None
         code = Supervisor(children, policy, readiness=GatewayReadiness(url, api_key),
-                          unresponsive=GatewayWorkerWatch(url, api_key)).run()
+                          unresponsive=GatewayWorkerWatch(url, api_key),
+                          exit_notice=GatewayExitNotice(url, admin_key, len(gateways))).run()
     finally:
         if ephemeral_keys is not None:
             from zeroserve.common.keys import remove

@@ -32,6 +32,12 @@ like anything else (its workers notice the silence and say HELLO to the new one)
   which stops them in order) and die with it: each calls `die_with_parent()` first thing,
   before any work that may take long (a Hub download), which sets PR_SET_PDEATHSIG, so even
   a SIGKILLed supervisor leaves no orphans.
+- A child's exit is told at once to an `exit_notice`, if one is given: a callable, run on
+  a thread of its own (the main loop never waits on it), that gets the child's name, its
+  pid and its exit code (Popen's: -N for death by signal N). `serve` tells the gateway
+  (cli/children.py), which takes that worker process out and moves its streams on the
+  moment it is reaped, not seconds later when its heartbeats lapse: the exit itself is the
+  one sign of death that a busy machine cannot fake. Exits while stopping are not told.
 - Every exited child is reaped, not only ours: `serve` as a container's PID 1 inherits the
   orphans of the whole container and must not let them pile up as zombies.
 """
@@ -41,6 +47,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import queue
 import select
 import signal
 import subprocess
@@ -103,15 +110,21 @@ ReadinessProbe = Callable[[dict[str, int]], set[str]]
 # Pids of the running children by name -> names of those that are unresponsive now (lost or
 # stalled in the gateway's view), or None when that cannot be known now.
 UnresponsiveProbe = Callable[[dict[str, int]], set[str] | None]
+# A child's process exited: its name, its pid, its exit code (-N: killed by signal N).
+ExitNotice = Callable[[str, int, int], None]
 
 
 class Supervisor:
     def __init__(self, children: list[ChildSpec], policy: RestartPolicy | None = None,
                  readiness: ReadinessProbe | None = None,
-                 unresponsive: UnresponsiveProbe | None = None):
+                 unresponsive: UnresponsiveProbe | None = None,
+                 exit_notice: ExitNotice | None = None):
         self.policy = policy or RestartPolicy()
         self.readiness = readiness
         self.unresponsive = unresponsive
+        self.exit_notice = exit_notice
+        # (name, pid, exit code) for the exit-notice thread; None ends it.
+        self._exits: queue.SimpleQueue[tuple[str, int, int] | None] = queue.SimpleQueue()
         self.children = [_Child(spec, backoff_s=self.policy.initial_backoff_s)
                          for spec in children]
         self.exit_code = 0
@@ -138,12 +151,16 @@ class Supervisor:
                 threading.Thread(target=self._probe_loop, daemon=True, name="readiness").start()
             if self.unresponsive is not None and self.policy.unresponsive_timeout_s is not None:
                 threading.Thread(target=self._watch_loop, daemon=True, name="watch").start()
+            if self.exit_notice is not None:
+                threading.Thread(target=self._notice_loop, daemon=True,
+                                 name="exit-notice").start()
             while not self._num_signals and not self._is_fatal():
                 self._wait_for_wake(self._seconds_to_next_restart())
                 self._reap_and_restart()
             self.stop()
         finally:
             self._stopping.set()
+            self._exits.put(None)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             os.close(self._wake_r)
@@ -200,6 +217,8 @@ class Supervisor:
                 child.kill_pid = None
             if process is not None and process.poll() is not None:
                 self._on_exit(child, process.returncode, now)
+                if self.exit_notice is not None and not self._is_fatal():
+                    self._exits.put((child.spec.name, process.pid, process.returncode))
             if child.restart_at is not None and now >= child.restart_at:
                 self._start(child)
 
@@ -245,6 +264,14 @@ class Supervisor:
     def _is_configuration_error(self, child: _Child, code: int, ran_s: float) -> bool:
         return (child.num_starts == 1 and not child.has_been_ready and code > 0
                 and ran_s < self.policy.startup_window_s)
+
+    def _notice_loop(self) -> None:
+        """Tell `exit_notice` of each child's exit, in order, off the main loop."""
+        while (item := self._exits.get()) is not None:
+            try:
+                self.exit_notice(*item)
+            except Exception:  # a notice's bug must not take the supervisor down
+                log.exception("exit notice failed")
 
     def _probe_loop(self) -> None:
         """Learn which children have been ready; ends once every one has been."""

@@ -67,7 +67,7 @@ from zeroserve.cli.supervisor import ChildSpec, RestartPolicy, Supervisor
 logging.basicConfig(level=logging.INFO)
 # PR_SET_CHILD_SUBREAPER: orphans below us come to us, as they come to a container's PID 1.
 ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)
-specs, policy, events = json.loads(sys.argv[1])
+specs, policy, events, log = json.loads(sys.argv[1])
 children = [ChildSpec(s["name"], tuple(s["argv"]), s["stop_timeout_s"], s["stop_phase"])
             for s in specs]
 
@@ -83,10 +83,15 @@ def unresponsive(pids):  # children that logged "hung" under the pid they run wi
     return {{name for _, name, what, pid in rows
              if what == "hung" and pids.get(name) == int(pid)}}
 
+def exit_notice(name, pid, code):  # serve's tells the gateway; this one, the events log
+    import time
+    with open(log, "a") as f:
+        f.write(f"{{time.monotonic():.3f}} {{name}} notice{{code}} {{pid}}\n")
+
 probe = readiness if events else None
 watch = unresponsive if events else None
 sys.exit(Supervisor(children, RestartPolicy(**policy), readiness=probe,
-                    unresponsive=watch).run())
+                    unresponsive=watch, exit_notice=exit_notice).run())
 """
 
 
@@ -112,7 +117,7 @@ class Harness:
                  for name, mode, phase in children]
         self.process = subprocess.Popen(
             [sys.executable, str(self.driver),
-             json.dumps([specs, policy, str(self.log) if probe else None])],
+             json.dumps([specs, policy, str(self.log) if probe else None, str(self.log)])],
             stdout=self.output.open("w"), stderr=subprocess.STDOUT, text=True,
         )
 
@@ -175,6 +180,29 @@ def test_a_killed_worker_is_restarted_and_nothing_else_moves(harness):
     assert harness.pids("worker-0")[1] != first
     assert len(harness.pids("gateway")) == 1 and len(harness.pids("worker-1")) == 1
     assert harness.process.poll() is None
+
+
+@pytest.mark.slow
+def test_each_exit_is_told_at_once_with_its_pid_and_how_it_ended(harness):
+    """`serve` tells the gateway (cli/children.py) the moment a worker's process is reaped,
+    so that its streams move on before its heartbeats lapse; the pid names the incarnation
+    (the gateway ignores a notice about any other). The restart does not wait for it."""
+    harness.start([("gateway", "serve", 1), ("worker-0", "serve", 0),
+                   ("worker-1", "ready_then_fail", 0)], probe=True, stable_after_s=0.2)
+    harness.wait_for(lambda: harness.pids("worker-0") and harness.pids("worker-1", "crash"))
+    killed = harness.pids("worker-0")[0]
+    os.kill(killed, signal.SIGKILL)
+    harness.wait_for(lambda: harness.pids("worker-0", "notice-9"))
+    assert harness.pids("worker-0", "notice-9") == [killed]
+    crashed = harness.pids("worker-1", "crash")[0]
+    harness.wait_for(lambda: harness.pids("worker-1", "notice4"))
+    assert harness.pids("worker-1", "notice4")[0] == crashed
+    harness.wait_for(lambda: len(harness.pids("worker-0")) == 2)  # restarted as ever
+    # A stop is no death to tell: the workers drain and exit, nothing is noticed.
+    num_notices = len([e for e in harness.events() if e[2].startswith("notice")])
+    harness.process.send_signal(signal.SIGTERM)
+    assert harness.process.wait(timeout=15) == 0
+    assert len([e for e in harness.events() if e[2].startswith("notice")]) == num_notices
 
 
 @pytest.mark.slow
