@@ -81,7 +81,8 @@ def engine_config(opts: dict[str, Any], device: str | None = None) -> EngineConf
 def _kv_tier_fields(opts: dict[str, Any]) -> dict[str, Any]:
     """The KV tier's fields: its flags, with --kv-transfer-config (vLLM's JSON) read onto
     them (cli/kv_transfer_config.py)."""
-    names = ("kv_offloading_size", "kv_offloading_dir", "kv_tier_dir", "kv_tier_dir_size")
+    names = ("kv_offloading_size", "kv_offloading_dir", "kv_tier_dir", "kv_tier_dir_size",
+             "kv_pool_in_tier")
     flags = {name: opts[name] for name in names}
     text = opts.get("kv_transfer_config")
     if not text:

@@ -140,6 +140,11 @@ ENGINE_OPTIONS = [
     option("--kv-tier-dir-size", type=click.FloatRange(min=0, min_open=True),
            default=field_default(EngineConfig, "kv_tier_dir_size"),
            help="GiB the --kv-tier-dir level may hold."),
+    option("--kv-pool-in-tier/--no-kv-pool-in-tier",
+           default=field_default(EngineConfig, "kv_pool_in_tier"),
+           help="On the CPU, the worker's KV pool is a file in the tier's folder and full "
+                "blocks are published without a copy, where the live pools take at most half "
+                "of --kv-offloading-size; off: blocks are copied into the tier."),
     option("--kv-transfer-config", default=None,
            help="vLLM's JSON for an offloading KV connector, read onto the flags above: "
                 '{"kv_connector": "OffloadingConnector" or "LMCacheConnectorV1", "kv_role": '

@@ -112,6 +112,14 @@ class PoolFile:
         """A copy of the block's bytes (for a level that keeps payloads: the disk)."""
         return b"".join(self.slabs(block))
 
+    def close(self) -> None:
+        """Unmap and unlock, as this process's end does: the file is a dead pool from now
+        on (readable until evicted). Only once no tensor holds the mapping."""
+        self._generations.release()
+        self._view.release()
+        self.mapped.close()  # its own duplicate of the fd shares the lock
+        os.close(self._fd)
+
 
 def read_block(folder: Path, pool_id: bytes, model_key: bytes, block: int, generation: int,
                payload_len: int, crc: int) -> memoryview | None:

@@ -54,16 +54,20 @@ def run(engine: Engine, prompt: list[int], params: SamplingParams,
     return tokens, cached
 
 
+@pytest.mark.parametrize("pool_in_tier", [True, False], ids=["pool-in-tier", "copied"])
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_a_moved_stream_continues_from_the_tier_with_the_same_tokens(tiny_gguf, tmp_path,
-                                                                       params):
-    first = engine(tiny_gguf, tmp_path / "tier")
+                                                                       params, pool_in_tier):
+    first = engine(tiny_gguf, tmp_path / "tier", kv_pool_in_tier=pool_in_tier)
+    # The CPU pool lives in the tier (its blocks published without a copy) unless turned off.
+    assert (first.runner.kv_pool_file is not None) == pool_in_tier
+    assert (first.tier.pool_file is not None) == pool_in_tier
     expected, _ = run(first, PROMPT, params)
     first.tier.close()  # everything written (a killed worker's last blocks may be missing)
     assert first.tier.counters.num_puts >= (len(PROMPT) + len(expected)) // 16 - 1
 
     sent = expected[:25]  # the tokens the client had when the first worker died
-    second = engine(tiny_gguf, tmp_path / "tier")
+    second = engine(tiny_gguf, tmp_path / "tier", kv_pool_in_tier=pool_in_tier)
     rest, _ = run(second, PROMPT, params, outputs=sent)
     assert sent + rest == expected
     counters = second.tier.counters
