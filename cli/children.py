@@ -46,6 +46,9 @@ _LIVE_ASKS_PER_GATEWAY = 3  # per probe round, while some gateway has not answer
 # An exit notice is sent up to this many times per gateway until each one has answered
 # (`serve --gateways N`: the kernel spreads new connections over them at random).
 _NOTICE_ASKS_PER_GATEWAY = 6
+# A notice waits longer for its answer than a probe: a gateway under load answers late, and
+# a notice given up on leaves the worker's streams waiting for its heartbeats to lapse.
+_NOTICE_TIMEOUT_S = 5.0
 
 
 def gateway_child_names(num_gateways: int) -> list[str]:
@@ -167,7 +170,7 @@ def _post_json(url: str, body: dict, admin_key: str | None) -> dict | None:
         if token is not None:
             request.add_header(TOKEN_HEADER, token)
     try:
-        with urllib.request.urlopen(request, timeout=_TIMEOUT_S) as response:
+        with urllib.request.urlopen(request, timeout=_NOTICE_TIMEOUT_S) as response:
             parsed = json.loads(response.read())
     except (OSError, ValueError):  # HTTPError included: refused, or not answering
         return None
