@@ -31,12 +31,22 @@ tier-on server gets a new, empty tier folder, removed after: the tier outlives i
 distinct prompts at once, tier off and on alternated; the least CPU and wall seconds per
 output token, and their ratio.
 
+`--write-through`: the per-step write-through cost in one process, on the default model's
+block shape (bf16, 30 layers): `--wt-blocks` full blocks reported and flushed per step, the
+pool copied into the tier (a CUDA worker's way, or --no-kv-pool-in-tier) against the pool
+living in the tier (a CPU worker's default: nothing copied, an entry per block). Reported per
+block, the least of `--repeats` x 5 steps: the step thread's CPU (on_full + flush) and the
+whole process's (the writer thread's crc32 and file writes too).
+`--cost --compare-pool`: the served cost in three alternated modes, tier off, tier on with
+the pool copied in (--no-kv-pool-in-tier), tier on with the pool in it.
+
 Every tier-on server here gets a new tier folder under /dev/shm, removed with the server.
 
     python benchmarks/bench_kv_tier.py                       # default model, ~6k context
     python benchmarks/bench_kv_tier.py --context 1500 --prefix 1000   # quicker
     python benchmarks/bench_kv_tier.py --rolling             # 8 streams, 2,000-token prompts
     python benchmarks/bench_kv_tier.py --cost --clients 16   # the cost, no reuse
+    python benchmarks/bench_kv_tier.py --write-through       # copy vs pool in the tier
 """
 
 from __future__ import annotations
@@ -322,16 +332,19 @@ def cost(args) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="bench-kv-tier-cost-"))
     teardown = Teardown()
     teardown.install()
-    runs: dict[str, list] = {"off": [], "on": []}
+    modes = ("off", "copy", "on") if args.compare_pool else ("off", "on")
+    runs: dict[str, list] = {mode: [] for mode in modes}
     try:
         for repeat in range(args.repeats):
-            for mode in (("off", "on") if repeat % 2 == 0 else ("on", "off")):
+            for mode in (modes if repeat % 2 == 0 else modes[::-1]):
                 flags = tuple(args.server_args)
                 tier = None
-                if mode == "on":
+                if mode != "off":
                     tier = tempfile.mkdtemp(prefix="bench-kv-tier-cost-", dir=SHM)
                     flags += ("--kv-offloading-size", str(args.tier_size),
                               "--kv-offloading-dir", os.path.join(tier, "kv"))
+                if mode == "copy":
+                    flags += ("--no-kv-pool-in-tier",)
                 try:
                     run = serve_and_measure(Side(mode, ".", flags), repeat, cfg, samples,
                                             log_dir, 600, teardown)
@@ -355,6 +368,16 @@ def cost(args) -> int:
     print(f"tier on / off, {args.clients} clients, nothing reused (a new tier folder per "
           f"run): output tok/s {_ratios(ratios)}, CPU per output token {_ratios(cpu)} "
           f"(load {load:.1f} at the end; server logs in {log_dir})")
+    if args.compare_pool:
+        for name, other in (("copied / off", "off"), ("pool in tier / copied", "copy")):
+            base = runs["copy"] if name.startswith("copied") else runs["on"]
+            tok = [a.summary["output_throughput"] / b.summary["output_throughput"]
+                   for a, b in zip(base, runs[other], strict=True)
+                   if a.summary.get("output_throughput") and b.summary.get("output_throughput")]
+            per = [a.cpu_ms_per_token / b.cpu_ms_per_token
+                   for a, b in zip(base, runs[other], strict=True)
+                   if a.cpu_ms_per_token and b.cpu_ms_per_token]
+            print(f"{name}: output tok/s {_ratios(tok)}, CPU per output token {_ratios(per)}")
     return 0 if ratios else 1
 
 
@@ -402,6 +425,68 @@ def cost_engine(args) -> int:
     return 0
 
 
+def write_through(args) -> int:
+    """The write-through's CPU per block, the pool copied into the tier against the pool in
+    the tier, on the default model's block shape; min of repeats, alternated."""
+    import torch
+
+    from zeroserve.worker.block_manager import BlockManager
+    from zeroserve.worker.kv_tier.connector import KVTierConnector
+    from zeroserve.worker.kv_tier.store import TierLevel, TierStore
+    from zeroserve.worker.sequence import SamplingParams, Sequence
+
+    layers, heads, dim, dtype = 30, 3, 64, torch.bfloat16  # SmolLM2-135M, bf16 KV
+    num_blocks, per_step = 4 * args.wt_blocks, args.wt_blocks
+    shape = (layers, 2, num_blocks, BLOCK, heads, dim)
+    root = tempfile.mkdtemp(prefix="bench-kv-tier-wt-", dir=SHM)
+    key = bytes(16)
+    connectors = {}
+    for mode in ("copy", "pool"):
+        level = TierLevel(os.path.join(root, mode), 8 << 30, key)
+        made = None
+        if mode == "pool":
+            made = level.create_pool(num_blocks, layers * 2, BLOCK * heads * dim * 2)
+            pool = torch.frombuffer(made.mapped, dtype=dtype, count=torch.Size(shape).numel(),
+                                    offset=made.data_offset).view(shape)
+        else:
+            pool = torch.empty(shape, dtype=dtype)
+        pool.copy_(torch.randn(shape).to(dtype))
+        bm = BlockManager(num_blocks, BLOCK)
+        connectors[mode] = KVTierConnector(TierStore([level]), pool, key, bm.block_tokens,
+                                           pool_file=made)
+    rng = random.Random(args.seed)
+    best: dict[str, tuple[float, float]] = {}
+    for repeat in range(args.repeats * 5):
+        for mode in (("copy", "pool") if repeat % 2 == 0 else ("pool", "copy")):
+            tier = connectors[mode]
+            seq = Sequence(f"r{repeat}{mode}", random_prompt(rng, per_step * BLOCK + 1),
+                           SamplingParams(max_tokens=1))
+            table = rng.sample(range(num_blocks), per_step)
+            cpu0, step0 = time.process_time(), time.thread_time()
+            tier.on_full(seq, 0, per_step, table)
+            tier.flush()
+            step = time.thread_time() - step0
+            tier.wait_written(timeout_s=300)
+            cpu = time.process_time() - cpu0
+            assert tier.counters.num_puts == per_step * (repeat + 1), "blocks were dropped"
+            old = best.get(mode, (float("inf"), float("inf")))
+            best[mode] = (min(old[0], step / per_step), min(old[1], cpu / per_step))
+    for tier in connectors.values():
+        tier.close()
+    shutil.rmtree(root, ignore_errors=True)
+    block_kib = connectors["copy"].block_bytes >> 10
+    for mode, (step, cpu) in best.items():
+        print(json.dumps({"mode": mode, "blocks_per_step": per_step, "block_kib": block_kib,
+                          "step_thread_us_per_block": round(step * 1e6, 1),
+                          "process_cpu_us_per_block": round(cpu * 1e6, 1)}), flush=True)
+    (cs, cc), (ps, pc) = best["copy"], best["pool"]
+    print(f"write-through per block ({block_kib} KiB, {per_step} per step, min of "
+          f"{args.repeats * 5}): step thread {cs * 1e6:.1f} -> {ps * 1e6:.1f} us "
+          f"({ps / cs:.2f}x), whole process {cc * 1e6:.1f} -> {pc * 1e6:.1f} us "
+          f"({pc / cc:.2f}x), copied -> pool in the tier")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--context", type=int, default=6000)
@@ -414,6 +499,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="the tier's cost when nothing is reused: served output tok/s")
     parser.add_argument("--cost-engine", action="store_true",
                         help="the same in one engine, in-process: CPU and wall per token")
+    parser.add_argument("--compare-pool", action="store_true",
+                        help="--cost: off, the pool copied in, and the pool in the tier")
+    parser.add_argument("--write-through", action="store_true",
+                        help="the write-through's CPU per block: copied against pool in tier")
+    parser.add_argument("--wt-blocks", type=int, default=64, help="--write-through: per step")
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--num-prompts", type=int, default=48, help="--cost")
     parser.add_argument("--output-len", type=int, default=128, help="--cost")
@@ -434,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
         return cost(args)
     if args.cost_engine:
         return cost_engine(args)
+    if args.write_through:
+        return write_through(args)
     if args.rolling:
         return main_rolling(args)
     replay = run_mode(args, 0.0)
