@@ -19,6 +19,7 @@ import pytest
 from tests.e2e.helpers import MODEL, stream_in_thread
 from tests.worker.conftest import write_tiny_chat_model
 from zeroserve.cli.harness import REPO_ROOT, child_env, zeroserve_argv
+from zeroserve.worker.kv_tier.pool_file import POOL_SUFFIX, is_live
 
 pytestmark = pytest.mark.slow
 
@@ -118,6 +119,9 @@ def test_a_killed_workers_stream_continues_from_the_tier_with_the_same_tokens(
     victim, _other = stream_and_freeze(server, body)
     thread, result = victim.pop("stream")
     wait_for_prompt_blocks(tier)
+    # Each worker's KV pool lives in the tier (on the CPU, by default): the blocks the other
+    # worker loads are read out of the killed worker's pool file.
+    assert len([p for p in tier.glob("*" + POOL_SUFFIX) if is_live(p)]) == 2
     hits_before = all_tier_hits(server)
     os.kill(victim["pid"], signal.SIGKILL)  # frozen mid-stream: it cannot have finished
     thread.join(timeout=120)

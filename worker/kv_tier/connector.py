@@ -94,6 +94,10 @@ class KVTierConnector:
         self._missed: set[str] = set()  # requests whose lookup missed (counted once)
         self._pending: list[tuple[bytes, tuple[int, ...], int]] = []  # (digest, tokens, block)
         self._known: OrderedDict[bytes, None] = OrderedDict()
+        # A pool in the tier: the digest each pool block holds, published or loaded; a block
+        # taken for new contents forgets it, so that its tokens computed again are published
+        # again (the entry naming the old block is stale from then on).
+        self._digest_of_block: dict[int, bytes] = {}
         self._max_queued_bytes = max_queued_bytes
         self._queued_bytes = 0
         # Batches to write; an Event is set when the writer reaches it; None stops the writer.
@@ -146,6 +150,8 @@ class KVTierConnector:
             block = torch.frombuffer(payload, dtype=self.pool.dtype).view(self._block_shape)
             self.pool[:, :, block_id].copy_(block)
             self._remember(chain[index])
+            if self.pool_file is not None:
+                self._digest_of_block[block_id] = chain[index]
         return len(block_ids)
 
     # ---- TierHook: write-through -----------------------------------------------------------
@@ -167,6 +173,9 @@ class KVTierConnector:
         """Pool block block_id is taken for new contents (before anything writes it)."""
         if self.pool_file is not None:
             self.pool_file.bump(block_id)
+            digest = self._digest_of_block.pop(block_id, None)
+            if digest is not None:
+                self._known.pop(digest, None)
 
     @torch.inference_mode()
     def flush(self) -> None:
@@ -184,8 +193,9 @@ class KVTierConnector:
                 return
             self._queued_bytes += num_bytes
         if pool_file is not None:  # published where they lie: no copy
-            for digest, _, _ in pending:
+            for digest, _, block_id in pending:
                 self._remember(digest)
+                self._digest_of_block[block_id] = digest
             self._queue.put(_RefBatch([(d, t, b, pool_file.generation(b))
                                        for d, t, b in pending], num_bytes))
             return

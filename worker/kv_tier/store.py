@@ -156,20 +156,23 @@ class TierLevel:
 
     def put_ref(self, digest: bytes, token_ids: tuple[int, ...] | list[int], payload_len: int,
                 crc: int, pool: PoolFile, block: int, generation: int) -> bool:
-        """Publish a block that stays in `pool` (a file of this folder) as an entry naming it.
-        False if it was not written."""
-        final = self.path(digest)
-        if os.path.exists(final):
-            return True
+        """Publish a block that stays in `pool` (a file of this folder) as an entry naming it,
+        in place of any entry there (which may name a block reused since). False if it was
+        not written."""
         header = HEADER.pack(REF_MAGIC, FILE_VERSION, self.model_key, digest, len(token_ids),
                              payload_len, crc)
         data = header + tokens_bytes(token_ids) + REF.pack(pool.pool_id, block, generation)
         return self._publish(digest, data)
 
     def _publish(self, digest: bytes, *parts: bytes | memoryview) -> bool:
-        """Write parts under a temporary name, count them, rename into place."""
+        """Write parts under a temporary name, count them, rename into place (over what was
+        there: only its size is counted again, less what it replaces)."""
         final = self.path(digest)
         size = sum(memoryview(part).nbytes for part in parts)
+        try:
+            replaced = os.stat(final).st_size
+        except OSError:
+            replaced = 0
         if size > self.max_bytes:
             self.counters.num_dropped += 1
             return False
@@ -181,8 +184,8 @@ class TierLevel:
                     _write_all(fd, part)
             finally:
                 os.close(fd)
-            self._reserve(size)  # counted before it is visible: a crash only overcounts
-            os.rename(tmp, final)
+            self._reserve(size - replaced)  # counted before it is visible: a crash only
+            os.rename(tmp, final)  # overcounts, which the next eviction scan heals
         except OSError as exc:
             logger.warning("KV tier: could not write a block to %s: %s", self.folder, exc)
             _unlink(tmp)
@@ -293,7 +296,7 @@ class TierLevel:
 
     def _reserve_locked(self, fd: int, size: int) -> None:
         used = _read_usage(fd)
-        if used + size > self.max_bytes:
+        if size > 0 and used + size > self.max_bytes:
             used = self._evict(int(self.max_bytes * LOW_WATERMARK) - size)
         _write_usage(fd, used + size)
 

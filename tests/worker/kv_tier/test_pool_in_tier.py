@@ -269,3 +269,19 @@ def test_the_flag_turns_the_pool_in_the_tier_off_and_reaches_serve_children(capt
     assert captured["worker"].engine == engine
     assert invoke(["worker", "--kv-offloading-size", "0.5"]).exit_code == 0
     assert captured["worker"].engine.kv_pool_in_tier is True  # on by default
+
+
+def test_tokens_computed_again_after_their_block_was_reused_are_published_again(tmp_path):
+    """The connector skips digests it published; once the pool block holding one is reused,
+    the entry is stale, and the same tokens computed into another block must replace it."""
+    folder = tmp_path / "tier"
+    tier, _ = owner(folder)
+    seq = publish(tier)  # blocks 5 and 3
+    tier.on_reuse(5)
+    tier.pool[:, :, 5] = 7.0
+    tier.pool[:, :, 2] = torch.randn(tier.pool[:, :, 2].shape).to(tier.pool.dtype)
+    tier.on_full(seq, 0, 2, [2, 3])  # the first block computed again, into block 2
+    assert tier.wait_written(timeout_s=30)
+    assert read_in_another_process(folder) == [block_hex(tier.pool, 2),
+                                               block_hex(tier.pool, 3)]
+    tier.close()
