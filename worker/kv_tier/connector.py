@@ -267,6 +267,7 @@ class KVTierConnector:
                 self.store.counters.num_dropped += 1
                 continue
             self.store.put_ref(digest, tokens, crc, pool_file, block, generation, payload)
+        pool_file.touch()  # recently written: once this process dies, evicted after older
 
     def _chain(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         chain = self._chains.setdefault(seq.request_id, [])

@@ -112,6 +112,13 @@ class PoolFile:
         """A copy of the block's bytes (for a level that keeps payloads: the disk)."""
         return b"".join(self.slabs(block))
 
+    def touch(self) -> None:
+        """Mark the pool recently used (eviction takes dead pools least recently used first)."""
+        try:
+            os.utime(self.path)
+        except OSError:
+            pass
+
     def close(self) -> None:
         """Unmap and unlock, as this process's end does: the file is a dead pool from now
         on (readable until evicted). Only once no tensor holds the mapping."""

@@ -5,6 +5,7 @@ reads until the bound evicts it; live pools count in the bound and are never evi
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -285,3 +286,22 @@ def test_tokens_computed_again_after_their_block_was_reused_are_published_again(
     assert read_in_another_process(folder) == [block_hex(tier.pool, 2),
                                                block_hex(tier.pool, 3)]
     tier.close()
+
+
+def test_a_pool_that_published_lately_is_evicted_after_older_blocks(tmp_path):
+    """A restarted worker needs its dead process's pool most: the pool's age is its last
+    publish, not its creation, so older blocks go first."""
+    folder = tmp_path / "tier"
+    tier, _ = owner(folder)
+    made = tier.pool_file
+    os.utime(made.path, (1, 1))  # created long ago
+    old = TierLevel(folder, BOUND, KEY)
+    tokens = tuple(range(500, 504))
+    old.put(block_digest(KEY, tokens), tokens, b"x" * 1000)
+    os.utime(old.path(block_digest(KEY, tokens)), (2, 2))
+    publish(tier)
+    tier.close()
+    made.close()  # its process ended
+    old._evict(old.usage_bytes() - 1000)  # room for one more: the oldest goes
+    assert made.path.exists()
+    assert not old.path(block_digest(KEY, tokens)).exists()
