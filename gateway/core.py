@@ -450,8 +450,9 @@ class Gateway:
         now = self.clock()
         self.registry.on_tokens(msg.worker_id, msg.seq, now)
         is_capacity_freed = False
+        states = self.streams.states  # (its get, without the method call: once per output)
         for out in msg.outputs:
-            state = self.streams.get(out.request_id)
+            state = states.get(out.request_id)
             if state is None:
                 continue  # ended here already (aborted, stop string, lost worker)
             # (num_submits is state.attempt, read without the property: once per output.)
@@ -488,7 +489,7 @@ class Gateway:
                     continue
             state.num_received += len(out.new_token_ids)
             state.output_token_ids.extend(out.new_token_ids)
-            state.deliver(out)
+            state.sink.put_nowait((state, out))  # (state.deliver(out), inlined)
         if is_capacity_freed:
             self.admission.wake()
 

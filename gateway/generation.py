@@ -262,27 +262,47 @@ class RequestGroup:
         now = self.gateway.clock()
         num_tokens = 0
         for state, item in items:
-            choice = self.choices[state.index]
-            if choice.finish_reason is not None:
-                continue  # stale: arrived after the choice ended
-            if isinstance(item, APIError):
-                self._trace(choice, state, now, item)
-                return batch, item
             try:
-                update = choice.consume(item, self.gateway.metrics, now)
+                update = self._update(state, item, now)
             except APIError as e:
-                self._trace(choice, state, now, e)
                 return batch, e
-            if update.finish_reason is not None:
-                self._trace(choice, state, now)
-                # A worker finish means the worker already forgot it; a stop string means
-                # it is still generating.
-                self.gateway.finish(state, abort=item.finish_reason is None)
-            batch.append((update, state))
-            num_tokens += len(update.token_ids)
+            if update is not None:
+                batch.append((update, state))
+                num_tokens += len(update.token_ids)
         if batch:
             self.gateway.metrics.on_tokens(num_tokens)
         return batch, None
+
+    def take_one(self, state: RequestState, out: TokenOutput) -> ChoiceUpdate | None:
+        """`take` of one worker output, the direct path's case (one per stream per engine
+        step): its update (None: stale), without the lists. Raises the APIError that
+        `take` would return."""
+        update = self._update(state, out, self.gateway.clock())
+        if update is not None:
+            self.gateway.metrics.on_tokens(len(update.token_ids))
+        return update
+
+    def _update(self, state: RequestState, item: TokenOutput | APIError,
+                now: float) -> ChoiceUpdate | None:
+        """One sink item -> its update (None: stale, it arrived after its choice ended);
+        raises the APIError that fails the choice."""
+        choice = self.choices[state.index]
+        if choice.finish_reason is not None:
+            return None
+        if isinstance(item, APIError):
+            self._trace(choice, state, now, item)
+            raise item
+        try:
+            update = choice.consume(item, self.gateway.metrics, now)
+        except APIError as e:
+            self._trace(choice, state, now, e)
+            raise
+        if update.finish_reason is not None:
+            self._trace(choice, state, now)
+            # A worker finish means the worker already forgot it; a stop string means
+            # it is still generating.
+            self.gateway.finish(state, abort=item.finish_reason is None)
+        return update
 
     def _trace(self, choice: Choice, state: RequestState, now: float,
                error: APIError | None = None) -> None:

@@ -206,7 +206,8 @@ class WorkerOutbox:
         if n <= 0:
             return
         state.num_delivered += n
-        if state.num_delivered - state.num_credited >= state.credit_step:
+        # (state.credit_step without the property: once per output.)
+        if state.num_delivered - state.num_credited >= (state.credit_window // 2 or 1):
             self.resend(state)
 
     def resend(self, state: RequestState) -> None:

@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from json.encoder import encode_basestring as _json_string
 
 from zeroserve.common.protocol import TokenOutput
 from zeroserve.gateway.api.openai_schema import SamplingOptions
@@ -111,6 +112,10 @@ class StreamedResponse:
         self._build = chat_chunk if ctx.kind == "chat" else completion_chunk
         self._sse: SSEResponse | None = None
         self._writes = gateway.edge.writes
+        self._outbox = gateway.outbox  # (Gateway.grant's, without the call, per output)
+        self._templates: dict[int, tuple[str, str] | tuple[()]] = {}  # see _text_template
+        # Other APIs' streams (http/responses_routes.py, http/messages.py) render their own.
+        self._is_chat_or_completion = type(self).render is StreamedResponse.render
         self._failure: BaseException | None = None  # raised in the direct path
 
     def response(self, slow_client_timeout_s: float, on_slow_client: Callable[[], bytes],
@@ -169,30 +174,33 @@ class StreamedResponse:
     def _direct(self, item: tuple) -> bool:
         """The sink's hook: write a plain output (no finish, no failure) to the client now
         if its socket takes it without waiting; False leaves it to the task."""
-        out = item[1]
+        state, out = item
         if type(out) is not TokenOutput or out.finish_reason is not None \
-                or self._failure is not None or not self._sse.can_write_now():
+                or self._failure is not None:
             return False
-        if self._has_prompt_logprobs and item[0].index in self._needs_echo:
+        sse = self._sse
+        if not sse.can_write_now():
+            return False
+        if self._has_prompt_logprobs and state.index in self._needs_echo:
             return False  # its prompt's logprobs are awaited in the task
         group = self.group
         try:
-            batch, error = group.take((item,))
-            if batch:
-                chunk = self.render(batch)
+            update = group.take_one(state, out)
+            if update is not None:
+                chunk = self._render_one(update)
                 if chunk:
                     writes = self._writes
                     if writes.is_deferring:  # the gateway is behind: one write per pass
-                        writes.add(self._sse, chunk)
+                        writes.add(sse, chunk)
                     else:
-                        self._sse.write_now(chunk)
-                self._grant(batch)
-                if group.is_finished:
+                        sse.write_now(chunk)
+                num_tokens = len(update.token_ids)
+                if num_tokens:
+                    self._outbox.grant(state, num_tokens)
+                if update.finish_reason is not None and group.is_finished:
                     group.sink.wake()  # a stop string ended it: the task sends the end
-        except Exception as e:  # this stream's bug: its task ends it (and logs it)
-            error = e
-        if error is not None:
-            self._failure = error
+        except Exception as e:  # a failed choice, or this stream's bug: its task ends it
+            self._failure = e
             group.sink.wake()
         return True
 
@@ -228,6 +236,25 @@ class StreamedResponse:
         for update, state in batch:
             self.gateway.grant(state, len(update.token_ids))
 
+    def _render_one(self, update: ChoiceUpdate) -> bytes:
+        """`render` of one update, the direct path's case: a plain chat or completion chunk
+        (no role, echo, tool calls or logprobs to add) is built at once; anything else, and
+        other APIs' streams, go through `render`."""
+        index, text = update.index, update.text
+        if self._needs_role or self._needs_echo or self._tool_streams is not None \
+                or update.logprobs is not None or not self._is_chat_or_completion:
+            return self.render([(update, None)])
+        self._offsets[index] += len(text)
+        if text and not update.reasoning and update.finish_reason is None:
+            template = self._templates.get(index)
+            if template is None:
+                template = self._templates[index] = _text_template(self._build, self.ctx, index)
+            if template:
+                return (template[0] + _json_string(text) + template[1]).encode()
+        if text or update.reasoning or update.finish_reason is not None:
+            return self._build(self.ctx, update, None)
+        return b""
+
     def render(self, batch: list[tuple[ChoiceUpdate, RequestState]]) -> bytes:
         """A batch of updates -> the SSE events for it, as one chunk (maybe empty)."""
         ctx, offsets, tokenizer = self.ctx, self._offsets, self.tokenizer
@@ -259,6 +286,21 @@ class StreamedResponse:
                     or lp is not None:
                 out.append(self._build(ctx, update, lp))
         return b"".join(out)
+
+
+# A text no renderer escapes, standing in for a chunk's text to find where the text goes.
+_TEXT_MARK = "zeroserve-text-mark-5f0c9a1e"
+
+
+def _text_template(build: Callable[..., bytes], ctx: ResponseContext,
+                   index: int) -> tuple[str, str] | tuple[()]:
+    """What a plain text chunk of choice `index` holds around its JSON-quoted text: the
+    chunk `build` renders, split at the text. Per token, the chunk is then the two pieces
+    around the new text's JSON string, the same bytes `build` makes without its calls and
+    f-strings. () when the mark is not found once (a model name holding it): no template."""
+    chunk = build(ctx, ChoiceUpdate(index, _TEXT_MARK, [], None, None), None).decode()
+    parts = chunk.split(_json_string(_TEXT_MARK))
+    return (parts[0], parts[1]) if len(parts) == 2 else ()
 
 
 def _tool_chunks(ctx: ResponseContext, stream: ToolCallStream, update: ChoiceUpdate,

@@ -146,13 +146,20 @@ def test_a_stop_string_met_on_the_direct_path_ends_the_stream():
 
 def test_a_failure_in_one_streams_direct_write_ends_only_that_stream(monkeypatch):
     original = streaming.StreamedResponse.render
+    original_one = streaming.StreamedResponse._render_one  # the direct path's
 
     def render(self, batch):
         if any("!" in update.text for update, _ in batch):
             raise RuntimeError("a bug in one stream's rendering")
         return original(self, batch)
 
+    def render_one(self, update):
+        if "!" in update.text:
+            raise RuntimeError("a bug in one stream's rendering")
+        return original_one(self, update)
+
     monkeypatch.setattr(streaming.StreamedResponse, "render", render)
+    monkeypatch.setattr(streaming.StreamedResponse, "_render_one", render_one)
 
     def is_bad(prompt: list[int]) -> bool:
         return b"bad" in bytes(t for t in prompt if t < 256)
