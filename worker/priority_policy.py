@@ -21,6 +21,10 @@ A sequence's `priority` comes from its SUBMIT (common/protocol.py): lower is ser
 - A slot's victim is the newest running sequence of the flow holding the most slots among
   those of the worst priority; the newest has the least context to recompute, and it waits
   at the front of its priority, ahead of its flow's other waiting sequences.
+- No slot is taken for a sequence that cannot start this step: one of n choices whose
+  prompt a running sibling is still prefilling (the scheduler holds it until that prompt's
+  blocks are in the prefix cache). Its slot would go straight back to the sequence just
+  preempted for it: a recompute for nothing, every step of the sibling's prefill.
 - Under KV pressure the victim is the worst priority holding blocks; among equals a paused
   sequence (idle without credit) before a running one, then the flow holding the most
   running slots, and the newest first. So a lower class is always preempted before a higher
@@ -37,8 +41,9 @@ nothing.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from zeroserve.worker.sequence import Sequence, SequenceStatus
 
@@ -46,6 +51,10 @@ from zeroserve.worker.sequence import Sequence, SequenceStatus
 MAX_FAIR_SCAN = 128
 # A flow takes a full batch's slot from another only when that one holds this many more.
 MIN_SLOT_LEAD = 2
+
+
+def _never(seq: Sequence) -> bool:
+    return False
 
 
 def enqueue(waiting: deque[Sequence], seq: Sequence) -> None:
@@ -69,6 +78,27 @@ def requeue_front(waiting: deque[Sequence], seq: Sequence) -> None:
     while index < len(waiting) and waiting[index].priority < seq.priority:
         index += 1
     waiting.insert(index, seq)
+
+
+def held_test(sibling_key: Callable[[Sequence], int | None],
+              prompts_in_prefill: Callable[[], set[int]]) -> Callable[[Sequence], bool]:
+    """`is_held` for one step: is a waiting sequence one of n choices whose prompt a running
+    sibling is prefilling (the scheduler passes over it: it takes that prompt's blocks from
+    the prefix cache once they are computed)? `sibling_key(seq)`: its prompt's key, None for
+    one that shares nothing; `prompts_in_prefill()`: the keys being prefilled, asked once
+    and only when a sequence has a key."""
+    prefilling: set[int] | None = None
+
+    def is_held(seq: Sequence) -> bool:
+        nonlocal prefilling
+        key = sibling_key(seq)
+        if key is None:
+            return False
+        if prefilling is None:
+            prefilling = prompts_in_prefill()
+        return key in prefilling
+
+    return is_held
 
 
 def pick_victim(paused: Iterable[Sequence], running, scheduled_ids: set[str],
@@ -95,37 +125,56 @@ def pick_victim(paused: Iterable[Sequence], running, scheduled_ids: set[str],
     return victim
 
 
-def slot_victim(waiting: deque[Sequence], running, max_num_seqs: int) -> Sequence | None:
+def slot_victim(waiting: deque[Sequence], running, max_num_seqs: int,
+                is_held: Callable[[Sequence], bool] = _never) -> Sequence | None:
     """With the batch full and `waiting` not empty: the running sequence whose slot a waiting
     one takes, or None. `running` is the scheduler's RunQueue (its `priorities` and `flows`
-    counts, oldest first).
+    counts, oldest first). `is_held(seq)`: seq cannot start this step (one of n choices
+    whose prompt a sibling is prefilling): no slot is taken for it, since the slot would
+    go straight back to the sequence preempted for it.
 
-    - A worse priority running than the first waiting: the newest of the flow holding the
-      most slots of the worst priority.
-    - Else the newest of the flow holding the most slots of the first waiting one's
-      priority, if that flow holds MIN_SLOT_LEAD more than the waiting flow holding the
-      fewest (among the first MAX_FAIR_SCAN waiting of that priority). One flow: None.
+    - A worse priority running than the first waiting one not held: the newest of the flow
+      holding the most slots of the worst priority.
+    - Else the newest of the flow holding the most slots of that one's priority, if that
+      flow holds MIN_SLOT_LEAD more than the waiting flow (not held) holding the fewest
+      (among the first MAX_FAIR_SCAN waiting of that priority). One flow: None.
     """
     if len(running) < max_num_seqs or not running.priorities:
         return None
-    head = waiting[0]
+    # Without `is_held` first: it only makes a victim less likely, and the common cases
+    # (one flow, nobody better waiting) end here without a look at anyone's prompt.
+    if _slot_victim(waiting, running, _never) is None:
+        return None
+    return _slot_victim(waiting, running, is_held)
+
+
+def _slot_victim(waiting: deque[Sequence], running,
+                 is_held: Callable[[Sequence], bool]) -> Sequence | None:
+    head = next((seq for seq in itertools.islice(waiting, MAX_FAIR_SCAN)
+                 if not is_held(seq)), None)
+    if head is None:
+        return None
     worst = max(running.priorities)
     if worst > head.priority:
         return _newest_of_largest_flow(running, worst)
     counts = _flow_counts(running, head.priority)
     if not counts:
         return None
-    fewest = min(counts.get(seq.flow, 0) for seq in _window(waiting, head.priority))
+    fewest = min(counts.get(seq.flow, 0) for seq in _window(waiting, head.priority)
+                 if not is_held(seq))
     if max(counts.values()) - fewest < MIN_SLOT_LEAD:
         return None
     return _newest_of_largest_flow(running, head.priority)
 
 
-def order_admissions(waiting: deque[Sequence], running, num_free: int) -> None:
+def order_admissions(waiting: deque[Sequence], running, num_free: int,
+                     is_held: Callable[[Sequence], bool] = _never) -> None:
     """Before `num_free` slots are filled from `waiting` (not empty): its front reordered so
     that each next admission goes to the waiting flow holding the fewest running slots of
     the first one's priority (counting those admitted before it; ties: the oldest). Only the
-    first MAX_FAIR_SCAN waiting of that priority move; with one flow nothing does."""
+    first MAX_FAIR_SCAN waiting of that priority move; with one flow nothing does. Those
+    `is_held` (they wait for a sibling's prompt: the scheduler passes over them) are not
+    chosen and keep their order behind the chosen."""
     if num_free <= 0:
         return
     priority = waiting[0].priority
@@ -133,10 +182,11 @@ def order_admissions(waiting: deque[Sequence], running, num_free: int) -> None:
     first_flow = window[0].flow
     if all(seq.flow == first_flow for seq in window):
         return  # one flow waiting: its own order (the common case, without a dict)
+    candidates = [seq for seq in window if not is_held(seq)]
     counts = _flow_counts(running, priority)
     # Each flow's waiting sequences in order; a heap of (its slots, its oldest's place).
     queues: dict[int, deque[tuple[int, Sequence]]] = {}
-    for index, seq in enumerate(window):
+    for index, seq in enumerate(candidates):
         queues.setdefault(seq.flow, deque()).append((index, seq))
     heap = [(counts.get(flow, 0), queue[0][0], flow) for flow, queue in queues.items()]
     heapq.heapify(heap)
@@ -147,7 +197,7 @@ def order_admissions(waiting: deque[Sequence], running, num_free: int) -> None:
         order.append(queue.popleft()[1])
         if queue:
             heapq.heappush(heap, (held + 1, queue[0][0], flow))
-    if all(a is b for a, b in zip(order, window, strict=False)):
+    if all(a is b for a, b in zip(order, candidates, strict=False)):
         return  # already in this order (FIFO is fair here): nothing moves
     chosen = {id(seq) for seq in order}
     rest = [seq for seq in window if id(seq) not in chosen]
@@ -157,11 +207,13 @@ def order_admissions(waiting: deque[Sequence], running, num_free: int) -> None:
 
 
 def _window(waiting: deque[Sequence], priority: int):
-    """The first MAX_FAIR_SCAN waiting sequences of `priority` (the best waiting one)."""
-    for index, seq in enumerate(waiting):
-        if seq.priority != priority or index == MAX_FAIR_SCAN:
+    """The waiting sequences of `priority` among the first MAX_FAIR_SCAN (those of a better
+    one before them are passed over; the first of a worse one ends it)."""
+    for seq in itertools.islice(waiting, MAX_FAIR_SCAN):
+        if seq.priority > priority:
             return
-        yield seq
+        if seq.priority == priority:
+            yield seq
 
 
 def _flow_counts(running, priority: int) -> dict[int, int]:

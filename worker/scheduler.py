@@ -306,7 +306,8 @@ class Scheduler:
             # the one holding the most, takes a slot and is admitted now in its place (the
             # victim waits behind it: it cannot bounce straight back). The free slots go to
             # the flows holding the fewest.
-            victim = priority_policy.slot_victim(self.waiting, self.running, max_seqs)
+            is_held = priority_policy.held_test(self._sibling_key, self._prompts_in_prefill)
+            victim = priority_policy.slot_victim(self.waiting, self.running, max_seqs, is_held)
             if victim is not None:
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -315,7 +316,7 @@ class Scheduler:
                 budget = self._prefill_budget(self.config.max_num_batched_tokens - sum(
                     len(chunk.token_ids) for chunk in chunks), chunks) - sum(n for _, n in prefills)
             priority_policy.order_admissions(self.waiting, self.running,
-                                             max_seqs - len(self.running))
+                                             max_seqs - len(self.running), is_held)
         while (len(self.waiting) > num_held and budget > 0 and len(self.running) < max_seqs
                and not is_pool_short):
             if len(scheduled) == max_seqs:

@@ -159,3 +159,33 @@ def test_under_kv_pressure_the_flow_holding_the_most_gives_its_blocks():
     while scheduler.has_unfinished():
         run_step(scheduler, runner)
     assert [s.num_output_tokens for s in (*heavy, light)] == [12] * 4
+
+
+@pytest.mark.parametrize("priority", [0, -1], ids=["same-class", "critical"])
+def test_n_choices_of_one_prompt_take_a_slot_only_when_they_can_start(priority):
+    """Key B (of A's class, or critical) asks for 2 choices of one long prompt (two
+    sequences, one prompt) while key A holds the batch: the second waits for the first's prefill to fill the prefix cache, and
+    no request of A's is preempted for it meanwhile only to take its slot straight back
+    (a wasted recompute each step); no slot stays empty either. One preemption per
+    choice."""
+    scheduler, runner = make_scheduler(max_num_seqs=4, max_num_batched_tokens=8)
+    a = [add(scheduler, flow=1, max_tokens=40) for _ in range(6)]
+    for _ in range(3):
+        run_step(scheduler, runner)
+    assert running_flows(scheduler) == {1: 4}
+    shared = prompt(24, start=5000)  # 6 blocks: a prefill of several steps at this budget
+    b = []
+    for _ in range(2):
+        seq = make_seq(prompt_token_ids=list(shared), max_tokens=5)
+        seq.flow, seq.priority = 2, priority
+        scheduler.add(seq)
+        b.append(seq)
+    while any(seq.status is not SequenceStatus.FINISHED for seq in b):
+        plan, _ = run_step(scheduler, runner)
+        assert not set(plan.preempted) & set(chunk_ids(plan)), plan.preempted  # no bounce
+        assert len(plan.chunks) == 4  # every slot used
+    assert scheduler.num_preemptions == 2
+    assert b[1].num_cached_tokens >= 20  # the second choice read the first's prompt
+    while scheduler.has_unfinished():
+        run_step(scheduler, runner)
+    assert [s.num_output_tokens for s in a] == [40] * 6
