@@ -20,12 +20,13 @@ Host header passes: a browser always sends one.
 
 from __future__ import annotations
 
-from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from zeroserve.gateway.errors import APIError
 from zeroserve.gateway.http.auth import is_loopback_host
 from zeroserve.gateway.http.error_response import error_response
+
+_MAX_KNOWN_HOSTS = 256
 
 
 def host_name(value: str) -> str:
@@ -47,6 +48,7 @@ class AllowedHosts:
     def __init__(self, patterns: tuple[str, ...]):
         self.names = frozenset(host_name(p) for p in patterns if not p.startswith("*."))
         self.suffixes = tuple(host_name(p)[1:] for p in patterns if p.startswith("*."))
+        self._known: dict[str, bool] = {}  # Host header -> allowed
 
     @classmethod
     def for_server(cls, bind_host: str, allowed_hosts: tuple[str, ...]) -> AllowedHosts | None:
@@ -55,9 +57,29 @@ class AllowedHosts:
         return cls(allowed_hosts)
 
     def allows(self, host_header: str) -> bool:
+        """Memoized (a few names come again and again; parsing an IP literal costs
+        microseconds per request), in a table bounded against a client sending many."""
+        known = self._known.get(host_header)
+        if known is None:
+            if len(self._known) >= _MAX_KNOWN_HOSTS:
+                self._known.clear()
+            known = self._known[host_header] = self._allows(host_header)
+        return known
+
+    def _allows(self, host_header: str) -> bool:
         name = host_name(host_header)
         return (is_loopback_host(name) or name in self.names
                 or any(name.endswith(suffix) for suffix in self.suffixes))
+
+
+def host_header(scope: Scope) -> str | None:
+    """The request's first Host header, as starlette's Headers(scope=scope).get("host")
+    reads it (the server gives header names in lower case), without building the Headers
+    and its list: once per request, in front of every route."""
+    for name, value in scope["headers"]:
+        if name == b"host":
+            return value.decode("latin-1")
+    return None
 
 
 def host_not_allowed(host_header: str) -> APIError:
@@ -75,7 +97,7 @@ class HostCheckMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            host = Headers(scope=scope).get("host")
+            host = host_header(scope)
             if host is not None and not self.hosts.allows(host):
                 await error_response(host_not_allowed(host))(scope, receive, send)
                 return

@@ -206,7 +206,7 @@ class Api:
     def _detokenize_now(self, ids: list) -> str:
         if not all(type(t) is int for t in ids):
             raise invalid_request("'tokens' must be an array of token ids.", param="tokens")
-        check_token_ids(ids, self.tokenizer.vocab_size, param="tokens")
+        check_token_ids(ids, self.limits.vocab_size, param="tokens")
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     # --- generation ------------------------------------------------------------------
@@ -229,7 +229,7 @@ class Api:
                 else:
                     # Against the context first: a long list costs a loop to check.
                     check_context(len(p), req.sampling.max_tokens, self.max_model_len)
-                    check_token_ids(p, self.tokenizer.vocab_size)
+                    check_token_ids(p, self.limits.vocab_size)
                     ids = list(p)
                 prompts.append(ids)
                 if echoes is not None:

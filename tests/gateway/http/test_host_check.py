@@ -7,9 +7,10 @@ import socket
 
 import httpx
 import pytest
+from starlette.datastructures import Headers
 
 from tests.gateway.helpers import GatewayServer
-from zeroserve.gateway.http.host_check import AllowedHosts, host_name
+from zeroserve.gateway.http.host_check import AllowedHosts, host_header, host_name
 
 
 @pytest.mark.parametrize("header,name", [
@@ -19,6 +20,24 @@ from zeroserve.gateway.http.host_check import AllowedHosts, host_name
 ])
 def test_host_name(header, name):
     assert host_name(header) == name
+
+
+@pytest.mark.parametrize("headers", [
+    [(b"host", b"localhost:8000")], [], [(b"accept", b"*/*")],
+    [(b"x-host", b"a"), (b"host", b"first.example"), (b"host", b"second.example")],
+    [(b"host", "caf\u00e9.example".encode("latin-1"))], [(b"host", b"")],
+])
+def test_the_host_header_is_read_as_starlette_reads_it(headers):
+    scope = {"type": "http", "headers": headers}
+    assert host_header(scope) == Headers(scope=scope).get("host")
+
+
+def test_answers_stay_right_past_the_memo_of_known_names():
+    hosts = AllowedHosts.for_server("127.0.0.1", ("api.example",))
+    for k in range(1000):  # more names than the memo holds: it starts over, answers hold
+        assert not hosts.allows(f"name-{k}.example")
+        assert hosts.allows("api.example:443") and hosts.allows(f"127.0.0.{k % 250 + 1}")
+    assert len(hosts._known) <= 256
 
 
 def test_a_loopback_bound_gateway_answers_loopback_names_only():
