@@ -150,10 +150,13 @@ def slot_victim(waiting: deque[Sequence], running, max_num_seqs: int,
 
 def _slot_victim(waiting: deque[Sequence], running,
                  is_held: Callable[[Sequence], bool]) -> Sequence | None:
-    head = next((seq for seq in itertools.islice(waiting, MAX_FAIR_SCAN)
-                 if not is_held(seq)), None)
-    if head is None:
-        return None
+    if is_held is _never:
+        head = waiting[0]
+    else:
+        head = next((seq for seq in itertools.islice(waiting, MAX_FAIR_SCAN)
+                     if not is_held(seq)), None)
+        if head is None:
+            return None
     worst = max(running.priorities)
     if worst > head.priority:
         return _newest_of_largest_flow(running, worst)
