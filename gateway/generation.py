@@ -63,6 +63,12 @@ class Choice:
     reasoning: ReasoningParser | None = None
     num_reasoning_tokens: int = 0
     _num_undecided: int = 0  # tokens held while the output might still open <think>
+    # No stop strings and no reasoning parser: until its finish, an output's text is the
+    # detokenizer's (consume's short way, taken once per stream per engine step).
+    is_plain: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        self.is_plain = not self.stop.stops and self.reasoning is None
 
     def consume(self, out: TokenOutput, metrics: RequestMetrics, now: float) -> ChoiceUpdate:
         """One batch from the worker -> text to emit (maybe "") and maybe a finish."""
@@ -78,6 +84,10 @@ class Choice:
                 self._on_first_output(out.timings, metrics, now)
             self.last_output_at = now
         self.num_cached_tokens = out.num_cached_tokens
+        if self.is_plain and out.finish_reason is None:
+            self.num_output_tokens += num_new
+            return ChoiceUpdate(self.index, self.detokenizer.push(token_ids), token_ids,
+                                out.logprobs, None, out.prompt_logprobs)
         if out.finish_reason in ("abort", "error"):
             self.num_output_tokens += num_new
             detail = out.error or "the worker aborted the request"
