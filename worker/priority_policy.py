@@ -163,8 +163,14 @@ def _slot_victim(waiting: deque[Sequence], running,
     counts = _flow_counts(running, head.priority)
     if not counts:
         return None
-    fewest = min(counts.get(seq.flow, 0) for seq in _window(waiting, head.priority)
-                 if not is_held(seq))
+    if is_held is _never and waiting[-1].priority == head.priority:
+        # Every waiting one is of this priority (the queue is sorted): their flows as a set
+        # first (one flow, the common case, gives a set of one).
+        flows = {seq.flow for seq in itertools.islice(waiting, MAX_FAIR_SCAN)}
+        fewest = min(counts.get(flow, 0) for flow in flows)
+    else:
+        fewest = min(counts.get(seq.flow, 0) for seq in _window(waiting, head.priority)
+                     if not is_held(seq))
     if max(counts.values()) - fewest < MIN_SLOT_LEAD:
         return None
     return _newest_of_largest_flow(running, head.priority)
@@ -181,10 +187,13 @@ def order_admissions(waiting: deque[Sequence], running, num_free: int,
     if num_free <= 0:
         return
     priority = waiting[0].priority
+    if (waiting[-1].priority == priority
+            and len({seq.flow for seq in itertools.islice(waiting, MAX_FAIR_SCAN)}) == 1):
+        return  # one priority and one flow waiting: its own order (the common case)
     window = list(_window(waiting, priority))
     first_flow = window[0].flow
     if all(seq.flow == first_flow for seq in window):
-        return  # one flow waiting: its own order (the common case, without a dict)
+        return  # one flow waiting of the best priority: its own order
     candidates = [seq for seq in window if not is_held(seq)]
     counts = _flow_counts(running, priority)
     # Each flow's waiting sequences in order; a heap of (its slots, its oldest's place).
