@@ -353,9 +353,11 @@ def steady_tokens_per_s(arrivals: list[list[float]]) -> float | None:
 # Per round (--rounds): what each burst reports, and the figures whose median is given.
 _ROUND_KEYS = ("wall_s", "errors", "usage_tokens", "tokens_per_s", "steady_tokens_per_s",
                "first_token_s", "cpu_s", "gateway_threads_cpu_s", "gateway_cpu_us_per_token",
-               "gateway_cpu_us_per_request", "gateway_loop_cpu_us_per_request", "load_average")
+               "gateway_system_cpu_us_per_token", "gateway_cpu_us_per_request",
+               "gateway_loop_cpu_us_per_request", "load_average")
 _MEDIAN_KEYS = ("tokens_per_s", "steady_tokens_per_s", "gateway_cpu_us_per_token",
-                "gateway_cpu_us_per_request", "gateway_loop_cpu_us_per_request", "wall_s")
+                "gateway_system_cpu_us_per_token", "gateway_cpu_us_per_request",
+                "gateway_loop_cpu_us_per_request", "wall_s")
 
 
 def measure_round(args: argparse.Namespace, client_exe: str | None, tmp: str,
@@ -434,6 +436,11 @@ def summarize(args: argparse.Namespace, measured: dict, stamps_path: str | None)
     result["gateway_threads_cpu_s"] = {k: v for k, v in gateway_threads.items() if v > 0}
     if cpu_used.get("gateway") and num_tokens:
         result["gateway_cpu_us_per_token"] = round(cpu_used["gateway"] / num_tokens * 1e6, 1)
+        # Its kernel part: mostly the socket writes (one per stream per step, each a TCP
+        # send that, on loopback, also runs the client side's receive).
+        if cpu_used.get("gateway_system") is not None:
+            result["gateway_system_cpu_us_per_token"] = round(
+                cpu_used["gateway_system"] / num_tokens * 1e6, 1)
         result["gateway_tokens_per_cpu_s"] = round(num_tokens / cpu_used["gateway"], 1)
     # Per stream: with a few tokens per stream (--tokens 2), what admitting one costs.
     if cpu_used.get("gateway"):
