@@ -34,7 +34,7 @@ from zeroserve.gateway.api.responses import (
 )
 from zeroserve.gateway.api.tool_calls import parse_calls, prepare_messages
 from zeroserve.gateway.config import GatewayConfig
-from zeroserve.gateway.core import Gateway
+from zeroserve.gateway.core import Gateway, random_hex
 from zeroserve.gateway.errors import APIError, client_too_slow, invalid_request, model_not_found
 from zeroserve.gateway.generation import RequestGroup
 from zeroserve.gateway.http.early_shed import arrival_of
@@ -235,7 +235,8 @@ class Api:
                 if echoes is not None:
                     echoes.append(p if isinstance(p, str) else
                                   self.tokenizer.decode(ids, skip_special_tokens=False))
-            ctx = ResponseContext("completion", req.model, req.include_usage)
+            ctx = ResponseContext("completion", req.model, req.include_usage,
+                                  id=f"cmpl-{random_hex()}")
             return await self._generate(request, ctx, prompts, req.sampling, req.stream,
                                         echoes=echoes)
         except APIError as e:
@@ -253,7 +254,8 @@ class Api:
             req = await self._parse(parse_chat, body)
             text = await self._render(req.prompt)
             ids = await self._encode(text, add_special_tokens=False)
-            ctx = ResponseContext("chat", req.model, req.include_usage, tools=req.tools)
+            ctx = ResponseContext("chat", req.model, req.include_usage, tools=req.tools,
+                                  id=f"chatcmpl-{random_hex()}")
             return await self._generate(request, ctx, [ids], req.sampling, req.stream,
                                         what="messages",
                                         reasoning=self.reasoning_parsers(text, req.sampling))
