@@ -411,7 +411,8 @@ def describe_kernels(runner) -> dict:
                         else "per layer") if runner.decode_step is None
         else type(runner.decode_step).__name__,
         "decode_attention": "native" if runner.decode_kernel is not None else "torch",
-        "prompt_rows_dense_dtype": str(layer.qkv.dense.dtype).removeprefix("torch."),
+        "prompt_rows_dense_dtype": ("none (int8 rows)" if layer.qkv.dense is None
+                                    else str(layer.qkv.dense.dtype).removeprefix("torch.")),
         "low_bit_prompt_positions": model.low_bit_prompt_positions,
         "prompt_rows_int8": bool(getattr(layer.qkv, "int8_all_rows", False)
                                  and getattr(packed, "int8_activations", False)),

@@ -77,7 +77,8 @@ class ModelRunner:
                 production=config.dtype == "auto" and config.uses_int8_activations)
         self.model, self.info = load_model(config.model, self.device, self.dtype,
                                            config.max_model_len, _weight_cache(config), timer,
-                                           config.batch_invariant, prompt_dtype)
+                                           config.batch_invariant, prompt_dtype,
+                                           config.uses_int8_activations)
         self.block_size = config.block_size
         with timer.phase("kv_cache"):
             self.num_kv_blocks = self._pool_size(config, self.info)

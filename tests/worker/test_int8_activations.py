@@ -151,3 +151,38 @@ def test_int8_activations_are_on_by_default_only_with_dtype_auto(q4_1_model, dty
         pytest.skip("auto is bf16 throughout here (no block kernels): nothing to quantize")
     assert config.uses_int8_activations is expected
     assert llama._fused.int8_activations is expected
+
+
+def test_int8_activations_load_no_dense_copy_of_the_projections(q4_1_model):
+    """Every row of the projections takes the block copy, so none of their dense copies is
+    loaded (on the default model 203 MiB of bf16 on a CPU with native bf16, 406 MiB of fp32
+    without); the lm_head keeps its dense weight for prompt rows (fp32 activations)."""
+    def linears(model):
+        return [lin for layer in model.layers
+                for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+
+    on = engine_for(q4_1_model, int8=True).runner.model
+    assert all(lin.dense is None for lin in linears(on))
+    assert on.lm_head.dense is not None
+    off = engine_for(q4_1_model, int8=False).runner.model
+    assert all(lin.dense is not None for lin in linears(off))
+
+
+def test_the_same_logits_without_the_dense_copies(q4_1_model):
+    """What is served does not change: a model loaded without the projections' dense copies
+    computes, prompt and decode rows alike, the very logits of one that loaded them and then
+    turned int8 activations on."""
+    from zeroserve.worker.model.loader import load_model
+
+    cpu = torch.device("cpu")
+    with_dense, _ = load_model(str(q4_1_model), cpu, torch.float32)
+    without, _ = load_model(str(q4_1_model), cpu, torch.float32, int8_activations=True)
+    assert with_dense.layers[0].qkv.dense is not None and without.layers[0].qkv.dense is None
+    for model in (with_dense, without):
+        model.use_int8_activations()
+    prompt = PROMPTS[0]
+    assert torch.equal(with_dense.forward_unpaged(prompt), without.forward_unpaged(prompt))
+    hidden = torch.randn(3, without.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    decode = torch.tensor([True, False, True])
+    assert torch.equal(with_dense.compute_logits(hidden, decode),
+                       without.compute_logits(hidden, decode))

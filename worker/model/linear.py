@@ -13,9 +13,11 @@ LowBitRows = int | tuple[torch.Tensor, torch.Tensor]
 
 
 class Linear:
-    def __init__(self, dense: torch.Tensor, packed: PackedInt4 | PackedInt8 | None = None,
+    def __init__(self, dense: torch.Tensor | None, packed: PackedInt4 | PackedInt8 | None = None,
                  tile_rows: int | None = None, min_rows: int = 1):
-        self.dense = dense  # [out, in]; may be bf16 beside fp32 activations (prepare.BLOCKS_BF16)
+        # [out, in]; may be bf16 beside fp32 activations (prepare.BLOCKS_BF16); None where
+        # the copy's decode kernel takes every row (prepare.INT8_ROWS: int8 activations).
+        self.dense = dense
         self.packed = packed
         # Dense calls of fewer rows are padded to this many, where the dense kernel computes
         # smaller calls another way (worker.model.batch_invariance.dense_min_rows).
@@ -70,6 +72,8 @@ class Linear:
             return self._dense(x)
         if self.int8_all_rows and self.packed.int8_activations:  # every row alike
             return self.packed.decode_mm(x)
+        if self.dense is None:  # no dense copy (prepare.INT8_ROWS): every row on the copy
+            return self._low_bit(x, num_decode)
         if isinstance(low_bit, tuple):
             low, dense = low_bit
             out = x.new_empty(rows, self.dense.shape[0])

@@ -50,9 +50,17 @@ class RotaryEmbedding:
 
 
 def load_linear(tensors: dict[str, torch.Tensor], name: str, device: torch.device,
-                tile_rows: int | None = None, min_rows: int = 1) -> Linear:
-    """A prepared projection (worker.model.prepare) and its low-bit copy if it has one."""
-    dense = tensors[name]
+                tile_rows: int | None = None, min_rows: int = 1,
+                out_features: int | None = None) -> Linear:
+    """A prepared projection (worker.model.prepare) and its low-bit copy if it has one. A
+    projection prepared without a dense copy (prepare.INT8_ROWS) is its block copy alone,
+    which takes every row; `out_features` is then its size (the copy pads its last panel)."""
+    dense = tensors.get(name)
+    if dense is None:
+        packed = None if out_features is None else low_bit_copy(tensors, name, out_features)
+        if packed is None:
+            raise KeyError(f"{name}: neither a dense weight nor a block copy")
+        return Linear(None, packed, tile_rows, min_rows)
     return Linear(dense.to(device), low_bit_copy(tensors, name, dense.shape[0]), tile_rows,
                   min_rows)
 
@@ -84,11 +92,12 @@ class LlamaLayer:
         prefix = f"layers.{index}."
         self.config = config
         self.input_norm = tensors[prefix + "input_norm"].to(device)
-        self.qkv = load_linear(tensors, prefix + "qkv", device, tile_rows, min_rows)
-        self.o_proj = load_linear(tensors, prefix + "o_proj", device, tile_rows, min_rows)
+        sizes = {"qkv": config.q_size + 2 * config.kv_size, "o_proj": config.hidden_size,
+                 "gate_up": 2 * config.intermediate_size, "down": config.hidden_size}
+        self.qkv, self.o_proj, self.gate_up, self.down = (
+            load_linear(tensors, prefix + name, device, tile_rows, min_rows, size)
+            for name, size in sizes.items())
         self.post_norm = tensors[prefix + "post_norm"].to(device)
-        self.gate_up = load_linear(tensors, prefix + "gate_up", device, tile_rows, min_rows)
-        self.down = load_linear(tensors, prefix + "down", device, tile_rows, min_rows)
         self.qkv_bias = _optional(tensors, prefix + "qkv_bias", device)  # [q_size + 2 kv_size]
         self.o_bias = _optional(tensors, prefix + "o_bias", device)
         self.q_norm = _optional(tensors, prefix + "q_norm", device)  # [head_dim]
@@ -187,9 +196,11 @@ class LlamaModel:
         lm_head = tensors["lm_head"].to(device) if "lm_head" in tensors else self.embed
         # The projections' dense copies are in `dtype`, or bf16 beside fp32 activations
         # (prepare.BLOCKS_BF16); the lm_head's always in `dtype`.
-        layer_dtype = tensors["layers.0.qkv"].dtype if config.num_layers else dtype
-        layer_inputs = {t.shape[1] for name, t in tensors.items()
-                        if name.endswith((".qkv", ".o_proj", ".gate_up", ".down"))}
+        # (None of them where every row takes the block copies: prepare.INT8_ROWS.)
+        layer_dense = [t for name, t in tensors.items()
+                       if name.endswith((".qkv", ".o_proj", ".gate_up", ".down"))]
+        layer_dtype = layer_dense[0].dtype if layer_dense else dtype
+        layer_inputs = {t.shape[1] for t in layer_dense}
         # Where the dense kernel is not row-independent (a CPU without native bf16), prefill
         # rows run in fixed tiles, so no row's result depends on its batch.
         # Small dense calls padded where this machine computes them another way, in every

@@ -52,10 +52,11 @@ def _read_and_prepare(path: Path, dtype: torch.dtype, pack: str,
 def prepared_weights(path: Path, device: torch.device, dtype: torch.dtype,
                      cache: WeightCache | None = None,
                      timer: StartupTimer | None = None,
-                     prompt_dtype: torch.dtype | None = None) -> PreparedWeights:
+                     prompt_dtype: torch.dtype | None = None,
+                     int8_activations: bool = False) -> PreparedWeights:
     """The model's prepared tensors: mapped from the cache, or read, prepared and cached."""
     timer = timer or StartupTimer()
-    pack = packing(device, dtype, prompt_dtype)
+    pack = packing(device, dtype, prompt_dtype, int8_activations)
     if cache is None:
         timer.notes["weight_cache"] = "off"
         return _read_and_prepare(path, dtype, pack, timer)
@@ -81,15 +82,20 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype,
                max_model_len: int | None = None, cache: WeightCache | None = None,
                timer: StartupTimer | None = None,
                batch_invariant: bool = False,
-               prompt_dtype: torch.dtype | None = None) -> tuple[LlamaModel, ModelInfo]:
+               prompt_dtype: torch.dtype | None = None,
+               int8_activations: bool = False) -> tuple[LlamaModel, ModelInfo]:
     """`model` as EngineConfig.model ("default", a .gguf path or a HF directory).
 
     The context in effect is the smaller of max_model_len and the model's own. `prompt_dtype`:
     bf16 for the projections' dense copies beside fp32 (worker.device.resolve_precision).
+    `int8_activations`: every row of the layers' projections will take int8 activations
+    (LlamaModel.use_int8_activations, which the caller then calls), so the projections with
+    a block copy need no dense copy and get none (prepare.INT8_ROWS).
     """
     timer = timer or StartupTimer()
     path = resolve_model(model)
-    prepared = prepared_weights(path, device, dtype, cache, timer, prompt_dtype)
+    prepared = prepared_weights(path, device, dtype, cache, timer, prompt_dtype,
+                                int8_activations)
     config = prepared.config
     timer.notes["weights_memory"] = prepared.memory_summary()
     logger.info("%s: %s model, %s weights in %s (file: %s)", path.name, config.architecture,

@@ -7,7 +7,8 @@ for the lm_head. In float32 for the native block kernels (worker/csrc/lowbit_mat
 file's own Q4 and Q8_0 blocks, the lm_head's included; the dense copy stays the file's values,
 in fp32, or in bf16 for the layers' projections (BLOCKS_BF16: `--dtype auto` on a CPU with
 native bf16, where prompt rows then run at its bf16 rate while decode rows, activations and
-the KV cache stay fp32).
+the KV cache stay fp32). With int8 activations in every row (INT8_ROWS, the `--dtype auto`
+default) a projection with a block copy has no dense copy at all.
 This is the slow part of a start after parsing the file; the result is plain CPU tensors, so
 the weight cache (worker/weight_cache.py) can store it once and map it on later starts.
 
@@ -54,19 +55,28 @@ BLOCKS = "blocks"  # the native kernels on the file's Q4/Q8_0 blocks, fp32 on th
 # BLOCKS for decode rows, and the projections' dense copies (prompt rows) in bf16: fp32
 # activations and KV, the prompt's big products at the CPU's native bf16 rate.
 BLOCKS_BF16 = "blocks+bf16"
+# Appended to BLOCKS or BLOCKS_BF16 where every row of the layers' projections takes the
+# block copy's int8-activation kernel (`--int8-activations`, the `--dtype auto` default:
+# Linear.int8_all_rows): a projection with a block copy then keeps no dense copy, which
+# nothing would read (SmolLM2-135M: 203 MiB of bf16, 406 MiB of fp32). A projection without
+# one (its parts mix Q4 and Q8_0) keeps its dense copy as the base packing makes it, and so
+# does the lm_head, whose prompt rows keep fp32 activations.
+INT8_ROWS = "+int8"
 
 
 def packing(device: torch.device, dtype: torch.dtype,
-            prompt_dtype: torch.dtype | None = None) -> str:
+            prompt_dtype: torch.dtype | None = None, int8_activations: bool = False) -> str:
     """Which low-bit copies decode rows get: INT4, BLOCKS (BLOCKS_BF16 where prompt rows
-    compute in bf16 beside fp32: `prompt_dtype`), or "" (none: the dense weights only, as on
-    a GPU, or in fp32 where the native kernels cannot be built)."""
+    compute in bf16 beside fp32: `prompt_dtype`; either + INT8_ROWS where every row of the
+    projections takes int8 activations: `int8_activations`), or "" (none: the dense weights
+    only, as on a GPU, or in fp32 where the native kernels cannot be built)."""
     if device.type != "cpu":
         return ""
     if dtype == torch.bfloat16:
         return INT4 if int4_kernels_available() else ""
     if dtype == torch.float32 and block_kernels_available():
-        return BLOCKS_BF16 if prompt_dtype == torch.bfloat16 else BLOCKS
+        base = BLOCKS_BF16 if prompt_dtype == torch.bfloat16 else BLOCKS
+        return base + INT8_ROWS if int8_activations else base
     return ""
 
 
@@ -74,20 +84,29 @@ def prepare_weights(weights: ModelWeights, dtype: torch.dtype, pack: str) -> Pre
     """Consumes `weights` (each tensor is taken as it is used, so memory stays flat)."""
     config = weights.config
     tensors: dict[str, torch.Tensor] = {}
+    int8_rows = pack.endswith(INT8_ROWS)
+    pack = pack.removesuffix(INT8_ROWS)
 
-    def blocks_copy(name: str, hf_names: list[str]) -> None:
+    def blocks_copy(name: str, hf_names: list[str]) -> bool:
         """`name`'s block copy for the native kernels, where all its parts have blocks of
-        one kind (a projection whose parts mix Q4 and Q8_0 keeps only the dense copy)."""
+        one kind (a projection whose parts mix Q4 and Q8_0 keeps only the dense copy).
+        -> whether it has one."""
         int4 = [weights.int4.pop(n, None) for n in hf_names]
         int8 = [weights.int8.pop(n, None) for n in hf_names]
         if all(b is not None for b in int4):
             tensors[f"{name}.q4.blocks"] = BlockQ4.tensors(Int4Blocks.concat(int4))
         elif all(b is not None for b in int8):
             tensors[f"{name}.q8.blocks"] = BlockQ8.tensors(Int8Blocks.concat(int8))
+        else:
+            return False
+        return True
 
     def linear(name: str, hf_names: list[str]) -> None:
         if pack in (BLOCKS, BLOCKS_BF16):
-            blocks_copy(name, hf_names)
+            if blocks_copy(name, hf_names) and int8_rows:  # every row takes the copy
+                for n in hf_names:
+                    weights.take(n)
+                return
             dense_dtype = torch.bfloat16 if pack == BLOCKS_BF16 else dtype
             tensors[name] = torch.cat([weights.take(n) for n in hf_names]).to(dense_dtype).contiguous()
             return

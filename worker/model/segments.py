@@ -44,7 +44,10 @@ def linear_tensors(linear: Linear) -> LinearTensors:
     if isinstance(packed, BlockQ4 | BlockQ8):
         kind = ("q4" if isinstance(packed, BlockQ4) else "q8") + (
             "_i8" if packed.int8_activations else "")
-        return linear.dense, kind, (packed.data,)
+        # Without a dense copy (prepare.INT8_ROWS) an empty [out, 0] stands for its shape:
+        # block kinds read only its size.
+        dense = linear.dense if linear.dense is not None else torch.empty(packed.out_features, 0)
+        return dense, kind, (packed.data,)
     return linear.dense, None, ()
 
 
