@@ -18,6 +18,10 @@ once the chunk is on the client's socket):
 
 A failure inside the direct path fails this stream only: it is handed to the stream's task,
 which ends the response as a failure in `events()` would have.
+
+Per output the direct path does as little as it can (issue 36: at 1,000 streams it runs
+50,000 times a second): one update (`RequestGroup.take_one`), and a plain text chunk
+built from a template split from the renderer's own chunk (`_render_one`), the same bytes.
 """
 
 from __future__ import annotations
