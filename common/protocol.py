@@ -347,6 +347,28 @@ class TokenOutput:
 
     @classmethod
     def from_wire(cls, item: Any) -> TokenOutput:
+        # Once per stream per engine step in the gateway's receive loop, so the usual row (11
+        # items: a running stream's tokens, nothing optional) is checked in one chained test.
+        # It returns only what the full checks below would accept, built the same way;
+        # anything else, good or bad, goes through them.
+        if type(item) is list and len(item) == 11:
+            (request_id, token_ids, finish_reason, num_prompt, num_output, num_cached,
+             logprobs, error, timings, prompt_logprobs, attempt) = item
+            if (finish_reason is logprobs is error is timings is prompt_logprobs is None
+                    and type(request_id) is str and type(token_ids) is list
+                    and type(num_prompt) is int and type(num_output) is int
+                    and type(num_cached) is int and type(attempt) is int
+                    and num_prompt >= 0 and num_output >= 0 and num_cached >= 0
+                    and 0 <= attempt < _MAX_U32):
+                for t in token_ids:
+                    if type(t) is not int:
+                        break
+                else:
+                    return cls(*item)
+        return cls._from_wire_checked(item)
+
+    @classmethod
+    def _from_wire_checked(cls, item: Any) -> TokenOutput:
         if not isinstance(item, list) or not 8 <= len(item) <= 12:
             raise ProtocolError("token output must be an 8- to 12-item array")
         out = cls(*item)
@@ -405,7 +427,8 @@ class Tokens(Message):
     def validate(self) -> None:
         if len(self.outputs) > MAX_OUTPUTS_PER_STEP:
             raise ProtocolError(f"more than {MAX_OUTPUTS_PER_STEP} outputs in one TOKENS")
-        self.outputs = [TokenOutput.from_wire(o) for o in self.outputs]
+        from_wire = TokenOutput.from_wire
+        self.outputs = [from_wire(o) for o in self.outputs]
 
 
 @dataclass
