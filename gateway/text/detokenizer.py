@@ -58,8 +58,18 @@ class IncrementalDetokenizer:
             table = self._bytes
             if len(token_ids) == 1:  # the usual case: one token per stream per step
                 token_id = token_ids[0]
-                return self._utf8(table[token_id] if 0 <= token_id < len(table) else b"")
-            return self._utf8(b"".join(self._token_bytes(t) for t in token_ids))
+                data = table[token_id] if 0 <= token_id < len(table) else b""
+            else:
+                data = b"".join(self._token_bytes(t) for t in token_ids)
+            if not self._decoder.buffer:
+                # Nothing held: bytes that are whole UTF-8 are their text, decoded in C. The
+                # codec's incremental decode is Python around the same C call; it takes the
+                # rest (a character split across tokens, invalid bytes).
+                try:
+                    return data.decode()
+                except UnicodeDecodeError:
+                    pass
+            return self._utf8(data)
         self.ids.extend(token_ids)
         prefix_text = self._decode(self.prefix_offset, self.read_offset)
         full_text = self._decode(self.prefix_offset, len(self.ids))

@@ -145,3 +145,55 @@ def test_sentencepiece_byte_fallback_cut():
     assert detok.push([1] + emoji) + detok.flush() == " ok😀"
     detok = IncrementalDetokenizer(text_tk)
     assert detok.push([1, len(pieces) - 1]) + detok.flush() == " ok\ufffd"
+
+
+class _RawBytesVocabulary:
+    """A byte-level vocabulary given as its bytes table (token id -> bytes): tokens that are
+    whole characters, pieces of one, several characters, invalid bytes."""
+
+    is_byte_level = True
+
+    def __init__(self, table: list[bytes]):
+        self.table = table
+
+    def shown_bytes_table(self) -> list[bytes]:
+        return self.table
+
+    bytes_table = shown_bytes_table
+
+    def is_special(self, token_id: int) -> bool:
+        return False
+
+
+def _random_vocabulary(rng: random.Random) -> list[bytes]:
+    chars = "aZ é日😀\u2028\ufffd€"
+    table = [b"", b"\x80", b"\xff", b"\xc0\xaf", b"\xed\xa0\x80", b"\xf4\x90\x80\x80",
+             b"\xe6\x97", b"\xa5", b"\xf0\x9f", b"\x98\x80"]
+    for _ in range(60):
+        data = "".join(rng.choice(chars) for _ in range(rng.randint(1, 3))).encode()
+        cut = sorted(rng.sample(range(len(data) + 1), 2))
+        table.append(data[cut[0]:cut[1]] or data)  # whole, or any slice of it
+    return table
+
+
+def test_byte_path_gives_the_codecs_text_for_random_bytes():
+    """The byte path decodes whole UTF-8 at once when nothing is held: over random token
+    sequences of whole characters, split characters and invalid bytes, in random batches,
+    every delta is the one Python's incremental UTF-8 decoder (errors="replace") gives for
+    the same bytes, and nothing held shows at the end."""
+    import codecs
+
+    rng = random.Random(36)
+    for _ in range(300):
+        vocabulary = _RawBytesVocabulary(_random_vocabulary(rng))
+        detok = IncrementalDetokenizer(vocabulary)
+        reference = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        ids = [rng.randrange(len(vocabulary.table) + 2) for _ in range(rng.randint(1, 40))]
+        i = 0
+        while i < len(ids):
+            batch = ids[i:i + rng.choice((1, 1, 1, 2, 3))]
+            i += len(batch)
+            data = b"".join(vocabulary.table[t] if t < len(vocabulary.table) else b""
+                            for t in batch)
+            assert detok.push(batch) == reference.decode(data), (ids, batch)
+        assert detok.flush() == ""
