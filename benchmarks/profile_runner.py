@@ -7,7 +7,8 @@
 
 Each sequence gets a fresh block table covering `context` tokens (the pool content does not
 matter for timing); every step is one decode token per sequence, as in steady-state serving.
-Prints ms/step, tokens/s and the share of the step spent outside the model forward; on a
+First prints the load's time and the process's resident memory after it (the weights: file
+pages where mapped from the weight cache); then ms/step, tokens/s and the share of the step spent outside the model forward; on a
 shared machine also look at `min` and `cpu` (process CPU time per step, all threads).
 `--split` adds where a step's CPU time goes: the layers' block products alone (the same calls
 on the model's own weights, as many rows), the lm_head's decode product alone, and the rest
@@ -77,11 +78,14 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
+    load_started, load_cpu = time.perf_counter(), time.process_time()
     runner = ModelRunner(EngineConfig(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                                       num_kv_blocks=4000,
                                       attention_backend=args.attention_backend,
                                       weight_cache=not args.no_weight_cache))
     params = SamplingParams(temperature=args.temperature, max_tokens=1000)
+    print(f"loaded in {time.perf_counter() - load_started:.2f} s "
+          f"({time.process_time() - load_cpu:.2f} s CPU), {memory_after_load()}")
     print(f"device={runner.info.device} dtype={runner.info.dtype} threads={torch.get_num_threads()}"
           f" kv={runner.kv_dtype} context={args.context} attention={args.attention_backend}")
     # The plans' blocks hold values, as a serving pool's do: never-written blocks of the
@@ -121,6 +125,19 @@ def main() -> None:
                 for _ in range(5):
                     runner.execute(plan)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+
+
+def memory_after_load() -> str:
+    """This process's resident memory (Linux): the weights mapped from the weight cache count
+    as file pages, those prepared in memory as anonymous ones; the KV pool's untouched pages
+    count in neither."""
+    try:
+        fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    except OSError:
+        return "RSS unknown"
+    mb = {k: int(fields[k].split()[0]) / 1024 for k in ("VmRSS", "RssAnon", "RssFile") if k in fields}
+    return (f"RSS {mb.get('VmRSS', 0):.0f} MB (anonymous {mb.get('RssAnon', 0):.0f}, "
+            f"file {mb.get('RssFile', 0):.0f})")
 
 
 def min_cpu_ms(fn, repeats: int) -> float:
