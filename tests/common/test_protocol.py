@@ -265,6 +265,17 @@ def test_fields_travel_in_declaration_order():
     ]
 
 
+def test_submit_travels_in_declaration_order_with_trailing_defaults_off():
+    """Submit.to_wire is written out by hand: it must stay every field in declaration order
+    (a new field must be added to it), with priority and flow off the wire at 0."""
+    for priority, flow in ((0, 0), (2, 0), (0, 7), (-1, 9)):
+        msg = Submit("r", [1, 2], {"max_tokens": 3}, 4, [5], ["regex", "a+"], 2, priority, flow)
+        body = [getattr(msg, f.name) for f in fields(Submit)]
+        num_off = 0 if flow else 1 if priority else 2
+        assert msgpack.unpackb(encode(msg)[1]) == body[:len(body) - num_off]
+        assert decode(encode(msg)) == msg
+
+
 def test_every_output_names_its_attempt_and_tokens_their_seq():
     """Attempts travel in the TokenOutput's last place; an output without one (a 10-item
     row) decodes as attempt 0, which no stream's current attempt ever is."""
