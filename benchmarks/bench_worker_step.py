@@ -43,9 +43,10 @@ if str(ROOT) not in sys.path:
 
 
 def run_once(num_seqs: int, num_steps: int, num_prompt_tokens: int,
-             pause_percent: float = 0.0) -> tuple[float, float]:
+             pause_percent: float = 0.0, forward_ms: float = 0.0) -> tuple[float, float, float]:
     """Median CPU seconds per step of (the engine's serial work, the emit during the device
-    time) over num_steps decode steps of engine.step_overlapped, as the worker loop runs it."""
+    time, the fake runner's launch) over num_steps decode steps of engine.step_overlapped,
+    as the worker loop runs it."""
     from zeroserve.common.gc_tuning import tune_for_serving
     from zeroserve.common.protocol import encode
     from zeroserve.worker.config import EngineConfig, WorkerConfig
@@ -53,22 +54,30 @@ def run_once(num_seqs: int, num_steps: int, num_prompt_tokens: int,
     from zeroserve.worker.fake_runner import FakeRunner
     from zeroserve.worker.process import WorkerLoop, _Stream
     from zeroserve.worker.sequence import SamplingParams
+    from zeroserve.worker.speculative import SpeculativeConfig
 
+    # As `zeroserve worker` runs it: the default speculative config (it does not speculate
+    # at this many sequences, but the scheduler still asks it every step).
     config = EngineConfig(model="fake", max_num_seqs=num_seqs,
                           max_num_batched_tokens=max(num_seqs * num_prompt_tokens, 512),
-                          num_kv_blocks=num_seqs * ((num_prompt_tokens + num_steps) // 16 + 3))
-    engine = Engine(config, runner=FakeRunner(config, check_plans=False))
+                          num_kv_blocks=num_seqs * ((num_prompt_tokens + num_steps) // 16 + 3),
+                          speculative_config=SpeculativeConfig())
+    engine = Engine(config, runner=FakeRunner(config, check_plans=False,
+                                               forward_time_s=forward_ms / 1000))
     loop = WorkerLoop(WorkerConfig("w", "ipc:///nonexistent/r", "ipc:///nonexistent/t",
                                    engine=config, backend="fake"), engine)
     # One stand-in gateway: everything up to the socket (the process's sender thread encodes
-    # off the engine thread; counted here all the same).
-    loop.gateways = [types.SimpleNamespace(send_tokens=encode)]
+    # off the engine thread; counted here all the same), and the heartbeats' load the loop
+    # publishes after every emit.
+    loop.gateways = {0: types.SimpleNamespace(send_tokens=encode, tokens_seq=0, index=0,
+                                              link=types.SimpleNamespace(load=None))}
+    emit = loop._emit_and_publish
     params = SamplingParams(max_tokens=num_steps + 10, ignore_eos=True)
     for i in range(num_seqs):
         request_id = f"req-{i:032x}"
         engine.add_request(request_id, [1000 + i] * num_prompt_tokens, params)
         loop.streams[request_id] = _Stream(credit_limit=num_steps + 10)
-    engine.step_overlapped(loop._emit)  # the prefill step
+    engine.step_overlapped(emit)  # the prefill step
     tune_for_serving()
     rng = random.Random(0)
     request_ids = list(loop.streams)
@@ -91,7 +100,7 @@ def run_once(num_seqs: int, num_steps: int, num_prompt_tokens: int,
         return collect()
 
     runner.launch, runner.collect = timed_launch, timed_collect
-    serial_s, emit_s = [], []
+    serial_s, emit_s, launch_s = [], [], []
     for _ in range(num_steps):
         inside[:] = [0.0, 0.0]
         t0 = time.process_time()
@@ -100,12 +109,13 @@ def run_once(num_seqs: int, num_steps: int, num_prompt_tokens: int,
         paused = rng.sample(request_ids, num_paused)
         for request_id in paused:
             engine.pause(request_id)
-        engine.step_overlapped(loop._emit)
+        engine.step_overlapped(emit)
         t1 = time.process_time()
         # The engine thread's work outside the device time.
         serial_s.append(t1 - t0 - inside[0] - inside[1])
         emit_s.append(inside[1])
-    return statistics.median(serial_s), statistics.median(emit_s)
+        launch_s.append(inside[0])
+    return statistics.median(serial_s), statistics.median(emit_s), statistics.median(launch_s)
 
 
 def main() -> None:
@@ -116,21 +126,28 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="fresh engines, one after another")
     ap.add_argument("--pause-percent", type=float, default=0.0,
                     help="streams paused and resumed around each step, in percent")
+    ap.add_argument("--forward-ms", type=float, default=0.0,
+                    help="the fake forward's device time (slept out, as --fake-forward-ms): "
+                         "with it, every step starts with the CPU caches as a real worker's "
+                         "do after a forward (colder: more CPU per step)")
     args = ap.parse_args()
 
-    runs = [run_once(args.seqs, args.steps, args.prompt_tokens, args.pause_percent)
-            for _ in range(args.repeats)]
-    totals = sorted(step + emit for step, emit in runs)
+    runs = [run_once(args.seqs, args.steps, args.prompt_tokens, args.pause_percent,
+                     args.forward_ms) for _ in range(args.repeats)]
+    totals = sorted(step + emit for step, emit, _ in runs)
     result = {
         "seqs": args.seqs, "steps": args.steps, "repeats": args.repeats,
-        "pause_percent": args.pause_percent,
+        "pause_percent": args.pause_percent, "forward_ms": args.forward_ms,
         # Serial: schedule + update (+ pauses): what a step adds to the device time.
-        "serial_ms": [round(1000 * step, 3) for step, _ in runs],
+        "serial_ms": [round(1000 * step, 3) for step, _, _ in runs],
         # During the next step's device time: the outputs, the emit and its encode.
-        "emit_ms": [round(1000 * emit, 3) for _, emit in runs],
+        "emit_ms": [round(1000 * emit, 3) for _, emit, _ in runs],
+        # The fake's launch: its sampling, within its modeled device time (not in total).
+        "launch_ms": [round(1000 * launch, 3) for _, _, launch in runs],
         "total_ms_median": round(1000 * statistics.median(totals), 3),
         "total_ms_min_max": [round(1000 * totals[0], 3), round(1000 * totals[-1], 3)],
-        "serial_us_per_seq": round(1e6 * statistics.median(s for s, _ in runs) / args.seqs, 2),
+        "serial_us_per_seq": round(1e6 * statistics.median(s for s, _, _ in runs) / args.seqs,
+                                   2),
     }
     print(json.dumps(result))
 

@@ -13,7 +13,10 @@ from zeroserve.worker.sequence import SamplingParams
 
 # ScheduledChunk and SampledToken are made once per stream per step, so they are slotted
 # and not frozen (a frozen dataclass's __init__ costs ~0.8 us, a slotted one ~0.16 us).
-# Treat them as read-only all the same: a plan is a snapshot of one step.
+# Treat them as read-only all the same: a plan is a snapshot of one step, valid until
+# Scheduler.update() takes it. update() spends it: the chunks that sampled become the next
+# step's decode chunks (moved on by one token) rather than new objects, so a runner must be
+# done with a plan when it returns its tokens.
 
 
 @dataclass(slots=True)

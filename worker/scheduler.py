@@ -27,59 +27,16 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from zeroserve.worker import priority_policy
 from zeroserve.worker.block_manager import BlockManager
 from zeroserve.worker.config import BatchingMode, EngineConfig
 from zeroserve.worker.plan import SampledToken, ScheduledChunk, SchedulerOutput
+from zeroserve.worker.run_queue import RunQueue
 from zeroserve.worker.scheduler_drafts import accept_drafts, add_drafts
 from zeroserve.worker.sequence import FinishReason, RequestError, Sequence, SequenceStatus
 from zeroserve.worker.speculative import RecentText, SpecDecodeStats
-
-
-class RunQueue:
-    """The running sequences in admission order (oldest first), with O(1) append and remove:
-    pauses, finishes and aborts of any of 1,000 streams must not scan the others."""
-
-    __slots__ = ("_seqs", "version", "joined", "priorities", "flows")
-
-    def __init__(self) -> None:
-        self._seqs: dict[str, Sequence] = {}  # request id -> sequence; dicts keep the order
-        self.version = 0  # changes whenever a sequence joins or leaves
-        self.joined: list[Sequence] = []  # appended since the scheduler last cleared it
-        self.priorities: dict[int, int] = {}  # priority -> running sequences of it (> 0)
-        self.flows: dict[tuple[int, int], int] = {}  # (priority, flow) -> the same (> 0)
-
-    def append(self, seq: Sequence) -> None:
-        self._seqs[seq.request_id] = seq
-        self.version += 1
-        self.joined.append(seq)
-        self.priorities[seq.priority] = self.priorities.get(seq.priority, 0) + 1
-        flow = (seq.priority, seq.flow)
-        self.flows[flow] = self.flows.get(flow, 0) + 1
-
-    def remove(self, seq: Sequence) -> None:
-        del self._seqs[seq.request_id]
-        self.version += 1
-        if self.priorities[seq.priority] > 1:
-            self.priorities[seq.priority] -= 1
-        else:
-            del self.priorities[seq.priority]
-        flow = (seq.priority, seq.flow)
-        if self.flows[flow] > 1:
-            self.flows[flow] -= 1
-        else:
-            del self.flows[flow]
-
-    def __len__(self) -> int:
-        return len(self._seqs)
-
-    def __iter__(self) -> Iterator[Sequence]:
-        return iter(self._seqs.values())
-
-    def __reversed__(self) -> Iterator[Sequence]:
-        return reversed(self._seqs.values())
 
 
 class Scheduler:
@@ -118,6 +75,7 @@ class Scheduler:
         self._next_under_way: list[Sequence] = []
         self._next_version: int | None = None
         self._num_decodes = 0  # how many of the last plan's first chunks are decodes
+        self._is_drafting = False  # the last plan's decodes may carry drafts
         self.spec_stats = SpecDecodeStats()  # speculative decoding's counters
         speculative = config.speculative_config
         # Finished requests' text, for drafts where a sequence's own context has none.
@@ -245,6 +203,7 @@ class Scheduler:
         else:
             speculative = None
             made = self._next_decodes(budget, max_seqs)
+        self._is_drafting = speculative is not None
         if made is not None:
             chunks, scheduled, under_way = made
             budget -= len(chunks)
@@ -423,6 +382,7 @@ class Scheduler:
 
     def _schedule_batch(self, mode: BatchingMode) -> tuple[SchedulerOutput, list[Sequence | None]]:
         self._num_decodes = 0  # update() takes every chunk the general way
+        self._is_drafting = False
         if not self._is_batch_active():
             self._end_batch()
             if self._is_batch_due(mode):
@@ -475,9 +435,10 @@ class Scheduler:
         # computed: the decodes (the plan's first chunks: one token each), then those of
         # the other chunks, in plan order.
         sampling_seqs = plan_seqs[:num_decodes]
+        sampling_chunks = plan.chunks[:num_decodes]
         tokens = sampled[:num_decodes]
         nums_new = [1] * num_decodes
-        if self.config.speculative_config is not None:
+        if self._is_drafting:  # (not every step the config allows: 1,000 cold chunks)
             for k, chunk in enumerate(plan.chunks[:num_decodes]):
                 if chunk.draft_token_ids:
                     nums_new[k] = len(chunk.token_ids)
@@ -498,6 +459,7 @@ class Scheduler:
             num_new = len(chunk.token_ids)
             if token is not None:
                 sampling_seqs.append(seq)
+                sampling_chunks.append(chunk)
                 tokens.append(token)
                 nums_new.append(num_new)
                 continue
@@ -507,9 +469,10 @@ class Scheduler:
             under_way.append(seq)
         # 2. Every sampled token, the decodes' first: every stream every step, read after a
         # forward that left the CPU caches cold, so this loop reads only the sequence, its
-        # sampled token, its output list and its params (no chunk, no prompt list; the
-        # block table only at a block boundary).
-        for seq, token, num_new in zip(sampling_seqs, tokens, nums_new, strict=True):
+        # sampled token, its output list and its params (no prompt list; the block table
+        # only at a block boundary), and writes its chunk.
+        for seq, chunk, token, num_new in zip(sampling_seqs, sampling_chunks, tokens, nums_new,
+                                              strict=True):
             if token.request_id != seq.request_id:
                 raise ValueError("sampled tokens must match the plan's do_sample chunks")
             if num_new > 1 and token.accepted_token_ids is not None:
@@ -540,12 +503,16 @@ class Scheduler:
                     self._remove_from_queues(seq)
                     self._finish(seq, reason)
                     continue
-            # The next step's decode, as _plan_next (and _decode_chunk) would make it.
+            # The next step's decode, as _plan_next (and _decode_chunk) would make it: this
+            # step's chunk moved on by one token. The plan is spent (update() takes it once),
+            # so its chunk serves the next one (a new one cost ~0.3 us a stream a step).
             if is_block_filled and num_computed >= len(seq.block_table) * block_size:
                 needing_block.append(seq)
-            next_chunks.append(ScheduledChunk(
-                seq.request_id, [token_id], num_computed, seq.block_table, True, params,
-                seq.prompt_token_ids, outputs))
+            chunk.token_ids = [token_id]
+            chunk.start_pos = num_computed
+            chunk.block_table = seq.block_table
+            chunk.draft_token_ids = None  # (a chunk with drafts took the path above)
+            next_chunks.append(chunk)
             next_seqs.append(seq)
         self._last_plan_seqs = []
         if is_continuous:

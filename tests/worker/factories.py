@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from zeroserve.worker.block_manager import BlockManager
@@ -82,9 +83,17 @@ def make_scheduler(
 
 
 def run_step(scheduler: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[Sequence]]:
+    """One step: the plan as it ran, and the sequences update() changed."""
     plan = scheduler.schedule()
     sampled = runner.execute(plan) if not plan.is_empty else []
-    return plan, scheduler.update(plan, sampled)
+    ran = snapshot(plan)
+    return ran, scheduler.update(plan, sampled)
+
+
+def snapshot(plan: SchedulerOutput) -> SchedulerOutput:
+    """A copy of plan as it is now: update() spends a plan, moving the chunks that sampled
+    on to the next step's decodes (worker/plan.py)."""
+    return SchedulerOutput([dataclasses.replace(c) for c in plan.chunks], list(plan.preempted))
 
 
 def make_engine(runner_kwargs: dict | None = None, **config_overrides) -> Engine:

@@ -15,6 +15,7 @@ from tests.worker.factories import (
 )
 from zeroserve.worker.config import BatchingMode
 from zeroserve.worker.sequence import FinishReason, RequestError, SequenceStatus
+from zeroserve.worker.speculative import SpeculativeConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -349,20 +350,29 @@ def test_dynamic_starts_at_once_when_max_num_seqs_are_waiting():
 def _plan_summary(plan):
     """A plan as a runner sees it, up to which free block each sequence was given."""
     return sorted((c.request_id, tuple(c.token_ids), c.start_pos, c.do_sample,
-                   len(c.block_table)) for c in plan.chunks)
+                   len(c.block_table), tuple(c.draft_token_ids or ()),
+                   tuple(c.prompt_token_ids), tuple(c.output_token_ids)) for c in plan.chunks)
 
 
-@pytest.mark.parametrize("churn", [0.05, 0.4])
-def test_decodes_made_by_update_are_the_plan_made_from_scratch(churn):
-    """update() makes the next step's decode chunks while it holds each sequence; the next
-    schedule() takes them, following the pauses, resumes and aborts since, unless it cannot
-    give exactly the plan step 1 would make. Under random arrivals, pauses, resumes, aborts
-    and preemptions (a tight pool), every plan must equal that of a scheduler that always
-    plans from scratch, and both shortcuts (nothing changed; streams left or joined) must
-    be taken often. `churn`: the chance per step of a pause, and of resuming all."""
+@pytest.mark.parametrize("churn, speculative", [(0.05, False), (0.4, False), (0.4, True)])
+def test_decodes_made_by_update_are_the_plan_made_from_scratch(churn, speculative):
+    """update() makes the next step's decode chunks while it holds each sequence (the chunks
+    of the plan it spends, moved on by one token); the next schedule() takes them, following
+    the pauses, resumes and aborts since, unless it cannot give exactly the plan step 1 would
+    make. Under random arrivals, pauses, resumes, aborts and preemptions (a tight pool), every
+    plan must equal that of a scheduler that always plans from scratch, and both shortcuts
+    (nothing changed; streams left or joined) must be taken often. `churn`: the chance per
+    step of a pause, and of resuming all. `speculative`: steps of up to 4 sequences carry
+    drafts (an input-grounded fake accepts some), larger ones do not."""
     config = dict(num_kv_blocks=40, block_size=4, max_num_seqs=8, max_num_batched_tokens=24,
                   max_model_len=96)
-    fast, scratch = make_engine(**config), make_engine(**config)
+    runner_kwargs = None
+    if speculative:
+        config["speculative_config"] = SpeculativeConfig(
+            num_speculative_tokens=3, prompt_lookup_max=2, prompt_lookup_min=1,
+            disable_by_batch_size=4)
+        runner_kwargs = {"copy_context": True}
+    fast, scratch = make_engine(runner_kwargs, **config), make_engine(runner_kwargs, **config)
     scratch.scheduler._next_decodes = lambda budget, max_seqs: None
     taken = {"unchanged": 0, "followed": 0}
     real_next_decodes = fast.scheduler._next_decodes
@@ -403,15 +413,18 @@ def test_decodes_made_by_update_are_the_plan_made_from_scratch(churn):
                 else:
                     for rid in list(engine.scheduler.paused):
                         engine.resume(rid)
-            plans.append(engine.scheduler.schedule())
-            sampled = engine.runner.execute(plans[-1])
-            engine.scheduler.update(plans[-1], sampled)
-        assert _plan_summary(plans[0]) == _plan_summary(plans[1]), f"step {step}"
+            plan = engine.scheduler.schedule()
+            plans.append(_plan_summary(plan))  # as it runs: update() spends it
+            engine.scheduler.update(plan, engine.runner.execute(plan))
+        assert plans[0] == plans[1], f"step {step}"
         live = list(fast.scheduler._requests)
         if step >= 300 and not live:
             break
     assert fast.scheduler.num_preemptions > 0
-    assert taken["unchanged"] > 100 and taken["followed"] > 10, taken
+    # (Speculative: the steps of up to 4 sequences plan from scratch, so fewer follow.)
+    assert taken["unchanged"] > 100 and taken["followed"] > (5 if speculative else 10), taken
+    if speculative:
+        assert fast.scheduler.spec_stats.num_accepted_tokens > 0
 
 
 # ---- priority (worker/priority_policy.py) ---------------------------------------------------
