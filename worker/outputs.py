@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from zeroserve.worker.kv_tier.store import TierCounters
 from zeroserve.worker.sequence import FinishReason
 from zeroserve.worker.speculative import SpecDecodeStats
 
 
-@dataclass(slots=True)  # one per stream per step
-class RequestOutput:
-    """New tokens of one request from one step (possibly none, when it only finished)."""
+class RequestOutput(NamedTuple):
+    """New tokens of one request from one step (possibly none, when it only finished).
+
+    A named tuple (read-only): one is made per stream per step, and the engine makes it with
+    tuple.__new__, in C (a slotted dataclass's __init__ took ~0.35 us of each, this ~0.15)."""
 
     request_id: str
     new_token_ids: list[int]

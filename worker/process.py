@@ -343,16 +343,24 @@ class WorkerLoop:
         streams = self.streams
         stale_aborts = self._stale_aborts
         for out in outputs:
-            rid = out.request_id
-            is_finished = out.finish_reason is not None
+            (rid, new_token_ids, reason, num_prompt, num_output, num_cached, logprobs,
+             prompt_logprobs, error, timings, error_code) = out
+            is_finished = reason is not None
             if is_finished and rid in stale_aborts:
                 self._take_stale_abort(rid)
                 continue  # a dropped incarnation's abort (it comes before a new one's)
             stream = streams.get(rid)
             if stream is None:
                 continue  # the gateway aborted it already and forgot it
-            wire[stream.gateway].append(_to_wire(out, stream.attempt))
-            num_sent = stream.num_sent = stream.num_sent + len(out.new_token_ids)
+            if (logprobs is None and prompt_logprobs is None and timings is None
+                    and error_code is None):  # most rows: no conversion, no calls
+                row = [rid, new_token_ids, None if reason is None else reason.value,
+                       num_prompt, num_output, num_cached, None, error, None, None,
+                       stream.attempt]
+            else:
+                row = _to_wire(out, stream.attempt)
+            wire[stream.gateway].append(row)
+            num_sent = stream.num_sent = stream.num_sent + len(new_token_ids)
             if is_finished:
                 del streams[rid]
             elif num_sent >= stream.credit_limit and not stream.is_paused:  # out of credit
@@ -783,3 +791,13 @@ def _to_wire(out: RequestOutput, attempt: int) -> list:
 
 
 _wire_row = TokenOutput.wire_row
+
+# WorkerLoop._emit unpacks every RequestOutput and writes most rows itself, in wire_row's
+# order: both must stay as they are here.
+if RequestOutput._fields != ("request_id", "new_token_ids", "finish_reason",
+                             "num_prompt_tokens", "num_output_tokens", "num_cached_tokens",
+                             "logprobs", "prompt_logprobs", "error", "timings", "error_code"):
+    raise TypeError("RequestOutput's fields changed: update WorkerLoop._emit")
+if _wire_row("r", [1], "stop", 2, 3, 4, None, "e", None, None, 5) != [
+        "r", [1], "stop", 2, 3, 4, None, "e", None, None, 5]:
+    raise TypeError("TokenOutput.wire_row's order changed: update WorkerLoop._emit")
