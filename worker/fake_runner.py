@@ -80,7 +80,8 @@ class FakeRunner:
         self.num_computed_tokens = 0
         self._sampled: list[SampledToken] = []  # launched, not collected yet
         self._done_at = 0.0  # perf_counter time the launched plan's device time ends
-        self._stamps: list[tuple[int, int, float]] | None = None
+        # Per step: (when its tokens count as made, [(first prompt token, output index)]).
+        self._stamps: list[tuple[float, list[tuple[int, int]]]] | None = None
         if stamps_path is not None:
             self._stamps = []
             atexit.register(self._write_stamps, stamps_path)
@@ -108,14 +109,13 @@ class FakeRunner:
         # made within it, so a step takes forward_time_s, not forward_time_s plus the
         # fake's own bookkeeping (at 1,000 streams, 0.3 ms a step).
         device_s = self.forward_time_s + self.per_token_time_s * num_tokens
-        self._sampled = self._sample_all(plan.chunks)
-        if self._stamps is not None:
+        stamped: list[tuple[int, int]] | None = None if self._stamps is None else []
+        self._sampled = self._sample_all(plan.chunks, stamped)
+        if stamped is not None:
             # The tokens count as made when the device time ends (a late wake-up from the
             # wait counts as added latency, not as the fake's).
             made_at = time.monotonic() + max(0.0, device_s - (time.perf_counter() - t1))
-            self._stamps.extend(
-                (chunk.prompt_token_ids[0], len(chunk.output_token_ids), made_at)
-                for chunk in plan.chunks if chunk.do_sample and chunk.prompt_token_ids)
+            self._stamps.append((made_at, stamped))
         t2 = time.perf_counter()
         self._done_at = t1 + device_s
         self.num_steps += 1
@@ -137,8 +137,10 @@ class FakeRunner:
         return sampled
 
     def _write_stamps(self, path: str) -> None:
+        """[first prompt token, output index, monotonic time made] for every token."""
         with open(path, "w") as f:
-            json.dump(self._stamps, f)
+            json.dump([(first, index, made_at) for made_at, stamped in self._stamps
+                       for first, index in stamped], f)
 
     def next_token(self, chunk: ScheduledChunk) -> int:
         """The token sampled after chunk: a function of its last token, position and seed."""
@@ -168,12 +170,17 @@ class FakeRunner:
             sampled.append(self._sample(row))
         return verify.accept([chunk], counts, sampled)[0]
 
-    def _sample_all(self, chunks: list[ScheduledChunk]) -> list[SampledToken]:
-        """_sample for every chunk that samples. Plain chunks (no logprobs, no forced EOS: a
-        benchmark's 1,000 decode streams) take an inlined next_token: this loop runs once a
-        step per stream, beside a forward that is only a sleep."""
-        if (self.eos_after is not None or self.copy_context
-                or any(c.draft_token_ids for c in chunks)):
+    def _sample_all(self, chunks: list[ScheduledChunk],
+                    stamped: list[tuple[int, int]] | None = None) -> list[SampledToken]:
+        """_sample (or _sample_drafted) for every chunk that samples; each one's (first
+        prompt token, output index) added to `stamped` when given. Plain chunks (no drafts,
+        no logprobs, no forced EOS: a benchmark's 1,000 decode streams) take an inlined
+        next_token: this one loop runs once a step per stream, beside a forward that is only
+        a sleep."""
+        if self.eos_after is not None or self.copy_context:
+            if stamped is not None:
+                stamped += [(c.prompt_token_ids[0], len(c.output_token_ids)) for c in chunks
+                            if c.do_sample and c.prompt_token_ids]
             return [self._sample_drafted(chunk) if chunk.draft_token_ids else
                     self._sample(chunk) for chunk in chunks if chunk.do_sample]
         base_seed = self.config.seed
@@ -181,14 +188,21 @@ class FakeRunner:
         for chunk in chunks:
             if not chunk.do_sample:
                 continue
+            if stamped is not None and chunk.prompt_token_ids:
+                stamped.append((chunk.prompt_token_ids[0], len(chunk.output_token_ids)))
             params = chunk.params
+            if chunk.draft_token_ids:
+                sampled.append(self._sample_drafted(chunk))
+                continue
             if params.logprobs is not None:
                 sampled.append(self._sample(chunk))
                 continue
+            # _token_after, inline.
             token_ids = chunk.token_ids
-            position = chunk.start_pos + len(token_ids) - 1
-            token = _token_after(token_ids[-1], position, base_seed + (params.seed or 0))
-            sampled.append(SampledToken(chunk.request_id, token))
+            token = (token_ids[-1] * 7919 + (chunk.start_pos + len(token_ids) - 1) * 104729
+                     + (base_seed + (params.seed or 0)) * 31 + 17) % VOCAB_SIZE
+            sampled.append(SampledToken(chunk.request_id,
+                                        token + 1 if token == EOS_TOKEN_ID else token))
         return sampled
 
     def _sample(self, chunk: ScheduledChunk) -> SampledToken:
