@@ -273,15 +273,23 @@ def serve_and_measure(side: Side, repeat: int, cfg: BenchConfig, samples, log_di
 RELAY_BENCH = REPO_ROOT / "benchmarks" / "bench_gateway_relay.py"
 
 
+def has_fake_stamps(side: Side) -> bool:
+    """Whether the side's fake worker takes --fake-stamps (older commits' do not)."""
+    tree = side.tree if side.tree is not None else REPO_ROOT
+    return any("--fake-stamps" in path.read_text(errors="replace")
+               for pattern in ("cli/*.py", "common/cli.py") for path in tree.glob(pattern))
+
+
 def relay_argv(side: Side, a: argparse.Namespace, port: int, result_json: Path) -> list[str]:
     """bench_gateway_relay.py's command line for one side: that side's gateway and fake worker,
-    this checkout's client and measurement; the worker records no stamps (older commits'
-    workers may not have --fake-stamps, and the medians of rounds do not read them)."""
+    this checkout's client and measurement; the worker records stamps (its step period) where
+    it can."""
     return [sys.executable, str(RELAY_BENCH), "--worker", "fake",
             *(["--tree", str(side.tree)] if side.tree is not None else []),
             "--streams", str(a.relay_streams), "--tokens", str(a.relay_tokens),
             "--step-ms", str(a.relay_step_ms), "--rounds", str(a.relay_rounds),
-            "--port", str(port), "--no-stamps", "--result-json", str(result_json),
+            "--port", str(port), *([] if has_fake_stamps(side) else ["--no-stamps"]),
+            "--result-json", str(result_json),
             *(f"--gateway-arg={arg}" for arg in side.serve_args)]
 
 
@@ -298,6 +306,8 @@ def relay_summary(result: dict) -> dict:
             "steady_tokens_per_s": median.get("steady_tokens_per_s"),
             "gateway_cpu_us_per_token": median.get("gateway_cpu_us_per_token"),
             "worker_cpu_us_per_token": round(statistics.median(worker), 2) if worker else None,
+            # The fake worker's step period (p50, median over the rounds; its stamps').
+            "worker_step_p50_ms": median.get("worker_step_p50_ms"),
             "errors": sum(r.get("errors", 0) for r in rounds), "rounds": rounds}
 
 
@@ -318,7 +328,8 @@ def relay_and_measure(side: Side, repeat: int, a: argparse.Namespace, log_dir: P
     print(f"  tokens/s {_fmt(summary['tokens_per_s'])}, steady "
           f"{_fmt(summary['steady_tokens_per_s'])}, gateway CPU "
           f"{_fmt(summary['gateway_cpu_us_per_token'])} us/token, worker CPU "
-          f"{_fmt(summary['worker_cpu_us_per_token'])} us/token, errors {summary['errors']}",
+          f"{_fmt(summary['worker_cpu_us_per_token'])} us/token, worker step p50 "
+          f"{_fmt(summary['worker_step_p50_ms'], 2)} ms, errors {summary['errors']}",
           flush=True)
     return Run(side.name, repeat, summary, None)
 
@@ -328,19 +339,21 @@ RELAY_METRICS = {  # name -> (how to read it from a relay Run, whether higher is
     "steady_tokens_per_s": (lambda r: r.summary["steady_tokens_per_s"], True),
     "gateway_cpu_us_per_token": (lambda r: r.summary["gateway_cpu_us_per_token"], False),
     "worker_cpu_us_per_token": (lambda r: r.summary["worker_cpu_us_per_token"], False),
+    "worker_step_p50_ms": (lambda r: r.summary.get("worker_step_p50_ms"), False),
 }
 
 
 def relay_table(runs: list[Run], summary: dict, sides: tuple[Side, Side]) -> str:
     lines = [*_side_lines(sides), "",
              f"{'run':<10}{'tok/s':>10}{'steady tok/s':>14}{'gw CPU us/tok':>15}"
-             f"{'worker CPU us/tok':>19}{'errors':>8}"]
+             f"{'worker CPU us/tok':>19}{'step p50 ms':>13}{'errors':>8}"]
     for r in runs:
         s = r.summary
         lines.append(f"{r.side + ' #' + str(r.repeat):<10}{_fmt(s['tokens_per_s']):>10}"
                      f"{_fmt(s['steady_tokens_per_s']):>14}"
                      f"{_fmt(s['gateway_cpu_us_per_token'], 2):>15}"
-                     f"{_fmt(s['worker_cpu_us_per_token'], 2):>19}{s['errors']:>8}")
+                     f"{_fmt(s['worker_cpu_us_per_token'], 2):>19}"
+                     f"{_fmt(s.get('worker_step_p50_ms'), 2):>13}{s['errors']:>8}")
     lines.append("")
     lines.extend(_ratio_lines(summary, RELAY_METRICS, width=26))
     return "\n".join(lines)

@@ -354,10 +354,12 @@ def steady_tokens_per_s(arrivals: list[list[float]]) -> float | None:
 _ROUND_KEYS = ("wall_s", "errors", "usage_tokens", "tokens_per_s", "steady_tokens_per_s",
                "first_token_s", "cpu_s", "gateway_threads_cpu_s", "gateway_cpu_us_per_token",
                "gateway_system_cpu_us_per_token", "gateway_cpu_us_per_request",
-               "gateway_loop_cpu_us_per_request", "load_average")
+               "gateway_loop_cpu_us_per_request", "worker_cpu_us_per_token", "itl_ms",
+               "worker_step_ms", "worker_step_p50_ms", "load_average")
 _MEDIAN_KEYS = ("tokens_per_s", "steady_tokens_per_s", "gateway_cpu_us_per_token",
                 "gateway_system_cpu_us_per_token", "gateway_cpu_us_per_request",
-                "gateway_loop_cpu_us_per_request", "wall_s")
+                "gateway_loop_cpu_us_per_request", "worker_cpu_us_per_token",
+                "worker_step_p50_ms", "wall_s")
 
 
 def measure_round(args: argparse.Namespace, client_exe: str | None, tmp: str,
@@ -393,7 +395,8 @@ def measure_round(args: argparse.Namespace, client_exe: str | None, tmp: str,
 
 
 def summarize(args: argparse.Namespace, measured: dict, stamps_path: str | None) -> dict:
-    """One round's result; with `stamps_path` (one round only) the added latency too."""
+    """One round's result; with `stamps_path` the fake worker's step period (from its stamps
+    within the round) and, with one round only, the added latency too."""
     start, end, arrivals = measured["start"], measured["end"], measured["arrivals"]
     usage, errors, cpu_used = measured["usage"], measured["errors"], measured["cpu_used"]
     gateway_threads = measured["gateway_threads"]
@@ -434,6 +437,9 @@ def summarize(args: argparse.Namespace, measured: dict, stamps_path: str | None)
     result["cpu_s"] = {k: round(v, 2) for k, v in cpu_used.items() if v is not None}
     # The gateways' CPU by thread ("loop": the event loop's, the main thread).
     result["gateway_threads_cpu_s"] = {k: v for k, v in gateway_threads.items() if v > 0}
+    if cpu_used.get("worker") and num_tokens:
+        # The worker's engine loop, its link and sender threads and ZeroMQ's I/O thread.
+        result["worker_cpu_us_per_token"] = round(cpu_used["worker"] / num_tokens * 1e6, 2)
     if cpu_used.get("gateway") and num_tokens:
         result["gateway_cpu_us_per_token"] = round(cpu_used["gateway"] / num_tokens * 1e6, 1)
         # Its kernel part: mostly the socket writes (one per stream per step, each a TCP
@@ -457,19 +463,25 @@ def summarize(args: argparse.Namespace, measured: dict, stamps_path: str | None)
         with open(stamps_path) as f:
             stamps = json.load(f)
         if args.worker == "fake":  # [first prompt token, output index, time made]
-            stamps = [(first - PROMPT_BASE_ID, i, t) for first, i, t in stamps]
-        sent = {(k, i): t for k, i, t in stamps}
-        added = [t - sent[(k, i)] for k, times in enumerate(arrivals)
-                 for i, t in enumerate(times) if (k, i) in sent]
-        result["added_latency_ms"] = {q: round(pct(added, q) * 1000, 2) for q in (50, 90, 99)}
-        result["added_latency_ms"]["mean"] = round(statistics.fmean(added) * 1000, 2) \
-            if added else None
+            # (Every round's: this one's were made between its start and its end.)
+            stamps = [(first - PROMPT_BASE_ID, i, t) for first, i, t in stamps
+                      if start <= t <= end]
+        if args.rounds == 1:
+            sent = {(k, i): t for k, i, t in stamps}
+            added = [t - sent[(k, i)] for k, times in enumerate(arrivals)
+                     for i, t in enumerate(times) if (k, i) in sent]
+            result["added_latency_ms"] = {q: round(pct(added, q) * 1000, 2)
+                                          for q in (50, 90, 99)}
+            result["added_latency_ms"]["mean"] = round(statistics.fmean(added) * 1000, 2) \
+                if added else None
         if args.worker == "fake":
             # The worker's step period: the gaps between the times its steps made tokens
             # (the forward's time plus the serial work around it, and any wait for a core).
             made = sorted({t for _, _, t in stamps})
             periods = [b - a for a, b in zip(made, made[1:], strict=False)]
             result["worker_step_ms"] = {q: round(pct(periods, q) * 1000, 2) for q in (50, 90)}
+            if periods:
+                result["worker_step_p50_ms"] = result["worker_step_ms"][50]
     if errors:
         result["first_errors"] = errors[:3]
     return result
@@ -589,7 +601,7 @@ def main() -> None:
         for p in reversed(procs):
             p.stop(timeout_s=10)
 
-    results = [summarize(args, r, stamps_path if args.rounds == 1 else None) for r in rounds]
+    results = [summarize(args, r, stamps_path) for r in rounds]
     result = results[0]
     if args.rounds > 1:
         # Each burst of N streams on the same servers; the medians are what to compare.

@@ -141,8 +141,13 @@ def test_relay_flags_and_each_sides_command(tmp_path):
     assert argv[argv.index("--streams") + 1:argv.index("--streams") + 2] == ["200"]
     assert argv[argv.index("--rounds") + 1] == "5"
     assert "--no-stamps" in argv  # older workers may not have --fake-stamps
+    (tmp_path / "newer" / "cli").mkdir(parents=True)
+    (tmp_path / "newer" / "cli" / "worker.py").write_text('@option("--fake-stamps")\n')
+    newer = Side("base", "abfe8ec", (), "d" * 40, tmp_path / "newer")
+    assert "--no-stamps" not in relay_argv(newer, a, 4321, tmp_path / "out.json")
     here_argv = relay_argv(here, a, 4321, tmp_path / "out.json")
     assert "--tree" not in here_argv  # the working tree: this checkout's servers
+    assert "--no-stamps" not in here_argv  # its worker's step period is measured
     assert here_argv[-1] == "--gateway-arg=--disable-metrics"  # head's flag, for its gateway
 
 
@@ -173,6 +178,9 @@ def test_a_relay_result_reads_its_medians_and_counts_every_rounds_errors():
     one_round = relay_summary({"tokens_per_s": 25000.0, "errors": 0,
                                "gateway_cpu_us_per_token": 20.0})  # --rounds 1: no median
     assert one_round["tokens_per_s"] == 25000.0
+    assert one_round["worker_step_p50_ms"] is None  # a worker without stamps
+    assert relay_summary({"rounds": [], "median": {"worker_step_p50_ms": 20.4}})[
+        "worker_step_p50_ms"] == 20.4
 
 
 def test_the_relay_report_gives_paired_ratios_of_tokens_and_gateway_cpu():
@@ -187,5 +195,5 @@ def test_the_relay_report_gives_paired_ratios_of_tokens_and_gateway_cpu():
     assert "0.950x (0.900, 1.000)  lower is better" in text
     assert "tokens_per_s" in text and "0.950x (1.100, 0.800)" in text
     assert text.splitlines()[4].split() == ["base", "#0", "30000.0", "45000.0", "20.00",
-                                            "7.50", "0"]
+                                            "7.50", "-", "0"]  # (no step period: no stamps)
     assert "worker_cpu_us_per_token        7.50     7.50    1.000x (1.000, 1.000)" in text
