@@ -92,6 +92,9 @@ class ModelRunner:
                            "exist in float32 on the CPU); every row keeps its activations")
         with timer.phase("kernel"):
             self.decode_kernel = self._decode_kernel(config.attention_backend)
+        # Where decode rows are batch-independent (the CPU; not verified on CUDA), produced
+        # tokens computed again take them (_prepare).
+        self._outputs_as_decode_rows = self.device.type == "cpu"
         with timer.phase("compile"):
             # Pure decode steps through fused layer segments, or None: all steps eager.
             self.decode_step = compiled.build(
@@ -231,11 +234,20 @@ class ModelRunner:
         # low-bit kernels with the decode rows: _low_bit_rows). A prompt's last token left
         # alone by a prefix-cache hit is a prefill row too, as when the whole prompt runs: a
         # row's kernels follow from what it is, never from its step.
+        # A stream that moved here (failover, drain) or was preempted computes again the
+        # tokens it produced: those rows run as the decode rows that first computed them,
+        # one per position (_output_rows), so its K/V and its next token's logits are bit
+        # for bit the undisturbed run's, not prompt rows' (other kernels: equal to rounding).
         verify_rows = {id(c): _verify_rows(c) for c in chunks if c.draft_token_ids}
+        output_rows = {id(c): _output_rows(c) for c in chunks
+                       if self._outputs_as_decode_rows and _has_output_rows(c)}
+        prompt_parts = [part for part, _ in output_rows.values() if part is not None]
         decodes = sorted((r for c in chunks for r in (
-            verify_rows.get(id(c)) or ((c,) if _is_decode(c) else ()))),
+            verify_rows.get(id(c)) or (output_rows[id(c)][1] if id(c) in output_rows else
+                                       (c,) if _is_decode(c) else ()))),
             key=lambda c: c.start_pos)
-        prefills = sorted((c for c in chunks if not _is_decode(c) and id(c) not in verify_rows),
+        prefills = sorted([*(c for c in chunks if not _is_decode(c) and id(c) not in verify_rows
+                             and id(c) not in output_rows), *prompt_parts],
                           key=lambda c: c.start_pos)
         ordered = decodes + prefills
         input_ids: list[int] = []
@@ -270,8 +282,10 @@ class ModelRunner:
             row += len(chunk.token_ids)
         sample_chunks = [c for c in chunks if c.do_sample]
         # A chunk with drafts samples at each of its 1 + k rows (worker/verify.py).
+        # A chunk whose outputs were computed again samples at its last row only.
         sample_rows = [last_row[id(r)] for c in sample_chunks
-                       for r in verify_rows.get(id(c), (c,))]
+                       for r in verify_rows.get(id(c)) or (
+                           (output_rows[id(c)][1][-1],) if id(c) in output_rows else (c,))]
         return self._to_device(StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long),
             positions=positions_t,
@@ -407,6 +421,31 @@ def _low_bit_rows(num_decode: int, prefills: list[ScheduledChunk], below: int
     is_low[low] = True
     return (torch.tensor(low, dtype=torch.long),
             torch.arange(row, dtype=torch.long)[~is_low])
+
+
+def _has_output_rows(chunk: ScheduledChunk) -> bool:
+    """A chunk of more than one token reaching past its prompt (tokens the sequence already
+    produced, computed again), without drafts and without prompt logprobs (which read its
+    prompt rows as one chunk)."""
+    return (len(chunk.token_ids) > 1 and not chunk.draft_token_ids
+            and chunk.context_len > len(chunk.prompt_token_ids)
+            and chunk.params.prompt_logprobs is None)
+
+
+def _output_rows(chunk: ScheduledChunk) -> tuple[ScheduledChunk | None, list[ScheduledChunk]]:
+    """-> (its prompt tokens as a prefill chunk, or None; its output tokens as one
+    single-token decode chunk each, in order: row i at its own position, attending to the K/V
+    the rows before it write in the same layer, as with drafts)."""
+    num_prompt = max(0, len(chunk.prompt_token_ids) - chunk.start_pos)
+    part = None
+    if num_prompt:
+        part = ScheduledChunk(chunk.request_id, chunk.token_ids[:num_prompt], chunk.start_pos,
+                              chunk.block_table, False, chunk.params, chunk.prompt_token_ids,
+                              chunk.output_token_ids)
+    start = chunk.start_pos + num_prompt
+    return part, [ScheduledChunk(chunk.request_id, [token], start + i, chunk.block_table, True,
+                                 chunk.params, chunk.prompt_token_ids, chunk.output_token_ids)
+                  for i, token in enumerate(chunk.token_ids[num_prompt:])]
 
 
 def _verify_rows(chunk: ScheduledChunk) -> list[ScheduledChunk]:

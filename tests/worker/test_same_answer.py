@@ -87,6 +87,45 @@ def test_a_request_gets_the_same_answer_alone_in_a_batch_and_from_the_prefix_cac
     assert cached.stats().num_prefix_hits > 0
 
 
+@pytest.mark.parametrize("dtype", ["float32", "auto+int8"])
+def test_a_moved_request_goes_on_with_the_undisturbed_tokens_and_logprobs(q4_model, dtype):
+    """A stream that moved here (failover, drain) brings the tokens it produced; this worker
+    computes them again, as the decode rows that first computed them, so what follows is bit
+    for bit the undisturbed run's, logprobs too: also where they cross a block's end and share
+    a chunk with the prompt's last tokens, and beside other requests' chunks."""
+    dtype, _, int8 = dtype.partition("+")
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2)
+
+    def engine() -> Engine:
+        return Engine(EngineConfig(model=str(q4_model), device="cpu", dtype=dtype,
+                                   block_size=16, num_kv_blocks=256, max_model_len=512,
+                                   max_num_batched_tokens=64, weight_cache=False,
+                                   enable_prefix_caching=False, int8_activations=bool(int8)))
+
+    def outputs(eng: Engine, requests: dict[str, tuple[list[int], list[int]]]) -> dict:
+        got: dict[str, tuple[list[int], list]] = {rid: ([], []) for rid in requests}
+        for rid, (prompt, produced) in requests.items():
+            eng.add_request(rid, prompt, params, output_token_ids=produced)
+        while eng.has_unfinished():
+            for out in eng.step():
+                got[out.request_id][0].extend(out.new_token_ids)
+                got[out.request_id][1].extend(out.logprobs or [])
+        return got
+
+    eng = engine()
+    prompts = {f"p{i}": (PROMPTS[i], []) for i in (0, 1, 3)}
+    alone = outputs(eng, prompts)
+    for moved_after in (1, 5, 17):  # the produced tokens end inside, at and past a block
+        moved = {rid: (prompt, alone[rid][0][:moved_after]) for rid, (prompt, _) in
+                 prompts.items()}
+        beside = {"other": (PROMPTS[2], [])}
+        got = outputs(eng, {**{f"{rid}-{moved_after}": r for rid, r in moved.items()}, **beside})
+        for rid in prompts:
+            tokens, logprobs = got[f"{rid}-{moved_after}"]
+            assert tokens == alone[rid][0][moved_after:], (rid, moved_after)
+            assert logprobs == alone[rid][1][moved_after:], (rid, moved_after)
+
+
 def test_prefill_attention_computes_a_row_alike_in_any_chunk():
     """A chunk's rows come out of prefill attention as within the whole prompt, whatever the
     chunk's start and length (the kernel's blocks follow its query and key counts)."""
