@@ -6,6 +6,7 @@ finds its blocks in the tier, computes only the tail, and continues with the sam
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -35,10 +36,10 @@ def tiny_gguf(tmp_path_factory) -> Path:
 def engine(model: Path, tier: Path | None, **overrides) -> Engine:
     tier_fields = {} if tier is None else dict(kv_offloading_size=0.01,
                                                kv_offloading_dir=str(tier))
-    return Engine(EngineConfig(model=str(model), device="cpu", dtype="float32", block_size=16,
-                               num_kv_blocks=64, max_model_len=256,
-                               max_num_batched_tokens=32, weight_cache=False,
-                               **{**tier_fields, **overrides}))
+    return Engine(EngineConfig(**{**dict(
+        model=str(model), device="cpu", dtype="float32", block_size=16, num_kv_blocks=64,
+        max_model_len=256, max_num_batched_tokens=32, weight_cache=False),
+        **tier_fields, **overrides}))
 
 
 def run(engine: Engine, prompt: list[int], params: SamplingParams,
@@ -76,6 +77,47 @@ def test_a_moved_stream_continues_from_the_tier_with_the_same_tokens(tiny_gguf, 
 
     replay, _ = run(engine(tiny_gguf, None), PROMPT, params, outputs=sent)
     assert replay == rest  # what replay gives, without a tier
+
+
+@pytest.mark.slow
+def test_on_the_default_model_a_moved_stream_continues_with_the_same_tokens(tmp_path):
+    """The real model as served (`--dtype auto`: int8 activations, a bf16 KV cache on the
+    CPU), greedy and seeded: the stream moved after 25 tokens gives, from the tier and by
+    replay, exactly the undisturbed run's tokens and logprobs (its produced tokens computed
+    again as decode rows; as prompt rows they rounded differently, which could flip a
+    near-tie)."""
+    from zeroserve.common.model_files import default_model_path
+
+    model = default_model_path()
+    kinds = {"greedy": dataclasses.replace(GREEDY, logprobs=1),
+             "seeded": dataclasses.replace(SEEDED, logprobs=1)}
+
+    def real(tier: Path | None) -> Engine:
+        return engine(model, tier, dtype="auto", num_kv_blocks=128, max_model_len=512,
+                      max_num_batched_tokens=64)
+
+    def generate(eng: Engine, params: SamplingParams, outputs: list[int] = ()):
+        request_id = f"r{eng.stats().num_steps}"
+        eng.add_request(request_id, prompt, params, output_token_ids=list(outputs))
+        tokens, logprobs = list(outputs), []
+        while eng.has_unfinished():
+            for out in eng.step():
+                tokens += out.new_token_ids
+                logprobs += out.logprobs or []
+        return tokens, logprobs
+
+    rng = random.Random(7)
+    prompt = [rng.randrange(100, 40000) for _ in range(70)]
+    first = real(tmp_path / "tier")
+    expected = {kind: generate(first, params) for kind, params in kinds.items()}
+    first.tier.close()
+    second, replay = real(tmp_path / "tier"), real(None)
+    for kind, params in kinds.items():
+        tokens, logprobs = expected[kind]
+        for eng in (second, replay):
+            moved = generate(eng, params, tokens[:25])
+            assert moved == (tokens, logprobs[25:]), kind
+    assert second.tier.counters.num_hits > 0
 
 
 def test_a_prefix_another_worker_computed_is_loaded_not_computed(tiny_gguf, tmp_path):
