@@ -113,6 +113,10 @@ class Scheduler:
         self.check_request(seq.num_prompt_tokens, seq.params.max_tokens)
         seq.status = SequenceStatus.WAITING
         seq.arrival_time = self._clock()
+        seq.max_tokens = seq.params.max_tokens
+        stop_ids = seq.params.stop_token_ids  # (most requests: none, and one shared set)
+        seq.stop_token_ids = self.eos_token_ids.union(stop_ids) if stop_ids else \
+            self.eos_token_ids
         self._requests[seq.request_id] = seq
         priority_policy.enqueue(self.waiting, seq)
 
@@ -415,7 +419,6 @@ class Scheduler:
         num_sampled = len(sampled)
         block_size = self.block_manager.block_size
         cache_full_blocks = self.block_manager.cache_full_blocks
-        eos_token_ids = self.eos_token_ids
         max_model_len = self.max_model_len
         running = SequenceStatus.RUNNING
         changed: list[Sequence] = []
@@ -469,8 +472,8 @@ class Scheduler:
             under_way.append(seq)
         # 2. Every sampled token, the decodes' first: every stream every step, read after a
         # forward that left the CPU caches cold, so this loop reads only the sequence, its
-        # sampled token, its output list and its params (no prompt list; the block table
-        # only at a block boundary), and writes its chunk.
+        # sampled token and its output list (no params, no prompt list; the block table only
+        # at a block boundary), and writes its chunk.
         for seq, chunk, token, num_new in zip(sampling_seqs, sampling_chunks, tokens, nums_new,
                                               strict=True):
             if token.request_id != seq.request_id:
@@ -491,12 +494,10 @@ class Scheduler:
             token_id = token.token_id
             outputs = seq.output_token_ids
             outputs.append(token_id)
-            num_output = len(outputs)
-            params = seq.params
             changed.append(seq)
-            # Its tokens are the computed ones plus the new one.
-            if (num_output >= params.max_tokens or token_id in eos_token_ids
-                    or token_id in params.stop_token_ids
+            # Its tokens are the computed ones plus the new one. (The sequence's copies of
+            # params' limits: params is one more cold object per stream.)
+            if (len(outputs) >= seq.max_tokens or token_id in seq.stop_token_ids
                     or num_computed + 1 >= max_model_len):
                 reason = self._finish_reason(seq, token_id)
                 if reason is not None:

@@ -140,6 +140,13 @@ class Sequence:
     # The client it serves, hashed (SUBMIT's flow; 0: none): a full batch's slots are shared
     # fairly across the flows of one priority (worker/priority_policy.py).
     flow: int = 0
+    # For Scheduler.update()'s check of every sampled token, set by Scheduler.add from
+    # params (which update() then need not read, cold, per stream per step): params'
+    # max_tokens, and the ids that may stop it (EOS and params.stop_token_ids). update() only
+    # asks _finish_reason when one of them is reached, so these defaults (before add) ask
+    # it every time.
+    max_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
 
     @property
     def num_prompt_tokens(self) -> int:
