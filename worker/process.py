@@ -81,6 +81,7 @@ from zeroserve.worker.grammar import GrammarSpec
 from zeroserve.worker.kv_tier.identity import hello_fields
 from zeroserve.worker.kv_tier.store import kv_tier_counters
 from zeroserve.worker.link import GatewayPeer, LinkState, new_route
+from zeroserve.worker.output_rows import to_wire
 from zeroserve.worker.outputs import RequestOutput
 from zeroserve.worker.sequence import RequestError, SamplingParams
 from zeroserve.worker.speculative import spec_decode_counters
@@ -358,7 +359,7 @@ class WorkerLoop:
                        num_prompt, num_output, num_cached, None, error, None, None,
                        stream.attempt]
             else:
-                row = _to_wire(out, stream.attempt)
+                row = to_wire(out, stream.attempt)
             wire[stream.gateway].append(row)
             num_sent = stream.num_sent = stream.num_sent + len(new_token_ids)
             if is_finished:
@@ -771,33 +772,3 @@ def _sampling_params(params: dict[str, Any]) -> SamplingParams:
     if params.get("stop_token_ids") is not None:
         params["stop_token_ids"] = tuple(params["stop_token_ids"])
     return SamplingParams(**params)
-
-
-def _to_wire(out: RequestOutput, attempt: int) -> list:
-    """A TokenOutput in wire form (TokenOutput.wire_row): one per stream per step."""
-    logprobs = out.logprobs
-    if logprobs is not None:
-        logprobs = [[lp, [[tid, tlp] for tid, tlp in top]] for lp, top in logprobs]
-    prompt_logprobs = out.prompt_logprobs
-    if prompt_logprobs is not None:
-        prompt_logprobs = [[lp, [[tid, tlp] for tid, tlp in top]] for lp, top in prompt_logprobs]
-    reason = out.finish_reason
-    timings = out.timings
-    return _wire_row(
-        out.request_id, out.new_token_ids, None if reason is None else reason.value,
-        out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens, logprobs,
-        out.error, None if timings is None else list(timings), prompt_logprobs, attempt,
-        out.error_code)
-
-
-_wire_row = TokenOutput.wire_row
-
-# WorkerLoop._emit unpacks every RequestOutput and writes most rows itself, in wire_row's
-# order: both must stay as they are here.
-if RequestOutput._fields != ("request_id", "new_token_ids", "finish_reason",
-                             "num_prompt_tokens", "num_output_tokens", "num_cached_tokens",
-                             "logprobs", "prompt_logprobs", "error", "timings", "error_code"):
-    raise TypeError("RequestOutput's fields changed: update WorkerLoop._emit")
-if _wire_row("r", [1], "stop", 2, 3, 4, None, "e", None, None, 5) != [
-        "r", [1], "stop", 2, 3, 4, None, "e", None, None, 5]:
-    raise TypeError("TokenOutput.wire_row's order changed: update WorkerLoop._emit")

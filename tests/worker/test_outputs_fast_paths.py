@@ -1,6 +1,6 @@
 """The per-stream, per-step output paths take short ways for the common case (a stream's next
 token, nothing else): Engine._outputs builds most outputs without _output, and
-WorkerLoop._emit writes most wire rows without _to_wire. What reaches the gateway must be
+WorkerLoop._emit writes most wire rows without to_wire. What reaches the gateway must be
 exactly what the general ways give, for every kind of output."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from tests.worker.factories import make_engine, make_params
 from zeroserve.common.protocol import Tokens, decode, encode
 from zeroserve.worker.config import WorkerConfig
 from zeroserve.worker.engine import _REPORTED_AT_ONCE
+from zeroserve.worker.output_rows import to_wire
 from zeroserve.worker.outputs import RequestOutput
-from zeroserve.worker.process import WorkerLoop, _Stream, _to_wire
+from zeroserve.worker.process import WorkerLoop, _Stream
 from zeroserve.worker.sequence import FinishReason
 
 
@@ -95,7 +96,7 @@ def test_emitted_rows_are_to_wire_rows_and_decode_the_same():
         RequestOutput("prompt", [7], None, 3, 1, prompt_logprobs=lp + [(-1.0, [])]),
     ]
     msg = _loop_emitting(outputs)
-    assert msg.outputs == [_to_wire(out, 3) for out in outputs]
+    assert msg.outputs == [to_wire(out, 3) for out in outputs]
     received = decode(encode(msg))
     assert isinstance(received, Tokens)
     for out, got in zip(outputs, received.outputs, strict=True):
