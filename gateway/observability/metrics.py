@@ -195,7 +195,8 @@ class RequestMetrics:
         self._aborted_by_reason = {r: self._aborted.labels(m, r)
                                    for r in ("disconnect", "slow_client")}
         self._worker_events = counter("worker_events", "Worker restarts (a HELLO replacing a "
-                                      "live incarnation) and losses (no heartbeat).",
+                                      "live incarnation), losses (no heartbeat) and exits "
+                                      "(its supervisor reaped the process).",
                                       ["model_name", "worker_id", "event"])
         # Generation requests by the API they came through (completions, chat, responses,
         # messages): all share one pipeline, so the figures above cover them all.
