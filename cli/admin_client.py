@@ -42,6 +42,11 @@ class AdminClient:
         return self._call("POST", f"/admin/workers/{worker_id}/restart",
                           {"deadline_s": deadline_s})
 
+    def worker_exited(self, worker_id: str, pid: int, exit_code: int) -> dict:
+        return self._call("POST",
+                          f"/admin/workers/{urllib.parse.quote(worker_id, safe='')}/exited",
+                          {"pid": pid, "exit_code": exit_code})
+
     def models(self) -> dict:
         return self._call("GET", "/admin/models")
 

@@ -27,18 +27,19 @@ that id. With `--gateways N` sharing the port, the kernel picks the gateway each
 connection reaches, so the notice is sent until every gateway (by its pid) has answered, a
 bounded number of times.
 
-It imports nothing from the CLI, so the dependency runs one way: cli/main.py ->
-cli/children.py, cli/main.py -> cli/supervisor.py.
+It imports nothing from the CLI but its admin client (the notice is an admin call, sent as
+`zeroserve workers` sends its own: the admin key, and this user's admin token to a loopback
+gateway), so the dependency runs one way: cli/main.py -> cli/children.py, cli/main.py ->
+cli/supervisor.py.
 """
 
 from __future__ import annotations
 
 import json
 import urllib.error
-import urllib.parse
 import urllib.request
 
-from zeroserve.common.admin_token import TOKEN_HEADER, read_token
+from zeroserve.cli.admin_client import AdminClient, AdminError
 
 GATEWAY_CHILD = "gateway"
 _TIMEOUT_S = 1.0
@@ -157,26 +158,6 @@ class GatewayWorkerWatch:
         return bad
 
 
-def _post_json(url: str, body: dict, admin_key: str | None) -> dict | None:
-    """An admin POST from this machine: the admin key if there is one, else this user's
-    admin token (the gateway asks for it where API keys are set). The answer's JSON body on
-    success; None otherwise."""
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
-    request.add_header("content-type", "application/json")
-    if admin_key:
-        request.add_header("authorization", f"Bearer {admin_key}")
-    else:
-        token = read_token()
-        if token is not None:
-            request.add_header(TOKEN_HEADER, token)
-    try:
-        with urllib.request.urlopen(request, timeout=_NOTICE_TIMEOUT_S) as response:
-            parsed = json.loads(response.read())
-    except (OSError, ValueError):  # HTTPError included: refused, or not answering
-        return None
-    return parsed if isinstance(parsed, dict) else None
-
-
 class GatewayExitNotice:
     """An `ExitNotice` for `serve`: a worker child's process exited (reaped, so certainly
     dead): each gateway takes that process out now and fails its streams over, as when its
@@ -191,12 +172,15 @@ class GatewayExitNotice:
         """The pids of the gateways that heard it (at most `num_gateways`)."""
         if is_gateway_child(name):
             return set()
-        url = f"{self.base_url}/admin/workers/{urllib.parse.quote(name, safe='')}/exited"
+        client = AdminClient(self.base_url, self.admin_key, timeout_s=_NOTICE_TIMEOUT_S)
         told: set[int] = set()
         for _ in range(_NOTICE_ASKS_PER_GATEWAY * self.num_gateways):
-            answer = _post_json(url, {"pid": pid, "exit_code": exit_code}, self.admin_key)
-            if answer is None:
+            try:
+                answer = client.worker_exited(name, pid, exit_code)
+            except (AdminError, ValueError):
                 break  # refused or not answering: the heartbeat path remains
+            if not isinstance(answer, dict):
+                break
             told.add(answer.get("gateway_pid"))
             if len(told) >= self.num_gateways:
                 break

@@ -241,13 +241,12 @@ class ModelRunner:
         verify_rows = {id(c): _verify_rows(c) for c in chunks if c.draft_token_ids}
         output_rows = {id(c): _output_rows(c) for c in chunks
                        if self._outputs_as_decode_rows and _has_output_rows(c)}
-        prompt_parts = [part for part, _ in output_rows.values() if part is not None]
+        # A chunk run as single-token decode rows -> its rows.
+        split = {**verify_rows, **{key: rows for key, (_, rows) in output_rows.items()}}
         decodes = sorted((r for c in chunks for r in (
-            verify_rows.get(id(c)) or (output_rows[id(c)][1] if id(c) in output_rows else
-                                       (c,) if _is_decode(c) else ()))),
-            key=lambda c: c.start_pos)
-        prefills = sorted([*(c for c in chunks if not _is_decode(c) and id(c) not in verify_rows
-                             and id(c) not in output_rows), *prompt_parts],
+            split.get(id(c)) or ((c,) if _is_decode(c) else ()))), key=lambda c: c.start_pos)
+        prefills = sorted([*(c for c in chunks if not _is_decode(c) and id(c) not in split),
+                           *(part for part, _ in output_rows.values() if part is not None)],
                           key=lambda c: c.start_pos)
         ordered = decodes + prefills
         input_ids: list[int] = []
@@ -284,8 +283,7 @@ class ModelRunner:
         # A chunk with drafts samples at each of its 1 + k rows (worker/verify.py).
         # A chunk whose outputs were computed again samples at its last row only.
         sample_rows = [last_row[id(r)] for c in sample_chunks
-                       for r in verify_rows.get(id(c)) or (
-                           (output_rows[id(c)][1][-1],) if id(c) in output_rows else (c,))]
+                       for r in (verify_rows.get(id(c)) or split.get(id(c), (c,))[-1:])]
         return self._to_device(StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long),
             positions=positions_t,
@@ -442,17 +440,19 @@ def _output_rows(chunk: ScheduledChunk) -> tuple[ScheduledChunk | None, list[Sch
         part = ScheduledChunk(chunk.request_id, chunk.token_ids[:num_prompt], chunk.start_pos,
                               chunk.block_table, False, chunk.params, chunk.prompt_token_ids,
                               chunk.output_token_ids)
-    start = chunk.start_pos + num_prompt
-    return part, [ScheduledChunk(chunk.request_id, [token], start + i, chunk.block_table, True,
-                                 chunk.params, chunk.prompt_token_ids, chunk.output_token_ids)
-                  for i, token in enumerate(chunk.token_ids[num_prompt:])]
+    return part, _single_token_rows(chunk, num_prompt)
 
 
 def _verify_rows(chunk: ScheduledChunk) -> list[ScheduledChunk]:
     """A chunk with drafts as one single-token decode chunk per token, in order."""
+    return _single_token_rows(chunk, 0)
+
+
+def _single_token_rows(chunk: ScheduledChunk, skip: int) -> list[ScheduledChunk]:
+    """chunk's tokens after its first `skip`, one single-token decode chunk each, in order."""
     return [ScheduledChunk(chunk.request_id, [token], chunk.start_pos + i, chunk.block_table,
                            True, chunk.params, chunk.prompt_token_ids, chunk.output_token_ids)
-            for i, token in enumerate(chunk.token_ids)]
+            for i, token in enumerate(chunk.token_ids[skip:], start=skip)]
 
 
 def _row_blocks(chunk: ScheduledChunk, block_size: int) -> list[int]:
