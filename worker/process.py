@@ -309,13 +309,6 @@ class WorkerLoop:
         return 0.001 if self._is_last_step_empty else 0.0
 
     def _receive(self, timeout: float) -> None:
-        if not timeout:
-            # Between two steps, let the link thread in first: a message it has read from its
-            # socket during the step waits for the GIL to reach the inbox, and without this
-            # pause it often got there just after this look and so missed the next step (one
-            # whole step added to a new request's TTFT; in a micro-benchmark 8-11% of arrivals
-            # against 1-4% with it). About a microsecond a step.
-            time.sleep(0)
         try:
             index, msg = self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
         except queue.Empty:
