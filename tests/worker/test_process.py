@@ -383,6 +383,9 @@ def test_abort_frees_the_request_at_once(gateway):
     worker, engine, _ = start(gateway)
     gateway.send(Submit("a", [1], {"max_tokens": 1000}, 5))
     gateway.tokens()
+    # A heartbeat sent before the SUBMIT was handled (still queued here) also shows nothing
+    # held: first read past those, to one that holds "a".
+    gateway.beat_where(lambda b: b.num_running + b.num_paused == 1)
     gateway.send(Abort(["a", "never-heard-of"]))
     # Handled on arrival: the next heartbeats say so (polled, not after a fixed nap).
     gateway.beat_where(lambda b: b.num_running == 0 and b.num_paused == 0
