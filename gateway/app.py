@@ -22,6 +22,7 @@ from zeroserve.gateway.http.admin import AdminApi
 from zeroserve.gateway.http.anthropic_errors import AnthropicErrorShape
 from zeroserve.gateway.http.auth import ApiKeyMiddleware, ApiKeys, warn_if_exposed
 from zeroserve.gateway.http.debug import DebugApi
+from zeroserve.gateway.http.direct_routes import DirectRoutes
 from zeroserve.gateway.http.early_shed import EarlyShedMiddleware
 from zeroserve.gateway.http.error_response import error_response
 from zeroserve.gateway.http.health import HealthEndpoints
@@ -151,8 +152,12 @@ def build_app(config: GatewayConfig, tokenizer: TextTokenizer | None = None,
         *DebugApi(admin, gateway).routes(),
         *([] if config.disable_ui else ConsolePages().routes()),
     ]
+    # Innermost: the generation routes' short way past Starlette's router (same handlers).
+    direct = Middleware(DirectRoutes, routes={"/v1/completions": api.completions,
+                                              "/v1/chat/completions": api.chat},
+                        on_http_error=http_error)
     app = Starlette(routes=routes, lifespan=lifespan,
-                    middleware=http_middleware(config, keys, metrics, gateway),
+                    middleware=[*http_middleware(config, keys, metrics, gateway), direct],
                     exception_handlers={HTTPException: http_error, Exception: unexpected_error})
     app.state.gateway = gateway
     app.state.api = api
