@@ -44,9 +44,11 @@ def test_a_config_takes_addresses_or_a_name_and_a_name_needs_keys_as_tcp_does():
 def test_discovery_reports_only_changed_answers_and_a_failed_lookup_changes_nothing():
     answers = [["10.0.0.2", "10.0.0.1"], ["10.0.0.1", "10.0.0.2"], OSError("NXDOMAIN"),
                ["10.0.0.1", "not-an-ip"], ["10.0.0.1"]]
+    num_lookups = [0]
 
     def resolver(name: str) -> list[str]:
         assert name == "gw"
+        num_lookups[0] += 1
         answer = answers.pop(0) if len(answers) > 1 else answers[0]
         if isinstance(answer, Exception):
             raise answer
@@ -55,7 +57,12 @@ def test_discovery_reports_only_changed_answers_and_a_failed_lookup_changes_noth
     inbox: queue.Queue = queue.Queue()
     discovery = GatewayDiscovery(GatewayDns("gw", interval_s=0.01), inbox, WORKER_ID, resolver)
     discovery.start()
-    time.sleep(0.3)
+    # The five answers, then the last one three times more (no news): counted, not a nap
+    # (a thread starved on a loaded machine gets through fewer lookups in a fixed 0.3 s).
+    deadline = time.monotonic() + 20
+    while num_lookups[0] < 8 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert num_lookups[0] >= 8
     discovery.stop()
     discovery.join(1)
     found = []
