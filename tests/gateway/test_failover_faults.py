@@ -121,7 +121,8 @@ def assert_exact(results: dict) -> None:
 def assert_no_state_left(gw: GatewayServer, *workers: FakeWorker) -> None:
     gateway = gw.gateway
     assert wait_until(lambda: len(gateway.streams) == 0, 5), gateway.streams.states
-    assert not gateway._resubmit_tasks
+    # A resubmit task leaves the set in its done callback, a loop iteration after it ended.
+    assert wait_until(lambda: not gateway._resubmit_tasks, 5)
     assert all(not w.request_ids for w in gateway.registry.workers.values())
     for worker in workers:
         assert wait_until(lambda w=worker: not w.streams, 5), worker.streams
@@ -271,7 +272,9 @@ def test_a_restarted_worker_with_the_same_id_ignores_the_dead_ones_outputs():
             for msg in late:
                 push.send_multipart(encode(msg))
             results["new"] = new
-            time.sleep(0.2)
+            # Closed (linger 0) only once they arrived: after a fixed 0.2 s, a loaded
+            # machine's I/O thread may not have sent them yet, and they were discarded.
+            assert wait_until(lambda: stale_dropped(gw) >= 1, 10)
             push.close(0)
 
         streamed = run_streams(gw, restart)
