@@ -36,7 +36,9 @@ def test_tokens_of_a_replaced_process_do_not_move_the_new_ones_sequence():
         assert new_incarnation != old_incarnation
         seen: list[int] = []
         on_tokens = registry.on_tokens
-        registry.on_tokens = lambda wid, seq, now: (seen.append(seq), on_tokens(wid, seq, now))
+        # Noted once handled (the gateway's thread may be switched out between the two, and
+        # a note made first let the test read tokens_seq before it was set).
+        registry.on_tokens = lambda wid, seq, now: (on_tokens(wid, seq, now), seen.append(seq))
         ctx = zmq.Context()
         try:
             tokens_address = gw.config.endpoints[1]
