@@ -9,9 +9,12 @@ the worker process runs it), stepped by `Engine.step_overlapped` with the worker
 wire rows, common/protocol.py's encode; the socket send is left out; in the worker process
 the encode runs on the gateway's sender thread). Two figures per step:
 
-- serial: the engine thread's work outside the device time (scheduling, the state update,
-  pauses and resumes): each step takes the forward's time plus this;
-- emit: the outputs and the emit, which run during the next step's device time.
+- serial: the engine thread's work outside the emit and the launch (scheduling, the state
+  update, pauses and resumes): each step takes the forward's time plus this, unless the
+  runner follows (worker/scheduler_follow.py: the next step is launched before this work,
+  which then runs during the device time too);
+- emit: the outputs and the emit, which run during the next step's device time;
+- period (with --forward-ms): the wall time from one step's end to the next's.
 
 The garbage collector is tuned as the worker process tunes it. Times are CPU time of this
 process (time.process_time: steadier than wall time on a shared machine), medians over the
@@ -43,10 +46,12 @@ if str(ROOT) not in sys.path:
 
 
 def run_once(num_seqs: int, num_steps: int, num_prompt_tokens: int,
-             pause_percent: float = 0.0, forward_ms: float = 0.0) -> tuple[float, float, float]:
+             pause_percent: float = 0.0, forward_ms: float = 0.0
+             ) -> tuple[float, float, float, float]:
     """Median CPU seconds per step of (the engine's serial work, the emit during the device
     time, the fake runner's launch) over num_steps decode steps of engine.step_overlapped,
-    as the worker loop runs it."""
+    as the worker loop runs it, and the median wall seconds from one step's end to the
+    next's (the step period)."""
     from zeroserve.common.gc_tuning import tune_for_serving
     from zeroserve.common.protocol import encode
     from zeroserve.worker.config import EngineConfig, WorkerConfig
@@ -100,7 +105,8 @@ def run_once(num_seqs: int, num_steps: int, num_prompt_tokens: int,
         return collect()
 
     runner.launch, runner.collect = timed_launch, timed_collect
-    serial_s, emit_s, launch_s = [], [], []
+    serial_s, emit_s, launch_s, period_s = [], [], [], []
+    last_end = time.perf_counter()
     for _ in range(num_steps):
         inside[:] = [0.0, 0.0]
         t0 = time.process_time()
@@ -111,11 +117,15 @@ def run_once(num_seqs: int, num_steps: int, num_prompt_tokens: int,
             engine.pause(request_id)
         engine.step_overlapped(emit)
         t1 = time.process_time()
+        end = time.perf_counter()
+        period_s.append(end - last_end)
+        last_end = end
         # The engine thread's work outside the device time.
         serial_s.append(t1 - t0 - inside[0] - inside[1])
         emit_s.append(inside[1])
         launch_s.append(inside[0])
-    return statistics.median(serial_s), statistics.median(emit_s), statistics.median(launch_s)
+    return (statistics.median(serial_s), statistics.median(emit_s), statistics.median(launch_s),
+            statistics.median(period_s))
 
 
 def main() -> None:
@@ -134,20 +144,24 @@ def main() -> None:
 
     runs = [run_once(args.seqs, args.steps, args.prompt_tokens, args.pause_percent,
                      args.forward_ms) for _ in range(args.repeats)]
-    totals = sorted(step + emit for step, emit, _ in runs)
+    totals = sorted(step + emit for step, emit, _, _ in runs)
     result = {
         "seqs": args.seqs, "steps": args.steps, "repeats": args.repeats,
         "pause_percent": args.pause_percent, "forward_ms": args.forward_ms,
         # Serial: schedule + update (+ pauses): what a step adds to the device time.
-        "serial_ms": [round(1000 * step, 3) for step, _, _ in runs],
+        "serial_ms": [round(1000 * step, 3) for step, _, _, _ in runs],
         # During the next step's device time: the outputs, the emit and its encode.
-        "emit_ms": [round(1000 * emit, 3) for _, emit, _ in runs],
+        "emit_ms": [round(1000 * emit, 3) for _, emit, _, _ in runs],
         # The fake's launch: its sampling, within its modeled device time (not in total).
-        "launch_ms": [round(1000 * launch, 3) for _, _, launch in runs],
+        "launch_ms": [round(1000 * launch, 3) for _, _, launch, _ in runs],
+        # Wall time from one step's end to the next's: the forward plus what the engine
+        # thread adds to it (with a runner that follows, the forward alone while the
+        # thread's CPU per step stays under it). Wall time: noisy on a loaded machine.
+        "period_ms": [round(1000 * period, 3) for _, _, _, period in runs],
         "total_ms_median": round(1000 * statistics.median(totals), 3),
         "total_ms_min_max": [round(1000 * totals[0], 3), round(1000 * totals[-1], 3)],
-        "serial_us_per_seq": round(1e6 * statistics.median(s for s, _, _ in runs) / args.seqs,
-                                   2),
+        "serial_us_per_seq": round(
+            1e6 * statistics.median(s for s, _, _, _ in runs) / args.seqs, 2),
     }
     print(json.dumps(result))
 

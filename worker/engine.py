@@ -57,6 +57,10 @@ class Runner(Protocol):
     # Optional, for runners whose device computes while the CPU goes on: launch(plan)
     # starts the step and returns at once, collect() waits for it and returns what
     # execute(plan) would. The engine does the last step's output work in between.
+    # A runner whose device queues launches (collect() hands each launched plan's tokens
+    # out in order) and takes a plan's pending tokens from its own last samples
+    # (SchedulerOutput.prev_rows) says so with `can_follow = True`: step_overlapped() then
+    # launches the next step before the last one's tokens are collected.
 
 
 # Engine._output makes one RequestOutput (a named tuple) per stream per step from a tuple of
@@ -111,6 +115,9 @@ class Engine:
         self._sampled: list[SampledToken] = []
         self._num_steps = 0
         self._last_step = StepTiming()
+        # A plan launched behind the last step (Scheduler.follow), collected by the next.
+        self._launched: SchedulerOutput | None = None
+        self._can_follow = bool(getattr(runner, "can_follow", False)) and self.tier is None
         self._generate_ids = itertools.count()
         # Vocabulary and compiled-grammar cache for constrained decoding, made on first use.
         self.grammar_compiler: GrammarCompiler | None = None
@@ -263,7 +270,12 @@ class Engine:
         """Something for the next step to do. A request whose grammar is still compiling
         is not (`wake` tells when it is)."""
         return (self.scheduler.has_unfinished() or bool(self._pending) or bool(self._changed)
-                or (self._grammars is not None and self._grammars.has_ready()))
+                or (self._grammars is not None and self._grammars.has_ready())
+                or self._launched is not None)
+
+    def has_launched_step(self) -> bool:
+        """A step is computing that the next step collects (it must come, paused or not)."""
+        return self._launched is not None
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -282,6 +294,11 @@ class Engine:
         stepping, take_outputs() hands out what is left. A stream paused from `emit` (out of
         credit) while it is in the launched plan loses that step's token, which it computes
         again when resumed, so it never gets ahead of its credit.
+
+        With a runner that can follow, the next step is planned and launched behind this one
+        before this one's tokens are known, where that plan is exact (Scheduler.follow): the
+        update then runs during the device time too, and the next call collects that step
+        (has_launched_step()) instead of planning one.
         """
         self._run_step(emit)
 
@@ -300,27 +317,34 @@ class Engine:
         t0 = time.perf_counter()
         if self._grammars is not None:
             self._admit_grammars()
-        plan = self.scheduler.schedule()
-        t1 = time.perf_counter()
-        if plan.is_empty:
-            if emit is not None:
-                emit(self.take_outputs())
-            self._last_step = StepTiming()
-            return
         runner = self.runner
         launch = getattr(runner, "launch", None)
         sampled = None
-        try:
-            if launch is not None:
-                launch(plan)  # the device computes from here until collect() returns
-        except Exception as exc:
-            sampled = self._isolate(plan, exc)
+        plan, self._launched = self._launched, None
+        if plan is None:
+            plan = self.scheduler.schedule()
+            if plan.is_empty:
+                if emit is not None:
+                    emit(self.take_outputs())
+                self._last_step = StepTiming()
+                return
+            try:
+                if launch is not None:
+                    launch(plan)  # the device computes from here until collect() returns
+            except Exception as exc:
+                sampled = self._isolate(plan, exc)
+        elif emit is None and self._changed:  # step() after step_overlapped(): keep its news
+            self._pending = self.take_outputs()
+        t1 = time.perf_counter()
+        follower = self._launch_follower() if sampled is None and emit is not None else None
         if emit is not None:
             emit(self.take_outputs())
         if sampled is None:
             try:
                 sampled = runner.collect() if launch is not None else runner.execute(plan)
             except Exception as exc:
+                if follower is not None:  # it took this plan's tokens: drop it unrun
+                    follower = self._drop_follower()
                 sampled = self._isolate(plan, exc)
             else:
                 self._take_runner_prompt_logprobs()
@@ -328,6 +352,7 @@ class Engine:
         t2 = time.perf_counter()
         self._changed = self.scheduler.update(plan, sampled)
         self._sampled = sampled
+        self._launched = follower
         if self.tier is not None:
             self.tier.flush()  # blocks filled this step, before the next may reuse them
         t3 = time.perf_counter()
@@ -341,6 +366,28 @@ class Engine:
             num_tokens=plan.num_tokens,
             num_seqs=len(plan.chunks),
         )
+
+    def _launch_follower(self) -> SchedulerOutput | None:
+        """Plan and launch the next step behind the one computing, where it can be exact."""
+        if not self._can_follow:
+            return None
+        follower = self.scheduler.follow()
+        if follower is not None:
+            try:
+                self.runner.launch(follower)
+            except Exception:
+                logger.exception("launching a step behind the last one failed; it runs alone")
+                self.scheduler.drop_follower()
+                return None
+        return follower
+
+    def _drop_follower(self) -> None:
+        """The step behind a failed one: collected and forgotten (its rows run again)."""
+        self.scheduler.drop_follower()
+        try:
+            self.runner.collect()
+        except Exception:
+            logger.exception("the step behind a failed one failed too")
 
     @property
     def last_step(self) -> StepTiming:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import json
 import time
+from collections import deque
 
 from zeroserve.worker import verify
 from zeroserve.worker.config import BatchingMode, EngineConfig
@@ -36,6 +37,11 @@ class InvalidPlanError(AssertionError):
 
 
 class FakeRunner:
+    # Its simulated device queues launches, as a CUDA stream does: a plan launched before
+    # the last one is collected starts when that one's device time ends, and a follower's
+    # pending tokens (SchedulerOutput.prev_rows) are taken from the last launch's samples.
+    can_follow = True
+
     def __init__(
         self,
         config: EngineConfig,
@@ -78,8 +84,11 @@ class FakeRunner:
         self.check_plans = check_plans
         self.num_steps = 0
         self.num_computed_tokens = 0
-        self._sampled: list[SampledToken] = []  # launched, not collected yet
-        self._done_at = 0.0  # perf_counter time the launched plan's device time ends
+        # Launched, not collected yet, oldest first: (perf_counter time its device time
+        # ends, its tokens, its timing).
+        self._launched: deque[tuple[float, list[SampledToken], StepTiming]] = deque()
+        self._last_sampled: list[SampledToken] = []  # the last launch's tokens
+        self._done_at = 0.0  # perf_counter time the last launched plan's device time ends
         # Per step: (when its tokens count as made, [(first prompt token, output index)]).
         self._stamps: list[tuple[float, list[tuple[int, int]]]] | None = None
         if stamps_path is not None:
@@ -98,8 +107,19 @@ class FakeRunner:
         them out once the device time has passed (the engine works in between, as it does
         beside a GPU's forward)."""
         t0 = time.perf_counter()
+        # A follower's rows: their one token is the one the last launch sampled for them,
+        # taken here as a device would take it (and counted as their last output token).
+        num_pending = 0
+        if plan.prev_rows is None:
+            # The engine queues only a follower behind a launch: an ordinary plan comes
+            # when it collects nothing more, so what is left was given up (a collect failed).
+            self._launched.clear()
+        else:
+            num_pending, last = 1, self._last_sampled
+            for chunk, row in zip(plan.chunks, plan.prev_rows, strict=True):
+                chunk.token_ids = [last[row].token_id]
         if self.check_plans:
-            self._check_plan(plan)
+            self._check_plan(plan, num_pending)
             for chunk in plan.chunks:
                 self._check_context(chunk)
                 self._write(chunk)
@@ -107,33 +127,37 @@ class FakeRunner:
         num_tokens = plan.num_tokens  # a sum over the chunks: once a step
         # The simulated device's time for the forward and its sampling: the tokens are
         # made within it, so a step takes forward_time_s, not forward_time_s plus the
-        # fake's own bookkeeping (at 1,000 streams, 0.3 ms a step).
+        # fake's own bookkeeping (at 1,000 streams, 0.3 ms a step). It starts when the
+        # device is free: now, or when the plan launched before this one ends.
         device_s = self.forward_time_s + self.per_token_time_s * num_tokens
+        done_at = (max(t1, self._done_at) if self._launched else t1) + device_s
         stamped: list[tuple[int, int]] | None = None if self._stamps is None else []
-        self._sampled = self._sample_all(plan.chunks, stamped)
+        sampled = self._last_sampled = self._sample_all(plan.chunks, stamped, num_pending)
         if stamped is not None:
             # The tokens count as made when the device time ends (a late wake-up from the
             # wait counts as added latency, not as the fake's).
-            made_at = time.monotonic() + max(0.0, device_s - (time.perf_counter() - t1))
+            made_at = time.monotonic() + max(0.0, done_at - time.perf_counter())
             self._stamps.append((made_at, stamped))
         t2 = time.perf_counter()
-        self._done_at = t1 + device_s
+        self._done_at = done_at
         self.num_steps += 1
         self.num_computed_tokens += num_tokens
-        self.last_timing = StepTiming(
+        timing = StepTiming(
             prepare_s=t1 - t0,
             sample_s=t2 - t1,
             num_tokens=num_tokens,
             num_seqs=len(plan.chunks),
         )
+        self._launched.append((done_at, sampled, timing))
 
     def collect(self) -> list[SampledToken]:
-        """The launched plan's tokens, once its device time is over."""
+        """The oldest launched plan's tokens, once its device time is over."""
+        done_at, sampled, timing = self._launched.popleft()
         t0 = time.perf_counter()
-        if self._done_at > t0:
-            time.sleep(self._done_at - t0)
-        self.last_timing.forward_s = time.perf_counter() - t0  # the rest of the device time
-        sampled, self._sampled = self._sampled, []
+        if done_at > t0:
+            time.sleep(done_at - t0)
+        timing.forward_s = time.perf_counter() - t0  # the rest of the device time
+        self.last_timing = timing
         return sampled
 
     def _write_stamps(self, path: str) -> None:
@@ -142,13 +166,15 @@ class FakeRunner:
             json.dump([(first, index, made_at) for made_at, stamped in self._stamps
                        for first, index in stamped], f)
 
-    def next_token(self, chunk: ScheduledChunk) -> int:
-        """The token sampled after chunk: a function of its last token, position and seed."""
-        num_output = len(chunk.output_token_ids)
+    def next_token(self, chunk: ScheduledChunk, num_pending: int = 0) -> int:
+        """The token sampled after chunk: a function of its last token, position and seed.
+        `num_pending`: 1 for a follower's row, whose token is not in its outputs yet."""
+        num_output = len(chunk.output_token_ids) + num_pending
         if self.eos_after is not None and num_output == self.eos_after:
             return EOS_TOKEN_ID
         if self.copy_context:
-            known = chunk.prompt_token_ids + chunk.output_token_ids
+            known = chunk.prompt_token_ids + chunk.output_token_ids + \
+                chunk.token_ids[len(chunk.token_ids) - num_pending:]
             last = known[-1]
             for j in range(len(known) - 2, -1, -1):
                 if known[j] == last:
@@ -171,31 +197,33 @@ class FakeRunner:
         return verify.accept([chunk], counts, sampled)[0]
 
     def _sample_all(self, chunks: list[ScheduledChunk],
-                    stamped: list[tuple[int, int]] | None = None) -> list[SampledToken]:
+                    stamped: list[tuple[int, int]] | None = None,
+                    num_pending: int = 0) -> list[SampledToken]:
         """_sample (or _sample_drafted) for every chunk that samples; each one's (first
         prompt token, output index) added to `stamped` when given. Plain chunks (no drafts,
         no logprobs, no forced EOS: a benchmark's 1,000 decode streams) take an inlined
         next_token: this one loop runs once a step per stream, beside a forward that is only
-        a sleep."""
+        a sleep. `num_pending`: 1 for a follower's rows (see next_token)."""
         if self.eos_after is not None or self.copy_context:
             if stamped is not None:
-                stamped += [(c.prompt_token_ids[0], len(c.output_token_ids)) for c in chunks
-                            if c.do_sample and c.prompt_token_ids]
+                stamped += [(c.prompt_token_ids[0], len(c.output_token_ids) + num_pending)
+                            for c in chunks if c.do_sample and c.prompt_token_ids]
             return [self._sample_drafted(chunk) if chunk.draft_token_ids else
-                    self._sample(chunk) for chunk in chunks if chunk.do_sample]
+                    self._sample(chunk, num_pending) for chunk in chunks if chunk.do_sample]
         base_seed = self.config.seed
         sampled = []
         for chunk in chunks:
             if not chunk.do_sample:
                 continue
             if stamped is not None and chunk.prompt_token_ids:
-                stamped.append((chunk.prompt_token_ids[0], len(chunk.output_token_ids)))
+                stamped.append((chunk.prompt_token_ids[0],
+                                len(chunk.output_token_ids) + num_pending))
             params = chunk.params
             if chunk.draft_token_ids:
                 sampled.append(self._sample_drafted(chunk))
                 continue
             if params.logprobs is not None:
-                sampled.append(self._sample(chunk))
+                sampled.append(self._sample(chunk, num_pending))
                 continue
             # _token_after, inline.
             token_ids = chunk.token_ids
@@ -205,8 +233,8 @@ class FakeRunner:
                                         token + 1 if token == EOS_TOKEN_ID else token))
         return sampled
 
-    def _sample(self, chunk: ScheduledChunk) -> SampledToken:
-        token = self.next_token(chunk)
+    def _sample(self, chunk: ScheduledChunk, num_pending: int = 0) -> SampledToken:
+        token = self.next_token(chunk, num_pending)
         num_logprobs = chunk.params.logprobs
         if num_logprobs is None:
             return SampledToken(chunk.request_id, token)
@@ -215,7 +243,7 @@ class FakeRunner:
         ]
         return SampledToken(chunk.request_id, token, logprob=-0.25, top_logprobs=top[:num_logprobs])
 
-    def _check_plan(self, plan: SchedulerOutput) -> None:
+    def _check_plan(self, plan: SchedulerOutput, num_pending: int = 0) -> None:
         config = self.config
         _require(
             len(plan.chunks) <= config.max_num_seqs, f"{len(plan.chunks)} chunks > max_num_seqs"
@@ -229,7 +257,7 @@ class FakeRunner:
         _require(len(set(request_ids)) == len(request_ids), "a request appears twice in a plan")
         written: dict[int, str] = {}
         for chunk in plan.chunks:
-            self._check_chunk(chunk)
+            self._check_chunk(chunk, num_pending)
             first = chunk.start_pos // self.block_size
             last = (chunk.context_len - 1) // self.block_size
             for block_id in chunk.block_table[first : last + 1]:
@@ -243,9 +271,10 @@ class FakeRunner:
                     f"{chunk.request_id} reads block {block_id} that {owner} writes",
                 )
 
-    def _check_chunk(self, chunk: ScheduledChunk) -> None:
+    def _check_chunk(self, chunk: ScheduledChunk, num_pending: int = 0) -> None:
         rid = chunk.request_id
-        drafts = chunk.draft_token_ids or []
+        # A follower's row: its token (taken from the last launch) is its pending output.
+        drafts = chunk.draft_token_ids or chunk.token_ids[len(chunk.token_ids) - num_pending:]
         num_known = len(chunk.prompt_token_ids) + len(chunk.output_token_ids) + len(drafts)
         _require(len(chunk.token_ids) > 0, f"{rid}: empty chunk")
         _require(0 <= chunk.start_pos and chunk.context_len <= num_known, f"{rid}: bad positions")

@@ -48,6 +48,13 @@ class SchedulerOutput:
 
     chunks: list[ScheduledChunk]
     preempted: list[str] = field(default_factory=list)  # request ids sent back to waiting
+    # A plan that follows the one launched before it, made before that one's tokens were
+    # known (worker/scheduler_follow.py; only for a runner with `can_follow`): every chunk
+    # is one decode row whose input token is the token the previous plan sampled at row
+    # prev_rows[i] (its chunk's token_ids hold a placeholder until the engine's update of
+    # the previous plan writes it in; the runner takes it from its own samples, on the
+    # device, and counts it as the sequence's last output token). None: an ordinary plan.
+    prev_rows: list[int] | None = None
 
     @cached_property
     def num_tokens(self) -> int:

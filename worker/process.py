@@ -249,7 +249,8 @@ class WorkerLoop:
     def _has_work(self) -> bool:
         engine = self.engine
         return ((any(not s.is_paused for s in self.streams.values())
-                 and engine.has_unfinished()) or engine.has_admissions())
+                 and engine.has_unfinished()) or engine.has_admissions()
+                or engine.has_launched_step())
 
     def _step(self) -> None:
         """One engine step. Its outputs go out during the next step's device time (or at once

@@ -35,6 +35,7 @@ from zeroserve.worker.config import BatchingMode, EngineConfig
 from zeroserve.worker.plan import SampledToken, ScheduledChunk, SchedulerOutput
 from zeroserve.worker.run_queue import RunQueue
 from zeroserve.worker.scheduler_drafts import accept_drafts, add_drafts
+from zeroserve.worker.scheduler_follow import follow_plan, write_tokens
 from zeroserve.worker.sequence import FinishReason, RequestError, Sequence, SequenceStatus
 from zeroserve.worker.speculative import RecentText, SpecDecodeStats
 
@@ -62,6 +63,8 @@ class Scheduler:
         # The sequences behind the last plan's chunks (None for a padding row).
         self._last_plan: SchedulerOutput | None = None
         self._last_plan_seqs: list[Sequence | None] = []
+        # follow()'s plan behind the last one, and its sequences (the last after update()).
+        self._follower: tuple[SchedulerOutput, list[Sequence]] | None = None
         self.num_preemptions = 0
         self._is_plan_cut = False  # this plan lost a scheduled sequence to a preemption
         self._prompt_keys: dict[str, int] = {}  # request id -> hash of its prompt
@@ -117,6 +120,9 @@ class Scheduler:
         stop_ids = seq.params.stop_token_ids  # (most requests: none, and one shared set)
         seq.stop_token_ids = self.eos_token_ids.union(stop_ids) if stop_ids else \
             self.eos_token_ids
+        p = seq.params
+        seq.can_follow = (p.grammar is None and p.repetition_penalty == 1.0
+                          and not p.presence_penalty and not p.frequency_penalty)
         self._requests[seq.request_id] = seq
         priority_policy.enqueue(self.waiting, seq)
 
@@ -187,6 +193,24 @@ class Scheduler:
         self._last_plan = plan
         self._last_plan_seqs = seqs
         return plan
+
+    def follow(self) -> SchedulerOutput | None:
+        """The next plan, made while the last one computes, where it is exact
+        (worker/scheduler_follow.py); update() of the last plan makes it the last."""
+        plan = self._last_plan
+        speculative = self.config.speculative_config
+        if (plan is None or self._follower is not None or self.waiting or self.running.joined
+                or self._is_drafting or self._num_decodes != len(plan.chunks)
+                or self.config.batching_mode is not BatchingMode.CONTINUOUS
+                or (speculative is not None and speculative.is_active(len(self.running)))):
+            return None
+        self._follower = follow_plan(plan, self._last_plan_seqs, len(self.running),
+                                     self.block_manager, self.max_model_len)
+        return None if self._follower is None else self._follower[0]
+
+    def drop_follower(self) -> None:
+        """The plan follow() made did not run (its launch failed, or the plan before it)."""
+        self._follower = None
 
     def _schedule_continuous(self) -> tuple[SchedulerOutput, list[Sequence]]:
         budget = self.config.max_num_batched_tokens
@@ -485,8 +509,10 @@ class Scheduler:
                     if seq.status is running:
                         self._plan_next(seq, next_chunks, next_seqs, needing_block, under_way)
                 continue
-            if seq.status is not running:
-                continue  # paused while its token was being computed: it computes it again
+            if seq.status is not running or chunk.start_pos != seq.num_computed_tokens:
+                # Paused while its token was being computed (it computes it again), or a
+                # follower's row of a sequence whose last row was dropped or was its last.
+                continue
             num_computed = seq.num_computed_tokens = seq.num_computed_tokens + num_new
             is_block_filled = num_computed % block_size < num_new
             if is_block_filled:
@@ -521,6 +547,11 @@ class Scheduler:
             self._next_needing_block, self._next_under_way = needing_block, under_way
             self._next_version = self.running.version
         self.running.joined = []
+        if self._follower is not None:  # it becomes the last plan, with its tokens
+            plan, self._last_plan_seqs = self._follower
+            self._last_plan, self._follower = write_tokens(plan, sampled), None
+            self._num_decodes, self._is_drafting = len(plan.chunks), False
+            self._next_version = None  # the next schedule() follows the follower's update
         return changed
 
     def _update_speculative(self, seq: Sequence, token: SampledToken, num_new: int) -> bool:

@@ -147,6 +147,9 @@ class Sequence:
     # it every time.
     max_tokens: int = 0
     stop_token_ids: frozenset[int] = frozenset()
+    # Whether its next step may be planned before its last token is known (no grammar, no
+    # penalty: worker/scheduler_follow.py), set by Scheduler.add from params.
+    can_follow: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

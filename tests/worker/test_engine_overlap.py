@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.worker.factories import make_engine, make_params, prompt
+from tests.worker.factories import make_config, make_engine, make_params, prompt
+from zeroserve.worker.engine import Engine
+from zeroserve.worker.fake_runner import FakeRunner
 from zeroserve.worker.sequence import FinishReason
 
 pytestmark = pytest.mark.timeout(60)
@@ -48,8 +50,13 @@ def test_overlapped_steps_give_each_stream_the_tokens_of_plain_steps():
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
 
 
+class _UnqueuedRunner(FakeRunner):
+    can_follow = False  # a device that takes one launch at a time
+
+
 def test_a_steps_outputs_go_out_while_the_next_step_computes():
-    engine = make_engine()
+    config = make_config()
+    engine = Engine(config, _UnqueuedRunner(config))
     runner = engine.runner
     calls: list[str] = []
     real_launch, real_collect = runner.launch, runner.collect

@@ -104,6 +104,9 @@ class ScriptedEngine:
     def has_admissions(self):
         return False  # no grammars here
 
+    def has_launched_step(self):
+        return False  # its steps end within step_overlapped
+
     def step_overlapped(self, emit):
         """As Engine.step_overlapped: the last step's outputs are emitted after this step's
         batch is chosen, and a request paused by emit loses this step's token."""

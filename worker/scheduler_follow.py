@@ -1,0 +1,80 @@
+"""The next decode step, planned while the current one computes (asynchronous scheduling).
+
+After a forward the engine thread's serial work (the state update, the next plan) used to
+sit between two forwards: a step was the forward plus about 1.5 ms at 1,000 streams. A runner
+whose device queues work (`can_follow`: a CUDA stream; the fake runner models one) can take
+step n+1 before step n's tokens reach the CPU, so the engine launches it right behind step n
+and does step n's update while it runs: a step is then the forward alone.
+
+Such a plan is made only when it is exactly what step n's update and the scheduler would
+plan next, given that every running decode of step n goes on:
+
+- every running sequence decodes in step n (no prefill, no drafts, no admission pending:
+  nothing waiting, nothing joined the run queue since the last update), and speculation is
+  off at this batch size (drafts need the token);
+- no sequence of the step has a grammar or a penalty (those read the token on the CPU
+  side; worker/sequence.py's `can_follow`); the runner counts the pending token as the
+  sequence's last output (sampling seeds, min_tokens);
+- a sequence that step n ends by length (max_tokens, the context) gets no row; one that step
+  n ends by a stop token does, and update() drops that row's token, as it drops any row that
+  no longer continues its sequence (paused, aborted, preempted: its start is not the
+  sequence's computed length);
+- the rows crossing into a new block get it now, from free blocks only (no preemption).
+
+A finished sequence's extra row writes K/V into a block freed after it was launched: the
+device runs the steps in order, so any later owner's writes come after it, and the row
+writes only the position after the sequence's computed tokens, never a block the prefix
+cache holds.
+"""
+
+from __future__ import annotations
+
+from zeroserve.worker.block_manager import BlockManager
+from zeroserve.worker.plan import SampledToken, ScheduledChunk, SchedulerOutput
+from zeroserve.worker.sequence import Sequence, SequenceStatus
+
+
+def follow_plan(
+    plan: SchedulerOutput, seqs: list[Sequence], num_running: int, block_manager: BlockManager,
+    max_model_len: int,
+) -> tuple[SchedulerOutput, list[Sequence]] | None:
+    """The decode plan after `plan` (every chunk one decode of seqs[i], all of them running
+    when it was made), its token ids pending; None where it would not be exact."""
+    running = SequenceStatus.RUNNING
+    block_size = block_manager.block_size
+    chunks: list[ScheduledChunk] = []
+    followers: list[Sequence] = []
+    prev_rows: list[int] = []
+    needing_block: list[Sequence] = []
+    num_running_rows = 0
+    for row, (chunk, seq) in enumerate(zip(plan.chunks, seqs, strict=True)):
+        if seq.status is not running:
+            continue  # paused or ended since: update() drops its token
+        num_running_rows += 1
+        if not seq.can_follow:
+            return None
+        position = chunk.start_pos + 1  # of the token this row computes
+        outputs = seq.output_token_ids
+        if len(outputs) + 1 >= seq.max_tokens or position + 1 >= max_model_len:
+            continue  # the token computing now is its last (update() ends it by length)
+        if position >= len(seq.block_table) * block_size:
+            needing_block.append(seq)
+        chunks.append(ScheduledChunk(seq.request_id, [0], position, seq.block_table, True,
+                                     seq.params, seq.prompt_token_ids, outputs))
+        followers.append(seq)
+        prev_rows.append(row)
+    if (num_running_rows != num_running or not chunks
+            or len(needing_block) > block_manager.num_free_blocks):
+        return None
+    for seq in needing_block:
+        block_manager.allocate(seq, 2)  # its token computing now, and this row's
+    return SchedulerOutput(chunks, prev_rows=prev_rows), followers
+
+
+def write_tokens(plan: SchedulerOutput, sampled: list[SampledToken]) -> SchedulerOutput:
+    """Fill a follower's pending token ids in from the tokens its previous plan sampled (the
+    runner took them on the device): it is then an ordinary plan, which a runner may run
+    again chunk by chunk (Engine._isolate) and update() moves on as it moves any."""
+    for chunk, row in zip(plan.chunks, plan.prev_rows, strict=True):
+        chunk.token_ids[0] = sampled[row].token_id
+    return plan
