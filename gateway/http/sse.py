@@ -41,6 +41,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from zeroserve.gateway.http.held_head import start_held
 from zeroserve.gateway.http.http_protocol import CYCLE_SCOPE_KEY, ON_LOST_SCOPE_KEY
 from zeroserve.gateway.logging import get_logger
 
@@ -132,12 +133,19 @@ class SSEResponse:
         self._is_body_ended = False  # a LastChunk was sent: the response is complete
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": _HEADERS})
+        start = {"type": "http.response.start", "status": 200, "headers": _HEADERS}
         cycle = scope.get(CYCLE_SCOPE_KEY)
+        held = None
+        if cycle is not None and not cycle.response_started:
+            # The head goes out with the first chunk (gateway/http/held_head.py).
+            held = await start_held(cycle, send, start)
+        else:
+            await send(start)
         set_on_lost = None
         if cycle is not None and cycle.response_started and cycle.chunked_encoding:
             self._cycle = cycle
-            self._flow, self._transport = cycle.flow, cycle.transport
+            self._flow = cycle.flow
+            self._transport = cycle.transport if held is None else held.transport
             set_on_lost = scope.get(ON_LOST_SCOPE_KEY)
         loop = asyncio.get_running_loop()
         pump = asyncio.ensure_future(self._pump(send))
@@ -188,6 +196,8 @@ class SSEResponse:
             await self._final_write(send, self.on_slow_client())
         elif not self._is_body_ended:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if held is not None:  # (still held only if nothing was written: the client left)
+            held.drop()
 
     def _lost(self, pump: asyncio.Future) -> None:
         """The client's connection is gone: the stream stops (its cleanup aborts the work).
@@ -209,9 +219,11 @@ class SSEResponse:
     def write_now(self, chunk: bytes) -> None:
         """Write one body chunk directly; only after `can_write_now()` said True in the same
         pass of the event loop."""
-        if self._cycle is None:
+        cycle = self._cycle
+        if cycle is None:
             return
-        self._transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        # (cycle.transport: the head goes first while it is held.)
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
         self._num_bytes_sent += len(chunk)
 
     @property
