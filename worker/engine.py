@@ -117,7 +117,8 @@ class Engine:
         self._last_step = StepTiming()
         # A plan launched behind the last step (Scheduler.follow), collected by the next.
         self._launched: SchedulerOutput | None = None
-        self._can_follow = bool(getattr(runner, "can_follow", False)) and self.tier is None
+        self._can_follow = (bool(getattr(runner, "can_follow", False)) and self.tier is None
+                            and hasattr(runner, "launch"))
         self._generate_ids = itertools.count()
         # Vocabulary and compiled-grammar cache for constrained decoding, made on first use.
         self.grammar_compiler: GrammarCompiler | None = None
@@ -337,20 +338,25 @@ class Engine:
             self._pending = self.take_outputs()
         t1 = time.perf_counter()
         follower = self._launch_follower() if sampled is None and emit is not None else None
-        if emit is not None:
-            emit(self.take_outputs())
-        if sampled is None:
-            try:
-                sampled = runner.collect() if launch is not None else runner.execute(plan)
-            except Exception as exc:
-                if follower is not None:  # it took this plan's tokens: drop it unrun
-                    follower = self._drop_follower()
-                sampled = self._isolate(plan, exc)
-            else:
-                self._take_runner_prompt_logprobs()
-        runner_timing = runner.last_timing
-        t2 = time.perf_counter()
-        self._changed = self.scheduler.update(plan, sampled)
+        try:
+            if emit is not None:
+                emit(self.take_outputs())
+            if sampled is None:
+                try:
+                    sampled = runner.collect() if launch is not None else runner.execute(plan)
+                except Exception as exc:
+                    if follower is not None:  # it took this plan's tokens: drop it unrun
+                        follower = self._drop_follower(1)
+                    sampled = self._isolate(plan, exc)
+                else:
+                    self._take_runner_prompt_logprobs()
+            runner_timing = runner.last_timing
+            t2 = time.perf_counter()
+            self._changed = self.scheduler.update(plan, sampled)
+        except BaseException:
+            if follower is not None:  # nothing would collect it, nor update the plan before
+                self._drop_follower(2 if sampled is None else 1)
+            raise
         self._sampled = sampled
         self._launched = follower
         if self.tier is not None:
@@ -381,13 +387,15 @@ class Engine:
                 return None
         return follower
 
-    def _drop_follower(self) -> None:
-        """The step behind a failed one: collected and forgotten (its rows run again)."""
+    def _drop_follower(self, num_launched: int) -> None:
+        """The step behind a failed one: forgotten, and the runner's `num_launched` plans
+        not collected yet (it and maybe the failed one) collected (its rows run again)."""
         self.scheduler.drop_follower()
-        try:
-            self.runner.collect()
-        except Exception:
-            logger.exception("the step behind a failed one failed too")
+        for _ in range(num_launched):
+            try:
+                self.runner.collect()
+            except Exception:
+                logger.exception("collecting the steps of a failed one failed too")
 
     @property
     def last_step(self) -> StepTiming:

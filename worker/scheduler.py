@@ -190,13 +190,12 @@ class Scheduler:
             plan, seqs = self._schedule_continuous()
         else:
             plan, seqs = self._schedule_batch(mode)
-        self._last_plan = plan
-        self._last_plan_seqs = seqs
+        self._last_plan, self._last_plan_seqs = plan, seqs
+        self._follower = None  # (one left by a step that failed: it never ran)
         return plan
 
     def follow(self) -> SchedulerOutput | None:
-        """The next plan, made while the last one computes, where it is exact
-        (worker/scheduler_follow.py); update() of the last plan makes it the last."""
+        """The next plan, made while the last one computes, where exact (scheduler_follow)."""
         plan = self._last_plan
         speculative = self.config.speculative_config
         if (plan is None or self._follower is not None or self.waiting or self.running.joined
@@ -448,6 +447,7 @@ class Scheduler:
         changed: list[Sequence] = []
         # The next step's decodes, made here while each sequence is at hand (_next_decodes).
         is_continuous = self.config.batching_mode is BatchingMode.CONTINUOUS
+        is_following = self._follower is not None  # then it is the next step's plan
         next_chunks: list[ScheduledChunk] = []
         next_seqs: list[Sequence] = []
         needing_block: list[Sequence] = []
@@ -510,9 +510,7 @@ class Scheduler:
                         self._plan_next(seq, next_chunks, next_seqs, needing_block, under_way)
                 continue
             if seq.status is not running or chunk.start_pos != seq.num_computed_tokens:
-                # Paused while its token was being computed (it computes it again), or a
-                # follower's row of a sequence whose last row was dropped or was its last.
-                continue
+                continue  # paused since (it computes it again), or a follower's stale row
             num_computed = seq.num_computed_tokens = seq.num_computed_tokens + num_new
             is_block_filled = num_computed % block_size < num_new
             if is_block_filled:
@@ -530,6 +528,8 @@ class Scheduler:
                     self._remove_from_queues(seq)
                     self._finish(seq, reason)
                     continue
+            if is_following:
+                continue
             # The next step's decode, as _plan_next (and _decode_chunk) would make it: this
             # step's chunk moved on by one token. The plan is spent (update() takes it once),
             # so its chunk serves the next one (a new one cost ~0.3 us a stream a step).

@@ -40,12 +40,15 @@ def follow_plan(
 ) -> tuple[SchedulerOutput, list[Sequence]] | None:
     """The decode plan after `plan` (every chunk one decode of seqs[i], all of them running
     when it was made), its token ids pending; None where it would not be exact."""
+    # Once per stream per step, beside a forward: locals, and the sequence's own fields.
     running = SequenceStatus.RUNNING
     block_size = block_manager.block_size
     chunks: list[ScheduledChunk] = []
     followers: list[Sequence] = []
     prev_rows: list[int] = []
     needing_block: list[Sequence] = []
+    new_chunk, add_chunk, add_follower, add_row = (ScheduledChunk, chunks.append,
+                                                   followers.append, prev_rows.append)
     num_running_rows = 0
     for row, (chunk, seq) in enumerate(zip(plan.chunks, seqs, strict=True)):
         if seq.status is not running:
@@ -57,12 +60,13 @@ def follow_plan(
         outputs = seq.output_token_ids
         if len(outputs) + 1 >= seq.max_tokens or position + 1 >= max_model_len:
             continue  # the token computing now is its last (update() ends it by length)
-        if position >= len(seq.block_table) * block_size:
+        table = seq.block_table  # (covers `position` unless it starts a block)
+        if position % block_size == 0 and position >= len(table) * block_size:
             needing_block.append(seq)
-        chunks.append(ScheduledChunk(seq.request_id, [0], position, seq.block_table, True,
-                                     seq.params, seq.prompt_token_ids, outputs))
-        followers.append(seq)
-        prev_rows.append(row)
+        add_chunk(new_chunk(seq.request_id, [0], position, table, True, seq.params,
+                            seq.prompt_token_ids, outputs))
+        add_follower(seq)
+        add_row(row)
     if (num_running_rows != num_running or not chunks
             or len(needing_block) > block_manager.num_free_blocks):
         return None

@@ -68,28 +68,26 @@ def test_the_next_step_is_launched_before_the_last_ones_tokens_are_collected():
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
 
 
-def test_a_device_that_queues_launches_is_never_idle_between_decode_steps():
-    """The period the relay needs: each follower starts when the step before it ends, so
-    the device time of n steps is n forwards, whatever the engine thread does meanwhile."""
-    engine = make_engine(runner_kwargs={"forward_time_s": 0.002}, max_num_seqs=16,
-                         num_kv_blocks=256)
+def test_every_decode_step_is_launched_before_the_one_before_it_is_collected():
+    """The period the relay needs: a device that queues launches always has the next
+    decode step in hand when one ends, whatever the engine thread does meanwhile."""
+    engine = make_engine(max_num_seqs=16, num_kv_blocks=256)
     for i in range(8):  # one prefill step (24 tokens), then 29 decode steps
         engine.add_request(f"r{i}", prompt(3, start=10 * i), make_params(max_tokens=30))
     runner = engine.runner
-    starts: list[float] = []
+    queued: list[int] = []  # at each launch: the plans launched and not collected before it
     real_launch = runner.launch
 
     def launch(plan):
+        queued.append(len(runner._launched))
         real_launch(plan)
-        done_at = runner._launched[-1][0]
-        starts.append(done_at - runner.forward_time_s)
-        if plan.prev_rows is not None:  # queued: it starts exactly when the last one ends
-            assert starts[-1] == pytest.approx(runner._launched[-2][0], abs=1e-9)
 
     runner.launch = launch
     while engine.has_unfinished():
         engine.step_overlapped(lambda outputs: None)
-    assert runner.num_steps == 30  # the prefill, then one step per token: none doubled
+    # The prefill and the first decode alone; each of the other 28 behind the one before.
+    assert queued == [0, 0] + [1] * 28
+    assert runner.num_steps == 30
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -303,3 +301,42 @@ def _failing_for(request_id, execute):
 
     failing.is_failing = True
     return failing
+
+
+def test_a_step_that_raises_with_a_step_behind_it_leaves_nothing_of_either():
+    """The worker fails every stream when a step raises (here its emit) and serves on: the
+    step launched behind must not come back as the plan of a later step."""
+    engine = make_engine()
+    followers = count_followers(engine)
+    for i in range(3):
+        engine.add_request(f"old{i}", prompt(4, start=40 * i), make_params(max_tokens=20))
+    while not engine.has_launched_step():
+        engine.step_overlapped(lambda outputs: None)
+    engine.step_overlapped(lambda outputs: None)
+    assert engine.has_launched_step() and followers[0] == 2
+
+    def broken_emit(outputs):
+        raise RuntimeError("the emit failed")
+
+    with pytest.raises(RuntimeError, match="the emit failed"):
+        engine.step_overlapped(broken_emit)
+    assert followers[0] == 3 and not engine.has_launched_step()
+    for i in range(3):  # as the worker's _fail_all does
+        engine.abort(f"old{i}")
+    engine.take_outputs()
+    prompts = [prompt(5, start=300), prompt(3, start=400)]
+    reference = make_engine().generate(prompts, make_params(max_tokens=7))
+    for i, p in enumerate(prompts):
+        engine.add_request(f"new{i}", p, make_params(max_tokens=7))
+    tokens: dict[str, list[int]] = {}
+
+    def emit(outputs):
+        for out in outputs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+
+    while engine.has_unfinished():
+        engine.step_overlapped(emit)
+    emit(engine.take_outputs())
+    assert [tokens["new0"], tokens["new1"]] == reference
+    assert followers[0] > 3
+    assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
