@@ -43,8 +43,16 @@ def background(target, name: str):
 def test_stacks_name_every_thread_and_where_it_waits():
     release, thread = background(parked_in_a_test_lock, "parked-thread")
     try:
-        time.sleep(0.05)
-        threads = {t["name"]: t for t in thread_stacks()}
+        # Until it is parked (after a fixed 50 ms nap, a thread started late on a loaded
+        # machine could still be on its way to the wait).
+        deadline = time.monotonic() + 30
+        while True:
+            threads = {t["name"]: t for t in thread_stacks()}
+            frames = threads["parked-thread"]["frames"]
+            if (frames and frames[-1]["function"] == "Condition.wait"
+                    or time.monotonic() > deadline):
+                break
+            time.sleep(0.01)
         parked = threads["parked-thread"]
         assert parked["daemon"] is True and parked["native_id"] == thread.native_id
         functions = [f["function"] for f in parked["frames"]]
