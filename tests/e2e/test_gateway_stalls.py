@@ -91,9 +91,11 @@ def test_a_restarted_gateway_makes_the_worker_drop_the_old_streams(split):
     old.process.wait()
     new = split.start_gateway()
     new.wait_ready(1, timeout_s=60)
-    # The worker learns at once that nobody reads the old streams, and frees their KV.
+    # The worker learns at once that nobody reads the old streams, and frees their KV: told
+    # by heartbeats (0.5 s apart) that a loaded machine may send or read late, so 15 s, still
+    # far short of the 120 s grace that would hold them without that knowledge.
     new.wait_for(lambda ws: ws and ws[0]["num_free_blocks"] == ws[0]["num_total_blocks"]
-                 and ws[0]["num_running"] == 0, 3, "old streams dropped")
+                 and ws[0]["num_running"] == 0, 15, "old streams dropped")
     for thread, _ in streams:
         thread.join(timeout=10)
     thread, fresh = stream_in_thread(new.url, {"prompt": "Again.", "max_tokens": 20},
