@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 import uuid
 from typing import Any
@@ -574,10 +575,40 @@ class Gateway:
                 f"The worker serving this request ({worker_id}) {what}; please retry."))
 
 
+class _RandomBytes:
+    """os.urandom's bytes, read 4 KiB at a time: one getrandom() system call per 256 ids
+    made per request instead of one per id (issue 36). Thread-safe (the CPU pool makes ids
+    too); emptied in a forked child, so two processes never hand out the same bytes."""
+
+    _CHUNK = 4096
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._buf = b""
+        self._pos = 0
+
+    def take(self, n: int) -> bytes:
+        with self._lock:
+            pos = self._pos
+            if pos + n > len(self._buf):
+                self._buf, pos = os.urandom(self._CHUNK), 0
+            self._pos = pos + n
+            return self._buf[pos:pos + n]
+
+    def clear(self) -> None:
+        self._buf, self._pos = b"", 0
+        self._lock = threading.Lock()  # (one held by another thread at the fork stays held)
+
+
+_RANDOM_BYTES = _RandomBytes()
+os.register_at_fork(after_in_child=_RANDOM_BYTES.clear)
+
+
 def random_hex() -> str:
     """32 random hex digits, as uuid.uuid4().hex has them (122 random bits there, 128 here),
-    for ids made per request: a quarter of uuid4's cost, which builds a UUID object."""
-    return os.urandom(16).hex()
+    for ids made per request: the kernel's random bytes, without uuid4's UUID object or a
+    system call per id."""
+    return _RANDOM_BYTES.take(16).hex()
 
 
 def _one_model(config: GatewayConfig) -> ModelCatalog:

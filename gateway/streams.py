@@ -42,12 +42,14 @@ class Sink:
     it until the consumer has taken them.
     """
 
-    __slots__ = ("_items", "_waiter", "direct")
+    __slots__ = ("_items", "_waiter", "direct", "_loop")
 
     def __init__(self) -> None:
         self._items: deque = deque()
         self._waiter: asyncio.Future | None = None
         self.direct: Callable[[tuple], bool] | None = None
+        # The consumer's loop, looked up once (on Python 3.11 each lookup is a getpid()).
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def put_nowait(self, item) -> None:
         waiter = self._waiter
@@ -69,7 +71,10 @@ class Sink:
     async def get_batch(self) -> list:
         """Everything queued, waiting for at least one item or a `wake` (then maybe [])."""
         if not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
+            loop = self._loop
+            if loop is None:
+                loop = self._loop = asyncio.get_running_loop()
+            self._waiter = loop.create_future()
             try:
                 await self._waiter
             finally:

@@ -69,7 +69,8 @@ class HeldHead:
         return getattr(self.transport, name)
 
 
-async def start_held(cycle: Any, send: Any, message: dict) -> HeldHead | None:
+async def start_held(cycle: Any, send: Any, message: dict,
+                     loop: asyncio.AbstractEventLoop) -> HeldHead | None:
     """Send `message` (http.response.start) with its head held (see the module docstring);
     None when nothing was held (uvicorn wrote nothing: the client had gone)."""
     held = HeldHead(cycle)
@@ -80,5 +81,5 @@ async def start_held(cycle: Any, send: Any, message: dict) -> HeldHead | None:
             held.drop()
     if held.head is None:
         return None
-    held.timer = asyncio.get_running_loop().call_later(HEAD_HOLD_S, held.flush)
+    held.timer = loop.call_later(HEAD_HOLD_S, held.flush)
     return held

@@ -129,16 +129,19 @@ class SSEResponse:
         self.is_disconnected = False
         self._is_closed = False
         self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # set when the response starts
         self._cycle = None  # uvicorn's RequestResponseCycle, for direct writes
         self._is_body_ended = False  # a LastChunk was sent: the response is complete
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
+        # Looked up once: on Python 3.11 each lookup of the running loop is a getpid() call.
+        loop = self._loop = asyncio.get_running_loop()
         start = {"type": "http.response.start", "status": 200, "headers": _HEADERS}
         cycle = scope.get(CYCLE_SCOPE_KEY)
         held = None
         if cycle is not None and not cycle.response_started:
             # The head goes out with the first chunk (gateway/http/held_head.py).
-            held = await start_held(cycle, send, start)
+            held = await start_held(cycle, send, start, loop)
         else:
             await send(start)
         set_on_lost = None
@@ -147,8 +150,7 @@ class SSEResponse:
             self._flow = cycle.flow
             self._transport = cycle.transport if held is None else held.transport
             set_on_lost = scope.get(ON_LOST_SCOPE_KEY)
-        loop = asyncio.get_running_loop()
-        pump = asyncio.ensure_future(self._pump(send))
+        pump = loop.create_task(self._pump(send, loop))
         # The client leaving: told by our protocol's callback, else by a task that waits
         # for `http.disconnect` (any other server).
         watch = None
@@ -230,8 +232,7 @@ class SSEResponse:
     def _check_period_s(self) -> float:
         return self.slow_client_timeout_s / _CHECKS_PER_WINDOW
 
-    async def _pump(self, send: Send) -> None:
-        loop = asyncio.get_running_loop()
+    async def _pump(self, send: Send, loop: asyncio.AbstractEventLoop) -> None:
         async for chunk in self.events:
             # A LastChunk ends the body in the same write (no separate empty end).
             is_last = type(chunk) is LastChunk
@@ -247,7 +248,7 @@ class SSEResponse:
         """The watchdog: a few checks per window per stream, whatever the token rate."""
         if self._is_closed or pump.done():
             return
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         now = loop.time()
         started = self._send_started
         blocked_now_s = now - started if started is not None else 0.0

@@ -56,3 +56,27 @@ def test_the_direct_hook_takes_items_only_while_the_consumer_waits_on_nothing():
         assert await asyncio.wait_for(getter, 1) == ["declined"]
 
     asyncio.run(main())
+
+
+def test_a_consumer_waiting_again_and_again_looks_up_its_loop_once(monkeypatch):
+    """(On Python 3.11 each lookup of the running loop is a getpid() system call: the sink
+    waits once per engine step of a stream.)"""
+    lookups = []
+    get_running_loop = asyncio.get_running_loop
+
+    def counting():
+        lookups.append(1)
+        return get_running_loop()
+
+    async def main():
+        sink = Sink()
+        monkeypatch.setattr(asyncio, "get_running_loop", counting)
+        for k in range(5):
+            getter = asyncio.ensure_future(sink.get_batch())
+            await asyncio.sleep(0)
+            sink.put_nowait(k)
+            assert await getter == [k]
+        monkeypatch.undo()
+
+    asyncio.run(main())
+    assert len(lookups) == 1

@@ -122,3 +122,30 @@ def test_without_our_protocol_the_end_is_no_disconnect_either():
 
     asyncio.run(main())
     assert client.bodies == [(b"data: [DONE]\n\n", False)] and client.num_disconnects == 0
+
+
+def test_a_stream_looks_up_its_loop_once(monkeypatch):
+    """(On Python 3.11 each lookup of the running loop is a getpid() system call.)"""
+    client = Client()
+    lookups = []
+    get_running_loop = asyncio.get_running_loop
+
+    def counting():
+        lookups.append(1)
+        return get_running_loop()
+
+    async def events():
+        yield b"data: 1\n\n"
+        yield LastChunk(b"data: [DONE]\n\n")
+
+    async def main() -> None:
+        response = client.response(events())
+        monkeypatch.setattr(asyncio, "get_running_loop", counting)
+        try:
+            await response(client.scope(), client.receive, client.send)
+        finally:
+            monkeypatch.undo()
+
+    asyncio.run(main())
+    assert client.bodies == [(b"data: 1\n\n", True), (b"data: [DONE]\n\n", False)]
+    assert len(lookups) == 1
