@@ -109,17 +109,19 @@ class FakeRunner:
         t0 = time.perf_counter()
         # A follower's rows: their one token is the one the last launch sampled for them,
         # taken here as a device would take it (and counted as their last output token).
-        num_pending = 0
+        pending: list[int] | None = None  # per chunk: 1 where its token was pending
         if plan.prev_rows is None:
             # The engine queues only a follower behind a launch: an ordinary plan comes
             # when it collects nothing more, so what is left was given up (a collect failed).
             self._launched.clear()
         else:
-            num_pending, last = 1, self._last_sampled
+            pending, last = [], self._last_sampled
             for chunk, row in zip(plan.chunks, plan.prev_rows, strict=True):
-                chunk.token_ids = [last[row].token_id]
+                pending.append(row is not None)
+                if row is not None:
+                    chunk.token_ids = [last[row].token_id]
         if self.check_plans:
-            self._check_plan(plan, num_pending)
+            self._check_plan(plan, pending)
             for chunk in plan.chunks:
                 self._check_context(chunk)
                 self._write(chunk)
@@ -132,7 +134,7 @@ class FakeRunner:
         device_s = self.forward_time_s + self.per_token_time_s * num_tokens
         done_at = (max(t1, self._done_at) if self._launched else t1) + device_s
         stamped: list[tuple[int, int]] | None = None if self._stamps is None else []
-        sampled = self._last_sampled = self._sample_all(plan.chunks, stamped, num_pending)
+        sampled = self._last_sampled = self._sample_all(plan.chunks, stamped, pending)
         if stamped is not None:
             # The tokens count as made when the device time ends (a late wake-up from the
             # wait counts as added latency, not as the fake's).
@@ -168,7 +170,8 @@ class FakeRunner:
 
     def next_token(self, chunk: ScheduledChunk, num_pending: int = 0) -> int:
         """The token sampled after chunk: a function of its last token, position and seed.
-        `num_pending`: 1 for a follower's row, whose token is not in its outputs yet."""
+        `num_pending`: 1 for a follower's row whose token was pending (not in its outputs
+        yet)."""
         num_output = len(chunk.output_token_ids) + num_pending
         if self.eos_after is not None and num_output == self.eos_after:
             return EOS_TOKEN_ID
@@ -198,21 +201,26 @@ class FakeRunner:
 
     def _sample_all(self, chunks: list[ScheduledChunk],
                     stamped: list[tuple[int, int]] | None = None,
-                    num_pending: int = 0) -> list[SampledToken]:
+                    pending: list[int] | None = None) -> list[SampledToken]:
         """_sample (or _sample_drafted) for every chunk that samples; each one's (first
         prompt token, output index) added to `stamped` when given. Plain chunks (no drafts,
         no logprobs, no forced EOS: a benchmark's 1,000 decode streams) take an inlined
         next_token: this one loop runs once a step per stream, beside a forward that is only
-        a sleep. `num_pending`: 1 for a follower's rows (see next_token)."""
+        a sleep. `pending`: a follower's, per chunk 1 where its token was pending (see
+        next_token)."""
+        if pending is None:
+            pending = [0] * len(chunks)
         if self.eos_after is not None or self.copy_context:
             if stamped is not None:
-                stamped += [(c.prompt_token_ids[0], len(c.output_token_ids) + num_pending)
-                            for c in chunks if c.do_sample and c.prompt_token_ids]
+                stamped += [(c.prompt_token_ids[0], len(c.output_token_ids) + n)
+                            for c, n in zip(chunks, pending, strict=True)
+                            if c.do_sample and c.prompt_token_ids]
             return [self._sample_drafted(chunk) if chunk.draft_token_ids else
-                    self._sample(chunk, num_pending) for chunk in chunks if chunk.do_sample]
+                    self._sample(chunk, n) for chunk, n in zip(chunks, pending, strict=True)
+                    if chunk.do_sample]
         base_seed = self.config.seed
         sampled = []
-        for chunk in chunks:
+        for chunk, num_pending in zip(chunks, pending, strict=True):
             if not chunk.do_sample:
                 continue
             if stamped is not None and chunk.prompt_token_ids:
@@ -243,7 +251,7 @@ class FakeRunner:
         ]
         return SampledToken(chunk.request_id, token, logprob=-0.25, top_logprobs=top[:num_logprobs])
 
-    def _check_plan(self, plan: SchedulerOutput, num_pending: int = 0) -> None:
+    def _check_plan(self, plan: SchedulerOutput, pending: list[int] | None = None) -> None:
         config = self.config
         _require(
             len(plan.chunks) <= config.max_num_seqs, f"{len(plan.chunks)} chunks > max_num_seqs"
@@ -256,8 +264,8 @@ class FakeRunner:
         request_ids = [chunk.request_id for chunk in plan.chunks]
         _require(len(set(request_ids)) == len(request_ids), "a request appears twice in a plan")
         written: dict[int, str] = {}
-        for chunk in plan.chunks:
-            self._check_chunk(chunk, num_pending)
+        for k, chunk in enumerate(plan.chunks):
+            self._check_chunk(chunk, 0 if pending is None else pending[k])
             first = chunk.start_pos // self.block_size
             last = (chunk.context_len - 1) // self.block_size
             for block_id in chunk.block_table[first : last + 1]:

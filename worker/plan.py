@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from zeroserve.worker.sequence import SamplingParams
+from zeroserve.worker.sequence import SamplingParams, Sequence
 
 # ScheduledChunk and SampledToken are made once per stream per step, so they are slotted
 # and not frozen (a frozen dataclass's __init__ costs ~0.8 us, a slotted one ~0.16 us).
@@ -50,11 +50,12 @@ class SchedulerOutput:
     preempted: list[str] = field(default_factory=list)  # request ids sent back to waiting
     # A plan that follows the one launched before it, made before that one's tokens were
     # known (worker/scheduler_follow.py; only for a runner with `can_follow`): every chunk
-    # is one decode row whose input token is the token the previous plan sampled at row
-    # prev_rows[i] (its chunk's token_ids hold a placeholder until the engine's update of
-    # the previous plan writes it in; the runner takes it from its own samples, on the
-    # device, and counts it as the sequence's last output token). None: an ordinary plan.
-    prev_rows: list[int] | None = None
+    # is one decode row, and where prev_rows[i] is not None its input token is the token
+    # the previous plan sampled at that row (its token_ids hold a placeholder until the
+    # engine's update of the previous plan writes it in; the runner takes it from its own
+    # samples, on the device, and counts it as the sequence's last output token). None: an
+    # ordinary plan.
+    prev_rows: list[int | None] | None = None
 
     @cached_property
     def num_tokens(self) -> int:
@@ -78,3 +79,16 @@ class SampledToken:
     # sampled after them), and their (logprob, top-N) entries when logprobs are asked for.
     accepted_token_ids: list[int] | None = None
     accepted_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+
+def decode_chunk(seq: Sequence) -> ScheduledChunk | None:
+    """seq's next decode chunk (its one token not yet computed), or None when it has more
+    than one to compute (a prefill under way). The plan borrows the sequence's lists (see
+    Scheduler._chunk). Scheduler.update()'s decode loop makes the same chunk inline."""
+    start = seq.num_computed_tokens
+    prompt = seq.prompt_token_ids
+    outputs = seq.output_token_ids
+    if len(prompt) + len(outputs) - start != 1:
+        return None
+    return ScheduledChunk(seq.request_id, [outputs[-1] if outputs else prompt[-1]], start,
+                          seq.block_table, True, seq.params, prompt, outputs)

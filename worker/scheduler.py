@@ -32,7 +32,7 @@ from collections.abc import Callable
 from zeroserve.worker import priority_policy
 from zeroserve.worker.block_manager import BlockManager
 from zeroserve.worker.config import BatchingMode, EngineConfig
-from zeroserve.worker.plan import SampledToken, ScheduledChunk, SchedulerOutput
+from zeroserve.worker.plan import SampledToken, ScheduledChunk, SchedulerOutput, decode_chunk
 from zeroserve.worker.run_queue import RunQueue
 from zeroserve.worker.scheduler_drafts import accept_drafts, add_drafts
 from zeroserve.worker.scheduler_follow import follow_plan, write_tokens
@@ -198,13 +198,13 @@ class Scheduler:
         """The next plan, made while the last one computes, where exact (scheduler_follow)."""
         plan = self._last_plan
         speculative = self.config.speculative_config
-        if (plan is None or self._follower is not None or self.waiting or self.running.joined
-                or self._is_drafting or self._num_decodes != len(plan.chunks)
+        if (plan is None or self._follower is not None or self.waiting or self._is_drafting or self._num_decodes != len(plan.chunks)
                 or self.config.batching_mode is not BatchingMode.CONTINUOUS
                 or (speculative is not None and speculative.is_active(len(self.running)))):
             return None
         self._follower = follow_plan(plan, self._last_plan_seqs, len(self.running),
-                                     self.block_manager, self.max_model_len)
+                                     self.running.joined, self.block_manager,
+                                     self.max_model_len)
         return None if self._follower is None else self._follower[0]
 
     def drop_follower(self) -> None:
@@ -239,7 +239,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted above, by a decode that needed its blocks
-            chunk = _decode_chunk(seq)
+            chunk = decode_chunk(seq)
             if chunk is None:
                 under_way.append(seq)
                 continue
@@ -398,7 +398,7 @@ class Scheduler:
                    needing_block: list[Sequence], under_way: list[Sequence]) -> None:
         """Add seq to the next step's decodes as step 1 plans it (noting whether its token
         needs a new block), or to the prefills under way."""
-        chunk = _decode_chunk(seq)
+        chunk = decode_chunk(seq)
         if chunk is None:
             under_way.append(seq)
             return
@@ -530,7 +530,7 @@ class Scheduler:
                     continue
             if is_following:
                 continue
-            # The next step's decode, as _plan_next (and _decode_chunk) would make it: this
+            # The next step's decode, as _plan_next (and decode_chunk) would make it: this
             # step's chunk moved on by one token. The plan is spent (update() takes it once),
             # so its chunk serves the next one (a new one cost ~0.3 us a stream a step).
             if is_block_filled and num_computed >= len(seq.block_table) * block_size:
@@ -772,19 +772,6 @@ class Scheduler:
             self.block_manager.forget(seq)
         if self._padding and not self._is_batch_active():
             self._end_batch()  # the slowest member is done: release the padded ones now
-
-
-def _decode_chunk(seq: Sequence) -> ScheduledChunk | None:
-    """seq's next decode chunk (its one token not yet computed), or None when it has more
-    than one to compute (a prefill under way). The plan borrows the sequence's lists (see
-    Scheduler._chunk). update()'s decode loop makes the same chunk inline."""
-    start = seq.num_computed_tokens
-    prompt = seq.prompt_token_ids
-    outputs = seq.output_token_ids
-    if len(prompt) + len(outputs) - start != 1:
-        return None
-    return ScheduledChunk(seq.request_id, [outputs[-1] if outputs else prompt[-1]], start,
-                          seq.block_table, True, seq.params, prompt, outputs)
 
 
 def _token_slice(seq: Sequence, start: int, end: int) -> list[int]:

@@ -10,8 +10,9 @@ Such a plan is made only when it is exactly what step n's update and the schedul
 plan next, given that every running decode of step n goes on:
 
 - every running sequence decodes in step n (no prefill, no drafts, no admission pending:
-  nothing waiting, nothing joined the run queue since the last update), and speculation is
-  off at this batch size (drafts need the token);
+  nothing waiting), and speculation is off at this batch size (drafts need the token);
+  a stream resumed since (back from a pause for credit) gets the decode a plan from
+  scratch would give it, its known last token at its computed length;
 - no sequence of the step has a grammar or a penalty (those read the token on the CPU
   side; worker/sequence.py's `can_follow`); the runner counts the pending token as the
   sequence's last output (sampling seeds, min_tokens);
@@ -30,23 +31,25 @@ cache holds.
 from __future__ import annotations
 
 from zeroserve.worker.block_manager import BlockManager
-from zeroserve.worker.plan import SampledToken, ScheduledChunk, SchedulerOutput
+from zeroserve.worker.plan import SampledToken, ScheduledChunk, SchedulerOutput, decode_chunk
 from zeroserve.worker.sequence import Sequence, SequenceStatus
 
 
 def follow_plan(
-    plan: SchedulerOutput, seqs: list[Sequence], num_running: int, block_manager: BlockManager,
-    max_model_len: int,
+    plan: SchedulerOutput, seqs: list[Sequence], num_running: int, joined: list[Sequence],
+    block_manager: BlockManager, max_model_len: int,
 ) -> tuple[SchedulerOutput, list[Sequence]] | None:
     """The decode plan after `plan` (every chunk one decode of seqs[i], all of them running
-    when it was made), its token ids pending; None where it would not be exact."""
+    when it was made), its token ids pending; None where it would not be exact. `joined`:
+    the sequences that joined the run queue since the last update() (resumed streams)."""
     # Once per stream per step, beside a forward: locals, and the sequence's own fields.
     running = SequenceStatus.RUNNING
     block_size = block_manager.block_size
     chunks: list[ScheduledChunk] = []
     followers: list[Sequence] = []
-    prev_rows: list[int] = []
+    prev_rows: list[int | None] = []
     needing_block: list[Sequence] = []
+    resumed: list[Sequence] = []  # rows update() will drop, of running sequences
     new_chunk, add_chunk, add_follower, add_row = (ScheduledChunk, chunks.append,
                                                    followers.append, prev_rows.append)
     num_running_rows = 0
@@ -56,6 +59,9 @@ def follow_plan(
         num_running_rows += 1
         if not seq.can_follow:
             return None
+        if chunk.start_pos != seq.num_computed_tokens:
+            resumed.append(seq)  # paused and resumed since it was planned: update() drops it
+            continue
         position = chunk.start_pos + 1  # of the token this row computes
         outputs = seq.output_token_ids
         if len(outputs) + 1 >= seq.max_tokens or position + 1 >= max_model_len:
@@ -67,11 +73,31 @@ def follow_plan(
                             seq.prompt_token_ids, outputs))
         add_follower(seq)
         add_row(row)
+    if joined:  # resumed streams with no row in `plan`
+        in_plan = set(map(id, seqs))
+        not_in_plan = [seq for seq in dict.fromkeys(joined)
+                       if seq.status is running and id(seq) not in in_plan]
+        num_running_rows += len(not_in_plan)
+        resumed += not_in_plan
+    # A resumed stream's next decode is the one a plan from scratch gives it: its known
+    # last token, at its computed length (its rows in flight, if any, are dropped).
+    needing_one_block: list[Sequence] = []
+    for seq in resumed:
+        chunk = decode_chunk(seq)
+        if chunk is None or not seq.can_follow:
+            return None  # (a prefill under way)
+        if chunk.start_pos >= len(seq.block_table) * block_size:
+            needing_one_block.append(seq)
+        chunks.append(chunk)
+        followers.append(seq)
+        prev_rows.append(None)  # its token is known
     if (num_running_rows != num_running or not chunks
-            or len(needing_block) > block_manager.num_free_blocks):
+            or len(needing_block) + len(needing_one_block) > block_manager.num_free_blocks):
         return None
     for seq in needing_block:
         block_manager.allocate(seq, 2)  # its token computing now, and this row's
+    for seq in needing_one_block:
+        block_manager.allocate(seq, 1)
     return SchedulerOutput(chunks, prev_rows=prev_rows), followers
 
 
@@ -80,5 +106,6 @@ def write_tokens(plan: SchedulerOutput, sampled: list[SampledToken]) -> Schedule
     runner took them on the device): it is then an ordinary plan, which a runner may run
     again chunk by chunk (Engine._isolate) and update() moves on as it moves any."""
     for chunk, row in zip(plan.chunks, plan.prev_rows, strict=True):
-        chunk.token_ids[0] = sampled[row].token_id
+        if row is not None:
+            chunk.token_ids[0] = sampled[row].token_id
     return plan

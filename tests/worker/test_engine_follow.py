@@ -90,6 +90,50 @@ def test_every_decode_step_is_launched_before_the_one_before_it_is_collected():
     assert runner.num_steps == 30
 
 
+def test_a_stream_resumed_while_steps_are_queued_rejoins_them_with_its_own_tokens():
+    """A stream out of credit (paused from emit) and resumed later rejoins the steps
+    launched behind each other: no step is planned from scratch for it (each launch after
+    the first decode is queued behind the one before), and its tokens are a plain run's."""
+    prompts = [prompt(4, start=10 * i) for i in range(3)]
+    reference = make_engine().generate(prompts, make_params(max_tokens=16))
+    engine = make_engine()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, make_params(max_tokens=16))
+    runner = engine.runner
+    queued: list[int] = []
+    real_launch = runner.launch
+
+    def launch(plan):
+        queued.append(len(runner._launched))
+        real_launch(plan)
+
+    runner.launch = launch
+    tokens: dict[str, list[int]] = {}
+    credit = {"r0": 16, "r1": 5, "r2": 9}
+    waits: dict[str, int] = {}
+
+    def emit(outputs):
+        for out in outputs:
+            got = tokens.setdefault(out.request_id, [])
+            got += out.new_token_ids
+            assert len(got) <= credit[out.request_id]
+            if len(got) == credit[out.request_id] and out.finish_reason is None:
+                engine.pause(out.request_id)
+                waits[out.request_id] = 2
+
+    while engine.has_unfinished() or waits:
+        for rid in list(waits):
+            waits[rid] -= 1
+            if waits[rid] < 0:
+                del waits[rid]
+                credit[rid] = 16
+                engine.resume(rid)
+        engine.step_overlapped(emit)
+    emit(engine.take_outputs())
+    assert [tokens[f"r{i}"] for i in range(3)] == reference
+    assert queued[:2] == [0, 0] and set(queued[2:]) == {1}
+
+
 @pytest.mark.parametrize("seed", range(10))
 def test_followed_steps_give_every_stream_the_tokens_of_plain_steps(seed, caplog):
     """Streams that stop on a stop token (a row launched behind their last one), end by
