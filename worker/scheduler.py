@@ -202,9 +202,10 @@ class Scheduler:
                 or self.config.batching_mode is not BatchingMode.CONTINUOUS
                 or (speculative is not None and speculative.is_active(len(self.running)))):
             return None
-        self._follower = follow_plan(plan, self._last_plan_seqs, len(self.running),
-                                     self.running.joined, self.block_manager,
-                                     self.max_model_len)
+        self._follower = follow_plan(
+            plan, self._last_plan_seqs, len(self.running), self.running.joined,
+            self.block_manager, self.max_model_len,
+            min(self.config.max_num_batched_tokens, self.config.max_num_seqs))
         return None if self._follower is None else self._follower[0]
 
     def drop_follower(self) -> None:

@@ -37,11 +37,13 @@ from zeroserve.worker.sequence import Sequence, SequenceStatus
 
 def follow_plan(
     plan: SchedulerOutput, seqs: list[Sequence], num_running: int, joined: list[Sequence],
-    block_manager: BlockManager, max_model_len: int,
+    block_manager: BlockManager, max_model_len: int, max_num_rows: int,
 ) -> tuple[SchedulerOutput, list[Sequence]] | None:
     """The decode plan after `plan` (every chunk one decode of seqs[i], all of them running
     when it was made), its token ids pending; None where it would not be exact. `joined`:
-    the sequences that joined the run queue since the last update() (resumed streams)."""
+    the sequences that joined the run queue since the last update() (resumed streams);
+    `max_num_rows`: the step's token budget and sequence cap (a plan from scratch leaves
+    decodes beyond it out)."""
     # Once per stream per step, beside a forward: locals, and the sequence's own fields.
     running = SequenceStatus.RUNNING
     block_size = block_manager.block_size
@@ -91,7 +93,7 @@ def follow_plan(
         chunks.append(chunk)
         followers.append(seq)
         prev_rows.append(None)  # its token is known
-    if (num_running_rows != num_running or not chunks
+    if (num_running_rows != num_running or not chunks or len(chunks) > max_num_rows
             or len(needing_block) + len(needing_one_block) > block_manager.num_free_blocks):
         return None
     for seq in needing_block:

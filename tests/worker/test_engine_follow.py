@@ -134,7 +134,7 @@ def test_a_stream_resumed_while_steps_are_queued_rejoins_them_with_its_own_token
     assert queued[:2] == [0, 0] and set(queued[2:]) == {1}
 
 
-@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("seed", range(16))
 def test_followed_steps_give_every_stream_the_tokens_of_plain_steps(seed, caplog):
     """Streams that stop on a stop token (a row launched behind their last one), end by
     length, arrive while others decode, run out of credit and get it back, or are aborted,
@@ -153,7 +153,8 @@ def test_followed_steps_give_every_stream_the_tokens_of_plain_steps(seed, caplog
                                   min_tokens=min(sp.max_tokens, rng.choice([0, 0, 2]))))
     reference = make_engine().generate(prompts, params)
     pool = rng.choice([14, 20, 256])
-    engine = make_engine(max_num_seqs=rng.choice([4, 8, 16]), num_kv_blocks=pool)
+    engine = make_engine(max_num_seqs=rng.choice([4, 8, 16]), num_kv_blocks=pool,
+                         max_num_batched_tokens=rng.choice([3, 32, 32]))
     followers = count_followers(engine)
     credit = {f"r{i}": rng.choice([3, 5, 100]) for i in range(num_requests)}
     paused: dict[str, int] = {}  # request id -> steps until its credit comes
@@ -253,6 +254,24 @@ def test_no_step_is_planned_behind_one_where_it_could_differ(case):
         if case == "waiting":
             scheduler.add(Sequence("b", prompt(3, start=50), make_params()))
         scheduler.schedule()
+    assert scheduler.follow() is None
+
+
+def test_a_resumed_stream_is_not_followed_past_the_token_budget():
+    scheduler, runner = make_scheduler(max_num_batched_tokens=3)
+    a, b, c, d = (Sequence(rid, prompt(1, start=10 * k), make_params(max_tokens=20))
+                  for k, rid in enumerate("abcd"))
+    for seq in (a, b, c):
+        scheduler.add(seq)
+    plan = scheduler.schedule()
+    scheduler.update(plan, runner.execute(plan))
+    scheduler.pause("c")
+    scheduler.add(d)
+    plan = scheduler.schedule()  # a and b decode, d is admitted
+    scheduler.update(plan, runner.execute(plan))
+    plan = scheduler.schedule()
+    assert [ch.request_id for ch in plan.chunks] == ["a", "b", "d"]
+    scheduler.resume("c")  # 4 running, 3 tokens a step: a plan from scratch leaves one out
     assert scheduler.follow() is None
 
 
