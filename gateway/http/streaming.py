@@ -155,7 +155,12 @@ class StreamedResponse:
             yield LastChunk(self.failed(
                 server_error("The server failed while streaming the response.")))
         finally:
+            # No reference cycles left behind (this <-> its SSEResponse, through the sink's
+            # hook and the response's callbacks): what a stream leaves goes at once, not
+            # at the garbage collector's next pass (issue 36: those passes over 1,000
+            # requests' leftovers were a tenth of the gateway's CPU in a burst).
             group.sink.direct = None
+            self._sse = None
             group.close()
             log_done(ctx, group)
 

@@ -126,6 +126,8 @@ class ZmqEdge:
         self._ctx: zmq.asyncio.Context | None = None
         self._router: zmq.asyncio.Socket | None = None
         self._pull: zmq.asyncio.Socket | None = None
+        self._router_now: zmq.Socket | None = None  # see start()
+        self._pull_now: zmq.Socket | None = None
         self._zap: ZapHandler | None = None
         self._task: asyncio.Task | None = None
         self._routes: dict[str, bytes] = {}  # worker id -> route
@@ -156,6 +158,14 @@ class ZmqEdge:
                 curve_server(sock, self.keys, ZAP_DOMAIN)
             prepare_ipc_endpoint(address)
             sock.bind(address)
+        # The same sockets, blocking kind, for the receive loop's non-blocking reads (its
+        # drains, after the poller said there is input): zmq.asyncio's recv with NOBLOCK
+        # makes a future per message and, at the end of every drain, one holding the
+        # zmq.Again raised, whose traceback and frames make a reference cycle: garbage for
+        # the collector's next pass (issue 36). Sends stay on the asyncio sockets (they
+        # re-check the poller's pending reads after each send).
+        self._router_now = zmq.Socket.shadow(self._router.underlying)
+        self._pull_now = zmq.Socket.shadow(self._pull.underlying)
         self._task = asyncio.create_task(self._supervise_receive(), name="zmq-receive")
         log.info("bound", extra={"router": self.router_address, "tokens": self.tokens_address,
                                  "curve": self.keys is not None})
@@ -168,6 +178,7 @@ class ZmqEdge:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        self._router_now = self._pull_now = None  # (shadows: they close nothing)
         for sock in (self._router, self._pull):
             if sock is not None:
                 sock.close(linger=0)
@@ -268,7 +279,7 @@ class ZmqEdge:
                 await self._hold_for_admissions()
                 await self._drain_tokens()
             if self._router in ready:
-                await self._drain(self._router, self._dispatch_router)
+                await self._drain(self._router_now, self._dispatch_router)
 
     async def _hold_for_admissions(self) -> None:
         """Let a burst of new requests in before relaying the tokens of those already in.
@@ -297,10 +308,10 @@ class ZmqEdge:
                 break
         self._next_hold_at = now + (now - started)
 
-    async def _drain(self, sock: zmq.asyncio.Socket, dispatch: Callable[[list], None]) -> None:
+    async def _drain(self, sock: zmq.Socket, dispatch: Callable[[list], None]) -> None:
         for _ in range(_MAX_BATCH):
             try:
-                frames = await sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             dispatch(frames)
@@ -311,11 +322,12 @@ class ZmqEdge:
         gateway fell behind the workers' steps): the writes are held until all are
         dispatched and each stream's socket gets one write with all its new events, so a
         gateway under more load spends less per token, not more."""
-        assert self._pull is not None
+        pull = self._pull_now
+        assert pull is not None
         batch = []
         for _ in range(_MAX_BATCH):
             try:
-                batch.append(await self._pull.recv_multipart(flags=zmq.NOBLOCK, copy=False))
+                batch.append(pull.recv_multipart(flags=zmq.NOBLOCK, copy=False))
             except zmq.Again:
                 break
         if len(batch) == 1:
