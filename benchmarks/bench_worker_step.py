@@ -90,21 +90,21 @@ def run_once(num_seqs: int, num_steps: int, num_prompt_tokens: int,
     paused: list[str] = []
     runner = engine.runner
     # CPU seconds of this step: the fake's launch (its sampling is device time), and the
-    # work between launch and collect (the last step's outputs and their emit).
+    # last step's outputs and their emit (during the device time: before or after the
+    # launch of a step behind the one computing, worker/scheduler_follow.py).
     inside = [0.0, 0.0]
-    launched_at = [0.0]
 
-    def timed_launch(plan, launch=runner.launch):
-        t = time.process_time()
-        launch(plan)
-        launched_at[0] = time.process_time()
-        inside[0] += launched_at[0] - t
+    def timed(fn, k):
+        def call(*args):
+            t = time.process_time()
+            result = fn(*args)
+            inside[k] += time.process_time() - t
+            return result
+        return call
 
-    def timed_collect(collect=runner.collect):
-        inside[1] += time.process_time() - launched_at[0]
-        return collect()
-
-    runner.launch, runner.collect = timed_launch, timed_collect
+    runner.launch = timed(runner.launch, 0)
+    engine.take_outputs = timed(engine.take_outputs, 1)
+    emit = timed(emit, 1)
     serial_s, emit_s, launch_s, period_s = [], [], [], []
     last_end = time.perf_counter()
     for _ in range(num_steps):

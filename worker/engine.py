@@ -321,6 +321,7 @@ class Engine:
         runner = self.runner
         launch = getattr(runner, "launch", None)
         sampled = None
+        is_emitted = False
         plan, self._launched = self._launched, None
         if plan is None:
             plan = self.scheduler.schedule()
@@ -334,12 +335,22 @@ class Engine:
                     launch(plan)  # the device computes from here until collect() returns
             except Exception as exc:
                 sampled = self._isolate(plan, exc)
-        elif emit is None and self._changed:  # step() after step_overlapped(): keep its news
-            self._pending = self.take_outputs()
+        elif emit is None:
+            if self._changed:  # step() after step_overlapped(): keep its news
+                self._pending = self.take_outputs()
+        else:
+            # Launched behind the last step: the device has it in hand, so the last step's
+            # outputs go out first (sooner, and a stream they pause gets no row behind).
+            try:
+                emit(self.take_outputs())
+            except BaseException:
+                self._collect_quietly(1)  # nothing else would collect it
+                raise
+            is_emitted = True
         t1 = time.perf_counter()
         follower = self._launch_follower() if sampled is None and emit is not None else None
         try:
-            if emit is not None:
+            if emit is not None and not is_emitted:
                 emit(self.take_outputs())
             if sampled is None:
                 try:
@@ -391,6 +402,11 @@ class Engine:
         """The step behind a failed one: forgotten, and the runner's `num_launched` plans
         not collected yet (it and maybe the failed one) collected (its rows run again)."""
         self.scheduler.drop_follower()
+        self._collect_quietly(num_launched)
+
+    def _collect_quietly(self, num_launched: int) -> None:
+        """Collect and drop what a failed step leaves launched: a runner that queues
+        launches gets an ordinary plan only when it holds nothing more."""
         for _ in range(num_launched):
             try:
                 self.runner.collect()

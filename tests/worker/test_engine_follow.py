@@ -57,11 +57,12 @@ def test_the_next_step_is_launched_before_the_last_ones_tokens_are_collected():
         engine.step_overlapped(emit)
     emit(engine.take_outputs())
     # The prefill runs alone; the first decode is planned as ever, and the next two each
-    # launched behind the one computing; the fourth token is the last (max_tokens), so no
-    # row is launched behind its step.
+    # launched behind the one computing (once the device has one in hand, the last step's
+    # outputs go out first); the fourth token is the last (max_tokens), so no row is
+    # launched behind its step.
     assert calls == ["launch", "emit 0", "collect",
                      "launch", "follow", "emit 1", "collect",
-                     "follow", "emit 1", "collect",
+                     "emit 1", "follow", "collect",
                      "emit 1", "collect",
                      "emit 1", "emit 0"]
     assert tokens == reference
@@ -367,23 +368,27 @@ def _failing_for(request_id, execute):
 
 
 def test_a_step_that_raises_with_a_step_behind_it_leaves_nothing_of_either():
-    """The worker fails every stream when a step raises (here its emit) and serves on: the
-    step launched behind must not come back as the plan of a later step."""
+    """The worker fails every stream when a step raises (here its emit) and serves on: no
+    step launched behind may stay on the device or come back as the plan of a later step."""
     engine = make_engine()
     followers = count_followers(engine)
     for i in range(3):
         engine.add_request(f"old{i}", prompt(4, start=40 * i), make_params(max_tokens=20))
-    while not engine.has_launched_step():
-        engine.step_overlapped(lambda outputs: None)
-    engine.step_overlapped(lambda outputs: None)
-    assert engine.has_launched_step() and followers[0] == 2
+    engine.step_overlapped(lambda outputs: None)  # the prefills
 
     def broken_emit(outputs):
         raise RuntimeError("the emit failed")
 
     with pytest.raises(RuntimeError, match="the emit failed"):
-        engine.step_overlapped(broken_emit)
-    assert followers[0] == 3 and not engine.has_launched_step()
+        engine.step_overlapped(broken_emit)  # planned from scratch, one launched behind it
+    assert followers[0] == 1 and not engine.has_launched_step()
+    assert not engine.runner._launched  # both collected
+    engine.step_overlapped(lambda outputs: None)  # from scratch again, one behind it
+    assert followers[0] == 2 and engine.has_launched_step()
+    with pytest.raises(RuntimeError, match="the emit failed"):
+        engine.step_overlapped(broken_emit)  # the queued one: its emit comes first
+    assert followers[0] == 2 and not engine.has_launched_step()
+    assert not engine.runner._launched
     for i in range(3):  # as the worker's _fail_all does
         engine.abort(f"old{i}")
     engine.take_outputs()
