@@ -296,22 +296,48 @@ def test_credit_goes_back_in_half_window_steps_and_a_resend_gives_back_all():
     run(main())
 
 
+class ManualClockLoop(asyncio.SelectorEventLoop):
+    """An event loop whose timers follow a clock the test moves, not the wall clock: a test
+    process preempted for a few milliseconds on a loaded machine must not fire a 2 ms timer
+    between the loop iterations the test means to fall within it (it did, 1 run in 3,000
+    beside three busy loops). Only for coroutines that never wait on a timer themselves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+
+    def time(self) -> float:
+        return self.now
+
+    async def advance(self, seconds: float) -> None:
+        self.now += seconds
+        await asyncio.sleep(0)  # the timers now due run in this iteration ...
+        await asyncio.sleep(0)  # ... after the callback that resumes us
+
+
 def test_outbox_gathers_grants_over_a_short_window_into_one_credit():
     from zeroserve.gateway.streams import CREDIT_DELAY_S
 
-    async def main():
+    async def main(loop: ManualClockLoop):
         outbox, sent, states = make_outbox(["a", "a", "a"])
         for state in states:  # handlers granting over several loop iterations
             outbox.grant(state, 4)  # a credit step: half the window of 8
             await asyncio.sleep(0)
         assert sent == []
-        await asyncio.sleep(CREDIT_DELAY_S * 5)
+        await loop.advance(CREDIT_DELAY_S * 0.9)
+        assert sent == []  # not before the window ends
+        await loop.advance(CREDIT_DELAY_S * 0.2)
         assert sent == [("credit", "a", [["r0", 12, 1], ["r1", 12, 1], ["r2", 12, 1]])]
         # An abort does not wait: it leaves on the next iteration with the pending grants.
         outbox.grant(states[0], 5)
         outbox.abort("a", "r2", 1)
         await asyncio.sleep(0)
         assert sent[1:] == [("credit", "a", [["r0", 17, 1]]), ("abort", "a", ["r2"], [1])]
-        await asyncio.sleep(CREDIT_DELAY_S * 5)
+        await loop.advance(CREDIT_DELAY_S * 5)
         assert len(sent) == 3  # nothing left behind to send twice
-    run(main())
+
+    loop = ManualClockLoop()
+    try:
+        loop.run_until_complete(main(loop))
+    finally:
+        loop.close()
