@@ -29,7 +29,12 @@ measures above it is the gateway's and the machine's (event-loop lag, CPU conten
 C) send from a process of their own (`--one-client`: from the busy keys' process). B and C send
 `--rate` requests a second (1 by default, as issue 39 states it), so a phase of `--seconds` N
 gives N x rate samples and p99 is the slowest of them below 100: a longer phase or a higher
-rate gives a p99 less at the mercy of one sample. The worker holds
+rate gives a p99 less at the mercy of one sample. Beside a busy key, the measured key starts
+`--settle` seconds (1 by default) after it, so that it measures the busy key's steady state:
+at the busy key's start its 64 (or 256) requests arrive in the same millisecond and take the
+gateway's loop some 20-30 ms to admit, and the measured key's first request, sent in that
+millisecond, waited for them (with 80 samples, p99 is the slowest: that one). The server's CPU
+seconds cover the settle too. The worker holds
 `--max-num-seqs` sequences and `--max-waiting-per-worker` more; the rest wait in the gateway.
 
     python benchmarks/bench_fairness.py --seconds 20
@@ -118,9 +123,11 @@ async def closed_loop(session, url, key, num_in_flight, max_tokens, until, resul
     await asyncio.gather(*(loop() for _ in range(num_in_flight)))
 
 
-async def open_loop(session, url, key, rate, max_tokens, until, result) -> None:
+async def open_loop(session, url, key, rate, max_tokens, until, result,
+                    start_at: float | None = None) -> None:
+    """`rate` requests a second from `start_at` (time.monotonic(); None: now) until `until`."""
     tasks = []
-    next_at = time.monotonic()
+    next_at = time.monotonic() if start_at is None else start_at
     while next_at < until:
         await asyncio.sleep(max(0.0, next_at - time.monotonic()))
         tasks.append(asyncio.create_task(one_request(session, url, key, max_tokens, result)))
@@ -134,9 +141,11 @@ def new_session(args) -> aiohttp.ClientSession:
 
 
 async def run_flows(url: str, args, flows: dict[str, tuple], until: float,
-                    warm_up: bool = False) -> dict[str, KeyResult]:
+                    warm_up: bool = False, measured_from: float | None = None
+                    ) -> dict[str, KeyResult]:
     """flows: key name -> ("closed", in_flight, backoff) or ("open", rate), until `until`
-    (time.monotonic(), alike in every process)."""
+    (time.monotonic(), alike in every process); the open (measured) ones from
+    `measured_from` (None: at once)."""
     results = {name: KeyResult() for name in flows}
     async with new_session(args) as session:
         if warm_up:  # the worker's first steps
@@ -148,15 +157,16 @@ async def run_flows(url: str, args, flows: dict[str, tuple], until: float,
                                         until, results[name], spec[2]))
             else:
                 jobs.append(open_loop(session, url, KEYS[name], spec[1], args.b_max_tokens,
-                                      until, results[name]))
+                                      until, results[name], measured_from))
         await asyncio.gather(*jobs)
     return results
 
 
-def run_flows_here(url: str, args, flows: dict[str, tuple], until: float) -> dict[str, dict]:
+def run_flows_here(url: str, args, flows: dict[str, tuple], until: float,
+                   measured_from: float | None = None) -> dict[str, dict]:
     """run_flows in a process of its own (a ProcessPoolExecutor's); the results as plain
     dicts (this module is __mp_main__ there, a name the parent cannot unpickle)."""
-    results = asyncio.run(run_flows(url, args, flows, until))
+    results = asyncio.run(run_flows(url, args, flows, until, measured_from=measured_from))
     return {name: vars(result) for name, result in results.items()}
 
 
@@ -165,16 +175,21 @@ async def run_phase(url: str, args, flows: dict[str, tuple],
     """The busy keys' loops here; the measured (open-loop) keys' in `pool`'s process when
     there is one, so their TTFT is not the time this process's event loop took to get to
     them among the flood's hundreds of requests and responses (a real interactive client
-    does not share a process with a batch job; the server's load is the same either way)."""
+    does not share a process with a batch job; the server's load is the same either way).
+
+    Beside busy keys the measured ones start `--settle` seconds after them and then run
+    `--seconds`: their samples are of the busy keys' steady state (A with its requests in
+    flight), not of their start, whose first requests all arrive in the same millisecond."""
     async with new_session(args) as session:  # warm-up: the worker's first steps
         await one_request(session, url, KEYS["b"], 4, KeyResult())
-    until = time.monotonic() + args.seconds
-    if pool is None:
-        return await run_flows(url, args, flows, until)
     measured = {name: spec for name, spec in flows.items() if spec[0] == "open"}
     busy = {name: spec for name, spec in flows.items() if spec[0] != "open"}
+    measured_from = time.monotonic() + (args.settle if busy and measured else 0.0)
+    until = measured_from + args.seconds
+    if pool is None:
+        return await run_flows(url, args, flows, until, measured_from=measured_from)
     remote = asyncio.get_running_loop().run_in_executor(pool, run_flows_here, url, args,
-                                                        measured, until)
+                                                        measured, until, measured_from)
     results = await run_flows(url, args, busy, until)
     return results | {name: KeyResult(**fields) for name, fields in (await remote).items()}
 
@@ -260,7 +275,12 @@ def fmt(value: float | None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=float, default=20.0, help="each phase's length")
+    parser.add_argument("--seconds", type=float, default=20.0,
+                        help="each phase's length (of its measured keys' requests)")
+    parser.add_argument("--settle", type=float, default=1.0,
+                        help="seconds the busy keys run before the measured keys start (0: "
+                             "all at once, as before 2026-11-29 evening, when B's first "
+                             "request met A's first 64 in the gateway)")
     parser.add_argument("--a-in-flight", type=int, default=64)
     parser.add_argument("--flood-in-flight", type=int, default=256)
     parser.add_argument("--flood-backoff", type=float, default=None,
