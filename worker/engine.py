@@ -325,6 +325,7 @@ class Engine:
         plan, self._launched = self._launched, None
         if plan is None:
             plan = self.scheduler.schedule()
+            t1 = time.perf_counter()
             if plan.is_empty:
                 if emit is not None:
                     emit(self.take_outputs())
@@ -335,19 +336,16 @@ class Engine:
                     launch(plan)  # the device computes from here until collect() returns
             except Exception as exc:
                 sampled = self._isolate(plan, exc)
-        elif emit is None:
-            if self._changed:  # step() after step_overlapped(): keep its news
-                self._pending = self.take_outputs()
-        else:
-            # Launched behind the last step: the device has it in hand, so the last step's
-            # outputs go out first (sooner, and a stream they pause gets no row behind).
-            try:
-                emit(self.take_outputs())
-            except BaseException:
-                self._collect_quietly(1)  # nothing else would collect it
-                raise
-            is_emitted = True
-        t1 = time.perf_counter()
+        else:  # planned and launched behind the last step (Scheduler.follow)
+            t1 = time.perf_counter()
+            if emit is None:
+                if self._changed:  # step() after step_overlapped(): keep its news
+                    self._pending = self.take_outputs()
+            else:
+                # The device has a step in hand, so the last step's outputs go out first
+                # (sooner, and a stream they pause gets no row in the next follower).
+                self._emit_or_collect(emit)
+                is_emitted = True
         follower = self._launch_follower() if sampled is None and emit is not None else None
         try:
             if emit is not None and not is_emitted:
@@ -357,7 +355,8 @@ class Engine:
                     sampled = runner.collect() if launch is not None else runner.execute(plan)
                 except Exception as exc:
                     if follower is not None:  # it took this plan's tokens: drop it unrun
-                        follower = self._drop_follower(1)
+                        self._drop_follower(1)
+                        follower = None
                     sampled = self._isolate(plan, exc)
                 else:
                     self._take_runner_prompt_logprobs()
@@ -393,10 +392,20 @@ class Engine:
             try:
                 self.runner.launch(follower)
             except Exception:
-                logger.exception("launching a step behind the last one failed; it runs alone")
+                logger.exception("launching a step behind the last one failed; its rows "
+                                 "run in the next step")
                 self.scheduler.drop_follower()
                 return None
         return follower
+
+    def _emit_or_collect(self, emit: Callable[[list[RequestOutput]], None]) -> None:
+        """Emit the last step's outputs while a launched step computes; if that raises, the
+        step is collected (and dropped) first: nothing else would."""
+        try:
+            emit(self.take_outputs())
+        except BaseException:
+            self._collect_quietly(1)
+            raise
 
     def _drop_follower(self, num_launched: int) -> None:
         """The step behind a failed one: forgotten, and the runner's `num_launched` plans
