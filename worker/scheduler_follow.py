@@ -20,7 +20,12 @@ plan next, given that every running decode of step n goes on:
   n ends by a stop token does, and update() drops that row's token, as it drops any row that
   no longer continues its sequence (paused, aborted, preempted: its start is not the
   sequence's computed length);
-- the rows crossing into a new block get it now, from free blocks only (no preemption).
+- the rows fit the step's token budget and sequence cap, and those crossing into a new
+  block get it now, from free blocks only (no preemption).
+
+The price: a request that arrives while a step is queued behind another is admitted by the
+step after it (up to one forward later than without). The engine does not follow with the
+box's KV tier on (its flush must come between update and the next step).
 
 A finished sequence's extra row writes K/V into a block freed after it was launched: the
 device runs the steps in order, so any later owner's writes come after it, and the row
