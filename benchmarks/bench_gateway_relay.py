@@ -8,6 +8,10 @@ It starts `zeroserve gateway` and one worker, opens N concurrent streaming compl
   chunks/s seen by the clients), and `steady_tokens_per_s`: the token arrivals per second
   while all N streams are open (from the last stream's first token to the first stream's
   last one), the ramp up and the tail left out;
+- `ramp_last_tenth_s` (the C client): for the tenth of the streams whose first token came
+  last, when the client had their connection established, their request written, and their
+  response's first byte and first token read (p50 and max, seconds from the burst's start);
+  the whole run is bounded by that last first token + tokens x the worker's step period;
 - the CPU the gateway(s), the worker and the client used (`cpu_s`; `gateway_system` is the
   gateways' kernel part of theirs: socket writes and reads), per token for the gateway and
   per chunk for the client (`client_cpu_us_per_chunk`);
@@ -239,7 +243,8 @@ def build_c_client(tmp: str) -> str:
 
 def run_c_client(exe: str, port: int, num_streams: int, max_tokens: int, out_path: str):
     """Run the C client to its end: ((start, end, arrivals, usage, errors) as run_clients
-    returns them, the client's CPU seconds: user + system from its rusage)."""
+    returns them, the client's CPU seconds: user + system from its rusage, and per stream
+    [connected, request sent, first byte] times (0: never))."""
     proc = subprocess.Popen([exe, str(port), str(num_streams), str(max_tokens),
                              str(PROMPT_BASE_ID), out_path])
     _, status, rusage = os.wait4(proc.pid, 0)
@@ -249,7 +254,7 @@ def run_c_client(exe: str, port: int, num_streams: int, max_tokens: int, out_pat
     with open(out_path, encoding="utf-8", errors="replace") as f:
         out = json.load(f)
     return ((out["start"], out["end"], out["arrivals"], out["usage"], out["errors"]),
-            rusage.ru_utime + rusage.ru_stime)
+            rusage.ru_utime + rusage.ru_stime, [ramp[:3] for ramp in out["ramp"]])
 
 
 # --- orchestration ----------------------------------------------------------------------
@@ -352,8 +357,8 @@ def steady_tokens_per_s(arrivals: list[list[float]]) -> float | None:
 
 # Per round (--rounds): what each burst reports, and the figures whose median is given.
 _ROUND_KEYS = ("wall_s", "errors", "usage_tokens", "tokens_per_s", "steady_tokens_per_s",
-               "first_token_s", "cpu_s", "gateway_threads_cpu_s", "gateway_cpu_us_per_token",
-               "gateway_system_cpu_us_per_token", "gateway_cpu_us_per_request",
+               "first_token_s", "ramp_last_tenth_s", "cpu_s", "gateway_threads_cpu_s",
+               "gateway_cpu_us_per_token", "gateway_system_cpu_us_per_token", "gateway_cpu_us_per_request",
                "gateway_loop_cpu_us_per_request", "worker_cpu_us_per_token", "itl_ms",
                "worker_step_ms", "worker_step_p50_ms", "load_average")
 _MEDIAN_KEYS = ("tokens_per_s", "steady_tokens_per_s", "gateway_cpu_us_per_token",
@@ -371,8 +376,9 @@ def measure_round(args: argparse.Namespace, client_exe: str | None, tmp: str,
                   "gateway_system": gateways_cpu_seconds(gateway_pids, (12,)),
                   "worker": cpu_seconds(worker_pid)}
     load_before = os.getloadavg()[0]
+    ramp = None
     if client_exe is not None:
-        (start, end, arrivals, usage, errors), client_cpu = run_c_client(
+        (start, end, arrivals, usage, errors), client_cpu, ramp = run_c_client(
             client_exe, args.port, args.streams, args.tokens,
             os.path.join(tmp, "client.json"))
     else:
@@ -391,7 +397,27 @@ def measure_round(args: argparse.Namespace, client_exe: str | None, tmp: str,
     cpu_used["client"] = client_cpu
     return {"start": start, "end": end, "arrivals": arrivals, "usage": usage, "errors": errors,
             "cpu_used": cpu_used, "gateway_threads": gateway_threads,
-            "load": (load_before, load_after)}
+            "load": (load_before, load_after), "ramp": ramp}
+
+
+def ramp_of_the_last(start: float, arrivals: list[list[float]], ramp: list[list[float]],
+                     fraction: float = 0.1) -> dict[str, dict[str, float]]:
+    """The burst's ramp as the client saw it, for the `fraction` of streams whose first token
+    came last (those that set the whole run's length): when each stream's connection was
+    established, its request written, its response's first byte and first token read,
+    in seconds from the burst's start (p50 and max over those streams)."""
+    order = sorted((times[0], k) for k, times in enumerate(arrivals) if times)
+    last = [k for _, k in order[int(len(order) * (1 - fraction)):]]
+    hops = {"connected": 0, "sent": 1, "first_byte": 2}
+    result = {}
+    for name, i in hops.items():
+        times = [ramp[k][i] - start for k in last if ramp[k][i]]
+        if times:
+            result[name] = {"p50": round(pct(times, 50), 3), "max": round(max(times), 3)}
+    if last:
+        firsts = [arrivals[k][0] - start for k in last]
+        result["first_token"] = {"p50": round(pct(firsts, 50), 3), "max": round(max(firsts), 3)}
+    return result
 
 
 def summarize(args: argparse.Namespace, measured: dict, stamps_path: str | None) -> dict:
@@ -426,6 +452,10 @@ def summarize(args: argparse.Namespace, measured: dict, stamps_path: str | None)
                                    "p99": round(pct(firsts, 99), 3),
                                    "max": round(max(firsts), 3)}
         result["last_token_s"] = {"min": round(min(lasts), 3), "max": round(max(lasts), 3)}
+    if measured.get("ramp") is not None and firsts:
+        # Where the last tenth's ramp went on the client's side: a late first byte after an
+        # early request is the gateway's (accepting, admitting) and the worker's time.
+        result["ramp_last_tenth_s"] = ramp_of_the_last(start, arrivals, measured["ramp"])
     result |= {
         "chunks_per_s": round(num_chunks / wall, 1),
         "offered_tokens_per_s": round(args.streams * 1000 / args.step_ms, 1),

@@ -13,8 +13,10 @@
  *   of Python's time.monotonic and of the worker's stamps) at which each token event
  *   arrived, read once per epoll_wait return as the Python client reads it once per
  *   data_received; it reads the usage event's completion_tokens and keeps error events;
- * - it writes {"start", "end", "usage", "errors", "arrivals"} as JSON, which the script
- *   loads into the shape run_clients returns.
+ * - it writes {"start", "end", "usage", "errors", "ramp", "arrivals"} as JSON, which the
+ *   script loads into the shape run_clients returns; "ramp" holds each stream's
+ *   [connected, request sent, first byte read, local port] (0 where it never happened),
+ *   times taken as the loop handles the event (within POLL_INTERVAL_S of it).
  *
  * Where the CPU goes: most of a client's CPU per chunk here is the kernel's, for each
  * read of a socket (TCP receive, and the ACK it sends, processed on loopback in the
@@ -71,6 +73,11 @@ struct stream {
     double *times;      /* arrival time of each token event */
     size_t num_times, cap_times;
     long usage;         /* the usage event's completion_tokens (0 until it arrives) */
+    /* The ramp (CLOCK_MONOTONIC; 0 until it happens): the connection established (the
+     * first EPOLLOUT seen), the request's last byte written, the response's first byte
+     * read; `port`: this end's port, the gateway's name for the connection. */
+    double connected_at, sent_at, first_byte_at;
+    int port;
 };
 
 static struct stream *streams;
@@ -264,6 +271,8 @@ static void on_readable(struct stream *s, double now) {
         size_t space = s->cap - s->len;
         ssize_t r = read(s->fd, s->buf + s->len, space);
         if (r > 0) {
+            if (!s->first_byte_at)
+                s->first_byte_at = now;
             s->len += (size_t)r;
             if ((size_t)r < space)
                 break; /* drained */
@@ -366,11 +375,18 @@ static void on_event_of(struct stream *s, uint32_t events, double now) {
             return;
         }
         s->is_connected = 1;
+        s->connected_at = now;
+        struct sockaddr_in local;
+        socklen_t local_len = sizeof local;
+        if (getsockname(s->fd, (struct sockaddr *)&local, &local_len) == 0)
+            s->port = ntohs(local.sin_port);
     }
     if (s->req && (events & EPOLLOUT)) {
         send_request(s);
         if (s->is_done)
             return;
+        if (!s->req)
+            s->sent_at = now;
     }
     if (events & (EPOLLIN | EPOLLHUP | EPOLLERR))
         on_readable(s, now);
@@ -413,6 +429,10 @@ static void write_result(const char *path, double start, double end) {
             fputs(", ", f);
         write_json_string(f, errors[i]);
     }
+    fputs("], \"ramp\": [", f);
+    for (int k = 0; k < num_streams; k++)
+        fprintf(f, "%s[%.6f, %.6f, %.6f, %d]", k ? ",\n" : "\n", streams[k].connected_at,
+                streams[k].sent_at, streams[k].first_byte_at, streams[k].port);
     fputs("], \"arrivals\": [", f);
     for (int k = 0; k < num_streams; k++) {
         fputs(k ? ",\n[" : "\n[", f);
