@@ -6,13 +6,14 @@ version."""
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 
 import httpx
 import pytest
 
 from tests.gateway.helpers import GatewayServer, byte_tokenizer, fixed_reply, wait_until
 from zeroserve.cli.admin_client import AdminClient
-from zeroserve.gateway.workers.models import Target, parse_alias
+from zeroserve.gateway.workers.models import Target, parse_alias, stable_point
 
 REPLY = "Hello from a fake model."
 # The alias's canary share over SPLIT_REQUESTS conversations, each its own `user`: the keys
@@ -206,7 +207,10 @@ def test_weights_out_of_bounds_are_refused_and_serving_goes_on(tmp_path):
     with serving(aliases_file=str(path)) as gw:  # it was an OverflowError at start
         worker = start(gw, "smollm-v1", "smollm", "v1")
         try:
-            assert complete(gw, "chat").status_code == 200  # the flag's weights
+            # The flag's weights: a conversation whose point falls in v1's 90% (a random
+            # pick meets v2, which has no worker, 1 time in 10 and waits out the queue).
+            user = next(f"u{i}" for i in itertools.count() if stable_point(f"u{i}") < 0.9)
+            assert complete(gw, "chat", user=user).status_code == 200
             for raw in (b'{"weights": {"smollm@v2": 1%s}}' % (b"0" * 400),
                         b'{"weights": {"smollm@v2": 1e400}}'):
                 bad = httpx.post(f"{gw.url}/admin/models/chat/weights", content=raw,
@@ -218,7 +222,8 @@ def test_weights_out_of_bounds_are_refused_and_serving_goes_on(tmp_path):
             assert wait_until(lambda: complete(gw, "seen").status_code == 200, timeout=30)
             # Polled too: on a loaded machine (the suite's two processes) the fake worker's
             # heartbeat can come late and a request meet a 503 for a moment.
-            assert wait_until(lambda: complete(gw, "chat").status_code == 200, timeout=30)
+            assert wait_until(lambda: complete(gw, "chat", user=user).status_code == 200,
+                              timeout=30)
             assert httpx.get(f"{gw.url}/v1/models").status_code == 200
         finally:
             worker.stop()
