@@ -333,9 +333,12 @@ class Scheduler:
         return SchedulerOutput(chunks=chunks, preempted=preempted), scheduled
 
     def _prefill_budget(self, budget: int, decodes: list[ScheduledChunk]) -> int:
-        """The prefill budget left beside `decodes`: every stream waits for the whole step."""
+        """The prefill budget left beside `decodes`: every stream waits for the whole step,
+        so prefills take at most the cap, or as many tokens as there are decodes where that
+        is more (the step at most twice a decode step's size: with hundreds of streams
+        running, a fixed cap let a burst of arrivals in by a few hundred a step)."""
         cap = self.config.max_prefill_tokens_with_decodes
-        return budget if cap is None or not decodes else min(budget, cap)
+        return budget if cap is None or not decodes else min(budget, max(cap, len(decodes)))
 
     def _next_decodes(
         self, budget: int, max_seqs: int

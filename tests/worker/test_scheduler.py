@@ -102,6 +102,25 @@ def test_beside_decodes_prompts_advance_in_chunks_of_the_prefill_cap(cap):
     assert chunk_sizes == [per_step] * (100 // per_step) + ([100 % per_step] if 100 % per_step else [])
 
 
+def test_a_burst_beside_many_running_streams_is_admitted_by_as_many_a_step():
+    # 40 streams running, a cap of 12: a burst of 60 one-token prompts gets in 40 a step
+    # (as many as there are decodes, the step at most twice a decode step), not 12.
+    scheduler, runner = make_scheduler(max_num_batched_tokens=200, max_num_seqs=200,
+                                       num_kv_blocks=400, max_prefill_tokens_with_decodes=12,
+                                       max_model_len=512)
+    running = [add(scheduler, 1, max_tokens=50) for _ in range(40)]
+    run_step(scheduler, runner)
+    assert all(s.num_output_tokens == 1 for s in running)
+    burst = [add(scheduler, 1, max_tokens=50) for _ in range(60)]
+    steps = 0
+    while any(s.num_output_tokens == 0 for s in burst):
+        num_decodes = sum(s.num_output_tokens > 0 for s in running + burst)
+        plan, _ = run_step(scheduler, runner)
+        steps += 1
+        assert plan.num_tokens - num_decodes <= max(12, num_decodes)
+    assert steps == 2  # 40, then 20 (5 steps of 12 with a fixed cap)
+
+
 def test_the_prefill_cap_must_be_positive():
     with pytest.raises(ValueError, match="max_prefill_tokens_with_decodes"):
         make_scheduler(max_prefill_tokens_with_decodes=0)
