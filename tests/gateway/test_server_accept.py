@@ -28,11 +28,15 @@ def on_uvloop(server: GatewayServer) -> GatewayServer:
 def test_a_burst_of_clients_is_accepted_in_a_few_passes_of_a_busy_loop():
     with on_uvloop(GatewayServer()) as server:
         loop = server.loop
+        connections = server.server.server_state.connections
         passes = [0]
+        all_in_at: list[int] = []  # the pass that saw every client's connection
         is_busy = [True]
 
         def busy() -> None:  # every pass of the loop does PASS_S of other work
             passes[0] += 1
+            if not all_in_at and len(connections) >= NUM_CLIENTS:
+                all_in_at.append(passes[0])
             end = time.perf_counter() + PASS_S
             while time.perf_counter() < end:
                 pass
@@ -45,11 +49,10 @@ def test_a_burst_of_clients_is_accepted_in_a_few_passes_of_a_busy_loop():
         try:
             clients = [socket.create_connection(("127.0.0.1", server.port), timeout=30)
                        for _ in range(NUM_CLIENTS)]
-            connected_at = passes[0]
-            connections = server.server.server_state.connections
-            assert wait_until(lambda: len(connections) >= NUM_CLIENTS, 60)
+            connected_at = passes[0]  # (read late on a loaded machine: fewer passes left)
+            assert wait_until(lambda: all_in_at, 60)
             # One accept per pass took NUM_CLIENTS passes, less those during the connects.
-            assert passes[0] - connected_at <= 10
+            assert all_in_at[0] - connected_at <= 10
         finally:
             is_busy[0] = False
             for client in clients:
