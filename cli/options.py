@@ -64,9 +64,10 @@ ENGINE_OPTIONS = [
                 "every running sequence decodes at each step]"),
     option("--max-prefill-tokens-with-decodes", type=click.IntRange(min=0),
            default=field_default(EngineConfig, "max_prefill_tokens_with_decodes"),
-           help="Prefill tokens a step may carry beside running decodes, so that a long "
-                "prompt delays no stream's next token by more than a small chunk; a step "
-                "without decodes takes the whole --max-num-batched-tokens. 0: no cap."),
+           help="Prefill tokens a step may carry beside running decodes (or as many as "
+                "there are decodes, where that is more), so that a long prompt delays no "
+                "stream's next token by more than a small chunk; a step without decodes "
+                "takes the whole --max-num-batched-tokens. 0: no cap."),
     option("--max-model-len", type=click.IntRange(min=1), default=None,
            help="Context length cap. [default: the model's own]"),
     option("--block-size", type=click.IntRange(min=1), default=field_default(EngineConfig, "block_size"),
