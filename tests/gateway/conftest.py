@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from tests.reference_tokenizer import default_reference_tokenizer
@@ -14,3 +16,12 @@ def reference():
     it)."""
     pytest.importorskip("transformers")
     return default_reference_tokenizer()
+
+
+@pytest.fixture
+def collector_off():
+    """The garbage collector off for the test (its objects counted by gc.collect())."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()

@@ -467,6 +467,19 @@ def raw_completion(port: int, body: dict, rcvbuf: int | None = None):
     return sock
 
 
+def one_shot(port: int, head: str, body: bytes = b"") -> bytes:
+    """One request on a connection of its own (closed after it), as raw bytes: `head` is the
+    request line and headers without the blank line; no client objects of this process's
+    own (for the tests that count what the garbage collector finds)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(head.encode() + b"Connection: close\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

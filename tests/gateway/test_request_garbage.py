@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import gc
 import json
-import socket
 
-import pytest
-
-from tests.gateway.helpers import GatewayServer, cyclic_reply, wait_until
+from tests.gateway.helpers import GatewayServer, cyclic_reply, one_shot, wait_until
 
 NUM_REQUESTS = 20
 # Left per request today: the asyncio selector transport's cycle with its own bound method
@@ -24,23 +21,8 @@ MAX_GARBAGE_PER_REQUEST = 20
 
 def streamed_completion(port: int) -> bytes:
     data = json.dumps({"prompt": "x", "max_tokens": 2, "stream": True}).encode()
-    with socket.create_connection(("127.0.0.1", port)) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
-                     b"Connection: close\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
-        sock.settimeout(10)
-        out = b""
-        while chunk := sock.recv(65536):
-            out += chunk
-    return out
-
-
-@pytest.fixture
-def collector_off():
-    gc.collect()
-    gc.disable()
-    yield
-    gc.enable()
+    return one_shot(port, "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                          "Content-Type: application/json\r\n", data)
 
 
 def test_streamed_requests_leave_no_reference_cycles(collector_off):

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import gc
 import json
-import socket
 
 import pytest
 
-from tests.gateway.helpers import GatewayServer, wait_until
+from tests.gateway.helpers import GatewayServer, one_shot, wait_until
 from tests.gateway.http.test_early_shed import post_in_background
 
 pytestmark = pytest.mark.timeout(60)
@@ -24,26 +23,6 @@ NUM_REQUESTS = 20
 # gateway` uses, is not a Python object). Before the fix: about 27 (the uvicorn cycle, the
 # scope and its headers, the protocol, ... as well).
 MAX_GARBAGE_PER_REQUEST = 10
-
-
-def ask(port: int, head: str, body: bytes = b"") -> bytes:
-    """One request on a connection of its own (closed after it), as raw bytes: no client
-    objects of this process's own in the collector's count."""
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(head.encode() + b"Connection: close\r\n"
-                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
-    return answer
-
-
-@pytest.fixture
-def collector_off():
-    gc.collect()
-    gc.disable()
-    yield
-    gc.enable()
 
 
 def garbage_of(requests: int, send) -> int:
@@ -74,14 +53,14 @@ def test_early_shed_refusals_and_router_answers_leave_no_reference_cycles(tmp_pa
             body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2}).encode()
 
             def refused() -> None:
-                answer = ask(gw.port, "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
-                             f"Authorization: Bearer {BULK}\r\n"
-                             "Content-Type: application/json\r\n", body)
+                answer = one_shot(gw.port, "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                                  f"Authorization: Bearer {BULK}\r\n"
+                                  "Content-Type: application/json\r\n", body)
                 assert answer.startswith(b"HTTP/1.1 429"), answer[:200]
 
             def models() -> None:
-                answer = ask(gw.port, "GET /v1/models HTTP/1.1\r\nHost: localhost\r\n"
-                             f"Authorization: Bearer {BULK}\r\n")
+                answer = one_shot(gw.port, "GET /v1/models HTTP/1.1\r\nHost: localhost\r\n"
+                                  f"Authorization: Bearer {BULK}\r\n")
                 assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
 
             num_refused_garbage = garbage_of(NUM_REQUESTS, refused)
