@@ -23,8 +23,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from zeroserve.gateway.http.http_protocol import CYCLE_SCOPE_KEY, ON_LOST_SCOPE_KEY
-
 Handler = Callable[[Request], Awaitable[Response]]
 HttpErrorHandler = Callable[[Request, HTTPException], Awaitable[Response]]
 
@@ -48,15 +46,9 @@ class DirectRoutes:
             return
         request = Request(scope, receive, send)
         try:
-            try:
-                response = await handler(request)
-            except HTTPException as exc:
-                response = await self.on_http_error(request, exc)
-            await response(scope, receive, send)
-        finally:
-            # The protocol's entries in the scope close a reference cycle (its cycle and
-            # its callback setter hold the scope, which holds them): taken out, the
-            # request's objects go when it ends instead of at the garbage collector's next
-            # pass (issue 36).
-            scope.pop(CYCLE_SCOPE_KEY, None)
-            scope.pop(ON_LOST_SCOPE_KEY, None)
+            response = await handler(request)
+        except HTTPException as exc:
+            response = await self.on_http_error(request, exc)
+        await response(scope, receive, send)
+        # (The protocol's entries in the scope, which close a reference cycle, are taken out
+        # by the protocol itself when the app returns: gateway/http/http_protocol.py.)

@@ -1,7 +1,7 @@
 """A streamed request leaves no reference cycles behind: its objects go when it ends, by
 reference counting, not at the garbage collector's next pass. (In a burst of 1,000 requests
 those passes were about a tenth of the gateway's CPU: issue 36.) Cycles that were found and
-broken: the protocol's cycle and callback in the ASGI scope (gateway/http/direct_routes.py),
+broken: the protocol's cycle and callback in the ASGI scope (gateway/http/http_protocol.py),
 a streamed response and its SSEResponse (gateway/http/streaming.py), and the zmq.Again of
 every drain of the receive loop kept in a future (gateway/workers/zmq_io.py)."""
 
