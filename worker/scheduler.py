@@ -198,7 +198,8 @@ class Scheduler:
         """The next plan, made while the last one computes, where exact (scheduler_follow)."""
         plan = self._last_plan
         speculative = self.config.speculative_config
-        if (plan is None or self._follower is not None or self.waiting or self._is_drafting or self._num_decodes != len(plan.chunks)
+        if (plan is None or self._follower is not None or self.waiting or self._is_drafting
+                or self._num_decodes != len(plan.chunks)
                 or self.config.batching_mode is not BatchingMode.CONTINUOUS
                 or (speculative is not None and speculative.is_active(len(self.running)))):
             return None
